@@ -1,0 +1,306 @@
+"""Rules that span keys or stages: ids, the stage graph, the P/D pair, imports, connectors.
+
+Each check takes the stages that passed schema validation (with their index in `stage_args`)
+and returns issues; none raises, so the loader can report everything at once. When some stages
+failed schema validation (`complete=False`), checks that would need them are skipped rather than
+reporting misleading follow-on errors.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omni_pd.config.errors import ConfigIssue
+from omni_pd.config.pydantic_issues import suggest
+from omni_pd.config.schema import PipelineRuntime, StageConfig
+
+# Model stages the embedded hf engine implements.
+HF_MODEL_STAGES: frozenset[str] = frozenset({"thinker", "talker", "code2wav"})
+PREFILL_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
+DECODE_ROLES: frozenset[str] = frozenset({"kv_consumer", "kv_both"})
+_CONNECTOR_KEY = {
+    "input_connectors": re.compile(r"^from_stage_(\d+)$"),
+    "output_connectors": re.compile(r"^to_stage_(\d+)$"),
+}
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    file: str
+    stages: list[tuple[int, StageConfig]]  # (index in stage_args, stage) for valid stages
+    known_ids: frozenset[int]  # every stage_id written in the file, valid stage or not
+    runtime: PipelineRuntime | None
+    complete: bool  # every stage passed schema validation
+    runtime_valid: bool = True  # top-level `runtime` passed schema validation
+
+    def issue(
+        self, stage: StageConfig | None, key: str, got: Any, allowed: str | None, message: str
+    ) -> ConfigIssue:
+        sid = None if stage is None else stage.stage_id
+        return ConfigIssue(self.file, sid, key, got, allowed, message)
+
+
+def _ek(index: int, rest: str) -> str:
+    return f"stage_args[{index}].{rest}"
+
+
+# --- graph --------------------------------------------------------------------------------------
+
+def check_graph(ctx: CheckContext) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    known = sorted(ctx.known_ids)
+    graph: dict[int, list[int]] = {sid: [] for sid in ctx.known_ids}
+    for index, stage in ctx.stages:
+        for src in stage.engine_input_source:
+            key = _ek(index, "engine_input_source")
+            if src == stage.stage_id:
+                issues.append(ctx.issue(stage, key, src, "ids of other stages",
+                                        "a stage cannot feed itself"))
+            elif src not in ctx.known_ids:
+                issues.append(ctx.issue(stage, key, src, f"one of the stage ids {known}",
+                                        f"engine_input_source names stage {src}, which does not exist"))
+            else:
+                graph[src].append(stage.stage_id)
+    if ctx.runtime is not None:
+        for k, edge in enumerate(ctx.runtime.edges):
+            ends_ok = True
+            for end, value in (("from", edge.from_stage), ("to", edge.to_stage)):
+                if value not in ctx.known_ids:
+                    ends_ok = False
+                    issues.append(ctx.issue(None, f"runtime.edges[{k}].{end}", value,
+                                            f"one of the stage ids {known}",
+                                            f"edge names stage {value}, which does not exist"))
+            if ends_ok and edge.from_stage == edge.to_stage:
+                issues.append(ctx.issue(None, f"runtime.edges[{k}]", edge.from_stage,
+                                        "two different stage ids",
+                                        "an edge cannot connect a stage to itself"))
+            elif ends_ok:
+                graph[edge.from_stage].append(edge.to_stage)
+    cycle = _find_cycle(graph)
+    if cycle:
+        path = " -> ".join(str(s) for s in cycle)
+        issues.append(ctx.issue(None, "stage_args[*].engine_input_source / runtime.edges", path,
+                                "an acyclic stage graph", f"stages form a cycle: {path}"))
+    return issues
+
+
+def _find_cycle(graph: dict[int, list[int]]) -> list[int] | None:
+    """One cycle as [a, b, ..., a], or None. Iterative DFS with white/grey/black colouring."""
+    colour = {node: 0 for node in graph}
+    for start in sorted(graph):
+        if colour[start]:
+            continue
+        stack: list[tuple[int, int]] = [(start, 0)]
+        path: list[int] = [start]
+        colour[start] = 1
+        while stack:
+            node, i = stack[-1]
+            succ = graph[node]
+            if i == len(succ):
+                stack.pop()
+                path.pop()
+                colour[node] = 2
+                continue
+            stack[-1] = (node, i + 1)
+            nxt = succ[i]
+            if colour[nxt] == 1:
+                return path[path.index(nxt):] + [nxt]
+            if colour[nxt] == 0:
+                colour[nxt] = 1
+                stack.append((nxt, 0))
+                path.append(nxt)
+    return None
+
+
+# --- per-stage rules ----------------------------------------------------------------------------
+
+def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    for index, stage in ctx.stages:
+        args = stage.engine_args
+        if args.engine == "hf" and args.model_stage not in HF_MODEL_STAGES:
+            hint = suggest(args.model_stage, HF_MODEL_STAGES)
+            issues.append(ctx.issue(
+                stage, _ek(index, "engine_args.model_stage"), args.model_stage,
+                ", ".join(sorted(HF_MODEL_STAGES)),
+                "the hf engine does not implement this model stage"
+                + (f"; did you mean '{hint}'?" if hint else "")))
+        if stage.custom_process_input_func and not stage.engine_input_source:
+            issues.append(ctx.issue(
+                stage, _ek(index, "custom_process_input_func"), stage.custom_process_input_func,
+                "set engine_input_source too, or drop the function",
+                "an input processor needs source stages (engine_input_source is empty)"))
+        kv_params = stage.default_sampling_params.kv_transfer_params
+        if kv_params is not None:
+            issues.append(ctx.issue(
+                stage, _ek(index, "default_sampling_params.kv_transfer_params"), kv_params,
+                "remove it",
+                "kv_transfer_params are set per request by omni-pd's P/D planning, not in the file"))
+    return issues
+
+
+def check_final_outputs(ctx: CheckContext) -> list[ConfigIssue]:
+    if not ctx.complete or any(stage.final_output for _, stage in ctx.stages):
+        return []
+    return [ctx.issue(None, "stage_args[*].final_output", False, "true on at least one stage",
+                      "no stage produces a final output")]
+
+
+def check_connectors(ctx: CheckContext) -> list[ConfigIssue]:
+    if not ctx.runtime_valid:
+        return []  # connector names cannot be checked against a runtime section that failed
+    issues: list[ConfigIssue] = []
+    declared = set(ctx.runtime.connectors) if ctx.runtime is not None else set()
+    for index, stage in ctx.stages:
+        for field, pattern in _CONNECTOR_KEY.items():
+            for conn_key, conn_name in getattr(stage, field).items():
+                key = _ek(index, f"{field}.{conn_key}")
+                match = pattern.match(conn_key)
+                if match is None:
+                    expected = pattern.pattern.strip("^$").replace(r"(\d+)", "<stage_id>")
+                    issues.append(ctx.issue(stage, key, conn_key, expected,
+                                            "malformed connector key"))
+                elif int(match.group(1)) not in ctx.known_ids:
+                    issues.append(ctx.issue(stage, key, conn_key,
+                                            f"one of the stage ids {sorted(ctx.known_ids)}",
+                                            "connector key names a stage that does not exist"))
+                if conn_name not in declared:
+                    issues.append(ctx.issue(
+                        stage, key, conn_name,
+                        ", ".join(sorted(declared)) or "declare it under runtime.connectors",
+                        f"connector '{conn_name}' is not declared under runtime.connectors"))
+    return issues
+
+
+# --- imports ------------------------------------------------------------------------------------
+
+def import_problem(dotted: str) -> str | None:
+    """Why `dotted` ("pkg.mod.func") cannot be imported as a callable, or None if it can."""
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        return f"cannot import module '{module_name}' (module '{missing}' not found)"
+    except Exception as exc:  # any import-time failure is a config problem worth reporting
+        return f"importing module '{module_name}' failed: {type(exc).__name__}: {exc}"
+    if not hasattr(module, attr):
+        hint = suggest(attr, [n for n in dir(module) if not n.startswith("_")])
+        return f"module '{module_name}' has no attribute '{attr}'" + (
+            f"; did you mean '{hint}'?" if hint else "")
+    if not callable(getattr(module, attr)):
+        return f"'{dotted}' is not callable"
+    return None
+
+
+def check_imports(ctx: CheckContext) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    for index, stage in ctx.stages:
+        func = stage.custom_process_input_func
+        if func and (problem := import_problem(func)):
+            issues.append(ctx.issue(stage, _ek(index, "custom_process_input_func"), func,
+                                    "an importable 'package.module.function'", problem))
+    return issues
+
+
+# --- prefill / decode ---------------------------------------------------------------------------
+
+def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    prefill = [(i, s) for i, s in ctx.stages if s.is_prefill_only]
+    decode = [(i, s) for i, s in ctx.stages if s.is_decode_only]
+    for index, stage in ctx.stages:
+        if stage.is_prefill_only and stage.is_decode_only:
+            issues.append(ctx.issue(stage, _ek(index, "is_decode_only"), True,
+                                    "set only one of is_prefill_only / is_decode_only",
+                                    "a stage cannot be both prefill-only and decode-only"))
+    for role, group in (("is_prefill_only", prefill), ("is_decode_only", decode)):
+        if len(group) > 1:
+            ids = [s.stage_id for _, s in group]
+            for index, stage in group[1:]:
+                issues.append(ctx.issue(
+                    stage, _ek(index, role), True, f"{role}: true on one stage only",
+                    f"more than one {role} stage ({ids}); omni-pd supports one prefill/decode pair"))
+    if issues:
+        return issues
+    if ctx.complete and bool(prefill) != bool(decode):
+        index, stage = (prefill or decode)[0]
+        if prefill:
+            key, message = "is_prefill_only", "prefill-only stage has no decode-only stage"
+            allowed = (f"add a stage with is_decode_only: true and "
+                       f"engine_input_source: [{stage.stage_id}]")
+        else:
+            key, message = "is_decode_only", "decode-only stage has no prefill-only stage"
+            allowed = "add a stage with is_prefill_only: true that feeds this stage"
+        issues.append(ctx.issue(stage, _ek(index, key), True, allowed, message))
+    if prefill and decode:
+        issues.extend(_check_pair(ctx, prefill[0], decode[0]))
+    return issues
+
+
+def _check_pair(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    (pi, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
+
+    if ps.stage_id not in ds.engine_input_source:
+        add(ctx.issue(ds, _ek(di, "engine_input_source"), list(ds.engine_input_source),
+                      f"a list containing {ps.stage_id}",
+                      f"decode stage must be fed by its prefill stage {ps.stage_id}"))
+    for attr in ("model_stage", "engine", "tensor_parallel_size"):
+        pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
+        if pv != dv:
+            add(ctx.issue(ds, _ek(di, f"engine_args.{attr}"), dv, repr(pv),
+                          f"decode stage's {attr} differs from prefill stage {ps.stage_id}'s; "
+                          "the KV cache can only move between identical layouts"))
+
+    pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
+    for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
+        side = "prefill" if stage is ps else "decode"
+        base = _ek(index, "engine_args.kv_transfer_config")
+        if kv is None:
+            add(ctx.issue(stage, base, None,
+                          f"a mapping with kv_connector and kv_role ({' or '.join(sorted(roles))})",
+                          f"{side} stage of a P/D pair needs a kv_transfer_config"))
+            continue
+        if kv.kv_role not in roles:
+            add(ctx.issue(stage, f"{base}.kv_role", kv.kv_role, " or ".join(sorted(roles)),
+                          f"wrong kv_role for the {side} side of a P/D pair"))
+        if kv.kv_connector is None:
+            add(ctx.issue(stage, f"{base}.kv_connector", None,
+                          "a connector name, e.g. MooncakeConnector", "a P/D stage needs a kv_connector"))
+    if pkv is None or dkv is None:
+        return issues
+
+    dbase = _ek(di, "engine_args.kv_transfer_config")
+    if pkv.kv_connector and dkv.kv_connector and pkv.kv_connector != dkv.kv_connector:
+        add(ctx.issue(ds, f"{dbase}.kv_connector", dkv.kv_connector, repr(pkv.kv_connector),
+                      f"kv_connector differs from prefill stage {ps.stage_id}'s; "
+                      "both sides must use the same connector"))
+    if pkv.engine_id is not None and pkv.engine_id == dkv.engine_id:
+        add(ctx.issue(ds, f"{dbase}.engine_id", dkv.engine_id,
+                      "an engine_id different from the prefill stage's (or omit it)",
+                      f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own"))
+    if pkv.bootstrap_port is not None and pkv.bootstrap_port == dkv.bootstrap_port:
+        port_key = ("kv_connector_extra_config.mooncake_bootstrap_port"
+                    if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None else "kv_port")
+        add(ctx.issue(ds, f"{dbase}.{port_key}", dkv.bootstrap_port,
+                      "a port different from the prefill stage's",
+                      f"bootstrap port is shared with prefill stage {ps.stage_id}"))
+    return issues
+
+
+ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
+    check_graph, check_stage_rules, check_final_outputs, check_connectors, check_pd,
+)
+
+
+def run_checks(ctx: CheckContext, *, imports: bool = True) -> list[ConfigIssue]:
+    issues = [issue for check in ALL_CHECKS for issue in check(ctx)]
+    if imports:
+        issues.extend(check_imports(ctx))
+    return issues

@@ -1,0 +1,88 @@
+"""Allow-lists for `engine_args` keys that omni-pd does not model itself.
+
+`engine_args` is a stage's engine configuration. omni-pd types the keys it reads (see
+`schema.EngineArgsConfig`); every other key must be named here, so a typo is an error instead of
+being silently ignored by an engine.
+
+- `VLLM_ENGINE_ARG_NAMES`: field names of vLLM's `EngineArgs` dataclass (vllm/engine/arg_utils.py,
+  v0.11-era), minus private `_api_*` fields. Forwarded to vLLM for `engine: vllm` stages.
+- `VLLM_OMNI_ENGINE_ARG_NAMES`: keys vllm-omni adds in `OmniEngineArgs` (vllm_omni/engine/
+  arg_utils.py). Accepted so vllm-omni stage files load; omni-pd does not forward them to vLLM.
+
+When vLLM adds an engine argument, add its name to the first set.
+"""
+from __future__ import annotations
+
+VLLM_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
+    {
+        # model
+        "model", "served_model_name", "tokenizer", "hf_config_path", "runner", "convert", "task",
+        "skip_tokenizer_init", "enable_prompt_embeds", "tokenizer_mode", "trust_remote_code",
+        "allowed_local_media_path", "allowed_media_domains", "config_format", "dtype", "seed",
+        "max_model_len", "max_logprobs", "logprobs_mode", "revision", "code_revision",
+        "rope_scaling", "rope_theta", "hf_token", "hf_overrides", "tokenizer_revision",
+        "quantization", "enforce_eager", "disable_sliding_window", "disable_cascade_attn",
+        "logits_processor_pattern", "pooler_config", "override_pooler_config",
+        "generation_config", "enable_sleep_mode", "override_generation_config", "model_impl",
+        "override_attention_dtype", "logits_processors", "io_processor_plugin",
+        # load
+        "download_dir", "safetensors_load_strategy", "load_format", "model_loader_extra_config",
+        "ignore_patterns", "use_tqdm_on_load", "pt_load_map_location",
+        # cache
+        "kv_cache_dtype", "block_size", "enable_prefix_caching", "prefix_caching_hash_algo",
+        "swap_space", "cpu_offload_gb", "gpu_memory_utilization", "kv_cache_memory_bytes",
+        "num_gpu_blocks_override", "calculate_kv_scales", "mamba_cache_dtype",
+        "mamba_ssm_cache_dtype", "mamba_block_size", "kv_sharing_fast_prefill",
+        # compilation / cuda graphs
+        "cuda_graph_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+        "compilation_config",
+        # parallel
+        "distributed_executor_backend", "pipeline_parallel_size", "tensor_parallel_size",
+        "decode_context_parallel_size", "data_parallel_size", "data_parallel_rank",
+        "data_parallel_start_rank", "data_parallel_size_local", "data_parallel_address",
+        "data_parallel_rpc_port", "data_parallel_hybrid_lb", "data_parallel_backend",
+        "enable_expert_parallel", "all2all_backend", "enable_dbo", "dbo_decode_token_threshold",
+        "dbo_prefill_token_threshold", "disable_nccl_for_dp_synchronization", "eplb_config",
+        "enable_eplb", "expert_placement_strategy", "num_redundant_experts", "eplb_window_size",
+        "eplb_step_interval", "eplb_log_balancedness", "max_parallel_loading_workers",
+        "disable_custom_all_reduce", "ray_workers_use_nsight", "worker_cls",
+        "worker_extension_cls",
+        # scheduler
+        "max_num_batched_tokens", "max_num_partial_prefills", "max_long_partial_prefills",
+        "long_prefill_token_threshold", "max_num_seqs", "num_lookahead_slots",
+        "enable_chunked_prefill", "disable_chunked_mm_input", "disable_hybrid_kv_cache_manager",
+        "scheduling_policy", "scheduler_cls", "external_parameters", "async_scheduling",
+        # multimodal
+        "limit_mm_per_prompt", "enable_mm_embeds", "interleave_mm_strings", "media_io_kwargs",
+        "mm_processor_kwargs", "disable_mm_preprocessor_cache", "mm_processor_cache_gb",
+        "mm_processor_cache_type", "mm_shm_cache_max_object_size_mb", "mm_encoder_tp_mode",
+        "mm_encoder_attn_backend", "skip_mm_profiling", "video_pruning_rate",
+        "enable_multimodal_encoder_data_parallel",
+        # lora
+        "enable_lora", "max_loras", "max_lora_rank", "default_mm_loras", "fully_sharded_loras",
+        "max_cpu_loras", "lora_dtype", "lora_extra_vocab_size",
+        # structured outputs / speculative / observability
+        "structured_outputs_config", "reasoning_parser", "guided_decoding_backend",
+        "guided_decoding_disable_fallback", "guided_decoding_disable_any_whitespace",
+        "guided_decoding_disable_additional_properties", "speculative_config",
+        "show_hidden_metrics_for_version", "otlp_traces_endpoint", "collect_detailed_traces",
+        "disable_log_stats", "aggregate_engine_logging",
+        # kv transfer and misc
+        "kv_transfer_config", "kv_events_config", "additional_config",
+    }
+)
+
+VLLM_OMNI_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
+    {
+        "model_stage", "model_arch", "engine_output_type", "hf_config_name", "worker_type",
+        "custom_process_next_stage_input_func", "requires_full_payload_input",
+        "stage_connector_spec", "subtalker_sampling_params", "silence_ban_frames", "async_chunk",
+        "session_mode", "retains_state_across_chunks", "use_v2_model_runner",
+        "supports_native_mrv2_data_plane", "active_stream_window", "duplex_max_sessions",
+        "omni_kv_config", "quantization_config", "force_cutlass_fp8", "pooling_output_decoder",
+        "task_type", "omni", "request_batch_max_wait_ms", "fa_deterministic",
+        "omni_master_address", "omni_master_port", "omni_dp_size_local", "omni_lb_policy",
+        "omni_heartbeat_timeout", "output_modalities", "log_stats", "custom_pipeline_args",
+        "has_sampling_extra_args", "sampling_extra_args_keys",
+    }
+)

@@ -1,0 +1,125 @@
+"""Load a stage YAML into a `PipelineConfig`, or raise one `ConfigError` listing every problem.
+
+Stages are validated one by one so a typo in one stage does not hide problems in another; the
+cross-stage checks then run on the stages that validated.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import ValidationError
+
+from omni_pd.config.checks import CheckContext, run_checks
+from omni_pd.config.errors import ConfigError, ConfigIssue
+from omni_pd.config.pydantic_issues import issues_from_validation_error
+from omni_pd.config.schema import PipelineConfig, PipelineRuntime, StageConfig
+
+
+def load_pipeline_config(path: str | Path, *, check_imports: bool = True) -> PipelineConfig:
+    """Read and validate a stage YAML. `check_imports=False` skips importing input processors."""
+    file = str(path)
+    data = _read_mapping(Path(path), file)
+    return pipeline_config_from_dict(data, file=file, check_imports=check_imports)
+
+
+def pipeline_config_from_dict(
+    data: Mapping[str, Any], *, file: str = "<dict>", check_imports: bool = True
+) -> PipelineConfig:
+    """Validate an already-parsed stage config (same rules and errors as `load_pipeline_config`)."""
+    issues: list[ConfigIssue] = []
+    raw_stages = data.get("stage_args")
+    valid: list[tuple[int, StageConfig]] = []
+    ids_seen: dict[int, int] = {}
+
+    if not isinstance(raw_stages, list) or not raw_stages:
+        message = "stage_args is missing or empty" if not raw_stages else "stage_args must be a list"
+        issues.append(ConfigIssue(file, None, "stage_args", raw_stages,
+                                  "a non-empty list of stage mappings", message))
+        raw_stages = []
+    for index, raw in enumerate(raw_stages):
+        if not isinstance(raw, Mapping):
+            issues.append(ConfigIssue(file, None, f"stage_args[{index}]", raw,
+                                      "a mapping with stage_id, engine_args, ...",
+                                      "stage entry is not a mapping"))
+            continue
+        stage_id = raw.get("stage_id") if _is_int(raw.get("stage_id")) else None
+        if stage_id is not None:
+            if stage_id in ids_seen:
+                issues.append(ConfigIssue(
+                    file, stage_id, f"stage_args[{index}].stage_id", stage_id,
+                    "a stage_id no other stage uses",
+                    f"duplicate stage_id; stage_args[{ids_seen[stage_id]}] already uses {stage_id}"))
+            else:
+                ids_seen[stage_id] = index
+        try:
+            valid.append((index, StageConfig.model_validate(dict(raw))))
+        except ValidationError as exc:
+            issues.extend(issues_from_validation_error(
+                exc, StageConfig, file, stage_id, ("stage_args", index)))
+
+    # Validate the top level with the good stages only; stage problems are already reported.
+    top = {**data, "stage_args": [stage for _, stage in valid]}
+    cfg: PipelineConfig | None = None
+    try:
+        cfg = PipelineConfig.model_validate(top)
+    except ValidationError as exc:
+        top_issues = issues_from_validation_error(exc, PipelineConfig, file)
+        issues.extend(i for i in top_issues if not i.key.startswith("stage_args"))
+
+    runtime, runtime_valid = _runtime_section(data, cfg)
+    ctx = CheckContext(
+        file=file,
+        stages=valid,
+        known_ids=frozenset(ids_seen),
+        runtime=runtime,
+        complete=len(valid) == len(raw_stages) and bool(raw_stages),
+        runtime_valid=runtime_valid,
+    )
+    issues.extend(run_checks(ctx, imports=check_imports))
+    if issues:
+        raise ConfigError(issues)
+    assert cfg is not None  # no issues means the top level validated
+    return cfg
+
+
+def _runtime_section(
+    data: Mapping[str, Any], cfg: PipelineConfig | None
+) -> tuple[PipelineRuntime | None, bool]:
+    """The top-level runtime for cross-checks, even when another top-level key was invalid."""
+    if cfg is not None:
+        return cfg.runtime, True
+    if data.get("runtime") is None:
+        return None, True
+    try:
+        return PipelineRuntime.model_validate(data["runtime"]), True
+    except ValidationError:
+        return None, False  # already reported by the top-level validation
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_mapping(path: Path, file: str) -> Mapping[str, Any]:
+    def fail(got: Any, allowed: str, message: str) -> ConfigError:
+        return ConfigError([ConfigIssue(file, None, "<file>", got, allowed, message)])
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise fail(str(path), "path to an existing stage YAML", "file not found") from None
+    except OSError as exc:
+        raise fail(str(path), "a readable file", f"cannot read file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise fail(None, "valid YAML", f"not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise fail(type(data).__name__, "a mapping with a top-level 'stage_args' list",
+                   "the file's top level is not a mapping")
+    return data

@@ -1,0 +1,224 @@
+"""Typed model of a stage YAML (vllm-omni's `stage_args` format plus omni-pd's engine keys).
+
+Pydantic v2, `extra="forbid"` and frozen everywhere except where a connector defines its own keys
+(`kv_connector_extra_config`). The models check shape and types only; rules that span keys or
+stages (P/D pairing, graph, imports) live in `checks.py` so that every problem can be collected.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from omni_pd.config.engine_keys import VLLM_ENGINE_ARG_NAMES, VLLM_OMNI_ENGINE_ARG_NAMES
+from omni_pd.sampling import SamplingParams
+
+StageType = Literal["llm", "diffusion"]
+EngineKind = Literal["hf", "vllm"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+FinalOutputType = Literal["text", "audio", "image", "video", "latent"]
+ENGINE_OUTPUT_TYPES: frozenset[str] = frozenset({"text", "image", "audio", "latent", "token_ids"})
+# Keys only omni-pd reads; never forwarded to vLLM.
+OMNI_PD_ENGINE_ARG_NAMES: frozenset[str] = frozenset({"engine", "kv_block_size"})
+
+_DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KVConnectorExtraConfig(BaseModel):
+    # Connector-specific and open-ended in vLLM, so unknown keys pass through to the connector.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    mooncake_protocol: Literal["tcp", "rdma"] | None = None
+    mooncake_bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class KVTransferConfig(_Model):
+    """vLLM's `KVTransferConfig` fields (vllm/config/kv_transfer.py)."""
+
+    kv_connector: str | None = None
+    engine_id: str | None = None
+    kv_buffer_device: str | None = None
+    kv_buffer_size: float | None = None
+    kv_role: KVRole | None = None
+    kv_rank: int | None = Field(default=None, ge=0)
+    kv_parallel_size: int = Field(default=1, ge=1)
+    kv_ip: str | None = None
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
+    kv_connector_extra_config: KVConnectorExtraConfig = Field(default_factory=KVConnectorExtraConfig)
+    kv_connector_module_path: str | None = None
+    enable_permute_local_kv: bool | None = None
+    kv_load_failure_policy: str | None = None
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The port a peer connects to: Mooncake's bootstrap port, else the generic kv_port."""
+        extra = self.kv_connector_extra_config.mooncake_bootstrap_port
+        return extra if extra is not None else self.kv_port
+
+
+class _TypedEngineArgs(_Model):
+    """The engine_args keys omni-pd reads. Defaults follow vLLM / vllm-omni."""
+
+    # omni-pd's own keys
+    engine: EngineKind = "hf"
+    kv_block_size: int = Field(default=16, ge=1)
+    # vllm-omni keys omni-pd reads
+    model_stage: str
+    model_arch: str | None = None
+    worker_type: Literal["ar", "generation"] | None = None
+    engine_output_type: str | None = None
+    hf_config_name: str | None = None
+    # vLLM EngineArgs keys omni-pd reads (also forwarded to vLLM when set)
+    model: str | None = None
+    worker_cls: str | None = None
+    scheduler_cls: str | None = None
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    distributed_executor_backend: Literal["mp", "ray", "uni", "external_launcher"] | None = None
+    enable_prefix_caching: bool | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    load_format: str = "auto"
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    seed: int | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+
+    @field_validator("engine_output_type")
+    @classmethod
+    def _known_output_types(cls, value: str | None) -> str | None:
+        # vllm-omni allows combinations such as "text+audio"; every part must be canonical.
+        if value is None:
+            return value
+        parts = value.replace(",", "+").split("+")
+        bad = [p for p in parts if p not in ENGINE_OUTPUT_TYPES]
+        if bad:
+            raise ValueError(
+                f"unknown engine_output_type part(s) {bad}; use {sorted(ENGINE_OUTPUT_TYPES)} "
+                "or a '+'-joined combination"
+            )
+        return value
+
+    def vllm_engine_kwargs(self) -> dict[str, Any]:
+        """Keys explicitly set in the YAML that are vLLM `EngineArgs` names, ready for vLLM."""
+        out: dict[str, Any] = {}
+        for name in sorted(self.model_fields_set & VLLM_ENGINE_ARG_NAMES):
+            value = getattr(self, name)
+            out[name] = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+        return out
+
+
+# The remaining allowed keys are declared as untyped optional fields (vLLM validates them) so that
+# `extra="forbid"` rejects anything outside the allow-list with the key's exact location.
+_PASSTHROUGH = sorted(
+    (VLLM_ENGINE_ARG_NAMES | VLLM_OMNI_ENGINE_ARG_NAMES) - set(_TypedEngineArgs.model_fields)
+)
+EngineArgsConfig = create_model(  # type: ignore[call-overload]
+    "EngineArgsConfig",
+    __base__=_TypedEngineArgs,
+    __doc__="A stage's engine_args: typed omni-pd keys plus allow-listed vLLM / vllm-omni keys.",
+    **{name: (Any, None) for name in _PASSTHROUGH},
+)
+
+
+class StageRuntime(_Model):
+    process: bool = True
+    devices: str | None = None  # CUDA_VISIBLE_DEVICES-style list, e.g. "0,1"
+    max_batch_size: int = Field(default=1, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices_as_text(cls, value: Any) -> Any:
+        # YAML reads `devices: 0` as an int; it means the same as "0".
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class StageConfig(_Model):
+    stage_id: int = Field(ge=0)
+    stage_type: StageType = "llm"
+    is_prefill_only: bool = False
+    is_decode_only: bool = False
+    is_comprehension: bool = False
+    runtime: StageRuntime = Field(default_factory=StageRuntime)
+    engine_args: EngineArgsConfig  # type: ignore[valid-type]
+    engine_input_source: tuple[int, ...] = ()
+    custom_process_input_func: str | None = Field(default=None, pattern=_DOTTED_PATH)
+    final_output: bool = False
+    final_output_type: FinalOutputType | None = None
+    default_sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    input_connectors: dict[str, str] = Field(default_factory=dict)  # {"from_stage_<id>": name}
+    output_connectors: dict[str, str] = Field(default_factory=dict)  # {"to_stage_<id>": name}
+
+    @property
+    def model_stage(self) -> str:
+        return self.engine_args.model_stage
+
+    @property
+    def engine(self) -> EngineKind:
+        return self.engine_args.engine
+
+    @property
+    def kv_transfer_config(self) -> KVTransferConfig | None:
+        return self.engine_args.kv_transfer_config
+
+
+class EdgeDefaults(_Model):
+    window_size: int = Field(default=-1, ge=-1)  # -1: whole output at once
+    max_inflight: int = Field(default=1, ge=1)
+
+
+class EdgeConfig(_Model):
+    from_stage: int = Field(alias="from")
+    to_stage: int = Field(alias="to")
+    window_size: int | None = Field(default=None, ge=-1)
+
+
+class ConnectorSpec(_Model):
+    name: str
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class PipelineRuntime(_Model):
+    enabled: bool = True
+    defaults: EdgeDefaults = Field(default_factory=EdgeDefaults)
+    connectors: dict[str, ConnectorSpec] = Field(default_factory=dict)
+    edges: tuple[EdgeConfig, ...] = ()
+
+
+class PipelineConfig(_Model):
+    stage_args: tuple[StageConfig, ...] = Field(min_length=1)
+    runtime: PipelineRuntime | None = None
+    async_chunk: bool = False
+
+    @property
+    def stages(self) -> tuple[StageConfig, ...]:
+        return self.stage_args
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """Stage ids in file order (the order per-stage lists such as sampling params follow)."""
+        return tuple(s.stage_id for s in self.stage_args)
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for s in self.stage_args:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(f"no stage with stage_id {stage_id}; stages are {list(self.stage_ids)}")
+
+    def edges(self) -> tuple[tuple[int, int], ...]:
+        """(source, destination) pairs from engine_input_source and runtime.edges, deduplicated."""
+        pairs: list[tuple[int, int]] = []
+        for s in self.stage_args:
+            pairs.extend((src, s.stage_id) for src in s.engine_input_source)
+        if self.runtime is not None:
+            pairs.extend((e.from_stage, e.to_stage) for e in self.runtime.edges)
+        return tuple(dict.fromkeys(pairs))
+
+    def final_output_stages(self) -> tuple[StageConfig, ...]:
+        return tuple(s for s in self.stage_args if s.final_output)

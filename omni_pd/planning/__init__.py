@@ -1,0 +1,20 @@
+"""Pure P/D planning: no I/O, no processes, never mutates its inputs."""
+from omni_pd.planning.pd import (
+    REQUIRED_PREFILL_OUTPUT_KEYS,
+    PDPair,
+    build_decode_sampling_params,
+    build_prefill_sampling_params,
+    expand_sampling_params,
+    find_pd_pair,
+    new_transfer_id,
+)
+
+__all__ = [
+    "REQUIRED_PREFILL_OUTPUT_KEYS",
+    "PDPair",
+    "build_decode_sampling_params",
+    "build_prefill_sampling_params",
+    "expand_sampling_params",
+    "find_pd_pair",
+    "new_transfer_id",
+]

@@ -1,0 +1,460 @@
+"""Stage YAML loading: vllm-omni compatibility and one clear issue per problem."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_pd.config import (
+    ConfigError,
+    ConfigIssue,
+    PipelineConfig,
+    StageConfig,
+    load_pipeline_config,
+)
+from omni_pd.entrypoints.validate import run_validate
+from omni_pd.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+def _stage(stage_id: int, model_stage: str, **extra: Any) -> dict[str, Any]:
+    stage = {
+        "stage_id": stage_id,
+        "stage_type": "llm",
+        "runtime": {"devices": "0", "max_batch_size": 1},
+        "engine_args": {"engine": "hf", "model_stage": model_stage, "load_format": "dummy"},
+        "default_sampling_params": {"temperature": 0.0, "max_tokens": 8},
+    }
+    stage.update(extra)
+    return stage
+
+
+def _kv(role: str, port: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_bootstrap_port": port},
+    }
+
+
+def pd_config() -> dict[str, Any]:
+    """A valid 4-stage P/D pipeline: 0 prefill -> 1 decode -> 2 talker -> 3 code2wav."""
+    prefill = _stage(0, "thinker", is_prefill_only=True)
+    prefill["engine_args"]["kv_transfer_config"] = _kv("kv_producer", 25201)
+    decode = _stage(1, "thinker", is_decode_only=True, engine_input_source=[0],
+                    final_output=True, final_output_type="text")
+    decode["engine_args"]["kv_transfer_config"] = _kv("kv_consumer", 25202)
+    talker = _stage(2, "talker", engine_input_source=[0, 1], custom_process_input_func="json.dumps")
+    code2wav = _stage(3, "code2wav", engine_input_source=[2], custom_process_input_func="json.loads",
+                      final_output=True, final_output_type="audio")
+    return {
+        "stage_args": [prefill, decode, talker, code2wav],
+        "runtime": {
+            "enabled": True,
+            "defaults": {"window_size": -1, "max_inflight": 1},
+            "edges": [{"from": 0, "to": 1}, {"from": 1, "to": 2}, {"from": 2, "to": 3}],
+        },
+    }
+
+
+def write(tmp_path: Path, data: Any, name: str = "stages.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def errors_of(tmp_path: Path, data: Any, **kw: Any) -> list[ConfigIssue]:
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path, **kw)
+    assert all(issue.file == str(path) for issue in info.value.issues)
+    return list(info.value.issues)
+
+
+def only_issue(issues: list[ConfigIssue], key: str) -> ConfigIssue:
+    matching = [i for i in issues if i.key == key]
+    assert len(matching) == 1, f"expected one issue at {key}, got {[str(i) for i in issues]}"
+    return matching[0]
+
+
+# --- loading valid files ------------------------------------------------------------------------
+
+def test_ci_config_loads_with_processor_imports() -> None:
+    cfg = load_pipeline_config(REPO / "stage_configs/ci/qwen3_omni_tiny.yaml")
+    assert cfg.stage_ids == (0, 1, 2)
+    assert [s.model_stage for s in cfg.stages] == ["thinker", "talker", "code2wav"]
+    assert all(s.engine == "hf" and s.engine_args.load_format == "dummy" for s in cfg.stages)
+    assert cfg.edges() == ((0, 1), (1, 2))
+    thinker = cfg.stage(0)
+    assert thinker.default_sampling_params == SamplingParams(temperature=0.0, max_tokens=24, seed=42)
+    assert thinker.engine_args.model is None  # the model comes from Omni(model=...) / --model
+    assert cfg.stage(1).default_sampling_params.repetition_penalty == 1.05
+    assert [s.stage_id for s in cfg.final_output_stages()] == [0, 2]
+
+
+def test_real_model_config_loads() -> None:
+    cfg = load_pipeline_config(REPO / "stage_configs/qwen3_omni_moe.yaml", check_imports=False)
+    thinker = cfg.stage(0)
+    assert thinker.runtime.devices == "0,1"
+    assert thinker.engine_args.tensor_parallel_size == 2
+    assert cfg.stage(1).default_sampling_params.stop_token_ids == (2150,)
+
+
+def test_vllm_omni_style_pd_file_loads_and_only_imports_fail() -> None:
+    # Uses every key vllm-omni's Qwen3-Omni stage files use (P/D, connectors, async chunk).
+    path = FIXTURES / "vllm_omni_style_pd.yaml"
+    cfg = load_pipeline_config(path, check_imports=False)
+    assert cfg.stage(0).is_prefill_only and cfg.stage(1).is_decode_only
+    assert cfg.stage(0).kv_transfer_config.bootstrap_port == 25201
+    assert cfg.runtime.connectors["connector_of_mooncake"].name == "MooncakeStoreConnector"
+    assert cfg.stage(3).engine_args.async_scheduling is False
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    issues = info.value.issues
+    assert {i.key for i in issues} == {"stage_args[2].custom_process_input_func", "stage_args[3].custom_process_input_func"}
+    assert all("vllm_omni" in i.message for i in issues)
+
+
+def test_pd_config_loads(tmp_path: Path) -> None:
+    cfg = load_pipeline_config(write(tmp_path, pd_config()))
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.edges() == ((0, 1), (0, 2), (1, 2), (2, 3))
+
+
+def test_vllm_engine_kwargs_forward_only_set_vllm_keys() -> None:
+    stage = StageConfig.model_validate(
+        {"stage_id": 0, "engine_args": {"engine": "vllm", "model_stage": "thinker", "kv_block_size": 32,
+                                         "max_num_seqs": 4, "tensor_parallel_size": 2, "hf_config_name": "thinker_config",
+                                         "kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}}}
+    )
+    assert stage.engine_args.vllm_engine_kwargs() == {
+        "max_num_seqs": 4,
+        "tensor_parallel_size": 2,
+        "kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
+    }
+
+
+def test_stage_config_is_frozen() -> None:
+    stage = StageConfig.model_validate({"stage_id": 0, "engine_args": {"model_stage": "thinker"}})
+    with pytest.raises(Exception):
+        stage.stage_id = 3  # type: ignore[misc]
+
+
+# --- 1. unknown keys ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("where", "typo", "key", "suggestion", "stage_id"),
+    [
+        (("stage_args", 1), "engine_input_sourc", "stage_args[1].engine_input_sourc", "engine_input_source", 1),
+        (("stage_args", 0, "engine_args"), "gpu_memory_utilisation", "stage_args[0].engine_args.gpu_memory_utilisation", "gpu_memory_utilization", 0),
+        (("stage_args", 1, "engine_args", "kv_transfer_config"), "kv_rol", "stage_args[1].engine_args.kv_transfer_config.kv_rol", "kv_role", 1),
+        (("stage_args", 2, "runtime"), "max_batch_sise", "stage_args[2].runtime.max_batch_sise", "max_batch_size", 2),
+        (("stage_args", 3, "default_sampling_params"), "max_token", "stage_args[3].default_sampling_params.max_token", "max_tokens", 3),
+        (("runtime", "edges", 0), "too", "runtime.edges[0].too", "to", None),
+        (("runtime",), "edgse", "runtime.edgse", "edges", None),
+        ((), "stage_arg", "stage_arg", "stage_args", None),
+    ],
+)
+def test_unknown_key_is_named_with_suggestion(tmp_path: Path, where, typo, key, suggestion, stage_id) -> None:
+    data = pd_config()
+    node: Any = data
+    for part in where:
+        node = node[part]
+    node[typo] = 1
+    issue = only_issue(errors_of(tmp_path, data), key)
+    assert issue.stage_id == stage_id
+    assert f"unknown key '{typo}'" in issue.message
+    assert f"did you mean '{suggestion}'" in issue.message
+
+
+def test_all_problems_are_reported_at_once(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_args"]["enforce_eagre"] = True
+    data["stage_args"][2]["default_sampling_params"]["max_tokens"] = 0
+    data["stage_args"][3]["engine_input_source"] = [9]
+    data["async_chunks"] = False
+    issues = errors_of(tmp_path, data)
+    keys = {i.key for i in issues}
+    assert {"stage_args[0].engine_args.enforce_eagre", "stage_args[2].default_sampling_params.max_tokens",
+            "stage_args[3].engine_input_source", "async_chunks"} <= keys
+
+
+def test_error_text_puts_each_issue_on_its_own_line(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][1]["engine_input_sourc"] = data["stage_args"][1].pop("engine_input_source")
+    data["stage_args"][2]["engine_args"]["tensor_paralel_size"] = 2
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"2 problems in stage config {path}")
+    assert any(str(path) in l and "stage 1" in l and "stage_args[1].engine_input_sourc" in l and "engine_input_source" in l for l in lines[1:])
+    assert any(str(path) in l and "stage 2" in l and "tensor_parallel_size" in l for l in lines[1:])
+
+
+# --- 2./3. ids and graph ------------------------------------------------------------------------
+
+def test_duplicate_stage_id(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][3]["stage_id"] = 2
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[3].stage_id")
+    assert issue.stage_id == 2 and "duplicate" in issue.message and "stage_args[2]" in issue.message
+
+
+def test_input_source_naming_missing_stage(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][3]["engine_input_source"] = [7]
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[3].engine_input_source")
+    assert issue.stage_id == 3 and issue.got == 7 and "[0, 1, 2, 3]" in issue.allowed
+
+
+def test_runtime_edge_naming_missing_stage(tmp_path: Path) -> None:
+    data = pd_config()
+    data["runtime"]["edges"].append({"from": 3, "to": 8})
+    issue = only_issue(errors_of(tmp_path, data), "runtime.edges[3].to")
+    assert issue.got == 8 and issue.stage_id is None
+
+
+def test_cycle_is_reported_with_its_path(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_input_source"] = [3]
+    issues = errors_of(tmp_path, data)
+    cycles = [i for i in issues if "cycle" in i.message]
+    assert len(cycles) == 1
+    assert cycles[0].got in ("0 -> 1 -> 2 -> 3 -> 0", "0 -> 2 -> 3 -> 0")
+
+
+def test_self_feeding_stage(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][2]["engine_input_source"] = [1, 2]
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].engine_input_source")
+    assert "itself" in issue.message and issue.stage_id == 2
+
+
+# --- 4. P/D pair --------------------------------------------------------------------------------
+
+def _kvcfg(data: dict, index: int) -> dict:
+    return data["stage_args"][index]["engine_args"]["kv_transfer_config"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key", "stage_id", "needle"),
+    [
+        (lambda d: _kvcfg(d, 0).update(kv_role="kv_consumer"), "stage_args[0].engine_args.kv_transfer_config.kv_role", 0, "kv_both or kv_producer"),
+        (lambda d: _kvcfg(d, 1).update(kv_role="kv_producer"), "stage_args[1].engine_args.kv_transfer_config.kv_role", 1, "kv_both or kv_consumer"),
+        (lambda d: _kvcfg(d, 1).update(kv_connector="NixlConnector"), "stage_args[1].engine_args.kv_transfer_config.kv_connector", 1, "MooncakeConnector"),
+        (lambda d: d["stage_args"][1]["engine_args"].pop("kv_transfer_config"), "stage_args[1].engine_args.kv_transfer_config", 1, "kv_role"),
+        (lambda d: (_kvcfg(d, 0).update(engine_id="e"), _kvcfg(d, 1).update(engine_id="e")), "stage_args[1].engine_args.kv_transfer_config.engine_id", 1, "different"),
+        (lambda d: _kvcfg(d, 1)["kv_connector_extra_config"].update(mooncake_bootstrap_port=25201), "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.mooncake_bootstrap_port", 1, "different"),
+        (lambda d: [_kvcfg(d, i).update(kv_connector_extra_config={}, kv_port=14579) for i in (0, 1)], "stage_args[1].engine_args.kv_transfer_config.kv_port", 1, "different"),
+        (lambda d: d["stage_args"][1]["engine_args"].update(tensor_parallel_size=2), "stage_args[1].engine_args.tensor_parallel_size", 1, "1"),
+        (lambda d: d["stage_args"][1].update(engine_input_source=[]), "stage_args[1].engine_input_source", 1, "containing 0"),
+    ],
+    ids=["prefill-role", "decode-role", "connector", "missing-kv", "engine-id", "bootstrap-port", "kv-port", "tp", "not-fed"],
+)
+def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None:
+    data = pd_config()
+    mutate(data)
+    issue = only_issue(errors_of(tmp_path, data), key)
+    assert issue.stage_id == stage_id
+    assert needle in f"{issue.allowed} {issue.message}"
+
+
+def test_kv_both_is_fine_on_either_side(tmp_path: Path) -> None:
+    data = pd_config()
+    _kvcfg(data, 0)["kv_role"] = "kv_both"
+    _kvcfg(data, 1)["kv_role"] = "kv_both"
+    load_pipeline_config(write(tmp_path, data))
+
+
+# --- 5. P/D shape -------------------------------------------------------------------------------
+
+def test_two_prefill_stages(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][2]["is_prefill_only"] = True
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].is_prefill_only")
+    assert issue.stage_id == 2 and "[0, 2]" in issue.message and "one prefill/decode pair" in issue.message
+
+
+def test_stage_both_prefill_and_decode(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][0]["is_decode_only"] = True
+    issues = errors_of(tmp_path, data)
+    issue = only_issue(issues, "stage_args[0].is_decode_only")
+    assert issue.stage_id == 0 and "both" in issue.message
+
+
+@pytest.mark.parametrize(("flag", "index", "needle"), [("is_decode_only", 1, "no decode-only"), ("is_prefill_only", 0, "no prefill-only")])
+def test_half_a_pair(tmp_path: Path, flag: str, index: int, needle: str) -> None:
+    data = pd_config()
+    data["stage_args"][index][flag] = False  # remove one side of the pair
+    other = 1 - index
+    other_flag = "is_prefill_only" if flag == "is_decode_only" else "is_decode_only"
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[{other}].{other_flag}")
+    assert issue.stage_id == other and needle in issue.message
+
+
+# --- 6. input processor imports -----------------------------------------------------------------
+
+@pytest.fixture()
+def broken_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    pkg = tmp_path / "mods"
+    pkg.mkdir()
+    (pkg / "omnipd_broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    return "omnipd_broken_mod.func"
+
+
+@pytest.mark.parametrize(
+    ("func", "needle"),
+    [
+        ("no_such_pkg_omnipd.mod.func", "module 'no_such_pkg_omnipd' not found"),
+        ("json.JSONDecodr", "has no attribute 'JSONDecodr'; did you mean 'JSONDecoder'?"),
+        ("os.sep", "not callable"),
+        ("broken", "RuntimeError: boom at import"),
+    ],
+)
+def test_custom_process_input_func_must_import(tmp_path: Path, broken_module: str, func: str, needle: str) -> None:
+    data = pd_config()
+    data["stage_args"][2]["custom_process_input_func"] = broken_module if func == "broken" else func
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].custom_process_input_func")
+    assert issue.stage_id == 2 and needle in issue.message
+
+
+def test_import_check_can_be_skipped(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][2]["custom_process_input_func"] = "no_such_pkg_omnipd.mod.func"
+    load_pipeline_config(write(tmp_path, data), check_imports=False)
+
+
+def test_custom_process_input_func_must_be_dotted(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][2]["custom_process_input_func"] = "thinker2talker"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].custom_process_input_func")
+    assert issue.got == "thinker2talker"
+
+
+# --- 7. sampling params -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [("max_tokens", 0, "max_tokens must be a positive integer"), ("max_tokens", -3, "positive"),
+     ("top_p", 1.5, "top_p must be in (0, 1]"), ("max_tokens", "lots", "valid integer")],
+)
+def test_bad_sampling_value(tmp_path: Path, field: str, value: Any, needle: str) -> None:
+    data = pd_config()
+    data["stage_args"][3]["default_sampling_params"][field] = value
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[3].default_sampling_params.{field}")
+    assert issue.stage_id == 3 and issue.got == value and needle in issue.message
+
+
+def test_kv_transfer_params_not_allowed_in_yaml(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][1]["default_sampling_params"]["kv_transfer_params"] = {"do_remote_prefill": True}
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].default_sampling_params.kv_transfer_params")
+    assert issue.stage_id == 1
+
+
+# --- other schema rules -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("path", "value", "key"),
+    [
+        (("engine_args", "engine"), "tgi", "stage_args[2].engine_args.engine"),
+        (("engine_args", "model_stage"), "talkr", "stage_args[2].engine_args.model_stage"),
+        (("engine_args", "engine_output_type"), "latents", "stage_args[2].engine_args.engine_output_type"),
+        (("final_output_type",), "wav", "stage_args[2].final_output_type"),
+        (("stage_type",), "dit", "stage_args[2].stage_type"),
+        (("engine_args", "kv_block_size"), 0, "stage_args[2].engine_args.kv_block_size"),
+    ],
+)
+def test_bad_enum_like_values(tmp_path: Path, path, value, key) -> None:
+    data = pd_config()
+    node = data["stage_args"][2]
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    issue = only_issue(errors_of(tmp_path, data), key)
+    assert issue.stage_id == 2 and issue.got == value
+
+
+def test_hf_model_stage_suggestion(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][2]["engine_args"]["model_stage"] = "talkr"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].engine_args.model_stage")
+    assert "did you mean 'talker'" in issue.message
+
+
+def test_undeclared_connector(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][0]["output_connectors"] = {"to_stage_1": "mooncake"}
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[0].output_connectors.to_stage_1")
+    assert "mooncake" in issue.message and issue.stage_id == 0
+
+
+def test_top_level_typo_does_not_hide_declared_connectors(tmp_path: Path) -> None:
+    data = yaml.safe_load((FIXTURES / "vllm_omni_style_pd.yaml").read_text())
+    data["async_chunck"] = False
+    issues = errors_of(tmp_path, data, check_imports=False)
+    assert [i.key for i in issues] == ["async_chunck"]
+
+
+def test_missing_engine_args(tmp_path: Path) -> None:
+    data = pd_config()
+    del data["stage_args"][3]["engine_args"]
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[3].engine_args")
+    assert issue.stage_id == 3 and "missing" in issue.message
+
+
+# --- file-level problems ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(None, "file not found"), ("stage_args: [\n  - {a: 1\n", "not valid YAML at line"),
+     ("- 1\n- 2\n", "not a mapping"), ("", "not a mapping")],
+)
+def test_unreadable_file_is_one_clear_error(tmp_path: Path, content: str | None, needle: str) -> None:
+    path = tmp_path / "bad.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    assert len(info.value.issues) == 1
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_empty_stage_args(tmp_path: Path) -> None:
+    issue = only_issue(errors_of(tmp_path, {"stage_args": []}), "stage_args")
+    assert "missing or empty" in issue.message
+
+
+# --- validate command ---------------------------------------------------------------------------
+
+def test_run_validate_ok_prints_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_validate(str(write(tmp_path, pd_config()))) == 0
+    out = capsys.readouterr().out
+    assert "prefill stage 0 -> decode stage 1 via MooncakeConnector" in out
+    assert "0 -> 1" in out and "[3] code2wav" in out
+
+
+def test_run_validate_ci_config_has_no_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_validate(str(REPO / "stage_configs/ci/qwen3_omni_tiny.yaml")) == 0
+    assert "no prefill/decode pair" in capsys.readouterr().out
+
+
+def test_run_validate_reports_every_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = copy.deepcopy(pd_config())
+    data["stage_args"][0]["engine_args"]["kv_transfer_config"]["kv_role"] = "kv_consumer"
+    data["stage_args"][3]["engine_input_sourc"] = [2]
+    assert run_validate(str(write(tmp_path, data))) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "stage_args[0].engine_args.kv_transfer_config.kv_role" in captured.err
+    assert "stage_args[3].engine_input_sourc" in captured.err
