@@ -1,0 +1,129 @@
+"""The talker: thinker embeddings and hidden states in, codec codes out.
+
+Builds the talker's input the way transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
+does for one sequence (user turns projected from the thinker, the assistant turn interleaved with
+codec control tokens, the remaining assistant text fed one position per step), then runs the
+talker's own `generate`.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...sampling import SamplingParams
+from ..types import TalkerOutput, TalkerPrompt
+
+
+class TalkerRunner:
+    def __init__(self, talker: torch.nn.Module, thinker_embedding: torch.nn.Module, config):
+        self.talker = talker
+        self.thinker_embedding = thinker_embedding  # only for the tts_bos/eos/pad embeddings
+        self.config = config  # the top-level Qwen3OmniMoeConfig
+        tcfg = config.talker_config
+        self.codec_eos = tcfg.codec_eos_token_id
+        vocab = tcfg.text_config.vocab_size
+        # As transformers does: the top 1024 ids are control codes the talker must not emit.
+        self.suppressed = [i for i in range(max(vocab - 1024, 0), vocab) if i != self.codec_eos]
+        self.multimodal_ids = {config.thinker_config.audio_token_id,
+                               config.thinker_config.image_token_id,
+                               config.thinker_config.video_token_id}
+
+    def speaker_id(self, speaker: str) -> int:
+        speakers = self.config.talker_config.speaker_id or {}
+        if speaker.lower() not in speakers:
+            raise ValueError(f"unknown voice {speaker!r}; this model has {sorted(speakers)}")
+        return speakers[speaker.lower()]
+
+    @torch.no_grad()
+    def build_inputs(self, prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
+        cfg, tcfg = self.config, self.config.talker_config
+        talker = self.talker
+        sequence = prompt.prompt_token_ids + prompt.output_token_ids
+        prompt_len = len(prompt.prompt_token_ids)
+        embeds = prompt.thinker_embeds.unsqueeze(0)
+        hidden = prompt.thinker_hidden.unsqueeze(0)
+        ids = torch.tensor([sequence], dtype=torch.long)
+        multimodal = torch.tensor([[t in self.multimodal_ids for t in sequence]])
+
+        # User turns: a position belongs to the role named right after the latest <|im_start|>.
+        user_positions, latest_start = [], 0
+        for index, token in enumerate(prompt.prompt_token_ids):
+            if token == cfg.im_start_token_id:
+                latest_start = index
+            if prompt.prompt_token_ids[min(latest_start + 1, prompt_len - 1)] == cfg.user_token_id:
+                user_positions.append(index)
+        width = tcfg.text_config.hidden_size
+        user_part = torch.empty((len(user_positions), width), dtype=embeds.dtype)
+        if user_positions:
+            pos = torch.tensor(user_positions)
+            mm = multimodal[0, pos]
+            if mm.any():
+                user_part[mm] = talker.hidden_projection(hidden[0, pos][mm])
+            if (~mm).any():
+                user_part[~mm] = talker.text_projection(embeds[0, pos][~mm])
+        user_ids = ids[0, user_positions] if user_positions else torch.zeros(0, dtype=torch.long)
+
+        starts = [i for i in range(prompt_len - 1)
+                  if prompt.prompt_token_ids[i] == cfg.im_start_token_id
+                  and prompt.prompt_token_ids[i + 1] == cfg.assistant_token_id]
+        if not starts:
+            raise ValueError(f"request {prompt.request_id}: the prompt has no "
+                             "'<|im_start|>assistant' turn; build it with add_generation_prompt")
+        assistant_start = starts[-1]
+        special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
+        tts_bos, tts_eos, tts_pad = talker.text_projection(self.thinker_embedding(special)).chunk(3, dim=1)
+
+        assistant = talker.text_projection(embeds[:, assistant_start:len(sequence)])
+        assistant_text = torch.cat((assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos,
+                                    assistant[:, 3:4]), dim=1)
+        codec_specials = torch.tensor([[tcfg.codec_nothink_id, tcfg.codec_think_bos_id,
+                                        tcfg.codec_think_eos_id, self.speaker_id(prompt.speaker),
+                                        tcfg.codec_pad_id, tcfg.codec_bos_id]])
+        assistant_codec = torch.cat((torch.zeros((1, 3, width), dtype=embeds.dtype),
+                                     talker.get_input_embeddings()(codec_specials)), dim=1)
+        trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+        # Entry j carries generated token j + 1: the text ends at the thinker's first end-of-turn,
+        # so tts_eos goes there and pads follow (transformers does the same per batch row).
+        first_eos = next((i for i, t in enumerate(prompt.output_token_ids)
+                          if t == cfg.im_end_token_id), len(prompt.output_token_ids))
+        column = torch.arange(trailing.shape[1]).view(1, -1, 1)
+        trailing = torch.where(column > first_eos, tts_pad, trailing)
+        trailing = torch.where(column == first_eos, tts_eos, trailing)
+        assistant_embeds = assistant_text + assistant_codec
+        assistant_ids = torch.full((1, assistant_text.shape[1]), cfg.tts_pad_token_id, dtype=torch.long)
+        return {
+            "inputs_embeds": torch.cat((user_part.unsqueeze(0), assistant_embeds), dim=1),
+            "trailing_text_hidden": trailing,
+            "tts_pad_embed": tts_pad,
+            "talker_input_ids": torch.cat((user_ids.unsqueeze(0), assistant_ids), dim=1),
+            "attention_mask": torch.ones((1, len(user_positions) + assistant_embeds.shape[1]),
+                                         dtype=torch.long),
+        }
+
+    @torch.no_grad()
+    def generate(self, prompt: TalkerPrompt, params: SamplingParams) -> TalkerOutput:
+        began = time.perf_counter()
+        inputs = self.build_inputs(prompt)
+        kwargs = dict(
+            max_new_tokens=params.max_tokens,
+            do_sample=not params.greedy,
+            eos_token_id=self.codec_eos,
+            repetition_penalty=params.repetition_penalty,
+            suppress_tokens=self.suppressed,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+        if not params.greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k if params.top_k > 0 else 0)
+        # The talker samples through torch's global generator (code predictor included): seed it
+        # per request, inside fork_rng so no other request's randomness moves.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(params.seed if params.seed is not None else 0)
+            result = self.talker.generate(**inputs, **kwargs)
+        steps = [h[-1] for h in result.hidden_states if h[-1] is not None]
+        codes = (torch.stack(steps, dim=1)[0].transpose(0, 1) if steps
+                 else torch.zeros((self.config.talker_config.num_code_groups, 0), dtype=torch.long))
+        return TalkerOutput(request_id=prompt.request_id, codes=codes.to(torch.long).contiguous(),
+                            metrics={"talker_ms": (time.perf_counter() - began) * 1e3})

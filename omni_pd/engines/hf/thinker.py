@@ -1,0 +1,158 @@
+"""The thinker's forward passes, split at the prefill/decode boundary.
+
+`prefill` runs the prompt once and returns its KV cache with the prompt's layer-0 and accept-layer
+hidden states; `decode` continues from a cache, whether that cache was built here (colocated) or
+rebuilt from blocks another process sent (P/D). Both legs share one code path, which is what
+makes P/D byte-identical to a colocated run.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ...sampling import SamplingParams
+from ..sampler import sample_next_token
+from ..types import ThinkerPrompt
+
+
+@dataclass
+class PrefillResult:
+    cache: DynamicCache
+    first_token: int
+    rope_deltas: int
+    prompt_embeds: torch.Tensor  # [prompt_len, hidden]
+    prompt_hidden: torch.Tensor
+    prefill_ms: float
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    finish_reason: str
+    text: str
+    output_embeds: torch.Tensor  # [len(token_ids) - 1 or fewer, hidden]
+    output_hidden: torch.Tensor
+    decode_ms: float
+
+
+class ThinkerRunner:
+    def __init__(self, thinker: torch.nn.Module, tokenizer, accept_hidden_layer: int,
+                 eos_token_ids: set[int]):
+        self.thinker = thinker
+        self.tokenizer = tokenizer
+        self.accept_hidden_layer = accept_hidden_layer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.text_config = thinker.config.text_config
+
+    def _positions(self, start: int, length: int, rope_deltas: int) -> torch.Tensor:
+        # [4, 1, length]: the text row drives the causal mask, the three mrope rows the rotary.
+        text = torch.arange(start, start + length).view(1, 1, -1)
+        return torch.cat([text, (text + rope_deltas).expand(3, 1, -1)], dim=0)
+
+    @torch.no_grad()
+    def prefill(self, prompt: ThinkerPrompt, params: SamplingParams) -> PrefillResult:
+        began = time.perf_counter()
+        input_ids = torch.tensor([prompt.prompt_token_ids], dtype=torch.long)
+        attention_mask = torch.ones_like(input_ids)
+        audio_lengths = None
+        if prompt.feature_attention_mask is not None:
+            audio_lengths = prompt.feature_attention_mask.sum(-1)
+        mrope, deltas = self.thinker.get_rope_index(input_ids, None, None, attention_mask, False,
+                                                    audio_lengths, None)
+        rope_deltas = int(deltas.reshape(-1)[0].item())
+        text = torch.arange(input_ids.shape[1]).view(1, 1, -1)
+        position_ids = torch.cat([text, mrope.to(torch.long)], dim=0)
+        cache = DynamicCache(config=self.text_config)
+        out = self.thinker(
+            input_ids=input_ids,
+            input_features=prompt.input_features,
+            feature_attention_mask=prompt.feature_attention_mask,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        first = sample_next_token(out.logits[0, -1], params, step=0,
+                                  seen_token_ids=prompt.prompt_token_ids)
+        return PrefillResult(
+            cache=cache,
+            first_token=first,
+            rope_deltas=rope_deltas,
+            prompt_embeds=out.hidden_states[0][0].clone(),
+            prompt_hidden=out.hidden_states[self.accept_hidden_layer][0].clone(),
+            prefill_ms=(time.perf_counter() - began) * 1e3,
+        )
+
+    def _finish_reason(self, tokens: list[int], params: SamplingParams) -> str | None:
+        last = tokens[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._stop_string_at(tokens, params) is not None:
+            return "stop"
+        if len(tokens) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _stop_string_at(self, tokens: list[int], params: SamplingParams) -> int | None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in params.stop if s and s in text]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        return index + len(stop) if params.include_stop_str_in_output else index
+
+    def detokenize(self, tokens: list[int], params: SamplingParams) -> str:
+        if not params.detokenize:
+            return ""
+        ids = [t for t in tokens if t not in self.eos_token_ids and t not in params.stop_token_ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = self._stop_string_at(tokens, params) if params.stop else None
+        return text if cut is None else text[:cut]
+
+    @torch.no_grad()
+    def decode(self, prompt_token_ids: list[int], cache: DynamicCache, rope_deltas: int,
+               first_token: int, params: SamplingParams, on_token=None) -> DecodeResult:
+        """Generate from a cache holding the whole prompt; `first_token` was sampled at step 0."""
+        began = time.perf_counter()
+        prompt_len = len(prompt_token_ids)
+        if cache.get_seq_length() != prompt_len:
+            raise ValueError(f"cache holds {cache.get_seq_length()} positions, prompt has {prompt_len}")
+        tokens = [first_token]
+        if on_token is not None:
+            on_token(first_token)
+        embeds: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        reason = self._finish_reason(tokens, params)
+        while reason is None:
+            position = prompt_len + len(tokens) - 1
+            out = self.thinker(
+                input_ids=torch.tensor([[tokens[-1]]], dtype=torch.long),
+                attention_mask=torch.ones((1, position + 1), dtype=torch.long),
+                position_ids=self._positions(position, 1, rope_deltas),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            embeds.append(out.hidden_states[0][0, -1])
+            hidden.append(out.hidden_states[self.accept_hidden_layer][0, -1])
+            token = sample_next_token(out.logits[0, -1], params, step=len(tokens),
+                                      seen_token_ids=prompt_token_ids + tokens)
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            reason = self._finish_reason(tokens, params)
+        width = self.text_config.hidden_size
+        return DecodeResult(
+            token_ids=tokens,
+            finish_reason=reason,
+            text=self.detokenize(tokens, params),
+            output_embeds=torch.stack(embeds) if embeds else torch.zeros((0, width)),
+            output_hidden=torch.stack(hidden) if hidden else torch.zeros((0, width)),
+            decode_ms=(time.perf_counter() - began) * 1e3,
+        )

@@ -1,0 +1,50 @@
+"""Token sampling shared by every hf stage that samples text tokens.
+
+Each step draws from its own generator seeded by (seed, step). A step's draw then does not depend on
+how many draws came before it in this process, which is what lets a decode engine continue a request
+whose first token was sampled by a prefill engine in another process and still match a colocated run.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + step) % (2**63))
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[int], penalty: float) -> torch.Tensor:
+    # vLLM semantics: tokens present in the prompt or the output are divided (positive logits) or
+    # multiplied (negative logits) by the penalty.
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams, step: int,
+                      seen_token_ids: Sequence[int]) -> int:
+    """Pick the next token from one position's logits ([vocab], float32)."""
+    logits = _apply_repetition_penalty(logits.float(), seen_token_ids, params.repetition_penalty)
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, keep)
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    seed = params.seed if params.seed is not None else 0
+    return int(torch.multinomial(probs, 1, generator=step_generator(seed, step)).item())

@@ -1,0 +1,70 @@
+"""What flows between stages: typed records, one per request per stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ThinkerPrompt:
+    """A tokenised prompt, with audio features when the prompt has audio parts."""
+
+    prompt_token_ids: list[int]
+    input_features: torch.Tensor | None = None  # [num_audios, num_mel_bins, frames]
+    feature_attention_mask: torch.Tensor | None = None  # [num_audios, frames]
+
+
+@dataclass
+class ThinkerOutput:
+    """A thinker leg's result. Row i of `*_embeds` / `*_hidden` is absolute position
+    `start + i` of the sequence prompt + output tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    # Layer 0 (the embedding output, audio features merged in) and the talker's accept layer.
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden]
+    prompt_hidden: torch.Tensor | None = None
+    output_embeds: torch.Tensor | None = None  # [n, hidden], rows for fed-back output tokens
+    output_hidden: torch.Tensor | None = None
+    output_start: int = 0  # absolute position of output_embeds[0]
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a remote prefill
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TalkerPrompt:
+    """Everything the talker needs from the thinker, already merged across P/D legs."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the thinker's prompt
+    output_token_ids: list[int]  # the thinker's generated tokens
+    thinker_embeds: torch.Tensor  # [positions, hidden]: prompt then fed-back output tokens
+    thinker_hidden: torch.Tensor
+    speaker: str = "ethan"
+
+
+@dataclass
+class TalkerOutput:
+    request_id: str
+    codes: torch.Tensor  # [num_code_groups, frames], int64
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Code2WavPrompt:
+    request_id: str
+    codes: torch.Tensor  # [num_code_groups, frames]
+
+
+@dataclass
+class AudioOutput:
+    request_id: str
+    audio: torch.Tensor  # [samples], float32
+    sample_rate: int
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,130 @@
+"""Turn a user's prompt (chat messages, plain text or token ids) into a `ThinkerPrompt`.
+
+Audio parts go through `WhisperFeatureExtractor`; each audio's single `<|audio_pad|>` from the
+chat template is expanded to the number of positions the audio encoder produces for it, as
+Qwen3-Omni's processor does.
+"""
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import WhisperFeatureExtractor
+
+from ...engines.types import ThinkerPrompt
+
+AUDIO_SAMPLE_RATE = 16_000
+
+
+def audio_token_count(feature_frames: int, n_window: int = 50) -> int:
+    """Positions the Qwen3-Omni audio encoder emits for `feature_frames` mel frames."""
+    chunk = n_window * 2
+    leftover = feature_frames % chunk
+    lengths = (leftover - 1) // 2 + 1
+    return ((lengths - 1) // 2 + 1 - 1) // 2 + 1 + (feature_frames // chunk) * 13
+
+
+@dataclass
+class OmniPrompt:
+    """One request's input, in any of the forms `Omni.generate` accepts."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    audios: list[np.ndarray] = field(default_factory=list)  # 16 kHz mono float32, in order
+    speaker: str = "ethan"
+
+
+def decode_audio(data: str | bytes, fmt: str | None = None) -> np.ndarray:
+    """Base64 (or raw bytes) of a WAV/FLAC/OGG file -> 16 kHz mono float32."""
+    import librosa
+    import soundfile
+
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    mono = samples.mean(axis=1)
+    if rate != AUDIO_SAMPLE_RATE:
+        mono = librosa.resample(mono, orig_sr=rate, target_sr=AUDIO_SAMPLE_RATE)
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def normalize_prompt(prompt: Any) -> OmniPrompt:
+    """Accept a str, a list of chat messages, a dict with `messages` / `prompt` /
+    `prompt_token_ids` (and optional `audios`, `speaker`), or an `OmniPrompt`."""
+    if isinstance(prompt, OmniPrompt):
+        return prompt
+    if isinstance(prompt, str):
+        return OmniPrompt(messages=[{"role": "user", "content": prompt}])
+    if isinstance(prompt, list):
+        return OmniPrompt(messages=prompt)
+    if isinstance(prompt, dict):
+        allowed = {"messages", "prompt", "prompt_token_ids", "audios", "speaker"}
+        unknown = set(prompt) - allowed
+        if unknown:
+            raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        messages = prompt.get("messages")
+        if messages is None and "prompt" in prompt:
+            messages = [{"role": "user", "content": prompt["prompt"]}]
+        if messages is None and prompt.get("prompt_token_ids") is None:
+            raise ValueError("a prompt dict needs 'messages', 'prompt' or 'prompt_token_ids'")
+        return OmniPrompt(messages=messages, prompt_token_ids=prompt.get("prompt_token_ids"),
+                          audios=list(prompt.get("audios", [])),
+                          speaker=prompt.get("speaker", "ethan"))
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}: pass a str, a list of chat "
+                    "messages or a dict with 'messages' / 'prompt' / 'prompt_token_ids'")
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, thinker_config):
+        self.tokenizer = tokenizer
+        self.audio_token_id = thinker_config.audio_token_id
+        self.n_window = thinker_config.audio_config.n_window
+        self.features = WhisperFeatureExtractor(feature_size=thinker_config.audio_config.num_mel_bins,
+                                                sampling_rate=AUDIO_SAMPLE_RATE)
+
+    def _audio_from_parts(self, messages: list[dict[str, Any]]) -> list[np.ndarray]:
+        found = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    if part.get("type") == "input_audio":
+                        spec = part["input_audio"]
+                        found.append(decode_audio(spec["data"], spec.get("format")))
+                    elif part.get("type") == "audio":
+                        if part.get("audio") is None:
+                            raise ValueError("an audio part needs 'audio' (16 kHz mono float "
+                                             "samples); or send {'type': 'input_audio', "
+                                             "'input_audio': {'data': <base64 WAV>, 'format': 'wav'}}")
+                        found.append(np.asarray(part["audio"], dtype=np.float32))
+        return found
+
+    def build(self, prompt: OmniPrompt) -> ThinkerPrompt:
+        if prompt.prompt_token_ids is not None:
+            if prompt.audios:
+                raise ValueError("audio needs chat messages, not raw prompt_token_ids")
+            return ThinkerPrompt(prompt_token_ids=list(prompt.prompt_token_ids))
+        if not prompt.messages:
+            raise ValueError("the prompt has no messages")
+        audios = prompt.audios or self._audio_from_parts(prompt.messages)
+        ids = list(self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False))
+        placeholders = ids.count(self.audio_token_id)
+        if placeholders != len(audios):
+            raise ValueError(f"the messages have {placeholders} audio part(s) but {len(audios)} "
+                             "audio input(s) were given")
+        if not audios:
+            return ThinkerPrompt(prompt_token_ids=ids)
+        feats = self.features(audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
+                              padding="longest", return_tensors="pt")
+        mask = feats["attention_mask"].to(torch.long)
+        counts = iter(audio_token_count(int(n), self.n_window) for n in mask.sum(-1))
+        expanded: list[int] = []
+        for token in ids:
+            expanded.extend([token] * next(counts) if token == self.audio_token_id else [token])
+        return ThinkerPrompt(prompt_token_ids=expanded,
+                             input_features=feats["input_features"].to(torch.float32),
+                             feature_attention_mask=mask)

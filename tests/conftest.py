@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+TINY_CONFIG = REPO / "stage_configs" / "ci" / "qwen3_omni_tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from omni_pd.models.qwen3_omni.factory import load_model
+    return load_model("tiny-qwen3-omni", "dummy", seed=42)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from omni_pd.models.qwen3_omni.factory import load_tokenizer, resolve_model
+    return load_tokenizer(resolve_model("tiny-qwen3-omni"))
+
+
+@pytest.fixture(scope="session")
+def python_exe():
+    return sys.executable
