@@ -1,0 +1,76 @@
+"""The `omni-pd` console script as a user runs it, in a subprocess."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import soundfile
+
+from omni_pd.paths import STAGE_CONFIGS_DIR
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING"]
+TINY = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+
+
+def _run(*args, check=True):
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=check, env=env,
+                          timeout=300)
+
+
+def _generate_json(tmp_path, *extra):
+    out = _run("generate", "--prompt", "Tell me about the sea.", "--json",
+               "--output", str(tmp_path / "out.wav"), *extra)
+    return json.loads(out.stdout)  # exactly one JSON object, nothing else on stdout
+
+
+def test_generate_json_reports_text_audio_and_timings(tmp_path):
+    result = _generate_json(tmp_path)
+    for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256",
+                "metrics"):
+        assert key in result
+    assert result["sample_rate"] == 24_000 and result["num_samples"] > 0
+    samples, rate = soundfile.read(result["audio_path"], dtype="float32")
+    assert rate == 24_000 and len(samples) == result["num_samples"]
+    assert hashlib.sha256(samples.tobytes()).hexdigest() == result["audio_sha256"]
+    metrics = result["metrics"]
+    assert 0 < metrics["ttft_ms"] <= metrics["e2e_ms"]
+    assert set(metrics["stage_ms"]) == {"0", "1", "2"}
+
+
+def test_generate_plain_prints_text_and_timings(tmp_path):
+    out = _run("generate", "--prompt", "hi", "--output", str(tmp_path / "a.wav"))
+    assert out.stdout.startswith("text: ") and "timings: ttft" in out.stdout
+    assert (tmp_path / "a.wav").is_file()
+
+
+def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path):
+    ckpt = tmp_path / "tiny"
+    _run("make-tiny-model", str(ckpt), "--seed", "42")
+    # The same stage config, but loading the written safetensors instead of seeded weights.
+    config = tmp_path / "from_files.yaml"
+    config.write_text(TINY.read_text().replace("load_format: dummy", "load_format: auto"))
+    dummy = _generate_json(tmp_path)
+    files = _generate_json(tmp_path, "--model", str(ckpt), "--stage-configs-path", str(config))
+    assert files["token_ids"] == dummy["token_ids"]
+    assert files["audio_sha256"] == dummy["audio_sha256"]
+
+
+def test_validate_config_exit_codes(tmp_path):
+    ok = _run("validate-config", str(TINY))
+    assert "thinker" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text().replace("engine_input_source: [0]", "engine_input_sourc: [0]"))
+    result = _run("validate-config", str(bad), check=False)
+    assert result.returncode == 2
+    assert "engine_input_sourc" in result.stderr and "engine_input_source" in result.stderr
+
+
+def test_unknown_model_is_one_clear_error(tmp_path):
+    result = _run("generate", "--prompt", "hi", "--model", str(tmp_path / "nope"), check=False)
+    assert result.returncode != 0
+    assert "neither the embedded" in result.stderr

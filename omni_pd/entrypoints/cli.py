@@ -1,0 +1,107 @@
+"""The `omni-pd` command: generate, validate-config, make-tiny-model."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+
+log = logging.getLogger("omni_pd.cli")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=TINY_MODEL_NAME,
+                        help=f"checkpoint directory or the embedded {TINY_MODEL_NAME!r} (default)")
+    parser.add_argument("--stage-configs-path", default=None,
+                        help="stage YAML (default: stage_configs/ci/qwen3_omni_tiny.yaml)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ..audio_io import write_wav
+    from ..models.qwen3_omni.prompt import decode_audio
+    from ..orchestrator.omni import Omni
+
+    content: object = args.prompt
+    if args.audio:
+        with open(args.audio, "rb") as handle:
+            audio = decode_audio(handle.read())
+        content = [{"type": "text", "text": args.prompt}, {"type": "audio", "audio": audio}]
+    prompt = {"messages": [{"role": "user", "content": content}], "speaker": args.voice}
+    with Omni(model=args.model, stage_configs_path=args.stage_configs_path) as omni:
+        result = omni.generate([prompt], use_tqdm=False)[0]
+    audio_path = None
+    if result.audio is not None:
+        audio_path = str(write_wav(args.output, result.audio, result.sample_rate))
+    if args.json:
+        print(json.dumps({
+            "request_id": result.request_id,
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "finish_reason": result.finish_reason,
+            "audio_path": audio_path,
+            "sample_rate": result.sample_rate,
+            "num_samples": 0 if result.audio is None else int(result.audio.numel()),
+            "audio_sha256": result.audio_sha256,
+            "metrics": result.metrics,
+        }))
+    else:
+        m = result.metrics
+        print(f"text: {result.text!r}")
+        print(f"tokens: {len(result.token_ids)} generated from a {len(result.prompt_token_ids)}-token "
+              f"prompt ({result.finish_reason})")
+        if audio_path:
+            print(f"audio: {audio_path} ({result.audio.numel()} samples at {result.sample_rate} Hz)")
+        stages = ", ".join(f"stage {k} {v:.1f} ms" for k, v in m["stage_ms"].items())
+        print(f"timings: ttft {m['ttft_ms']:.1f} ms, end-to-end {m['e2e_ms']:.1f} ms ({stages})")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .validate import run_validate
+    return run_validate(args.path)
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from ..models.qwen3_omni.factory import save_tiny_model
+    out = save_tiny_model(args.directory, seed=args.seed)
+    print(f"wrote the tiny Qwen3-Omni checkpoint (config, tokenizer, safetensors) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-pd", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run one prompt through every stage")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the user's message")
+    gen.add_argument("--audio", default=None, help="an audio file to send with the prompt")
+    gen.add_argument("--voice", default="ethan", help="the talker's speaker")
+    gen.add_argument("--output", default="out.wav", help="where to write the WAV (float32)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    gen.set_defaults(func=_cmd_generate)
+
+    val = sub.add_parser("validate-config", help="check a stage YAML and print its summary")
+    val.add_argument("path")
+    val.set_defaults(func=_cmd_validate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write the embedded tiny model as a checkpoint")
+    tiny.add_argument("directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The one object that owns a request's state while it crosses the stages."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models.qwen3_omni.prompt import OmniPrompt
+from ..sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: OmniPrompt
+    params: dict[int, SamplingParams]  # per stage id
+    started: float = field(default_factory=time.perf_counter)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    stage_ms: dict[int, float] = field(default_factory=dict)
+    first_token_at: float | None = None
+
+    def elapsed_ms(self, since: float | None = None) -> float:
+        return (time.perf_counter() - (since if since is not None else self.started)) * 1e3

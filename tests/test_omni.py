@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+import torch
+
+from omni_pd.orchestrator.omni import Omni
+from omni_pd.sampling import SamplingParams
+
+from omni_pd.paths import STAGE_CONFIGS_DIR
+
+TINY_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def omni():
+    with Omni(model="tiny-qwen3-omni", stage_configs_path=TINY_CONFIG, keep_stage_outputs=True) as o:
+        yield o
+
+
+def test_generate_returns_text_tokens_and_24khz_float_audio(omni):
+    out = omni.generate("Tell me about the sea.")[0]
+    assert out.token_ids and len(out.token_ids) <= 24
+    assert out.text == omni.engines[0].runner.detokenize(out.token_ids, SamplingParams(temperature=0))
+    assert out.sample_rate == 24_000 and out.audio.dtype == torch.float32
+    talker_frames = out.stage_outputs[1].codes.shape[1]
+    assert talker_frames > 0 and out.audio.numel() > (talker_frames - 1) * 1920
+    assert out.metrics["ttft_ms"] > 0 and out.metrics["e2e_ms"] >= out.metrics["ttft_ms"]
+    assert set(out.metrics["stage_ms"]) == {"0", "1", "2"}
+    assert omni.debug_state_counts() == {"orchestrator.requests": 0}
+
+
+def test_batch_greedy_is_deterministic_and_per_prompt(omni):
+    outs = omni.generate(["first prompt", "a second, different prompt", "first prompt"])
+    assert outs[0].token_ids == outs[2].token_ids and outs[0].audio_sha256 == outs[2].audio_sha256
+    assert outs[0].prompt_token_ids != outs[1].prompt_token_ids
+    assert len({o.request_id for o in outs}) == 3
+
+
+def test_sampling_params_list_overrides_stage_defaults(omni):
+    short = omni.generate("hello", [SamplingParams(temperature=0, max_tokens=3), None, None])[0]
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
+
+
+def test_audio_input_changes_the_prompt(omni):
+    tone = (0.1 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+    msg = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                        {"type": "audio", "audio": tone}]}]
+    out = omni.generate([msg])[0]
+    audio_id = omni.model_config.thinker_config.audio_token_id
+    assert out.prompt_token_ids.count(audio_id) > 1
+
+
+def test_failed_request_leaves_no_state(omni):
+    with pytest.raises(ValueError, match="audio part"):
+        omni.generate({"messages": [{"role": "user", "content": [{"type": "audio"}]}], "audios": []})
+    assert omni.debug_state_counts() == {"orchestrator.requests": 0}
+
+
+def test_closed_omni_refuses_work():
+    o = Omni(stage_configs_path=TINY_CONFIG)
+    o.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        o.generate("hi")
