@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite, end-to-end tests included. Extra arguments go to pytest.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$repo/scripts/setup.sh"
+cd "$repo"
+export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
