@@ -19,13 +19,13 @@ def omni():
 def test_generate_returns_text_tokens_and_24khz_float_audio(omni):
     out = omni.generate("Tell me about the sea.")[0]
     assert out.token_ids and len(out.token_ids) <= 24
-    assert out.text == omni.engines[0].runner.detokenize(out.token_ids, SamplingParams(temperature=0))
+    assert out.text == omni.prompt_builder.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.sample_rate == 24_000 and out.audio.dtype == torch.float32
     talker_frames = out.stage_outputs[1].codes.shape[1]
     assert talker_frames > 0 and out.audio.numel() > (talker_frames - 1) * 1920
     assert out.metrics["ttft_ms"] > 0 and out.metrics["e2e_ms"] >= out.metrics["ttft_ms"]
     assert set(out.metrics["stage_ms"]) == {"0", "1", "2"}
-    assert omni.debug_state_counts() == {"orchestrator.requests": 0}
+    assert all(v == 0 for v in omni.debug_state_counts().values())
 
 
 def test_batch_greedy_is_deterministic_and_per_prompt(omni):
@@ -52,7 +52,7 @@ def test_audio_input_changes_the_prompt(omni):
 def test_failed_request_leaves_no_state(omni):
     with pytest.raises(ValueError, match="audio part"):
         omni.generate({"messages": [{"role": "user", "content": [{"type": "audio"}]}], "audios": []})
-    assert omni.debug_state_counts() == {"orchestrator.requests": 0}
+    assert all(v == 0 for v in omni.debug_state_counts().values())
 
 
 def test_closed_omni_refuses_work():

@@ -33,9 +33,25 @@ class StageEngine(ABC):
     def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
         """Run the stage on a prompt built for it; return the stage's output record."""
 
+    # Engine calls the orchestrator may make outside the request path, by name.
+    control_calls: frozenset[str] = frozenset({"debug_state_counts"})
+
     def close(self) -> None:
         """Release what the engine holds (models, registered memory, sockets)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts the orchestrator logs and routes on (engine id, KV session, ...)."""
+        return {}
+
+    def housekeeping(self) -> None:
+        """Periodic work between requests (expire KV leases)."""
 
     def debug_state_counts(self) -> dict[str, int]:
         """Per-request state this engine holds; all zero between requests."""
         return {}
+
+    def control(self, name: str, **kwargs: Any) -> Any:
+        if name not in self.control_calls:
+            raise ValueError(f"stage {self.stage_id} has no control call {name!r}; "
+                             f"it offers {sorted(self.control_calls)}")
+        return getattr(self, name)(**kwargs)

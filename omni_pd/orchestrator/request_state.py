@@ -18,6 +18,8 @@ class RequestState:
     outputs: dict[int, Any] = field(default_factory=dict)
     stage_ms: dict[int, float] = field(default_factory=dict)
     first_token_at: float | None = None
+    transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
+    kv_released: bool = False
 
     def elapsed_ms(self, since: float | None = None) -> float:
         return (time.perf_counter() - (since if since is not None else self.started)) * 1e3

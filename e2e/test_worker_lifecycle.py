@@ -1,0 +1,75 @@
+"""Stage workers are processes: nothing outlives the orchestrator, however it ends."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from omni_pd.orchestrator.omni import Omni
+from omni_pd.paths import STAGE_CONFIGS_DIR
+
+pytestmark = pytest.mark.slow
+TINY = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited but not been reaped by its (dead) parent yet: it holds nothing.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)  # polling a condition with a deadline, not synchronising on a guess
+    return False
+
+
+def test_close_and_exceptions_leave_no_worker():
+    with pytest.raises(KeyError):
+        with Omni(stage_configs_path=TINY) as omni:
+            pids = omni.worker_pids
+            assert len(pids) == 3 and all(_alive(p) for p in pids)
+            raise KeyError("boom")
+    assert not any(_alive(p) for p in pids)
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, threading
+    from omni_pd.orchestrator.omni import Omni
+    omni = Omni(stage_configs_path=sys.argv[1])
+    print(" ".join(map(str, omni.worker_pids)), flush=True)
+    with omni:
+        threading.Event().wait()   # until interrupted
+""")
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(TINY)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        if how == "sigint":  # Ctrl-C: the whole process group gets SIGINT
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=30) != 0
+        else:  # no cleanup code runs in the orchestrator at all
+            proc.kill()
+            proc.wait(timeout=10)
+        assert _wait_gone(pids), f"workers {pids} outlived the orchestrator ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

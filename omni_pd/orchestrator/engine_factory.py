@@ -1,0 +1,12 @@
+"""Build a stage's engine from its config (runs inside the stage's worker process)."""
+from __future__ import annotations
+
+from ..engines.base import StageEngine
+
+
+def build_engine(stage, model: str) -> StageEngine:
+    if stage.engine == "hf":
+        from ..engines.hf.stage_engines import build_hf_engine
+        return build_hf_engine(stage, model)
+    raise NotImplementedError(f"stage {stage.stage_id}: engine {stage.engine!r} is not available in "
+                              "this build; use engine: hf")

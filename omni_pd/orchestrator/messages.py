@@ -1,0 +1,74 @@
+"""Messages between the orchestrator and a stage worker process.
+
+Sent as bytes pickled with the standard pickler: torch tensors are copied into the message rather
+than shared through /dev/shm file descriptors (torch's multiprocessing reducers), so a dead peer
+never leaves shared memory behind.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Ready:
+    stage_id: int
+    pid: int
+    info: dict[str, Any]
+
+
+@dataclass
+class StartupFailed:
+    stage_id: int
+    message: str
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    output: Any
+
+
+@dataclass
+class GenerateFailed:
+    request_id: str
+    message: str
+
+
+@dataclass
+class ControlRequest:
+    """A named engine call outside the request path (release a KV lease, state counts, ...)."""
+
+    call_id: int
+    name: str
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class ControlResult:
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+def dumps(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)

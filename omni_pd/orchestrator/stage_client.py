@@ -1,0 +1,137 @@
+"""The orchestrator's handle on one stage worker process."""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import time
+from typing import Any
+
+from ..sampling import SamplingParams
+from . import messages as msg
+from .worker import worker_main
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2  # how often a waiting orchestrator checks that the worker is still alive
+
+
+class StageError(RuntimeError):
+    """A stage failed a request, died, or missed its deadline; the message names the stage."""
+
+
+class StageTimeout(StageError):
+    pass
+
+
+class StageClient:
+    def __init__(self, stage_config: Any, model: str, startup_timeout_s: float):
+        self.stage_id = stage_config.stage_id
+        self.model_stage = stage_config.model_stage
+        self.startup_timeout_s = startup_timeout_s
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe(duplex=True)
+        self.process = context.Process(
+            target=worker_main, name=f"omni-pd-stage{self.stage_id}-{self.model_stage}",
+            args=(stage_config, model, child, logging.getLogger().getEffectiveLevel()), daemon=True)
+        self.process.start()
+        child.close()
+        self.info: dict[str, Any] = {}
+        self._calls = itertools.count()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_id} ({self.model_stage})"
+
+    def wait_ready(self) -> None:
+        reply = self._receive(self.startup_timeout_s, "to start")
+        if isinstance(reply, msg.StartupFailed):
+            raise StageError(f"{self.name} failed to start: {reply.message}")
+        self.info = reply.info
+        log.info("%s ready in worker pid %d", self.name, reply.pid)
+
+    def _receive(self, timeout_s: float, doing: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StageTimeout(f"{self.name} did not answer within {timeout_s:.1f} s {doing}; "
+                                   "raise the request timeout if the stage is just slow")
+            try:
+                if self._conn.poll(min(POLL_S, remaining)):
+                    return msg.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                pass
+            if not self.process.is_alive():
+                raise StageError(f"{self.name} worker (pid {self.process.pid}) exited with code "
+                                 f"{self.process.exitcode} {doing}")
+
+    def _send(self, message: Any) -> None:
+        try:
+            self._conn.send_bytes(msg.dumps(message))
+        except (BrokenPipeError, OSError) as exc:
+            raise StageError(f"{self.name} worker is gone ({exc})") from exc
+
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float) -> Any:
+        self._send(msg.GenerateRequest(request_id, prompt, params))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._receive(max(deadline - time.monotonic(), 0.0), f"for request {request_id}")
+            if getattr(reply, "request_id", None) == request_id:
+                break
+            # A late answer to a request that already timed out: nobody waits for it any more.
+            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
+        if isinstance(reply, msg.GenerateFailed):
+            raise StageError(f"{self.name} failed request {request_id}: {reply.message}")
+        return reply.output
+
+    def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        call_id = next(self._calls)
+        self._send(msg.ControlRequest(call_id, name, kwargs))
+        reply = self._receive(timeout_s, f"to control call {name}")
+        if reply.error:
+            raise StageError(f"{self.name} control call {name} failed: {reply.error}")
+        return reply.value
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send_bytes(msg.dumps(msg.Shutdown()))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+
+class LocalStageClient:
+    """The same interface with the engine in this process (`runtime.process: false`)."""
+
+    def __init__(self, stage_config: Any, model: str):
+        from .engine_factory import build_engine
+        self.stage_id = stage_config.stage_id
+        self.model_stage = stage_config.model_stage
+        self.engine = build_engine(stage_config, model)
+        self.info = self.engine.describe()
+        self.process = None
+
+    def wait_ready(self) -> None:
+        pass
+
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float) -> Any:
+        try:
+            return self.engine.generate(request_id, prompt, params)
+        except Exception as exc:
+            raise StageError(f"stage {self.stage_id} ({self.model_stage}) failed request "
+                             f"{request_id}: {type(exc).__name__}: {exc}") from exc
+
+    def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        return self.engine.control(name, **kwargs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.engine.close()
