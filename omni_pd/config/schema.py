@@ -19,7 +19,8 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 FinalOutputType = Literal["text", "audio", "image", "video", "latent"]
 ENGINE_OUTPUT_TYPES: frozenset[str] = frozenset({"text", "image", "audio", "latent", "token_ids"})
 # Keys only omni-pd reads; never forwarded to vLLM.
-OMNI_PD_ENGINE_ARG_NAMES: frozenset[str] = frozenset({"engine", "kv_block_size"})
+OMNI_PD_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
+    {"engine", "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s"})
 
 _DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
@@ -66,6 +67,10 @@ class _TypedEngineArgs(_Model):
     # omni-pd's own keys
     engine: EngineKind = "hf"
     kv_block_size: int = Field(default=16, ge=1)
+    # hf P/D engines: blocks in the registered KV pool, and how long a prefill engine keeps a
+    # published transfer's blocks when no decode engine acknowledges it.
+    kv_pool_blocks: int = Field(default=1024, ge=1)
+    kv_lease_timeout_s: float = Field(default=60.0, gt=0)
     # vllm-omni keys omni-pd reads
     model_stage: str
     model_arch: str | None = None

@@ -28,15 +28,18 @@ def thinker_eos_ids(model_config, tokenizer) -> set[int]:
     return ids
 
 
+def thinker_runner(model, tokenizer) -> ThinkerRunner:
+    config = model.config
+    return ThinkerRunner(model.thinker, tokenizer, config.talker_config.accept_hidden_layer,
+                         thinker_eos_ids(config, tokenizer))
+
+
 class HfThinkerEngine(StageEngine):
     """The whole thinker in one engine (prefill then decode in the same process)."""
 
     def __init__(self, stage_id: int, model, tokenizer):
         self.stage_id = stage_id
-        config = model.config
-        self.runner = ThinkerRunner(model.thinker, tokenizer,
-                                    config.talker_config.accept_hidden_layer,
-                                    thinker_eos_ids(config, tokenizer))
+        self.runner = thinker_runner(model, tokenizer)
 
     def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> ThinkerOutput:
         pre = self.runner.prefill(prompt, params)
@@ -48,7 +51,7 @@ class HfThinkerEngine(StageEngine):
             prompt_embeds=pre.prompt_embeds, prompt_hidden=pre.prompt_hidden,
             output_embeds=dec.output_embeds, output_hidden=dec.output_hidden,
             output_start=len(prompt.prompt_token_ids),
-            metrics={"ttft_ms": pre.prefill_ms, "prefill_ms": pre.prefill_ms,
+            metrics={"first_token_ms": pre.prefill_ms, "prefill_ms": pre.prefill_ms,
                      "decode_ms": dec.decode_ms})
 
 
@@ -79,10 +82,6 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     if model_stage not in ("thinker", "talker", "code2wav"):
         raise ValueError(f"stage {stage_config.stage_id}: engine 'hf' runs model_stage thinker, "
                          f"talker or code2wav, not {model_stage!r}")
-    if stage_config.is_prefill_only or stage_config.is_decode_only:
-        raise NotImplementedError(
-            f"stage {stage_config.stage_id}: prefill-only / decode-only hf thinker engines are not "
-            "available in this build")
     name = model_name
     if args.model and args.model != model_name:
         log.warning("stage %d: engine_args.model %r is ignored; every stage runs the model given to "
@@ -95,7 +94,14 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     # Each engine keeps references only to the sub-modules it runs (the talker also keeps the
     # thinker's token embedding, for the tts special tokens); the rest is freed with `model`.
     if model_stage == "thinker":
-        return HfThinkerEngine(stage_config.stage_id, model, load_tokenizer(resolve_model(name)))
+        tokenizer = load_tokenizer(resolve_model(name))
+        if stage_config.is_prefill_only or stage_config.is_decode_only:
+            from .pd_engines import HfDecodeEngine, HfPrefillEngine
+            runner = thinker_runner(model, tokenizer)
+            if stage_config.is_prefill_only:
+                return HfPrefillEngine(stage_config, runner, args.kv_pool_blocks, args.kv_lease_timeout_s)
+            return HfDecodeEngine(stage_config, runner, args.kv_pool_blocks)
+        return HfThinkerEngine(stage_config.stage_id, model, tokenizer)
     if model_stage == "talker":
         return HfTalkerEngine(stage_config.stage_id, model)
     return HfCode2WavEngine(stage_config.stage_id, model)
