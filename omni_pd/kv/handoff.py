@@ -1,0 +1,380 @@
+"""The KV handoff: a prefill-side sender that publishes blocks under a lease, a decode-side receiver
+that pulls them over Mooncake, and the per-transfer state machine both report through.
+
+Prefill side: PUBLISHED -> DONE (decode side acknowledged) | EXPIRED (lease timed out).
+Decode side:  TRANSFERRING -> DONE | FAILED.
+Each side keeps its per-transfer objects in one dict, removed when the transfer reaches a final
+state, so ``debug_state_counts()`` is all zeros between requests.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import xxhash
+
+from .errors import KVIntegrityError
+from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
+from .pool import BlockPool
+from .transport import MooncakeTransport, Segment, coalesce
+
+log = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    PUBLISHED = "published"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+_LEGAL: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PUBLISHED: frozenset({TransferState.DONE, TransferState.EXPIRED}),
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED}),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+    TransferState.EXPIRED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class _Tracked:
+    transfer_id: str
+    block_ids: list[int]
+    state: TransferState
+    reason: str = ""
+
+    def move(self, new: TransferState, reason: str = "") -> None:
+        if new not in _LEGAL[self.state]:
+            raise IllegalTransition(f"transfer {self.transfer_id}: illegal transition "
+                                    f"{self.state.name} -> {new.name}")
+        self.state, self.reason = new, reason
+
+
+@dataclass
+class Lease(_Tracked):
+    """Prefill side: blocks held for the decode side until acknowledged or expired."""
+    deadline: float = 0.0
+
+
+@dataclass
+class Transfer(_Tracked):
+    """Decode side: local blocks receiving one descriptor's bytes."""
+    started: float = field(default_factory=time.perf_counter)
+
+
+def checksum(data: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(data.numpy())
+
+
+# -- descriptor ------------------------------------------------------------------------------
+
+def _need(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...], tid: str) -> Any:
+    if key not in params:
+        raise ValueError(f"kv_transfer_params for transfer {tid} is missing {key!r}")
+    value = params[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ValueError(f"kv_transfer_params[{key!r}] for transfer {tid}: expected {names}, "
+                         f"got {type(value).__name__} {value!r:.80}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVDescriptor:
+    """Everything the decode side needs to pull one request's prompt KV."""
+    transfer_id: str
+    remote_engine_id: str
+    remote_session: str
+    remote_block_ids: tuple[int, ...]
+    remote_base_address: int
+    block_bytes: int
+    num_tokens: int
+    kv_layout: BlockLayout
+    block_checksums: tuple[str, ...]
+
+    KEYS = ("transfer_id", "remote_engine_id", "remote_session", "remote_block_ids",
+            "remote_base_address", "block_bytes", "num_tokens", "kv_layout", "block_checksums")
+
+    def __post_init__(self) -> None:
+        tid = self.transfer_id
+        if self.num_tokens < 1 or self.remote_base_address <= 0 or self.block_bytes < 1:
+            raise ValueError(f"transfer {tid}: num_tokens, remote_base_address and block_bytes "
+                             f"must be positive ({self.num_tokens}, {self.remote_base_address}, "
+                             f"{self.block_bytes})")
+        if self.block_bytes != self.kv_layout.block_bytes:
+            raise ValueError(f"kv_transfer_params['block_bytes'] for transfer {tid}: {self.block_bytes} "
+                             f"disagrees with kv_layout ({self.kv_layout.block_bytes})")
+        expected = self.kv_layout.num_blocks_for(self.num_tokens)
+        if len(self.remote_block_ids) != expected or len(self.block_checksums) != expected:
+            raise ValueError(f"transfer {tid}: {self.num_tokens} tokens need {expected} blocks, got "
+                             f"{len(self.remote_block_ids)} remote_block_ids and "
+                             f"{len(self.block_checksums)} block_checksums")
+        if any(b < 0 for b in self.remote_block_ids):
+            raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: negative id")
+
+    def remote_address(self, index: int) -> int:
+        return self.remote_base_address + self.remote_block_ids[index] * self.block_bytes
+
+    def to_params(self) -> dict[str, Any]:
+        return {"transfer_id": self.transfer_id, "remote_engine_id": self.remote_engine_id,
+                "remote_session": self.remote_session,
+                "remote_block_ids": list(self.remote_block_ids),
+                "remote_base_address": self.remote_base_address, "block_bytes": self.block_bytes,
+                "num_tokens": self.num_tokens, "kv_layout": self.kv_layout.to_dict(),
+                "block_checksums": list(self.block_checksums)}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "KVDescriptor":
+        """Read our keys out of kv_transfer_params; other (vLLM) keys are left alone."""
+        if not isinstance(params, Mapping):
+            raise ValueError(f"kv_transfer_params: expected a dict, got {type(params).__name__}")
+        tid = _need(params, "transfer_id", str, "<unknown>")
+        ids = _need(params, "remote_block_ids", (list, tuple), tid)
+        sums = _need(params, "block_checksums", (list, tuple), tid)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+            raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: "
+                             "expected a list of ints")
+        if not all(isinstance(s, str) for s in sums):
+            raise ValueError(f"kv_transfer_params['block_checksums'] for transfer {tid}: "
+                             "expected a list of hex strings")
+        layout_dict = _need(params, "kv_layout", dict, tid)
+        try:
+            layout = BlockLayout.from_dict(layout_dict)
+        except ValueError as exc:
+            raise ValueError(f"kv_transfer_params['kv_layout'] for transfer {tid}: {exc}") from exc
+        return cls(transfer_id=tid,
+                   remote_engine_id=_need(params, "remote_engine_id", str, tid),
+                   remote_session=_need(params, "remote_session", str, tid),
+                   remote_block_ids=tuple(ids),
+                   remote_base_address=_need(params, "remote_base_address", int, tid),
+                   block_bytes=_need(params, "block_bytes", int, tid),
+                   num_tokens=_need(params, "num_tokens", int, tid),
+                   kv_layout=layout, block_checksums=tuple(sums))
+
+
+# -- prefill side ----------------------------------------------------------------------------
+
+class KVSender:
+    def __init__(self, engine_id: str, layout: BlockLayout, pool_blocks: int,
+                 transport: MooncakeTransport, lease_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        if lease_timeout_s <= 0:
+            raise ValueError(f"kv_lease_timeout_s: expected a positive number, got {lease_timeout_s!r}")
+        self.engine_id, self.layout, self.transport = engine_id, layout, transport
+        self.lease_timeout_s, self._clock = lease_timeout_s, clock
+        self.pool = BlockPool(layout, pool_blocks)
+        transport.register(self.pool.base_address, self.pool.nbytes)
+        self._leases: dict[str, Lease] = {}
+        self._fault: tuple[int, int] | None = None
+        self._lock = threading.Lock()  # publish / release / expire may come from different threads
+        self._closed = False
+
+    def inject_fault_once(self, block_index: int, byte_offset: int) -> None:
+        """Test hook: the next publish flips one byte before checksumming (undetectable corruption)."""
+        if block_index < 0 or byte_offset < 0:
+            raise ValueError("inject_fault_once: block_index and byte_offset must be >= 0")
+        with self._lock:
+            self._fault = (block_index, byte_offset)
+
+    def publish(self, transfer_id: str, kv_canonical: torch.Tensor) -> KVDescriptor:
+        """Copy the KV into leased pool blocks and describe them for the decode side."""
+        check_canonical(kv_canonical, self.layout)
+        num_tokens = int(kv_canonical.shape[3])
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"KVSender {self.engine_id} is closed")
+            if transfer_id in self._leases:
+                raise ValueError(f"transfer {transfer_id} is already published by {self.engine_id}")
+            lengths = self.layout.transfer_lengths(num_tokens)
+            block_ids = self.pool.allocate(len(lengths))
+            try:
+                self.pool.write(block_ids, kv_canonical)
+                self._apply_fault(transfer_id, block_ids, lengths)
+                sums = tuple(checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
+                descriptor = KVDescriptor(
+                    transfer_id=transfer_id, remote_engine_id=self.engine_id,
+                    remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
+                    remote_base_address=self.pool.base_address, block_bytes=self.layout.block_bytes,
+                    num_tokens=num_tokens, kv_layout=self.layout, block_checksums=sums)
+            except BaseException:
+                self.pool.free(block_ids)
+                raise
+            self._leases[transfer_id] = Lease(transfer_id, block_ids, TransferState.PUBLISHED,
+                                              deadline=self._clock() + self.lease_timeout_s)
+        return descriptor
+
+    def _apply_fault(self, transfer_id: str, block_ids: list[int], lengths: list[int]) -> None:
+        if self._fault is None:
+            return
+        (index, offset), self._fault = self._fault, None
+        if index >= len(block_ids) or offset >= lengths[index]:
+            raise ValueError(f"injected fault (block {index}, byte {offset}) lies outside the "
+                             f"{len(block_ids)} blocks / transferred bytes of transfer {transfer_id}")
+        view = self.pool.block_view(block_ids[index])
+        view[offset] ^= 0xFF
+        log.warning("transfer %s: injected a KV fault at block %d byte %d (test hook)",
+                    transfer_id, index, offset)
+
+    def release(self, transfer_id: str) -> bool:
+        """The decode side's acknowledgement: frees the lease's blocks."""
+        with self._lock:
+            lease = self._leases.pop(transfer_id, None)
+            if lease is None:
+                log.debug("release of unknown or already released transfer %s", transfer_id)
+                return False
+            lease.move(TransferState.DONE)
+            self.pool.free(lease.block_ids)
+        return True
+
+    def expire_leases(self) -> list[str]:
+        now = self._clock()
+        expired: list[str] = []
+        with self._lock:
+            for transfer_id, lease in list(self._leases.items()):
+                if lease.deadline <= now:
+                    lease.move(TransferState.EXPIRED, "lease timeout")
+                    del self._leases[transfer_id]
+                    self.pool.free(lease.block_ids)
+                    expired.append(transfer_id)
+                    log.warning("transfer %s: lease expired after %.1f s without acknowledgement; "
+                                "freed %d KV blocks", transfer_id, self.lease_timeout_s,
+                                len(lease.block_ids))
+        return expired
+
+    def debug_state_counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"leases": len(self._leases), "used_blocks": self.pool.num_used}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for lease in self._leases.values():
+                self.pool.free(lease.block_ids)
+            self._leases.clear()
+            self.transport.unregister(self.pool.base_address)
+
+
+# -- decode side -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FetchResult:
+    kv_canonical: torch.Tensor
+    bytes_transferred: int
+    transfer_ms: float
+    num_segments: int
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.kv_canonical
+
+
+class KVReceiver:
+    def __init__(self, layout: BlockLayout, pool_blocks: int, transport: MooncakeTransport):
+        self.layout, self.transport = layout, transport
+        self.pool = BlockPool(layout, pool_blocks)
+        transport.register(self.pool.base_address, self.pool.nbytes)
+        self._transfers: dict[str, Transfer] = {}
+        self._lock = threading.Lock()  # bookkeeping only; the transfer itself runs unlocked
+        self._closed = False
+
+    def fetch(self, descriptor: KVDescriptor, verify_checksums: bool = True) -> FetchResult:
+        """Pull the descriptor's KV into local blocks, verify, convert; local blocks are freed on
+        every path. A dead peer fails in milliseconds; a frozen one can block for Mooncake's
+        transfer timeout (~30 s): a tighter deadline is the caller's job. Does not acknowledge:
+        the caller tells the sender (release) once the KV is safely in use."""
+        remote = descriptor.kv_layout
+        check_compatible(remote, self.layout)  # fail before moving any bytes
+        lengths = remote.transfer_lengths(descriptor.num_tokens)
+        # Remote blocks are staged back to back at the remote block stride in our local blocks,
+        # so equal layouts map block to block and different ones still fit.
+        staged_bytes = len(lengths) * remote.block_bytes
+        transfer = self._begin(descriptor.transfer_id, -(-staged_bytes // self.layout.block_bytes))
+        try:
+            segments = self._segments(descriptor, transfer.block_ids, lengths)
+            began = time.perf_counter()
+            num_segments = self.transport.read(descriptor.remote_session, segments)
+            transfer_ms = (time.perf_counter() - began) * 1e3
+            raw = self.pool.gather(transfer.block_ids).reshape(-1)[:staged_bytes]  # view; freed below
+            staged = raw.view(len(lengths), remote.block_bytes)
+            if verify_checksums:
+                self._verify(descriptor, staged, lengths)
+            if remote != self.layout:
+                local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
+                kv = unpack_blocks(local_blocks, self.layout, descriptor.num_tokens)
+            else:
+                kv = unpack_blocks(staged, remote, descriptor.num_tokens)
+            transfer.move(TransferState.DONE)
+            return FetchResult(kv, sum(lengths), transfer_ms, num_segments)
+        except BaseException as exc:
+            transfer.move(TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+            log.debug("transfer %s failed: %s", transfer.transfer_id, transfer.reason)
+            raise
+        finally:
+            self._end(transfer)
+
+    def _begin(self, transfer_id: str, num_blocks: int) -> Transfer:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVReceiver is closed")
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id} is already being fetched")
+            transfer = Transfer(transfer_id, self.pool.allocate(num_blocks), TransferState.TRANSFERRING)
+            self._transfers[transfer_id] = transfer
+            return transfer
+
+    def _end(self, transfer: Transfer) -> None:
+        with self._lock:
+            del self._transfers[transfer.transfer_id]
+            self.pool.free(transfer.block_ids)
+
+    def _segments(self, descriptor: KVDescriptor, local_ids: list[int],
+                  lengths: list[int]) -> list[Segment]:
+        """Map remote block j's first lengths[j] bytes to staged offset j*remote_block_bytes,
+        splitting where a staged range crosses a local block boundary."""
+        local_bb, remote_bb = self.layout.block_bytes, descriptor.block_bytes
+        segments: list[Segment] = []
+        for j, length in enumerate(lengths):
+            remote_addr, offset, left = descriptor.remote_address(j), j * remote_bb, length
+            while left:
+                block, within = divmod(offset, local_bb)
+                piece = min(left, local_bb - within)
+                segments.append((self.pool.block_address(local_ids[block]) + within, remote_addr, piece))
+                remote_addr, offset, left = remote_addr + piece, offset + piece, left - piece
+        return coalesce(segments)
+
+    @staticmethod
+    def _verify(descriptor: KVDescriptor, staged: torch.Tensor, lengths: list[int]) -> None:
+        for j, (length, expected) in enumerate(zip(lengths, descriptor.block_checksums)):
+            got = checksum(staged[j, :length])
+            if got != expected:
+                raise KVIntegrityError(
+                    f"transfer {descriptor.transfer_id}: block {j} (remote block "
+                    f"{descriptor.remote_block_ids[j]} on {descriptor.remote_session}) has checksum "
+                    f"{got}, the sender published {expected}; the sender's memory changed after "
+                    "publish (lease expired and blocks reused?) or the transfer corrupted it")
+
+    def debug_state_counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"transfers": len(self._transfers), "used_blocks": self.pool.num_used}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._transfers:
+                log.warning("KVReceiver closed with %d transfers in flight", len(self._transfers))
+            self._closed = True
+            self.transport.unregister(self.pool.base_address)

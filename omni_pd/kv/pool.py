@@ -1,0 +1,122 @@
+"""A fixed pool of KV blocks in one contiguous, 64-byte-aligned host buffer.
+
+One buffer means one Mooncake registration, and block i lives at ``base_address + i*block_bytes``,
+so a descriptor needs only the base address and block ids. Allocation prefers the lowest-addressed
+run of consecutive free blocks, so a request's blocks are usually adjacent and its transfer
+coalesces into one segment.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .errors import PoolExhausted
+from .layout import BlockLayout, pack_blocks, unpack_blocks
+
+_ALIGN = 64
+
+
+class BlockPool:
+    def __init__(self, layout: BlockLayout, num_blocks: int):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"kv_pool_blocks: expected a positive integer, got {num_blocks!r}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_bytes = layout.block_bytes
+        self.nbytes = num_blocks * self.block_bytes
+        # torch.empty: untouched pages cost nothing; every block is fully written before it is read.
+        self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8)
+        offset = (-self._storage.data_ptr()) % _ALIGN
+        self._blocks = self._storage[offset:offset + self.nbytes].view(num_blocks, self.block_bytes)
+        self.base_address = self._blocks.data_ptr()
+        self._free = np.ones(num_blocks, dtype=bool)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 1:
+            raise ValueError(f"allocate needs n >= 1, got {n}")
+        free = self.num_free
+        if n > free:
+            raise PoolExhausted(
+                f"KV block pool exhausted: {n} blocks requested, {free} of {self.num_blocks} free "
+                f"({self.block_bytes} bytes each); raise engine_args.kv_pool_blocks, or lower "
+                "concurrency / prompt length")
+        start = self._first_run(n)
+        ids = list(range(start, start + n)) if start is not None \
+            else np.flatnonzero(self._free)[:n].tolist()
+        self._free[ids] = False
+        return ids
+
+    def _first_run(self, n: int) -> int | None:
+        """Lowest start index of n consecutive free blocks, or None."""
+        padded = np.concatenate(([False], self._free, [False])).astype(np.int8)
+        edges = np.diff(padded)
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        fits = np.flatnonzero(ends - starts >= n)
+        return int(starts[fits[0]]) if fits.size else None
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        self._check_ids(ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"free: block ids repeated in {ids}")
+        already = [i for i in ids if self._free[i]]
+        if already:
+            # Validate everything before touching state, so a bad call frees nothing.
+            raise ValueError(f"double free of KV blocks {already}: they are not allocated")
+        self._free[ids] = True
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} outside 0..{self.num_blocks - 1}")
+
+    # -- memory ------------------------------------------------------------------------------
+    def block_address(self, i: int) -> int:
+        self._check_ids([i])
+        return self.base_address + i * self.block_bytes
+
+    def block_view(self, i: int) -> torch.Tensor:
+        """Mutable uint8 view of block i (no copy)."""
+        self._check_ids([i])
+        return self._blocks[i]
+
+    def _run_start(self, block_ids: Sequence[int]) -> int | None:
+        """First id if block_ids is one ascending run of consecutive ids, else None."""
+        ids = list(block_ids)
+        return ids[0] if ids and ids == list(range(ids[0], ids[0] + len(ids))) else None
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``[len(block_ids), block_bytes]`` uint8: a view of the pool when the ids are one
+        ascending run (valid only while the caller holds the blocks), else a copy."""
+        self._check_ids(block_ids)
+        start = self._run_start(block_ids)
+        if start is not None:
+            return self._blocks[start:start + len(block_ids)]
+        return self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long)]
+
+    def write(self, block_ids: Sequence[int], kv_canonical: torch.Tensor) -> None:
+        self._check_ids(block_ids)
+        needed = self.layout.num_blocks_for(int(kv_canonical.shape[3])) if kv_canonical.dim() == 5 else -1
+        if needed != len(block_ids):
+            raise ValueError(f"KV of shape {tuple(kv_canonical.shape)} needs {needed} blocks, "
+                             f"got {len(block_ids)} block ids")
+        start = self._run_start(block_ids)
+        if start is not None:  # pack straight into pool memory: one copy instead of two
+            pack_blocks(kv_canonical, self.layout, out=self._blocks[start:start + len(block_ids)])
+        else:
+            packed = pack_blocks(kv_canonical, self.layout)
+            self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long)] = packed
+
+    def read(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        return unpack_blocks(self.gather(block_ids), self.layout, num_tokens)

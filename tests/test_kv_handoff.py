@@ -1,0 +1,274 @@
+"""The KV handoff over real Mooncake (loopback TCP): two TransferEngines in this process, plus one
+sender in a spawned child process."""
+import logging
+import multiprocessing
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from omni_pd.kv import (BlockLayout, IllegalTransition, KVDescriptor, KVIntegrityError, KVReceiver,  # noqa: E402
+                        KVSender, KVTransferError, MooncakeTransport, PoolExhausted, TransferState)
+from omni_pd.kv.handoff import Lease, Transfer  # noqa: E402
+
+LAYOUT = BlockLayout.default_for(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
+
+
+def make_kv(num_tokens: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 2, 2, num_tokens, 16, generator=g).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def transports():
+    # Mooncake has no shutdown: engines live until the process exits, so build two per module.
+    return MooncakeTransport(), MooncakeTransport()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def sender(transports, clock):
+    s = KVSender("prefill-test", LAYOUT, 32, transports[0], lease_timeout_s=30.0, clock=clock)
+    yield s
+    # Invariant 2: nothing outlives its request. Tests release what they publish.
+    assert s.debug_state_counts() == {"leases": 0, "used_blocks": 0}
+    s.close()
+    assert transports[0].registered_bytes == 0
+
+
+@pytest.fixture
+def receiver(transports):
+    r = KVReceiver(LAYOUT, 32, transports[1])
+    yield r
+    assert r.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    r.close()
+    assert transports[1].registered_bytes == 0
+
+
+def test_fetch_is_bit_exact_and_moves_only_prompt_bytes(sender, receiver):
+    kv = make_kv(37)
+    desc = sender.publish("t-exact", kv)
+    assert sender.debug_state_counts() == {"leases": 1, "used_blocks": 3}
+    result = receiver.fetch(KVDescriptor.from_params(desc.to_params()))
+    assert torch.equal(result.kv_canonical, kv)
+    assert result.bytes_transferred == 37 * LAYOUT.bytes_per_token
+    assert result.num_segments == 1  # contiguous blocks on both sides coalesce
+    assert result.transfer_ms > 0
+    assert sender.release("t-exact") is True
+    assert sender.release("t-exact") is False
+
+
+def test_heterogeneous_layouts_are_converted(sender, transports):
+    decode_layout = BlockLayout(block_size=8, num_layers=4, num_kv_heads=2, head_dim=16,
+                                dtype="bfloat16", kv_split="split", order="head_major")
+    receiver = KVReceiver(decode_layout, 32, transports[1])
+    try:
+        kv = make_kv(21, seed=1)
+        sender.publish("t-hetero", kv)  # so the fetched remote blocks do not start at id 0
+        desc = KVDescriptor.from_params(sender.publish("t-hetero-2", kv).to_params())
+        result = receiver.fetch(desc)
+        assert result.kv_canonical.dtype == torch.bfloat16
+        assert torch.equal(result.kv_canonical, kv.to(torch.bfloat16))
+        assert result.bytes_transferred == 21 * LAYOUT.bytes_per_token
+        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    finally:
+        for tid in ("t-hetero", "t-hetero-2"):
+            sender.release(tid)
+        receiver.close()
+
+
+def test_scattered_remote_blocks(sender, receiver, transports):
+    fillers = [f"t-fill-{i}" for i in range(32)]
+    for tid in fillers:
+        sender.publish(tid, make_kv(1))
+    for i in (5, 9, 20):  # leave three separated holes
+        sender.release(fillers[i])
+    kv = make_kv(40, seed=4)
+    desc = sender.publish("t-scatter", kv)
+    assert desc.remote_block_ids == (5, 9, 20)
+    result = receiver.fetch(desc)
+    assert torch.equal(result.kv_canonical, kv) and result.num_segments == 3
+    other = BlockLayout(block_size=5, num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                        kv_split="fused", order="head_major")
+    hetero = KVReceiver(other, 64, transports[1])
+    try:
+        # Remote blocks straddle local block boundaries (16 KiB staged over 2.5 KiB blocks).
+        result = hetero.fetch(desc)
+        assert torch.equal(result.kv_canonical, kv.to(torch.float16)) and result.num_segments == 3
+    finally:
+        hetero.close()
+    for tid in ["t-scatter"] + [t for i, t in enumerate(fillers) if i not in (5, 9, 20)]:
+        assert sender.release(tid)
+
+
+def test_incompatible_geometry_fails_before_transfer(sender, transports):
+    other = BlockLayout.default_for(num_layers=4, num_kv_heads=4, head_dim=16, dtype="float32")
+    receiver = KVReceiver(other, 8, transports[1])
+    try:
+        desc = sender.publish("t-geom", make_kv(5))
+        with pytest.raises(ValueError, match="kv heads"):
+            receiver.fetch(desc)
+        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    finally:
+        sender.release("t-geom")
+        receiver.close()
+
+
+def test_injected_fault_travels_undetected(sender, receiver):
+    kv = make_kv(20, seed=2)
+    sender.inject_fault_once(block_index=1, byte_offset=5)
+    desc = sender.publish("t-fault", kv)
+    result = receiver.fetch(desc)  # checksums were computed after the flip, so they pass
+    diff = (result.kv_canonical != kv)
+    assert diff.sum().item() == 1  # exactly one float changed: the output comparison must notice
+    sender.release("t-fault")
+    # The hook fires once: the next publish is clean.
+    desc = sender.publish("t-clean", kv)
+    assert torch.equal(receiver.fetch(desc).kv_canonical, kv)
+    sender.release("t-clean")
+
+
+def test_fault_outside_the_transferred_bytes_is_rejected(sender):
+    sender.inject_fault_once(block_index=0, byte_offset=3 * LAYOUT.bytes_per_token)
+    with pytest.raises(ValueError, match="outside"):
+        sender.publish("t-badfault", make_kv(2))
+    assert sender.debug_state_counts() == {"leases": 0, "used_blocks": 0}
+
+
+def test_memory_changed_after_publish_raises_integrity_error(sender, receiver):
+    desc = sender.publish("t-corrupt", make_kv(40, seed=3))
+    sender.pool.block_view(desc.remote_block_ids[1])[100] ^= 0xFF
+    with pytest.raises(KVIntegrityError, match=r"t-corrupt: block 1 "):
+        receiver.fetch(desc)
+    # Without verification the corrupted bytes arrive: the checksum is what caught it.
+    assert not torch.equal(receiver.fetch(desc, verify_checksums=False).kv_canonical, make_kv(40, seed=3))
+    sender.release("t-corrupt")
+
+
+def test_expire_leases_with_fake_clock(sender, clock, caplog):
+    sender.publish("t-old", make_kv(17))
+    clock.now += 20
+    sender.publish("t-new", make_kv(3))
+    assert sender.expire_leases() == []
+    clock.now += 15  # t-old is 35 s old (timeout 30), t-new 15 s
+    with caplog.at_level(logging.WARNING, logger="omni_pd.kv.handoff"):
+        assert sender.expire_leases() == ["t-old"]
+        assert sender.expire_leases() == []
+    expiries = [r for r in caplog.records if "t-old" in r.getMessage()]
+    assert len(expiries) == 1 and "2 KV blocks" in expiries[0].getMessage()
+    assert sender.debug_state_counts() == {"leases": 1, "used_blocks": 1}
+    assert sender.release("t-old") is False  # a late acknowledgement finds nothing
+    assert sender.release("t-new") is True
+
+
+def test_sender_pool_exhaustion_leaves_no_lease(sender):
+    sender.publish("t-big", make_kv(16 * 30))
+    with pytest.raises(PoolExhausted, match="kv_pool_blocks"):
+        sender.publish("t-toomuch", make_kv(16 * 3))
+    assert sender.debug_state_counts() == {"leases": 1, "used_blocks": 30}
+    with pytest.raises(ValueError, match="already published"):
+        sender.publish("t-big", make_kv(1))
+    sender.release("t-big")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_peer_fails_fast_and_leaves_no_state(sender, receiver, transports):
+    desc = sender.publish("t-dead", make_kv(30))
+    dead = f"127.0.0.1:{_free_port()}"
+    params = {**desc.to_params(), "remote_session": dead}
+    began = time.monotonic()
+    with pytest.raises(KVTransferError, match=rf"peer {dead} failed.*1 segments, 30720 bytes"):
+        receiver.fetch(KVDescriptor.from_params(params))
+    assert time.monotonic() - began < 3.0
+    assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    assert transports[1].probe(transports[0].session_id) is True
+    sender.release("t-dead")
+
+
+def test_descriptor_params_sit_beside_vllm_keys_and_validate():
+    desc = KVDescriptor(transfer_id="x1", remote_engine_id="p0", remote_session="127.0.0.1:1",
+                        remote_block_ids=(4, 5), remote_base_address=4096,
+                        block_bytes=LAYOUT.block_bytes, num_tokens=20, kv_layout=LAYOUT,
+                        block_checksums=("00" * 8, "11" * 8))
+    params = {"do_remote_prefill": True, "do_remote_decode": False, **desc.to_params()}
+    assert KVDescriptor.from_params(params) == desc
+    assert params["do_remote_prefill"] is True  # vLLM's keys are untouched
+    for key in KVDescriptor.KEYS[1:]:
+        with pytest.raises(ValueError, match=rf"transfer x1.*{key}|{key}.*transfer x1"):
+            KVDescriptor.from_params({k: v for k, v in params.items() if k != key})
+    with pytest.raises(ValueError, match=r"'num_tokens'.*x1.*expected int"):
+        KVDescriptor.from_params({**params, "num_tokens": "20"})
+    with pytest.raises(ValueError, match=r"x1: 40 tokens need 3 blocks"):
+        KVDescriptor.from_params({**params, "num_tokens": 40})
+    with pytest.raises(ValueError, match=r"kv_layout.*x1.*kv_layout\.dtype"):
+        KVDescriptor.from_params({**params, "kv_layout": {**LAYOUT.to_dict(), "dtype": "int4"}})
+    with pytest.raises(ValueError, match="missing 'transfer_id'"):
+        KVDescriptor.from_params({k: v for k, v in params.items() if k != "transfer_id"})
+
+
+def test_state_machine_rejects_illegal_transitions():
+    lease = Lease("a", [0], TransferState.PUBLISHED, deadline=1.0)
+    lease.move(TransferState.DONE)
+    with pytest.raises(IllegalTransition, match="a: illegal transition DONE -> EXPIRED"):
+        lease.move(TransferState.EXPIRED)
+    transfer = Transfer("b", [0], TransferState.TRANSFERRING)
+    with pytest.raises(IllegalTransition):
+        transfer.move(TransferState.EXPIRED)
+    transfer.move(TransferState.FAILED, "boom")
+    with pytest.raises(IllegalTransition):
+        transfer.move(TransferState.DONE)
+
+
+# -- sender in another process -----------------------------------------------------------------
+
+def _sender_process(conn, num_tokens: int, seed: int) -> None:
+    sender = KVSender("prefill-child", LAYOUT, 16, MooncakeTransport(), lease_timeout_s=60.0)
+    kv = make_kv(num_tokens, seed)
+    conn.send(sender.publish("t-child", kv).to_params())
+    transfer_id = conn.recv()  # the decode side's acknowledgement
+    conn.send((sender.release(transfer_id), sender.debug_state_counts()))
+    sender.close()
+
+
+def test_sender_in_spawned_process(receiver):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_sender_process, args=(child, 50, 7), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "sender child did not publish"
+        desc = KVDescriptor.from_params(parent.recv())
+        assert desc.remote_engine_id == "prefill-child"
+        result = receiver.fetch(desc)
+        assert torch.equal(result.kv_canonical, make_kv(50, 7))
+        assert result.bytes_transferred == 50 * LAYOUT.bytes_per_token
+        parent.send("t-child")
+        assert parent.poll(30), "sender child did not acknowledge the release"
+        assert parent.recv() == (True, {"leases": 0, "used_blocks": 0})
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
