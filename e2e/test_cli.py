@@ -29,7 +29,7 @@ def _generate_json(tmp_path, *extra):
 
 
 def test_generate_json_reports_text_audio_and_timings(tmp_path):
-    result = _generate_json(tmp_path)
+    result = _generate_json(tmp_path)  # the default config: P/D across processes
     for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256",
                 "metrics"):
         assert key in result
@@ -39,7 +39,15 @@ def test_generate_json_reports_text_audio_and_timings(tmp_path):
     assert hashlib.sha256(samples.tobytes()).hexdigest() == result["audio_sha256"]
     metrics = result["metrics"]
     assert 0 < metrics["ttft_ms"] <= metrics["e2e_ms"]
-    assert set(metrics["stage_ms"]) == {"0", "1", "2"}
+    assert set(metrics["stage_ms"]) == {"0", "1", "2", "3"}
+    # Tiny thinker: 4 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes per prompt token.
+    assert metrics["kv_bytes_transferred"] == len(result["prompt_token_ids"]) * 4 * 2 * 2 * 16 * 4
+    assert metrics["kv_transfer_ms"] > 0
+
+
+def test_colocated_config_reports_no_kv_transfer(tmp_path):
+    metrics = _generate_json(tmp_path, "--stage-configs-path", str(TINY))["metrics"]
+    assert set(metrics["stage_ms"]) == {"0", "1", "2"} and "kv_bytes_transferred" not in metrics
 
 
 def test_generate_plain_prints_text_and_timings(tmp_path):
@@ -54,7 +62,7 @@ def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path):
     # The same stage config, but loading the written safetensors instead of seeded weights.
     config = tmp_path / "from_files.yaml"
     config.write_text(TINY.read_text().replace("load_format: dummy", "load_format: auto"))
-    dummy = _generate_json(tmp_path)
+    dummy = _generate_json(tmp_path, "--stage-configs-path", str(TINY))
     files = _generate_json(tmp_path, "--model", str(ckpt), "--stage-configs-path", str(config))
     assert files["token_ids"] == dummy["token_ids"]
     assert files["audio_sha256"] == dummy["audio_sha256"]

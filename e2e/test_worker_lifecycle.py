@@ -73,3 +73,24 @@ def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _port_open(session: str) -> bool:
+    import socket
+    host, port = session.rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+def test_pd_close_frees_workers_and_transfer_ports():
+    omni = Omni(stage_configs_path=STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml")
+    try:
+        pids = omni.worker_pids
+        sessions = [c.info["kv_session"] for c in omni.clients.values() if "kv_session" in c.info]
+        assert len(pids) == 4 and len(sessions) == 2
+        assert all(_port_open(s) for s in sessions)
+    finally:
+        omni.close()
+    assert not any(_alive(p) for p in pids)
+    assert not any(_port_open(s) for s in sessions)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STAGE_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "stage_configs"
-DEFAULT_STAGE_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+DEFAULT_STAGE_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 
 
 def default_stage_config() -> Path:

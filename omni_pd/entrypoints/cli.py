@@ -15,7 +15,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=TINY_MODEL_NAME,
                         help=f"checkpoint directory or the embedded {TINY_MODEL_NAME!r} (default)")
     parser.add_argument("--stage-configs-path", default=None,
-                        help="stage YAML (default: stage_configs/ci/qwen3_omni_tiny.yaml)")
+                        help="stage YAML (default: stage_configs/ci/qwen3_omni_tiny_pd.yaml, P/D on the CPU)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -56,6 +56,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"audio: {audio_path} ({result.audio.numel()} samples at {result.sample_rate} Hz)")
         stages = ", ".join(f"stage {k} {v:.1f} ms" for k, v in m["stage_ms"].items())
         print(f"timings: ttft {m['ttft_ms']:.1f} ms, end-to-end {m['e2e_ms']:.1f} ms ({stages})")
+        if "kv_bytes_transferred" in m:
+            print(f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
+                  f"prompt tokens in {m['kv_transfer_ms']:.2f} ms")
     return 0
 
 
