@@ -8,6 +8,7 @@ belong to the caller (the orchestrator), not here.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 from .errors import KVTransferError
@@ -22,6 +23,9 @@ _INSTALL_HINT = ("install `mooncake-transfer-engine-non-cuda` (pip) and Debian `
 
 def _load_engine_class():
     try:
+        # Mooncake logs every start-up step (and "No RDMA devices found" on TCP) through glog;
+        # keep its errors only, unless the deployer asked for more with MC_LOG_LEVEL.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise ImportError(f"Mooncake's transfer engine cannot be imported ({exc}); {_INSTALL_HINT}") from exc

@@ -62,14 +62,19 @@ class StageClient:
             except (EOFError, OSError):
                 pass
             if not self.process.is_alive():
-                raise StageError(f"{self.name} worker (pid {self.process.pid}) exited with code "
-                                 f"{self.process.exitcode} {doing}")
+                raise self._exited(doing)
 
     def _send(self, message: Any) -> None:
         try:
             self._conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
-            raise StageError(f"{self.name} worker is gone ({exc})") from exc
+            self.process.join(1.0)
+            raise self._exited("before the request was sent") from exc
+
+    def _exited(self, doing: str) -> StageError:
+        return StageError(f"{self.name} worker (pid {self.process.pid}) exited with code "
+                          f"{self.process.exitcode} {doing}; its log above says why, and a new "
+                          "Omni / server is needed to serve this stage again")
 
     def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float) -> Any:
         self._send(msg.GenerateRequest(request_id, prompt, params))
