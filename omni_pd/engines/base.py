@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..sampling import SamplingParams
 
@@ -30,8 +30,10 @@ class StageEngine(ABC):
     stage_id: int
 
     @abstractmethod
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
-        """Run the stage on a prompt built for it; return the stage's output record."""
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams,
+                 on_token: Callable[[int], None] | None = None) -> Any:
+        """Run the stage on a prompt built for it; return the stage's output record. A stage that
+        produces text calls `on_token` with each token as it is sampled (it may raise to abort)."""
 
     # Engine calls the orchestrator may make outside the request path, by name.
     control_calls: frozenset[str] = frozenset({"debug_state_counts"})

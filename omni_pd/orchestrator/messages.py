@@ -31,6 +31,22 @@ class GenerateRequest:
     request_id: str
     prompt: Any
     params: SamplingParams
+    stream: bool = False  # send TokenDelta messages while generating
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a text stage produced since its last delta for a streamed request."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class Abort:
+    """Stop working on a request (its client went away or its deadline passed)."""
+
+    request_id: str
 
 
 @dataclass

@@ -20,6 +20,8 @@ class RequestState:
     first_token_at: float | None = None
     transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
     kv_released: bool = False
+    current_stage: int | None = None  # the stage working on it now, for aborts
+    aborted: bool = False
 
     def elapsed_ms(self, since: float | None = None) -> float:
         return (time.perf_counter() - (since if since is not None else self.started)) * 1e3

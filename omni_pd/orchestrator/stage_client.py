@@ -4,8 +4,9 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..sampling import SamplingParams
 from . import messages as msg
@@ -37,13 +38,16 @@ class StageClient:
         child.close()
         self.info: dict[str, Any] = {}
         self._calls = itertools.count()
+        # The orchestrator serialises requests per stage, but an Abort may be sent from another
+        # thread while a request is in flight: sends never interleave.
+        self._send_lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.model_stage})"
 
     def wait_ready(self) -> None:
-        reply = self._receive(self.startup_timeout_s, "to start")
+        reply = self._receive(self.startup_timeout_s, "while starting")
         if isinstance(reply, msg.StartupFailed):
             raise StageError(f"{self.name} failed to start: {reply.message}")
         self.info = reply.info
@@ -66,7 +70,8 @@ class StageClient:
 
     def _send(self, message: Any) -> None:
         try:
-            self._conn.send_bytes(msg.dumps(message))
+            with self._send_lock:
+                self._conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
             self.process.join(1.0)
             raise self._exited("before the request was sent") from exc
@@ -76,18 +81,29 @@ class StageClient:
                           f"{self.process.exitcode} {doing}; its log above says why, and a new "
                           "Omni / server is needed to serve this stage again")
 
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float) -> Any:
-        self._send(msg.GenerateRequest(request_id, prompt, params))
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> Any:
+        self._send(msg.GenerateRequest(request_id, prompt, params, stream=on_tokens is not None))
         deadline = time.monotonic() + timeout_s
         while True:
             reply = self._receive(max(deadline - time.monotonic(), 0.0), f"for request {request_id}")
-            if getattr(reply, "request_id", None) == request_id:
+            if getattr(reply, "request_id", None) != request_id:
+                # A late answer to a request that already timed out: nobody waits for it any more.
+                log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
+            elif isinstance(reply, msg.TokenDelta):
+                on_tokens(reply.token_ids)
+            else:
                 break
-            # A late answer to a request that already timed out: nobody waits for it any more.
-            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
         if isinstance(reply, msg.GenerateFailed):
             raise StageError(f"{self.name} failed request {request_id}: {reply.message}")
         return reply.output
+
+    def abort(self, request_id: str) -> None:
+        """Ask the worker to stop `request_id`; harmless if it already finished."""
+        try:
+            self._send(msg.Abort(request_id))
+        except StageError:
+            pass
 
     def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         call_id = next(self._calls)
@@ -97,12 +113,18 @@ class StageClient:
             raise StageError(f"{self.name} control call {name} failed: {reply.error}")
         return reply.value
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def request_shutdown(self) -> None:
+        """Ask the worker to stop without waiting (close() waits): workers stop in parallel."""
         if self.process.is_alive():
             try:
-                self._conn.send_bytes(msg.dumps(msg.Shutdown()))
+                with self._send_lock:
+                    self._conn.send_bytes(msg.dumps(msg.Shutdown()))
             except (BrokenPipeError, OSError):
                 pass
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self.process.is_alive():
+            self.request_shutdown()
             self.process.join(timeout_s)
         if self.process.is_alive():
             log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
@@ -124,19 +146,38 @@ class LocalStageClient:
         self.engine = build_engine(stage_config, model)
         self.info = self.engine.describe()
         self.process = None
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     def wait_ready(self) -> None:
         pass
 
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float) -> Any:
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> Any:
+        def on_token(token_id: int) -> None:
+            if request_id in self._aborted:
+                raise RuntimeError(f"request {request_id} was aborted")
+            if on_tokens is not None:
+                on_tokens([token_id])
+        self._running.add(request_id)
         try:
-            return self.engine.generate(request_id, prompt, params)
+            return self.engine.generate(request_id, prompt, params, on_token=on_token)
         except Exception as exc:
             raise StageError(f"stage {self.stage_id} ({self.model_stage}) failed request "
                              f"{request_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._running.discard(request_id)
+            self._aborted.discard(request_id)
 
     def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         return self.engine.control(name, **kwargs)
+
+    def request_shutdown(self) -> None:
+        pass
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.engine.close()

@@ -66,7 +66,8 @@ class HfPrefillEngine(StageEngine):
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
                 "kv_layout": self.layout.to_dict()}
 
-    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> ThinkerOutput:
+    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+                 on_token=None) -> ThinkerOutput:
         kv_params = params.kv_transfer_params or {}
         if not kv_params.get("do_remote_decode") or not kv_params.get("transfer_id"):
             raise ValueError(f"request {request_id}: a prefill-only stage needs kv_transfer_params "
@@ -122,7 +123,8 @@ class HfDecodeEngine(StageEngine):
     def describe(self) -> dict[str, Any]:
         return {"kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict()}
 
-    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> ThinkerOutput:
+    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+                 on_token=None) -> ThinkerOutput:
         began = time.perf_counter()
         kv_params = params.kv_transfer_params or {}
         if not kv_params.get("do_remote_prefill"):
@@ -137,7 +139,7 @@ class HfDecodeEngine(StageEngine):
         cache = canonical_to_cache(fetched.kv, self.runner.text_config)
         ready_ms = (time.perf_counter() - began) * 1e3
         dec = self.runner.decode(prompt.prompt_token_ids, cache, int(kv_params["rope_deltas"]),
-                                 int(kv_params["first_token"]), params)
+                                 int(kv_params["first_token"]), params, on_token=on_token)
         return ThinkerOutput(
             request_id=request_id, prompt_token_ids=list(prompt.prompt_token_ids),
             token_ids=dec.token_ids, text=dec.text, finish_reason=dec.finish_reason,

@@ -41,10 +41,11 @@ class HfThinkerEngine(StageEngine):
         self.stage_id = stage_id
         self.runner = thinker_runner(model, tokenizer)
 
-    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> ThinkerOutput:
+    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+                 on_token=None) -> ThinkerOutput:
         pre = self.runner.prefill(prompt, params)
         dec = self.runner.decode(prompt.prompt_token_ids, pre.cache, pre.rope_deltas,
-                                 pre.first_token, params)
+                                 pre.first_token, params, on_token=on_token)
         return ThinkerOutput(
             request_id=request_id, prompt_token_ids=list(prompt.prompt_token_ids),
             token_ids=dec.token_ids, text=dec.text, finish_reason=dec.finish_reason,
@@ -60,7 +61,8 @@ class HfTalkerEngine(StageEngine):
         self.stage_id = stage_id
         self.runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
 
-    def generate(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams) -> TalkerOutput:
+    def generate(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
+                 on_token=None) -> TalkerOutput:
         with warnings.catch_warnings():
             # transformers notes that the penalty skips an embeddings-only prompt; intended here.
             warnings.filterwarnings("ignore", message="Passing `repetition_penalty`")
@@ -72,7 +74,8 @@ class HfCode2WavEngine(StageEngine):
         self.stage_id = stage_id
         self.runner = Code2WavRunner(model.code2wav)
 
-    def generate(self, request_id: str, prompt: Code2WavPrompt, params: SamplingParams) -> AudioOutput:
+    def generate(self, request_id: str, prompt: Code2WavPrompt, params: SamplingParams,
+                 on_token=None) -> AudioOutput:
         return self.runner.generate(prompt)
 
 

@@ -1,0 +1,382 @@
+"""`AsyncOmni`: the orchestrator both `Omni` and the server run on.
+
+Stage workers serve one request at a time, so each stage has an asyncio lock; requests move
+through the stages independently, so several requests are in flight at once, each in a different
+stage. Blocking pipe I/O to a worker runs in a thread pool. With a P/D pair the thinker runs
+twice: a prefill leg (stop conditions neutralised, KV published) and a decode leg (KV fetched
+over Mooncake); then the prefill leg's KV lease is released.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from ..config import PipelineConfig, load_pipeline_config
+from ..engines.base import StageInputs
+from ..engines.hf.stage_engines import thinker_eos_ids
+from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
+from ..models.qwen3_omni.factory import load_config, load_tokenizer, resolve_model
+from ..models.qwen3_omni.prompt import PromptBuilder, normalize_prompt
+from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+from ..paths import default_stage_config
+from ..planning import (build_decode_sampling_params, build_prefill_sampling_params,
+                        expand_sampling_params, find_pd_pair, new_transfer_id)
+from ..sampling import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .graph import topological_order
+from .outputs import OmniRequestOutput
+from .request_state import RequestState
+from .stage_client import LocalStageClient, StageClient, StageError
+
+log = logging.getLogger(__name__)
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+MODALITIES = frozenset({"text", "audio"})
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted (its client went away)."""
+
+
+class RequestTimeout(StageError):
+    """The request passed its deadline."""
+
+
+class PromptTooLong(ValueError):
+    """Prompt plus max_tokens exceed the thinker's context."""
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class Finished:
+    output: OmniRequestOutput
+
+
+def _import_processor(dotted: str) -> Callable[[StageInputs], Any]:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class AsyncOmni:
+    def __init__(self, model: str = TINY_MODEL_NAME, stage_configs_path: str | Path | None = None,
+                 *, keep_stage_outputs: bool = False,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+        self.model = model
+        self.stage_configs_path = Path(stage_configs_path or default_stage_config())
+        self.config: PipelineConfig = load_pipeline_config(self.stage_configs_path)
+        self.keep_stage_outputs = keep_stage_outputs
+        self.request_timeout_s = request_timeout_s
+        self.stages = {s.stage_id: s for s in self.config.stages}
+        self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
+                                        for s in self.config.stages})
+        self.pd_pair = find_pd_pair(self.config)
+        if self.pd_pair:
+            log.info("prefill/decode pair detected: stage %d prefills, stage %d decodes",
+                     self.pd_pair.prefill_stage_id, self.pd_pair.decode_stage_id)
+        self.text_stage_id = self._final_stage("text")
+        source = resolve_model(model)
+        self.model_config = load_config(source)
+        self.tokenizer = load_tokenizer(source)
+        self.eos_token_ids = thinker_eos_ids(self.model_config, self.tokenizer)
+        text_stage_args = self.stages[self.text_stage_id].engine_args
+        self.max_model_len = (text_stage_args.max_model_len or
+                              self.model_config.thinker_config.text_config.max_position_embeddings)
+        self.prompt_builder = PromptBuilder(self.tokenizer, self.model_config.thinker_config)
+        self.processors = {s.stage_id: _import_processor(s.custom_process_input_func)
+                           for s in self.config.stages if s.custom_process_input_func}
+        self._requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._executor = ThreadPoolExecutor(max_workers=2 * len(self.order) + 2,
+                                            thread_name_prefix="omni-pd-stage-io")
+        self.clients: dict[int, StageClient | LocalStageClient] = {}
+        try:
+            # Start every worker first, then wait: the stages load their models in parallel.
+            for stage_id in self.order:
+                stage = self.stages[stage_id]
+                self.clients[stage_id] = (StageClient(stage, model, startup_timeout_s)
+                                          if stage.runtime.process else LocalStageClient(stage, model))
+            for client in self.clients.values():
+                client.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        log.info("all %d stages are up", len(self.clients))
+
+    def _final_stage(self, kind: str) -> int:
+        finals = [s.stage_id for s in self.config.stages
+                  if s.final_output and s.final_output_type == kind]
+        if finals:
+            return finals[-1]
+        return [s.stage_id for s in self.config.stages if s.model_stage == "thinker"][-1]
+
+    def _stages_for(self, modalities: frozenset[str]) -> list[int]:
+        """The stages a request needs: up to the text stage for text alone, all for audio."""
+        if "audio" in modalities:
+            return list(self.order)
+        needed, todo = set(), [self.text_stage_id]
+        while todo:
+            stage_id = todo.pop()
+            if stage_id not in needed:
+                needed.add(stage_id)
+                todo.extend(self.stages[stage_id].engine_input_source)
+        return [s for s in self.order if s in needed]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        clients, self.clients = self.clients, {}
+        for client in clients.values():
+            client.request_shutdown()
+        for client in clients.values():
+            try:
+                client.close()
+            except Exception:  # keep closing the others
+                log.exception("closing stage %d failed", client.stage_id)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def closed(self) -> bool:
+        return not self.clients
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [c.process.pid for c in self.clients.values() if c.process is not None]
+
+    def _lock(self, stage_id: int) -> asyncio.Lock:
+        if stage_id not in self._locks:
+            self._locks[stage_id] = asyncio.Lock()
+        return self._locks[stage_id]
+
+    async def _on_stage(self, stage_id: int, fn: Callable[[], Any], deadline: float | None) -> Any:
+        """Run a blocking call to a stage's worker under that stage's lock. Cancellation waits
+        for the call to return, so the next request never shares the pipe with this one."""
+        lock = self._lock(stage_id)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"stage {stage_id} stayed busy past the request's deadline") from None
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                await asyncio.wait([future])
+                raise
+        finally:
+            lock.release()
+
+    async def control(self, stage_id: int, name: str, **kwargs: Any) -> Any:
+        client = self.clients[stage_id]
+        return await self._on_stage(stage_id, partial(client.control, name, **kwargs), None)
+
+    async def debug_state_counts(self) -> dict[str, int]:
+        """Per-request state on every side: all zero when no request is in flight."""
+        counts = {"orchestrator.requests": len(self._requests)}
+        for stage_id in list(self.clients):
+            for key, value in (await self.control(stage_id, "debug_state_counts")).items():
+                counts[f"stage{stage_id}.{key}"] = value
+        return counts
+
+    # ---- requests --------------------------------------------------------------------------
+    def stage_params(self, sampling_params_list: Sequence[SamplingParams | None] | None
+                     ) -> dict[int, SamplingParams]:
+        ordered = [s.stage_id for s in self.config.stages]
+        given = list(sampling_params_list) if sampling_params_list is not None else [None] * len(ordered)
+        if len(given) != len(ordered):
+            # One entry per logical stage (the thinker counted once): the decode leg gets a copy.
+            given = expand_sampling_params(given, self.config)
+        return {sid: p if p is not None else self.stages[sid].default_sampling_params
+                for sid, p in zip(ordered, given)}
+
+    @staticmethod
+    def _with_seeds(params: dict[int, SamplingParams]) -> dict[int, SamplingParams]:
+        # An unseeded sampled request gets one random seed, shared by every leg of its stage, so
+        # that a P/D pair samples exactly as one engine would.
+        seed = secrets.randbelow(2**31)
+        return {sid: p if p.seed is not None or p.greedy else p.replace(seed=seed)
+                for sid, p in params.items()}
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: the stage running it stops at its next token, later stages never run,
+        and its KV lease is released. Unknown or finished requests are ignored."""
+        state = self._requests.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        log.debug("request %s aborted", request_id)
+        if state.current_stage is not None and state.current_stage in self.clients:
+            self.clients[state.current_stage].abort(request_id)
+
+    async def generate(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
+                       *, request_id: str | None = None, modalities: Sequence[str] = ("text", "audio"),
+                       on_text: Callable[[str], None] | None = None) -> OmniRequestOutput:
+        if self.closed:
+            raise RuntimeError("this Omni is closed")
+        wanted = frozenset(modalities)
+        if not wanted or not wanted <= MODALITIES or "text" not in wanted:
+            raise ValueError(f"modalities must be ['text'] or ['text', 'audio'], got {sorted(wanted)}")
+        params = self._with_seeds(self.stage_params(sampling_params_list))
+        state = RequestState(request_id=request_id or self.new_request_id(),
+                             prompt=normalize_prompt(prompt), params=params)
+        if state.request_id in self._requests:
+            raise ValueError(f"request id {state.request_id} is already in flight")
+        self._requests[state.request_id] = state
+        try:
+            return await self._run(state, self._stages_for(wanted), on_text)
+        finally:
+            await self._release_kv(state)
+            del self._requests[state.request_id]
+
+    async def stream(self, prompt: Any, sampling_params_list=None, *, request_id: str | None = None,
+                     modalities: Sequence[str] = ("text", "audio")) -> AsyncIterator[TextDelta | Finished]:
+        """Text deltas as the text stage produces them, then the finished output. Closing the
+        iterator early aborts the request."""
+        request_id = request_id or self.new_request_id()
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self.generate(prompt, sampling_params_list, request_id=request_id,
+                                                 modalities=modalities,
+                                                 on_text=lambda text: queue.put_nowait(TextDelta(text))))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        sent = ""
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                sent += item.text
+                yield item
+            output = task.result()
+            if output.text.startswith(sent) and len(output.text) > len(sent):
+                yield TextDelta(output.text[len(sent):])  # what the deltas held back
+            yield Finished(output)
+        finally:
+            if not task.done():
+                self.abort(request_id)
+                await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: an aborted request's error is expected here
+
+    async def _run(self, state: RequestState, stage_ids: list[int],
+                   on_text: Callable[[str], None] | None) -> OmniRequestOutput:
+        deadline = time.monotonic() + self.request_timeout_s
+        thinker_prompt = self.prompt_builder.build(state.prompt)
+        prompt_len = len(thinker_prompt.prompt_token_ids)
+        max_tokens = state.params[self.text_stage_id].max_tokens
+        if prompt_len + max_tokens > self.max_model_len:
+            raise PromptTooLong(f"the prompt has {prompt_len} tokens and asks for up to {max_tokens} "
+                                f"more, over this model's context of {self.max_model_len} tokens; "
+                                "shorten the messages or lower max_tokens")
+        for stage_id in stage_ids:
+            if state.aborted:
+                raise RequestAborted(f"request {state.request_id} was aborted")
+            began = time.perf_counter()
+            state.current_stage = stage_id
+            try:
+                output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text)
+            except StageError:
+                if state.aborted:
+                    raise RequestAborted(f"request {state.request_id} was aborted") from None
+                raise
+            finally:
+                state.current_stage = None
+            state.stage_ms[stage_id] = state.elapsed_ms(began)
+            if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
+                state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
+            state.outputs[stage_id] = output
+            if self.pd_pair and stage_id == self.pd_pair.decode_stage_id:
+                await self._release_kv(state)
+        return self._finish(state)
+
+    async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
+                          deadline: float, on_text: Callable[[str], None] | None) -> Any:
+        stage = self.stages[stage_id]
+        params = state.params[stage_id]
+        prompt: Any = thinker_prompt
+        pair = self.pd_pair
+        if pair and stage_id == pair.prefill_stage_id:
+            state.transfer_id = new_transfer_id(state.request_id)
+            params = build_prefill_sampling_params(params, state.transfer_id)
+        elif pair and stage_id == pair.decode_stage_id:
+            prefill_out = state.outputs[pair.prefill_stage_id]
+            params = build_decode_sampling_params(params, prefill_out.kv_transfer_params or {},
+                                                  state.transfer_id)
+            # The KV covers the prompt (audio included): the decode leg needs only the token ids.
+            prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
+        elif stage.engine_input_source:
+            prompt = self.processors[stage_id](StageInputs(
+                request_id=state.request_id, stage_id=stage_id,
+                source_stage_ids=tuple(stage.engine_input_source), upstream=dict(state.outputs),
+                model_config=self.model_config, speaker=state.prompt.speaker))
+        on_tokens = None
+        if on_text is not None and stage_id == self.text_stage_id:
+            on_tokens = self._text_stream(state, params, on_text)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
+                                 f"deadline before stage {stage_id}")
+        client = self.clients[stage_id]
+        return await self._on_stage(
+            stage_id, partial(client.generate, state.request_id, prompt, params, remaining, on_tokens),
+            deadline)
+
+    def _text_stream(self, state: RequestState, params: SamplingParams,
+                     on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
+        detok = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
+        loop = asyncio.get_running_loop()
+
+        def on_tokens(token_ids: list[int]) -> None:  # runs in a stage I/O thread
+            delta = detok.add(token_ids)
+            if delta:
+                loop.call_soon_threadsafe(on_text, delta)
+        return on_tokens
+
+    async def _release_kv(self, state: RequestState) -> None:
+        # The decode leg has its copy (or failed): the prefill leg may free the blocks now rather
+        # than at lease expiry.
+        if state.transfer_id is None or state.kv_released or self.closed:
+            return
+        state.kv_released = True
+        try:
+            await self.control(self.pd_pair.prefill_stage_id, "release_kv", transfer_id=state.transfer_id)
+        except StageError as exc:
+            log.warning("request %s: could not release KV lease %s (%s); it expires on its own",
+                        state.request_id, state.transfer_id, exc)
+
+    def _finish(self, state: RequestState) -> OmniRequestOutput:
+        thinker: ThinkerOutput = state.outputs[self.text_stage_id]
+        audio = next((o for o in state.outputs.values() if isinstance(o, AudioOutput)), None)
+        metrics: dict[str, Any] = {
+            "ttft_ms": state.first_token_at,
+            "e2e_ms": state.elapsed_ms(),
+            "stage_ms": {str(k): v for k, v in state.stage_ms.items()},
+            "prompt_tokens": len(thinker.prompt_token_ids),
+            "completion_tokens": len(thinker.token_ids),
+        }
+        for key in ("kv_bytes_transferred", "kv_transfer_ms"):
+            if key in thinker.metrics:
+                metrics[key] = thinker.metrics[key]
+        if self.pd_pair:
+            metrics["num_cached_prompt_tokens"] = thinker.num_cached_prompt_tokens
+        return OmniRequestOutput(
+            request_id=state.request_id, prompt_token_ids=thinker.prompt_token_ids,
+            token_ids=thinker.token_ids, text=thinker.text, finish_reason=thinker.finish_reason,
+            audio=audio.audio if audio else None, sample_rate=audio.sample_rate if audio else None,
+            metrics=metrics, stage_outputs=dict(state.outputs) if self.keep_stage_outputs else None)
