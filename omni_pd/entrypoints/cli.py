@@ -74,6 +74,31 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..orchestrator.async_omni import AsyncOmni
+    from .openai.api_server import create_app
+
+    model = args.model_tag or args.model
+    served = args.served_model_name or model
+    holder: dict = {}
+
+    def fail_startup() -> None:
+        holder["failed"] = True
+        holder["server"].should_exit = True
+
+    app = create_app(lambda: AsyncOmni(model, args.stage_configs_path,
+                                       request_timeout_s=args.request_timeout),
+                     served, enable_debug_endpoints=args.enable_debug_endpoints,
+                     on_startup_failure=fail_startup)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
+    holder["server"] = server
+    server.run()
+    return 1 if holder.get("failed") else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-pd", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -87,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default="out.wav", help="where to write the WAV (float32)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results")
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (text and speech)")
+    serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as `model` (default: the model argument)")
+    serve.add_argument("--request-timeout", type=float, default=300.0,
+                       help="seconds a request may take before it fails with 504")
+    serve.add_argument("--enable-debug-endpoints", action="store_true",
+                       help="expose GET /debug/state (per-request state counts, worker pids)")
+    serve.set_defaults(func=_cmd_serve)
 
     val = sub.add_parser("validate-config", help="check a stage YAML and print its summary")
     val.add_argument("path")

@@ -1,0 +1,251 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+import torch
+
+from omni_pd.orchestrator.omni import Omni
+from omni_pd.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-qwen3-omni"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)  # polling a condition under a deadline
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Server:
+    def __init__(self):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/omni-pd-server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "INFO", "serve",
+             MODEL, "--port", str(self.port), "--enable-debug-endpoints", "--request-timeout", "120"],
+            stdout=self.log, stderr=self.log, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+
+        def healthy():
+            try:
+                return httpx.get(f"{self.base}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                assert self.proc.poll() is None, "the server exited during start-up"
+                return False
+        _wait(healthy, 180, "GET /health to answer 200")
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
+
+    def state(self):
+        return httpx.get(f"{self.base}/debug/state", timeout=30).json()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        self.log.close()
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    with Omni(model=MODEL) as omni:
+        yield omni
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "server" in request.fixturenames:
+        srv = request.getfixturevalue("server")
+        _wait(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
+              "every per-request count on the server to return to zero")
+
+
+def _chat(server, text, **kw):
+    return server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], **kw)
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    _chat(server, "warm up", max_tokens=3)
+    metrics = httpx.get(f"{server.base}/metrics").text
+    for name in ("omni_pd_requests_total", "omni_pd_time_to_first_token_seconds_bucket",
+                 "omni_pd_stage_latency_seconds_bucket", "omni_pd_kv_transferred_bytes_total",
+                 "omni_pd_kv_handoff_seconds_bucket", "omni_pd_requests_in_flight"):
+        assert name in metrics, name
+    assert 'omni_pd_requests_total{outcome="success"}' in metrics
+
+
+def test_text_only_matches_offline(server, offline):
+    reply = _chat(server, "Tell me about the sea.", max_tokens=12, temperature=0)
+    want = offline.generate("Tell me about the sea.",
+                            [SamplingParams(temperature=0, max_tokens=12, seed=42), None, None])[0]
+    assert reply.choices[0].message.content == want.text
+    assert reply.choices[0].message.audio is None
+    assert reply.usage.completion_tokens == len(want.token_ids)
+    assert reply.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_text_and_audio_wav_equals_offline_audio(server, offline):
+    reply = _chat(server, "Say something.", max_tokens=10, temperature=0,
+                  modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    audio = reply.choices[0].message.audio
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)), dtype="float32")
+    want = offline.generate("Say something.",
+                            [SamplingParams(temperature=0, max_tokens=10, seed=42), None, None])[0]
+    assert rate == want.sample_rate == 24_000
+    assert torch.equal(torch.from_numpy(samples), want.audio)
+    assert audio.transcript == reply.choices[0].message.content == want.text
+
+
+def test_audio_input(server):
+    tone = (0.2 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, tone, 16000, format="WAV")
+    reply = server.client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{
+        "role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(),
+                                                    "format": "wav"}}]}])
+    assert reply.usage.prompt_tokens > 20  # the audio became many prompt positions
+
+
+def test_streaming_deltas_add_up_to_the_full_answer(server):
+    full = _chat(server, "Stream this please.", max_tokens=16, temperature=0)
+    stream = _chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
+                   modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    text, audio, finish = [], None, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text.append(delta.content)
+        if getattr(delta, "audio", None):
+            audio = delta.audio
+        finish = chunk.choices[0].finish_reason or finish
+    assert len(text) > 1 and "".join(text) == full.choices[0].message.content
+    assert audio is not None and audio.data
+    assert finish == full.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("case", ["unknown_model", "empty_messages", "bad_modality", "bad_audio_format",
+                                  "temperature", "top_p", "max_tokens", "too_long", "bad_voice",
+                                  "bad_part"])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    expect_status, param = 400, None
+    if case == "unknown_model":
+        kwargs["model"], expect_status, param = "gpt-nope", 404, "model"
+    elif case == "empty_messages":
+        kwargs["messages"], param = [], "messages"
+    elif case == "bad_modality":
+        kwargs["modalities"], param = ["image"], "modalities"
+    elif case == "bad_audio_format":
+        kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "mp3"})
+        param = "audio.format"
+    elif case == "temperature":
+        kwargs["temperature"], param = 5.0, "temperature"
+    elif case == "top_p":
+        kwargs["top_p"], param = 0.0, "top_p"
+    elif case == "max_tokens":
+        kwargs["max_tokens"], param = 0, "max_tokens"
+    elif case == "too_long":
+        kwargs["messages"], param = [{"role": "user", "content": "z" * 5000}], "messages"
+    elif case == "bad_voice":
+        kwargs.update(modalities=["text", "audio"], audio={"voice": "nobody", "format": "wav"})
+        param = "audio.voice"
+    elif case == "bad_part":
+        kwargs["messages"] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        param = "messages[0].content[0].type"
+    with pytest.raises(openai.APIStatusError) as err:
+        server.client.chat.completions.create(**kwargs)
+    assert err.value.status_code == expect_status
+    body = err.value.response.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    assert body["param"] == param
+    assert _chat(server, "still there?", max_tokens=2).choices[0].message.content is not None
+
+
+def test_malformed_json_is_a_400(server):
+    response = httpx.post(f"{server.base}/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_eight_concurrent_requests_equal_offline(server, offline):
+    prompts = [f"Request number {i}: say something different." for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda p: _chat(server, p, max_tokens=8, temperature=0), prompts))
+    wants = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, seed=42), None, None])
+    assert [r.choices[0].message.content for r in replies] == [w.text for w in wants]
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server):
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "stream": True, "max_tokens": 2000, "temperature": 0,
+            "messages": [{"role": "user", "content": "a long answer please"}]}) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+    # The connection is closed; the no_leaks fixture waits for every count to return to zero.
+    assert _chat(server, "next", max_tokens=2).choices[0].message.content is not None
+
+
+def test_sigterm_shuts_down_cleanly_with_no_worker_left():
+    srv = Server()
+    pids = srv.state()["worker_pids"]
+    assert len(pids) == 4 and all(_alive(p) for p in pids)
+    srv.proc.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
+    assert srv.proc.wait(60) in (0, -signal.SIGTERM)
+    srv.log.close()
+    log = open(srv.log_path).read()
+    assert "all stages stopped" in log and "Application shutdown complete" in log
+    assert not any(_alive(p) for p in pids)
+    os.unlink(srv.log_path)

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the OpenAI server (one registry per app, so tests can run several)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("omni_pd_requests", "Chat completion requests by outcome",
+                                ["outcome"], registry=self.registry)
+        self.in_flight = Gauge("omni_pd_requests_in_flight", "Requests being served",
+                               registry=self.registry)
+        self.ttft = Histogram("omni_pd_time_to_first_token_seconds", "Time to the first text token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("omni_pd_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.stage = Histogram("omni_pd_stage_latency_seconds", "Per-stage latency",
+                               ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.kv_bytes = Counter("omni_pd_kv_transferred_bytes", "KV bytes moved prefill -> decode",
+                                registry=self.registry)
+        self.kv_handoff = Histogram("omni_pd_kv_handoff_seconds", "KV transfer time per request",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, metrics: dict) -> None:
+        if metrics.get("ttft_ms") is not None:
+            self.ttft.observe(metrics["ttft_ms"] / 1e3)
+        self.e2e.observe(metrics["e2e_ms"] / 1e3)
+        for stage, ms in metrics.get("stage_ms", {}).items():
+            self.stage.labels(stage=stage).observe(ms / 1e3)
+        if "kv_bytes_transferred" in metrics:
+            self.kv_bytes.inc(metrics["kv_bytes_transferred"])
+            self.kv_handoff.observe(metrics["kv_transfer_ms"] / 1e3)

@@ -1,0 +1,63 @@
+"""OpenAI chat-completions request schema (the subset omni-pd serves) and its error body."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class APIError(Exception):
+    """A request error that becomes OpenAI's error JSON with this status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+class AudioSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    voice: str = "ethan"
+    format: str = "wav"
+
+
+class ChatMessage(BaseModel):
+    # Clients send fields we do not use (name, tool_calls, ...): accepted and ignored.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[ChatMessage]
+    modalities: list[str] | None = None
+    audio: AudioSpec | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1)
