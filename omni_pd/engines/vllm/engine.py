@@ -1,0 +1,283 @@
+"""A vLLM engine for a thinker-like LLM stage (`engine_args.engine: vllm`).
+
+Runs inside the stage's worker process: an in-process `LLMEngine`
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the stage's `runtime.env` says otherwise), token ids in,
+`ThinkerOutput` out. `engine_args` minus omni-pd's own keys go to vLLM's `EngineArgs`,
+`kv_transfer_config` included, so a P/D pair is two of these engines over vLLM's
+MooncakeConnector with omni-pd's fixes (patches/) applied.
+
+Ports: a producer's Mooncake bootstrap server listens on
+`kv_connector_extra_config.mooncake_bootstrap_port` when the YAML sets it, else on a free port
+picked at start-up (vLLM reads it from `VLLM_MOONCAKE_BOOTSTRAP_PORT`, set here in the worker
+process). The prefill output's `remote_bootstrap_addr` tells the decode side where it is, so
+nothing is hard-coded and two test runs at once do not collide. The Mooncake transfer engine and
+the connector's ZMQ side channel pick their own free ports.
+
+`kv_lease_timeout_s` keeps its hf meaning: on a producer it becomes
+`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT` (how long KV waits for its decode side, and how long a decode
+request for KV that was never published waits before it is answered with an error); on a
+consumer it bounds the wait for KV (plus a margin for the producer's answer).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from ...sampling import SamplingParams
+from ..base import StageEngine
+from ..types import ThinkerOutput, ThinkerPrompt
+
+log = logging.getLogger(__name__)
+
+ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: ~3 s start-up, not ~30
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "MC_LOG_LEVEL": "ERROR",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+CONSUMER_WAIT_MARGIN_S = 10.0
+
+
+class KVTransferFailed(RuntimeError):
+    """The decode leg did not get its KV cache from the prefill engine."""
+
+
+def free_port(host: str = "0.0.0.0") -> int:
+    """A port nothing listens on right now (the OS picks it). Another process could take it before
+    the bootstrap server binds; set mooncake_bootstrap_port in the YAML to rule that out."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def resolve_vllm_model(name: str, seed: int | None) -> str:
+    from ...models.qwen3_text import TINY_TEXT_MODEL_NAME, ensure_tiny_text_model
+    if name == TINY_TEXT_MODEL_NAME:
+        return str(ensure_tiny_text_model())
+    return name  # a directory or a hub name: vLLM resolves it
+
+
+def to_vllm_sampling_params(params: SamplingParams):
+    import vllm
+    extra = {"kv_transfer_params": dict(params.kv_transfer_params)} if params.kv_transfer_params else None
+    return vllm.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p,
+        top_k=0 if params.top_k in (-1, 0) else params.top_k,
+        max_tokens=params.max_tokens, seed=params.seed,
+        repetition_penalty=params.repetition_penalty,
+        stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output,
+        detokenize=params.detokenize, extra_args=extra)
+
+
+class VllmThinkerEngine(StageEngine):
+    control_calls = frozenset({"debug_state_counts", "release_kv", "patch_status"})
+
+    def __init__(self, stage, model: str):
+        self.stage_id = stage.stage_id
+        for key, value in {**ENV_DEFAULTS, **stage.runtime.env}.items():
+            if key in stage.runtime.env:
+                os.environ[key] = value
+            else:
+                os.environ.setdefault(key, value)
+        args = stage.engine_args
+        kwargs: dict[str, Any] = args.vllm_engine_kwargs()
+        kv = kwargs.get("kv_transfer_config")
+        self.kv_role = kv.get("kv_role") if kv else None
+        self.kv_connector = kv.get("kv_connector") if kv else None
+        self.kv_wait_s = float(args.kv_lease_timeout_s)
+        self.bootstrap_port: int | None = None
+        if kv:
+            kv = kwargs["kv_transfer_config"] = dict(kv)
+            extra = dict(kv.get("kv_connector_extra_config") or {})
+            port = extra.pop("mooncake_bootstrap_port", None)
+            kv["kv_connector_extra_config"] = extra
+            kv.setdefault("engine_id", f"omni-pd-stage{self.stage_id}-{os.getpid()}")
+            if self.kv_role in ("kv_producer", "kv_both"):
+                self.bootstrap_port = int(port) if port is not None else free_port()
+                os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
+                os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, math.ceil(self.kv_wait_s)))
+        self.engine_id = kv.get("engine_id") if kv else None
+
+        from .plugin import register
+        from .patches import results
+        register()  # the entry point does this too; explicit so a bare checkout works in-process
+        if self.kv_connector == "MooncakeConnector":
+            refused = [r.detail for r in results().values() if not r.ok]
+            if refused:
+                raise RuntimeError("stage %d cannot run a MooncakeConnector P/D leg on this vLLM:\n  %s"
+                                   % (self.stage_id, "\n  ".join(refused)))
+
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        name = kwargs.pop("model", None) or model
+        self.model_dir = resolve_vllm_model(name, args.seed)
+        began = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=self.model_dir, **kwargs))
+        self.startup_s = time.perf_counter() - began
+        log.info("stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
+                 self.stage_id, name, self.startup_s, self.kv_role, self.bootstrap_port)
+
+    # ---- requests --------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+                 on_token: Callable[[int], None] | None = None) -> ThinkerOutput:
+        if getattr(prompt, "input_features", None) is not None:
+            raise ValueError(f"stage {self.stage_id}: the vLLM text engine takes token ids only, "
+                             "not audio features")
+        token_ids = list(prompt.prompt_token_ids)
+        kv_in = params.kv_transfer_params or {}
+        loads_remote = bool(kv_in.get("do_remote_prefill"))
+        began = time.perf_counter()
+        deadline = time.monotonic() + (self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote
+                                       else max(self.kv_wait_s, 60.0) + 600.0)
+        vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": token_ids},
+                                          to_vllm_sampling_params(params))
+        first_token_ms = None
+        seen = 0
+        final = None
+        remote_tokens = 0
+        try:
+            while final is None:
+                outputs = self.engine.step()
+                if loads_remote and not remote_tokens:
+                    remote_tokens = self._external_tokens(vllm_id)
+                for out in outputs:
+                    if out.request_id not in (vllm_id, request_id):
+                        continue
+                    new = list(out.outputs[0].token_ids[seen:]) if out.outputs else []
+                    if new and first_token_ms is None:
+                        first_token_ms = (time.perf_counter() - began) * 1e3
+                    seen += len(new)
+                    if on_token is not None:
+                        for token in new:
+                            on_token(token)
+                    if out.finished:
+                        final = out
+                if final is None and time.monotonic() > deadline:
+                    waited = time.perf_counter() - began
+                    if loads_remote:
+                        raise KVTransferFailed(
+                            f"stage {self.stage_id}: request {request_id} waited {waited:.1f} s for "
+                            f"its KV cache (transfer {kv_in.get('transfer_id')}) and got none; the "
+                            f"prefill leg reported {_published(kv_in)}")
+                    raise TimeoutError(f"stage {self.stage_id}: request {request_id} took over "
+                                       f"{waited:.0f} s")
+        except BaseException:
+            if final is None:
+                self.engine.abort_request([vllm_id], internal=False)
+            raise
+        completion = final.outputs[0]
+        # RequestOutput.num_cached_tokens of a decode leg is the *prefill* engine's prefix-cache hit
+        # count (vLLM copies remote_prefill_cached_tokens into it), so the tokens loaded over the
+        # connector are read from the scheduler's prefill stats instead.
+        cached = remote_tokens
+        if loads_remote and (completion.finish_reason not in ("stop", "length") or cached == 0):
+            raise KVTransferFailed(
+                f"stage {self.stage_id}: request {request_id} got no KV cache from the prefill "
+                f"engine for transfer {kv_in.get('transfer_id')} (finish_reason "
+                f"{completion.finish_reason!r}, prompt tokens loaded: {cached}); "
+                f"the prefill leg reported {_published(kv_in)}")
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"stage {self.stage_id}: request {request_id} ended with "
+                               f"finish_reason {completion.finish_reason!r}")
+        metrics = {"e2e_ms": (time.perf_counter() - began) * 1e3}
+        if first_token_ms is not None:
+            metrics["first_token_ms"] = first_token_ms
+        return ThinkerOutput(
+            request_id=request_id, prompt_token_ids=token_ids,
+            token_ids=list(completion.token_ids), text=completion.text or "",
+            finish_reason=completion.finish_reason,
+            kv_transfer_params=dict(final.kv_transfer_params) if final.kv_transfer_params else None,
+            num_cached_prompt_tokens=cached if loads_remote else 0, metrics=metrics)
+
+    # ---- control ---------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        import vllm
+        return {"engine": "vllm", "vllm_version": vllm.__version__, "kv_role": self.kv_role,
+                "engine_id": self.engine_id, "bootstrap_port": self.bootstrap_port,
+                "startup_s": round(self.startup_s, 3)}
+
+    def patch_status(self) -> dict[str, str]:
+        from .patches import results
+        return {name: r.status for name, r in results().items()}
+
+    def _external_tokens(self, vllm_id: str) -> int:
+        """Prompt tokens the scheduler plans to load over the KV connector for a request (set when
+        it is first scheduled, taken with its first output); 0 when not known (yet)."""
+        from .patches.offline_drain import _inproc_scheduler
+        scheduler = _inproc_scheduler(self.engine)
+        request = scheduler.requests.get(vllm_id) if scheduler is not None else None
+        stats = getattr(request, "prefill_stats", None)
+        return int(getattr(stats, "num_external_cached_tokens", 0) or 0)
+
+    def _held(self, transfer_id: str | None = None) -> int:
+        """Finished requests whose blocks vLLM still holds for a KV send (all, or one transfer)."""
+        from .patches.offline_drain import _inproc_scheduler, _state
+        scheduler = _inproc_scheduler(self.engine)
+        if scheduler is None:
+            return 0
+        with _state(self.engine).lock:
+            held = [r for r in scheduler.requests.values() if r.is_finished()]
+            if transfer_id is not None:
+                held = [r for r in held if (r.kv_transfer_params or {}).get("transfer_id") == transfer_id]
+            return len(held)
+
+    def release_kv(self, transfer_id: str, timeout_s: float = 2.0) -> bool:
+        """vLLM frees a prefill's blocks itself once they are sent (or expire). Called after the
+        decode leg: wait (bounded) until that has happened, so no state outlives the request.
+        True when the blocks are free, False when vLLM still holds them (they expire after
+        kv_lease_timeout_s)."""
+        end = time.monotonic() + timeout_s
+        while self._held(transfer_id):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)  # polling vLLM's scheduler, which the drain thread steps
+        return True
+
+    def debug_state_counts(self) -> dict[str, int]:
+        from .patches.offline_drain import _inproc_scheduler, _state
+        scheduler = _inproc_scheduler(self.engine)
+        if scheduler is None:
+            return {"vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
+        with _state(self.engine).lock:
+            return {"vllm.requests": len(scheduler.requests),
+                    "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        self.engine = None
+        from .patches.offline_drain import stop_draining
+        stop_draining(engine)
+        try:
+            engine.engine_core.shutdown()
+        except Exception:
+            log.debug("stage %d: vLLM shutdown raised", self.stage_id, exc_info=True)
+
+
+def _published(kv_in: dict[str, Any]) -> str:
+    flag = kv_in.get("omni_pd_kv_published")
+    if flag is None:
+        return "nothing about publishing its KV"
+    status = kv_in.get("omni_pd_finish_status", "?")
+    return ("its KV as published" if flag else
+            f"its KV as NOT published (it finished as {status}, not length-capped: were its "
+            "stop conditions neutralised?)")
+
+
+def build_vllm_engine(stage, model: str) -> StageEngine:
+    if stage.stage_type != "llm":
+        raise ValueError(f"stage {stage.stage_id}: engine vllm runs LLM stages only, "
+                         f"not stage_type {stage.stage_type!r}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        from . import INSTALL_HINT
+        raise RuntimeError(f"stage {stage.stage_id} has engine: vllm, but {INSTALL_HINT} ({exc})") from exc
+    return VllmThinkerEngine(stage, model)

@@ -1,0 +1,19 @@
+"""omni-pd's fixes to vLLM, one module per upstream shortcoming, each guarded by the vLLM
+versions it was written for. `apply_all()` is idempotent and never raises: a patch that does not
+fit the installed vLLM is refused, logged once, and reported by `results()`; the omni-pd vLLM
+engine refuses to run a P/D stage whose fixes were refused."""
+from __future__ import annotations
+
+from ._guard import PatchResult, results, vllm_version
+from . import cpu_device_index, offline_drain, prefill_kv_params
+
+ALL_PATCHES = (prefill_kv_params.PATCH, offline_drain.PATCH, cpu_device_index.PATCH)
+
+
+def apply_all() -> dict[str, PatchResult]:
+    for patch in ALL_PATCHES:
+        patch.apply()
+    return results()
+
+
+__all__ = ["ALL_PATCHES", "PatchResult", "apply_all", "results", "vllm_version"]
