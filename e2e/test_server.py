@@ -1,12 +1,7 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
 import base64
 import io
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,68 +11,11 @@ import pytest
 import soundfile
 import torch
 
+from live_server import MODEL, Server, alive, wait_for
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-MODEL = "tiny-qwen3-omni"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)  # polling a condition under a deadline
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-class Server:
-    def __init__(self):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/omni-pd-server-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "INFO", "serve",
-             MODEL, "--port", str(self.port), "--enable-debug-endpoints", "--request-timeout", "120"],
-            stdout=self.log, stderr=self.log, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
-
-        def healthy():
-            try:
-                return httpx.get(f"{self.base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                assert self.proc.poll() is None, "the server exited during start-up"
-                return False
-        _wait(healthy, 180, "GET /health to answer 200")
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
-                                    timeout=120)
-
-    def state(self):
-        return httpx.get(f"{self.base}/debug/state", timeout=30).json()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
-        self.log.close()
-        if os.path.exists(self.log_path):
-            os.unlink(self.log_path)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +38,7 @@ def no_leaks(request):
     yield
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        _wait(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
+        wait_for(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
               "every per-request count on the server to return to zero")
 
 
@@ -240,12 +178,11 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
 def test_sigterm_shuts_down_cleanly_with_no_worker_left():
     srv = Server()
     pids = srv.state()["worker_pids"]
-    assert len(pids) == 4 and all(_alive(p) for p in pids)
+    assert len(pids) == 4 and all(alive(p) for p in pids)
     srv.proc.send_signal(signal.SIGTERM)
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
     assert srv.proc.wait(60) in (0, -signal.SIGTERM)
-    srv.log.close()
-    log = open(srv.log_path).read()
+    log = srv.log_text()
+    srv.stop()
     assert "all stages stopped" in log and "Application shutdown complete" in log
-    assert not any(_alive(p) for p in pids)
-    os.unlink(srv.log_path)
+    assert not any(alive(p) for p in pids)

@@ -16,12 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_pd.engines.vllm import INSTALL_HINT, vllm_available
+from vllm_required import require_vllm
 
-if not vllm_available():
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
-    pytest.skip(INSTALL_HINT, allow_module_level=True)
+require_vllm()
 
 from omni_pd import Omni, SamplingParams  # noqa: E402
 from omni_pd.engines.types import ThinkerPrompt  # noqa: E402

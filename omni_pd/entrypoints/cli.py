@@ -1,4 +1,4 @@
-"""The `omni-pd` command: generate, validate-config, make-tiny-model."""
+"""The `omni-pd` command: generate, serve, validate-config, make-tiny-model, vllm-shim."""
 from __future__ import annotations
 
 import argparse
@@ -98,6 +98,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server.run()
     return 1 if holder.get("failed") else 0
 
+def _cmd_vllm_shim(args: argparse.Namespace) -> int:
+    from . import vllm_omni_shim as shim
+    try:
+        if args.action == "install":
+            where = shim.install(args.target)
+            print(f"installed omni-pd's vllm_omni shim at {where}: `vllm serve MODEL --omni "
+                  "--stage-configs-path PATH` now runs omni-pd's server")
+        elif args.action == "uninstall":
+            where = shim.uninstall(args.target)
+            print(f"removed {where}" if where else "omni-pd's vllm_omni shim was not installed")
+        else:
+            print(shim.status(args.target))
+    except shim.ShimError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-pd", description=__doc__)
@@ -125,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="expose GET /debug/state (per-request state counts, worker pids)")
     serve.set_defaults(func=_cmd_serve)
+
+    shim = sub.add_parser("vllm-shim", help="make `vllm serve MODEL --omni` run omni-pd's server "
+                          "where vllm-omni is not installed (opt-in)")
+    shim.add_argument("action", choices=["install", "uninstall", "status"])
+    shim.add_argument("--target", default=None,
+                      help="directory on sys.path to write to (default: this env's site-packages)")
+    shim.set_defaults(func=_cmd_vllm_shim)
 
     val = sub.add_parser("validate-config", help="check a stage YAML and print its summary")
     val.add_argument("path")
