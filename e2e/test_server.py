@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
 import base64
 import io
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +12,7 @@ import pytest
 import soundfile
 import torch
 
-from live_server import MODEL, Server, alive, wait_for
+from live_server import MODEL, Server, alive, omni_pd_serve_command, wait_for
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.sampling import SamplingParams
 
@@ -186,3 +187,35 @@ def test_sigterm_shuts_down_cleanly_with_no_worker_left():
     srv.stop()
     assert "all stages stopped" in log and "Application shutdown complete" in log
     assert not any(alive(p) for p in pids)
+
+
+def _short_deadline_command(port: int) -> list[str]:
+    return [*omni_pd_serve_command(port)[:-2], "--request-timeout", "2"]
+
+
+def test_deadline_is_a_504_and_a_dead_stage_a_500_naming_it():
+    srv = Server(_short_deadline_command)
+    try:
+        # 3000 tokens take the tiny thinker far longer than the 2 s deadline.
+        with pytest.raises(openai.APIStatusError) as err:
+            _chat(srv, "go on and on", max_tokens=3000, temperature=0)
+        assert err.value.status_code == 504
+        error = err.value.response.json()["error"]
+        assert error["type"] == "timeout" and "stage 1 (thinker)" in error["message"], error
+        # The timed-out request was aborted in its worker: the next one is served in time.
+        assert _chat(srv, "short", max_tokens=2).usage.completion_tokens == 2
+        wait_for(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
+                 "every per-request count to return to zero after the timeout")
+
+        talker_pid = srv.state()["worker_pids"][2]
+        os.kill(talker_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(talker_pid), 10, "the talker worker to die")
+        with pytest.raises(openai.APIStatusError) as err:
+            _chat(srv, "speak", max_tokens=2, modalities=["text", "audio"],
+                  audio={"voice": "ethan", "format": "wav"})
+        assert err.value.status_code == 500
+        assert "stage 2 (talker)" in err.value.response.json()["error"]["message"]
+        # Text alone does not need the talker: still served.
+        assert _chat(srv, "text only", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()

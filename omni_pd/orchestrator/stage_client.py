@@ -86,7 +86,11 @@ class StageClient:
         self._send(msg.GenerateRequest(request_id, prompt, params, stream=on_tokens is not None))
         deadline = time.monotonic() + timeout_s
         while True:
-            reply = self._receive(max(deadline - time.monotonic(), 0.0), f"for request {request_id}")
+            try:
+                reply = self._receive(max(deadline - time.monotonic(), 0.0), f"for request {request_id}")
+            except StageTimeout:
+                self.abort(request_id)  # a text stage stops at its next token; its answer is dropped
+                raise
             if getattr(reply, "request_id", None) != request_id:
                 # A late answer to a request that already timed out: nobody waits for it any more.
                 log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
@@ -108,7 +112,13 @@ class StageClient:
     def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         call_id = next(self._calls)
         self._send(msg.ControlRequest(call_id, name, kwargs))
-        reply = self._receive(timeout_s, f"to control call {name}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._receive(max(deadline - time.monotonic(), 0.0), f"to control call {name}")
+            if isinstance(reply, msg.ControlResult) and reply.call_id == call_id:
+                break
+            # A late answer to a request that timed out (or to an older control call).
+            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
         if reply.error:
             raise StageError(f"{self.name} control call {name} failed: {reply.error}")
         return reply.value

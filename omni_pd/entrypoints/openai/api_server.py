@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ...orchestrator.async_omni import (AsyncOmni, Finished, PromptTooLong, RequestAborted,
                                         RequestTimeout, TextDelta)
-from ...orchestrator.stage_client import StageError
+from ...orchestrator.stage_client import StageError, StageTimeout
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest
 from .translate import translate
@@ -180,7 +180,7 @@ def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:
     if isinstance(exc, ValueError):
         state.metrics.requests.labels(outcome="bad_request").inc()
         return APIError(400, str(exc), param="messages")
-    if isinstance(exc, RequestTimeout):
+    if isinstance(exc, (RequestTimeout, StageTimeout)):  # the request's deadline passed
         state.metrics.requests.labels(outcome="timeout").inc()
         return APIError(504, str(exc), type="timeout")
     if isinstance(exc, (RequestAborted, asyncio.CancelledError)):
