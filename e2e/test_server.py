@@ -176,13 +176,14 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     assert _chat(server, "next", max_tokens=2).choices[0].message.content is not None
 
 
-def test_sigterm_shuts_down_cleanly_with_no_worker_left():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_sigterm_or_ctrl_c_shuts_down_cleanly_with_no_worker_left(signum):
     srv = Server()
     pids = srv.state()["worker_pids"]
     assert len(pids) == 4 and all(alive(p) for p in pids)
-    srv.proc.send_signal(signal.SIGTERM)
-    # uvicorn shuts down gracefully, then re-raises the signal so the exit status says SIGTERM.
-    assert srv.proc.wait(60) in (0, -signal.SIGTERM)
+    srv.proc.send_signal(signum)
+    # uvicorn shuts down gracefully, then re-raises the signal so the exit status names it.
+    assert srv.proc.wait(60) in (0, -signum)
     log = srv.log_text()
     srv.stop()
     assert "all stages stopped" in log and "Application shutdown complete" in log
