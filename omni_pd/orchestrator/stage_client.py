@@ -68,6 +68,15 @@ class StageClient:
             if not self.process.is_alive():
                 raise self._exited(doing)
 
+    def _receive_matching(self, deadline: float, doing: str, is_mine: Callable[[Any], bool]) -> Any:
+        """The next message `is_mine` accepts. Others are late answers to a request that timed out
+        (or to an older control call): nobody waits for them any more, so they are dropped."""
+        while True:
+            reply = self._receive(max(deadline - time.monotonic(), 0.0), doing)
+            if is_mine(reply):
+                return reply
+            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
+
     def _send(self, message: Any) -> None:
         try:
             with self._send_lock:
@@ -87,17 +96,15 @@ class StageClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                reply = self._receive(max(deadline - time.monotonic(), 0.0), f"for request {request_id}")
+                reply = self._receive_matching(
+                    deadline, f"for request {request_id}",
+                    lambda r: getattr(r, "request_id", None) == request_id)
             except StageTimeout:
                 self.abort(request_id)  # a text stage stops at its next token; its answer is dropped
                 raise
-            if getattr(reply, "request_id", None) != request_id:
-                # A late answer to a request that already timed out: nobody waits for it any more.
-                log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
-            elif isinstance(reply, msg.TokenDelta):
-                on_tokens(reply.token_ids)
-            else:
+            if not isinstance(reply, msg.TokenDelta):
                 break
+            on_tokens(reply.token_ids)
         if isinstance(reply, msg.GenerateFailed):
             raise StageError(f"{self.name} failed request {request_id}: {reply.message}")
         return reply.output
@@ -112,13 +119,9 @@ class StageClient:
     def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         call_id = next(self._calls)
         self._send(msg.ControlRequest(call_id, name, kwargs))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            reply = self._receive(max(deadline - time.monotonic(), 0.0), f"to control call {name}")
-            if isinstance(reply, msg.ControlResult) and reply.call_id == call_id:
-                break
-            # A late answer to a request that timed out (or to an older control call).
-            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
+        reply = self._receive_matching(
+            time.monotonic() + timeout_s, f"to control call {name}",
+            lambda r: isinstance(r, msg.ControlResult) and r.call_id == call_id)
         if reply.error:
             raise StageError(f"{self.name} control call {name} failed: {reply.error}")
         return reply.value

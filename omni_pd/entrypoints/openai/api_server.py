@@ -152,9 +152,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         state.metrics.observe(output.metrics)
         message: dict[str, Any] = {"role": "assistant", "content": output.text}
         if output.audio is not None and "audio" in request.modalities:
-            message["audio"] = {"id": f"audio-{secrets.token_hex(8)}", "expires_at": created + 3600,
-                                "data": wav_base64(output.audio, output.sample_rate),
-                                "transcript": output.text}
+            message["audio"] = _audio_message(output, created)
         return {"id": completion_id, "object": "chat.completion", "created": created,
                 "model": served_model,
                 "choices": [{"index": 0, "message": message, "finish_reason": output.finish_reason,
@@ -162,6 +160,12 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                 "usage": _usage(output)}
 
     return app
+
+
+def _audio_message(output, created: int) -> dict[str, Any]:
+    """OpenAI's `message.audio` / `delta.audio`: the WAV as base64, with its transcript."""
+    return {"id": f"audio-{secrets.token_hex(8)}", "expires_at": created + 3600,
+            "data": wav_base64(output.audio, output.sample_rate), "transcript": output.text}
 
 
 def _usage(output) -> dict[str, int]:
@@ -217,10 +221,7 @@ async def _stream(omni: AsyncOmni, state: ServerState, request, params, completi
             elif isinstance(event, Finished):
                 output = event.output
                 if output.audio is not None and "audio" in request.modalities:
-                    yield _sse(chunk({"audio": {"id": f"audio-{secrets.token_hex(8)}",
-                                                "expires_at": created + 3600,
-                                                "data": wav_base64(output.audio, output.sample_rate),
-                                                "transcript": output.text}}))
+                    yield _sse(chunk({"audio": _audio_message(output, created)}))
                 yield _sse(chunk({}, output.finish_reason))
                 if include_usage:
                     yield _sse({"id": completion_id, "object": "chat.completion.chunk",
