@@ -1,4 +1,4 @@
-"""The `omni-pd` command: generate, serve, validate-config, make-tiny-model, vllm-shim."""
+"""The `omni-pd` command: generate, serve, bench, validate-config, make-tiny-model, vllm-shim."""
 from __future__ import annotations
 
 import argparse
@@ -98,6 +98,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server.run()
     return 1 if holder.get("failed") else 0
 
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ..bench.serve import run
+    return run(args)
+
+
 def _cmd_vllm_shim(args: argparse.Namespace) -> int:
     from . import vllm_omni_shim as shim
     try:
@@ -142,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="expose GET /debug/state (per-request state counts, worker pids)")
     serve.set_defaults(func=_cmd_serve)
+
+    from ..bench.serve import add_arguments as add_bench_serve_arguments
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test `omni-pd serve` (one server per stage "
+                                       "config) at several concurrency levels; table, JSON, PNG")
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=_cmd_bench_serve)
 
     shim = sub.add_parser("vllm-shim", help="make `vllm serve MODEL --omni` run omni-pd's server "
                           "where vllm-omni is not installed (opt-in)")

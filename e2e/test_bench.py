@@ -1,0 +1,78 @@
+"""`omni-pd bench serve --quick` as a user runs it: it starts a server per default config, drives it
+with the openai client and writes a complete JSON and a PNG. No timing thresholds: only that every
+number is there, sane and consistent."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = ("qwen3_omni_tiny", "qwen3_omni_tiny_pd")
+LEVELS = (1, 4)  # what --quick runs
+METRICS = ("req_per_s", "output_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "ttfa_ms_p50",
+           "ttfa_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "errors")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
+         "--quick", "--json", str(json_path), "--plot", str(png_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    return proc, json_path, png_path
+
+
+def test_quick_run_exits_cleanly_and_prints_a_row_per_config_and_level(quick_run):
+    proc, _, _ = quick_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] and
+            line.split()[0] in CONFIGS]
+    assert sorted((r[0], int(r[1])) for r in rows) == sorted((c, n) for c in CONFIGS for n in LEVELS)
+
+
+def test_json_has_every_key_for_every_config_and_level(quick_run):
+    proc, json_path, _ = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(json_path.read_text())
+    assert report["max_tokens"] == 24 and report["num_requests"] >= 1
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["python"]
+    assert "bench serve" in report["command"] and report["date"]
+    results = report["results"]
+    assert sorted((r["config"], r["concurrency"]) for r in results) == \
+        sorted((c, n) for c in CONFIGS for n in LEVELS)
+    for r in results:
+        where = f"{r['config']} c={r['concurrency']}"
+        assert {"config", "concurrency", "num_requests", *METRICS,
+                "req_per_s_vs_c1", "e2e_p50_vs_c1"} <= set(r), where
+        assert r["num_requests"] >= r["concurrency"], where
+        assert r["errors"] == 0, where
+        assert r["req_per_s"] > 0 and r["output_tok_per_s"] > 0, where
+        for name in ("ttft", "ttfa", "itl", "e2e"):
+            p50, p99 = r[f"{name}_ms_p50"], r[f"{name}_ms_p99"]
+            if name == "ttfa":
+                assert p50 is not None and p99 is not None, where
+            if p50 is None:
+                assert p99 is None, where
+                continue
+            assert 0 <= p50 <= p99, (where, name, p50, p99)
+        assert r["ttfa_ms_p50"] <= r["e2e_ms_p99"], where
+        assert r["req_per_s_vs_c1"] > 0, where
+        if r["config"] != CONFIGS[0]:
+            assert r[f"req_per_s_vs_{CONFIGS[0]}"] > 0, where
+    for config in CONFIGS:
+        lowest = min((r for r in results if r["config"] == config), key=lambda r: r["concurrency"])
+        assert lowest["req_per_s_vs_c1"] == pytest.approx(1.0)
+        assert lowest["e2e_p50_vs_c1"] == pytest.approx(1.0)
+    assert "NaN" not in json_path.read_text()
+
+
+def test_plot_is_a_png(quick_run):
+    proc, _, png_path = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert png_path.is_file() and png_path.read_bytes()[:8] == PNG_SIGNATURE

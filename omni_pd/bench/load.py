@@ -1,0 +1,108 @@
+"""The load driver: streaming chat completions (text and audio) through the `openai` client,
+`concurrency` requests in flight until `n` are done, each timed from the moment it is sent."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Sequence
+
+from .stats import RequestRecord
+
+# Varied short user prompts; request i of a level sends PROMPTS[i % len(PROMPTS)].
+PROMPTS = (
+    "Tell me about the sea.",
+    "What is the capital of France?",
+    "Say hello in three languages.",
+    "Describe a sunset in one sentence.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What rhymes with orange?",
+    "Count from one to five.",
+    "Name a famous painting.",
+    "How do bees make honey?",
+    "Write a haiku about rain.",
+    "What time zone is Tokyo in?",
+    "Explain gravity to a child.",
+    "Suggest a name for a cat.",
+    "What is two plus two?",
+    "Recommend a book for a long flight.",
+)
+VOICE = "ethan"
+
+
+def delta_audio_data(delta: Any) -> str | None:
+    """The base64 audio of a streamed `choices[0].delta`, wherever the client put it: a typed
+    `delta.audio` (object or dict) or an extra field in `delta.model_extra`."""
+    audio = getattr(delta, "audio", None)
+    if audio is None:
+        extra = getattr(delta, "model_extra", None) or {}
+        audio = extra.get("audio")
+    if audio is None:
+        return None
+    data = audio.get("data") if isinstance(audio, dict) else getattr(audio, "data", None)
+    return data or None
+
+
+async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> RequestRecord:
+    """One streaming request. TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
+    with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
+    output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
+    A request that raises or ends without audio is an error (`ok` False)."""
+    sent = time.perf_counter()
+    ttft = ttfa = None
+    content_times: list[float] = []
+    usage_tokens = None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            modalities=["text", "audio"], audio={"voice": VOICE, "format": "wav"},
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            usage = getattr(chunk, "usage", None)
+            if usage is not None and getattr(usage, "completion_tokens", None) is not None:
+                usage_tokens = int(usage.completion_tokens)
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if delta is None:
+                continue
+            if delta.content:
+                content_times.append(now)
+                if ttft is None:
+                    ttft = now - sent
+            if ttfa is None and delta_audio_data(delta):
+                ttfa = now - sent
+        ended = time.perf_counter()
+    except Exception as exc:  # counted, the level goes on
+        return RequestRecord(ok=False, error=f"{type(exc).__name__}: {exc}")
+    if ttfa is None:
+        return RequestRecord(ok=False, error="the stream ended without audio")
+    return RequestRecord(
+        ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=ended - sent,
+        itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
+        output_tokens=usage_tokens if usage_tokens is not None else len(content_times))
+
+
+async def run_level(client: Any, model: str, concurrency: int, num_requests: int, max_tokens: int,
+                    prompts: Sequence[str] = PROMPTS,
+                    on_done: Callable[[RequestRecord], None] | None = None
+                    ) -> tuple[list[RequestRecord], float]:
+    """`num_requests` requests with exactly `concurrency` in flight (fewer only once fewer remain).
+    Returns the records in request order and the level's wall time in seconds."""
+    records: list[RequestRecord | None] = [None] * num_requests
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < num_requests:
+            index = next_index
+            next_index += 1
+            record = await stream_one(client, model, prompts[index % len(prompts)], max_tokens)
+            records[index] = record
+            if on_done:
+                on_done(record)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
+    return records, time.perf_counter() - began  # type: ignore[return-value]

@@ -1,0 +1,243 @@
+"""`omni-pd bench serve`: load-test the OpenAI-compatible server, several stage configs side by side.
+
+For each config it starts `omni-pd serve` on a free loopback port (or uses `--base-url`), and for
+each concurrency level sends one uncounted warm-up request, then `--num-requests` streaming
+text+audio chat completions with exactly `concurrency` in flight. It prints a table, and writes a
+JSON file (`--json`) and a PNG (`--plot`).
+
+    omni-pd bench serve [--configs A.yaml,B.yaml] [--concurrency 1,4,8,16] [--num-requests 16]
+                        [--json out.json] [--plot out.png] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from ..paths import STAGE_CONFIGS_DIR
+
+DEFAULT_CONFIGS = (STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
+                   STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml")
+REPO_ROOT = STAGE_CONFIGS_DIR.parent
+DEFAULT_MODEL = "tiny-qwen3-omni"
+DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
+DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated stage YAMLs, benchmarked one after the other and "
+                             "reported side by side, each labelled by its file stem (default: "
+                             "stage_configs/ci/qwen3_omni_tiny.yaml,"
+                             "stage_configs/ci/qwen3_omni_tiny_pd.yaml)")
+    parser.add_argument("--base-url", default=None,
+                        help="benchmark this running server (e.g. http://127.0.0.1:8000) instead "
+                             "of starting one per config")
+    parser.add_argument("--label", default=None,
+                        help="the name of the --base-url server in the report (default: host:port)")
+    parser.add_argument("--model", default=None,
+                        help=f"model to serve and to request (default: {DEFAULT_MODEL}; with "
+                             "--base-url: the first of the server's GET /v1/models)")
+    parser.add_argument("--concurrency", default=None,
+                        help=f"comma-separated requests in flight per level (default: "
+                             f"{DEFAULT_CONCURRENCY}; --quick: {QUICK_CONCURRENCY})")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help=f"measured requests per level, at least the concurrency (default: "
+                             f"{DEFAULT_NUM_REQUESTS}; --quick: {QUICK_NUM_REQUESTS})")
+    parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="uncounted requests sent before each level (default 1)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG: req/s and latency against concurrency")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"CI mode: concurrency {QUICK_CONCURRENCY}, {QUICK_NUM_REQUESTS} "
+                             "requests per level (explicit options still win)")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds one request may take, for the client and the started "
+                             "servers' --request-timeout (default 600)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds a started server has to answer GET /health with 200")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VAL",
+                        help="environment variable for the started servers (repeatable), e.g. "
+                             "OMP_NUM_THREADS=1; the rest is inherited, MC_LOG_LEVEL=ERROR unless set")
+    parser.add_argument("--server-log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="--log-level of the started servers (their log goes to a temp file)")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"error: {what} must be positive integers, got {text!r}")
+    return sorted(dict.fromkeys(values))
+
+
+def _resolve_config(text: str) -> Path:
+    path = Path(text).expanduser()
+    for candidate in (path, REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    """File stems; a repeated stem gets -2, -3, ..."""
+    labels, seen = [], {}
+    for path in paths:
+        stem = path.stem
+        seen[stem] = seen.get(stem, 0) + 1
+        labels.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
+    return labels
+
+
+def _server_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: --server-env takes KEY=VAL, got {pair!r}")
+        env[key] = value
+    return env
+
+
+async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
+                        args: argparse.Namespace, num_requests: int,
+                        errors: dict[str, list[str]]) -> tuple[str, list[dict]]:
+    """Every level against one server; returns the model name used and one row per level."""
+    import openai
+    from tqdm import tqdm
+
+    from .load import PROMPTS, run_level, stream_one
+    from .stats import summarize_level
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused",
+                                max_retries=0, timeout=args.request_timeout)
+    rows = []
+    try:
+        if model is None:
+            listed = await client.models.list()
+            model = listed.data[0].id
+        for concurrency in levels:
+            n = max(num_requests, concurrency)
+            for i in range(args.warmup):
+                warm = await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+                if not warm.ok:
+                    print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}",
+                          file=sys.stderr)
+            with tqdm(total=n, desc=f"{label} c={concurrency}", unit="req", file=sys.stderr,
+                      dynamic_ncols=True) as bar:
+                failed = 0
+
+                def done(record, bar=bar):
+                    nonlocal failed
+                    failed += not record.ok
+                    bar.update(1)
+                    if failed:
+                        bar.set_postfix(errors=failed)
+
+                records, wall_s = await run_level(client, model, concurrency, n, args.max_tokens,
+                                                  on_done=done)
+            failures = [r.error or "error" for r in records if not r.ok]
+            if failures:
+                errors[f"{label} c={concurrency}"] = failures
+            rows.append({"config": label, "concurrency": concurrency,
+                         **summarize_level(records, wall_s)})
+    finally:
+        await client.close()
+    return model, rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from .report import cpu_count, format_table, print_errors, run_metadata, write_json, write_plot
+    from .server import ServerProcess, ServerStartError, health_status
+    from .stats import add_ratios
+
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: omni-pd bench needs the openai client: pip install openai") from None
+    # The client libraries log every request at INFO, which would break up the progress bar.
+    for name in ("httpx", "httpx2", "httpcore", "openai", "matplotlib"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.base_url and args.configs:
+        raise SystemExit("error: --configs and --base-url exclude each other")
+    levels = _int_list(args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
+                       "--concurrency")
+    num_requests = (args.num_requests if args.num_requests is not None else
+                    QUICK_NUM_REQUESTS if args.quick else DEFAULT_NUM_REQUESTS)
+    if num_requests < 1 or args.max_tokens < 1 or args.warmup < 0:
+        raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
+    server_env = _server_env(args.server_env)
+
+    if args.base_url:
+        from urllib.parse import urlparse
+        targets: list[tuple[str, Path | None]] = [(args.label or urlparse(args.base_url).netloc
+                                                   or args.base_url, None)]
+    else:
+        paths = ([_resolve_config(p) for p in args.configs.split(",") if p.strip()]
+                 if args.configs else [Path(p) for p in DEFAULT_CONFIGS])
+        targets = list(zip(_labels(paths), paths))
+
+    results: list[dict] = []
+    errors: dict[str, list[str]] = {}
+    failures: list[str] = []
+    model_used = args.model
+    for label, config in targets:
+        if config is None:
+            status = health_status(args.base_url.rstrip("/"), timeout_s=10)
+            if status != 200:
+                print(f"error: GET {args.base_url.rstrip('/')}/health answered "
+                      f"{status or 'nothing'}, not 200", file=sys.stderr)
+                failures.append(f"{label}: the server is not ready")
+                continue
+            model_used, rows = asyncio.run(_bench_target(args.base_url, label, args.model, levels,
+                                                         args, num_requests, errors))
+            results += rows
+            continue
+        model_used = args.model or DEFAULT_MODEL
+        server = ServerProcess(model_used, config, request_timeout_s=args.request_timeout,
+                               startup_timeout_s=args.startup_timeout, env=server_env,
+                               log_level=args.server_log_level)
+        print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
+        try:
+            server.start()
+        except ServerStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            failures.append(f"{label}: the server did not start")
+            continue
+        try:
+            _, rows = asyncio.run(_bench_target(server.base_url, label, model_used, levels, args,
+                                                num_requests, errors))
+            results += rows
+        finally:
+            status = server.stop()
+        if status not in (0, -signal.SIGTERM):
+            print(f"warning: {label}: the server exited with {status}; log {server.log_path}",
+                  file=sys.stderr)
+
+    add_ratios(results)
+    if errors:
+        print_errors(errors)
+    if results:
+        print(format_table(results))
+    cores = cpu_count()
+    meta = run_metadata(
+        ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
+        num_requests=num_requests, concurrency=levels, warmup_requests=args.warmup,
+        quick=bool(args.quick), model=model_used, base_url=args.base_url,
+        configs={label: (str(path) if path else None) for label, path in targets},
+        request_timeout_s=args.request_timeout, server_env=server_env, failures=failures)
+    if args.json:
+        write_json(args.json, meta, results)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot and results:
+        write_plot(args.plot, results, cores=cores, max_tokens=args.max_tokens)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 1 if failures or not results else 0

@@ -1,0 +1,118 @@
+"""Statistics of one benchmark level, and the ratios between levels and configs.
+
+Pure functions over plain numbers: no client, no server. A value that cannot be computed (no
+successful request, no inter-token gap, a zero baseline) is None, never NaN, so the JSON holds null.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# The metric keys of one result, in the order the table and the JSON show them.
+LATENCIES = ("ttft", "ttfa", "itl", "e2e")
+METRIC_KEYS = ("req_per_s", "output_tok_per_s",
+               *(f"{name}_ms_{p}" for name in LATENCIES for p in ("p50", "p99")), "errors")
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured, in seconds from the moment it was sent.
+
+    `ok` is False for a request that raised or ended without audio; its timings are not used.
+    `itl_s` holds the gaps between consecutive text-content chunks."""
+
+    ok: bool
+    ttft_s: float | None = None
+    ttfa_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def percentiles_ms(values_s: Iterable[float | None], qs: Sequence[float] = (50, 99)
+                   ) -> list[float | None]:
+    """The `qs` percentiles (numpy's default, linear interpolation) of `values_s` in milliseconds;
+    None values are left out, and every percentile is None when nothing is left."""
+    values = [v for v in (_finite(v) for v in values_s) if v is not None]
+    if not values:
+        return [None for _ in qs]
+    return [float(p) * 1e3 for p in np.percentile(np.asarray(values, dtype=np.float64), list(qs))]
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is not > 0."""
+    numerator, denominator = _finite(numerator), _finite(denominator)
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def summarize_level(records: Sequence[RequestRecord], wall_s: float) -> dict:
+    """Throughput and latency percentiles of one level: `records` ran in `wall_s` seconds.
+
+    Throughput counts successful requests only; latency percentiles are over successful requests,
+    ITL over every gap of every successful request pooled together."""
+    done = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in done)
+    wall = _finite(wall_s)
+    row: dict = {
+        "num_requests": len(records),
+        "completed": len(done),
+        "wall_s": wall,
+        "req_per_s": ratio(len(done), wall) if done else None,
+        "output_tok_per_s": ratio(tokens, wall) if done else None,
+        "output_tokens": tokens,
+    }
+    samples = {"ttft": [r.ttft_s for r in done], "ttfa": [r.ttfa_s for r in done],
+               "itl": [gap for r in done for gap in r.itl_s], "e2e": [r.e2e_s for r in done]}
+    for name in LATENCIES:
+        row[f"{name}_ms_p50"], row[f"{name}_ms_p99"] = percentiles_ms(samples[name])
+    row["errors"] = len(records) - len(done)
+    return row
+
+
+def vs_config_key(label: str) -> str:
+    """The JSON key of a config's req/s relative to the config `label` at the same level."""
+    return "req_per_s_vs_" + re.sub(r"[^0-9A-Za-z_]+", "_", label)
+
+
+def add_ratios(results: list[dict]) -> list[dict]:
+    """Adds, in place, ratios measured in the same run to rows holding `config`, `concurrency`,
+    `req_per_s` and `e2e_ms_p50`:
+      req_per_s_vs_c1, e2e_p50_vs_c1   this level against the lowest level of the same config
+                                       (its concurrency is in `ratio_baseline_concurrency`)
+      req_per_s_vs_<first config>      for every other config, against the first config (the first
+                                       in `results`) at the same concurrency
+    Returns `results`."""
+    configs = list(dict.fromkeys(row["config"] for row in results))
+    lowest: dict[str, dict] = {}
+    for row in results:
+        base = lowest.get(row["config"])
+        if base is None or row["concurrency"] < base["concurrency"]:
+            lowest[row["config"]] = row
+    for row in results:
+        base = lowest[row["config"]]
+        row["ratio_baseline_concurrency"] = base["concurrency"]
+        row["req_per_s_vs_c1"] = ratio(row["req_per_s"], base["req_per_s"])
+        row["e2e_p50_vs_c1"] = ratio(row["e2e_ms_p50"], base["e2e_ms_p50"])
+    if len(configs) >= 2:
+        first = configs[0]
+        key = vs_config_key(first)
+        by_level = {row["concurrency"]: row for row in results if row["config"] == first}
+        for row in results:
+            if row["config"] != first:
+                other = by_level.get(row["concurrency"])
+                row[key] = ratio(row["req_per_s"], other["req_per_s"] if other else None)
+    return results

@@ -1,0 +1,112 @@
+"""`omni-pd bench serve` statistics on synthetic numbers: percentiles, throughput, ratios, nulls."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from omni_pd.bench.report import format_table, write_json
+from omni_pd.bench.stats import (METRIC_KEYS, RequestRecord, add_ratios, percentiles_ms, ratio,
+                                 summarize_level, vs_config_key)
+
+
+def _ok(ttft, ttfa, e2e, itl=(), tokens=24):
+    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=e2e, itl_s=list(itl),
+                         output_tokens=tokens)
+
+
+def test_percentiles_are_numpy_percentiles_in_ms():
+    values = [0.010, 0.020, 0.030, 0.040, 0.100]
+    p50, p99 = percentiles_ms(values)
+    assert p50 == pytest.approx(np.percentile(values, 50) * 1e3) == pytest.approx(30.0)
+    assert p99 == pytest.approx(np.percentile(values, 99) * 1e3)
+    assert 40.0 < p99 < 100.0
+
+
+def test_percentiles_leave_out_missing_values_and_are_none_when_empty():
+    assert percentiles_ms([None, 0.5, float("nan")]) == [pytest.approx(500.0), pytest.approx(500.0)]
+    assert percentiles_ms([]) == [None, None]
+    assert percentiles_ms([None]) == [None, None]
+
+
+def test_ratio_is_none_for_missing_or_non_positive_denominators():
+    assert ratio(3.0, 1.5) == pytest.approx(2.0)
+    assert ratio(None, 1.0) is None and ratio(1.0, None) is None
+    assert ratio(1.0, 0.0) is None and ratio(1.0, float("nan")) is None
+
+
+def test_summarize_level_counts_successes_for_throughput_and_latency():
+    records = [_ok(0.01, 0.10, 0.20, itl=[0.005, 0.007], tokens=24),
+               _ok(0.03, 0.30, 0.40, itl=[0.009], tokens=20),
+               RequestRecord(ok=False, error="boom")]
+    row = summarize_level(records, wall_s=2.0)
+    assert set(METRIC_KEYS) <= set(row)
+    assert row["num_requests"] == 3 and row["completed"] == 2 and row["errors"] == 1
+    assert row["req_per_s"] == pytest.approx(1.0)            # 2 done in 2 s
+    assert row["output_tok_per_s"] == pytest.approx(22.0)    # 44 tokens in 2 s
+    assert row["ttft_ms_p50"] == pytest.approx(20.0)
+    assert row["ttfa_ms_p50"] == pytest.approx(200.0)
+    assert row["e2e_ms_p50"] == pytest.approx(300.0)
+    assert row["itl_ms_p50"] == pytest.approx(7.0)           # gaps pooled: 5, 7, 9 ms
+    for name in ("ttft", "ttfa", "itl", "e2e"):
+        assert row[f"{name}_ms_p99"] >= row[f"{name}_ms_p50"] >= 0
+
+
+def test_summarize_level_gives_none_not_nan_when_nothing_can_be_computed():
+    row = summarize_level([RequestRecord(ok=False, error="x")] * 2, wall_s=1.0)
+    assert row["errors"] == 2 and row["req_per_s"] is None and row["output_tok_per_s"] is None
+    assert all(row[f"{n}_ms_{p}"] is None for n in ("ttft", "ttfa", "itl", "e2e") for p in ("p50", "p99"))
+    # One content chunk per request: no inter-token gap, so ITL is None while the rest is set.
+    row = summarize_level([_ok(0.01, 0.02, 0.03)], wall_s=0.5)
+    assert row["itl_ms_p50"] is None and row["itl_ms_p99"] is None
+    assert row["e2e_ms_p50"] == pytest.approx(30.0)
+
+
+def _row(config, concurrency, req_per_s, e2e_p50):
+    return {"config": config, "concurrency": concurrency, "req_per_s": req_per_s,
+            "e2e_ms_p50": e2e_p50}
+
+
+def test_ratios_against_the_lowest_level_and_the_first_config():
+    results = add_ratios([
+        _row("a", 4, 6.0, 400.0), _row("a", 1, 2.0, 100.0),   # order does not matter
+        _row("b", 1, 1.0, 200.0), _row("b", 4, 3.0, None),
+        _row("b", 8, 4.0, 500.0),                             # no level 8 for "a"
+    ])
+    a4, a1, b1, b4, b8 = results
+    assert a1["req_per_s_vs_c1"] == pytest.approx(1.0) and a1["e2e_p50_vs_c1"] == pytest.approx(1.0)
+    assert a4["req_per_s_vs_c1"] == pytest.approx(3.0) and a4["e2e_p50_vs_c1"] == pytest.approx(4.0)
+    assert b4["req_per_s_vs_c1"] == pytest.approx(3.0) and b4["e2e_p50_vs_c1"] is None
+    assert all(r["ratio_baseline_concurrency"] == 1 for r in results)
+    key = vs_config_key("a")
+    assert key == "req_per_s_vs_a"
+    assert b1[key] == pytest.approx(0.5) and b4[key] == pytest.approx(0.5) and b8[key] is None
+    assert key not in a1 and key not in a4
+
+
+def test_ratios_with_one_config_and_a_lowest_level_above_one():
+    results = add_ratios([_row("only", 2, 4.0, 10.0), _row("only", 8, None, 20.0)])
+    assert results[0]["ratio_baseline_concurrency"] == 2
+    assert results[0]["req_per_s_vs_c1"] == pytest.approx(1.0)
+    assert results[1]["req_per_s_vs_c1"] is None and results[1]["e2e_p50_vs_c1"] == pytest.approx(2.0)
+    assert not any(k.startswith("req_per_s_vs_") and k != "req_per_s_vs_c1" for r in results for k in r)
+
+
+def test_vs_config_key_makes_a_plain_key_of_any_label():
+    assert vs_config_key("qwen3_omni_tiny") == "req_per_s_vs_qwen3_omni_tiny"
+    assert vs_config_key("127.0.0.1:8000") == "req_per_s_vs_127_0_0_1_8000"
+
+
+def test_json_holds_null_for_none_and_nan_and_the_table_shows_a_dash(tmp_path):
+    row = {"config": "a", "concurrency": 1, "num_requests": 2,
+           **summarize_level([_ok(0.01, 0.02, 0.03)], wall_s=float("nan"))}
+    add_ratios([row])
+    path = tmp_path / "out.json"
+    write_json(path, {"max_tokens": 24}, [row])
+    text = path.read_text()
+    assert "NaN" not in text
+    loaded = json.loads(text)["results"][0]
+    assert loaded["req_per_s"] is None and loaded["itl_ms_p50"] is None
+    assert loaded["ttft_ms_p50"] == pytest.approx(10.0) and not math.isnan(loaded["ttft_ms_p50"])
+    table = format_table([row]).splitlines()
+    assert len(table) == 3 and table[0].split()[0] == "config" and " - " in table[2]
