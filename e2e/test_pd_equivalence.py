@@ -1,5 +1,9 @@
 """Greedy P/D (thinker prefill and decode in separate processes, KV over Mooncake) equals the
-colocated pipeline byte for byte: thinker tokens, merged talker inputs, codec codes, audio."""
+colocated pipeline byte for byte: thinker tokens, merged talker inputs, codec codes, audio. And
+batching changes nothing: requests run all at once equal the same requests run alone, in both
+pipelines."""
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -98,12 +102,21 @@ def _per_token_kv_bytes(omni):
     return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
 
 
-@pytest.mark.parametrize("case", ["short", "over_one_block", "block_aligned", "multi_turn",
-                                  "long_1000", "audio"])
+CASES = ["short", "over_one_block", "block_aligned", "multi_turn", "long_1000", "audio"]
+_alone: dict[tuple[str, str], object] = {}
+
+
+def alone(omni, which: str, case: str):
+    """The case run by itself (cached: the batching tests compare against the same runs)."""
+    if (which, case) not in _alone:
+        _alone[which, case] = omni.generate([_prompts(omni)[case]])[0]
+    return _alone[which, case]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_pd_equals_colocated(colocated, pd, case):
-    prompt = _prompts(colocated)[case]
-    want = colocated.generate([prompt])[0]
-    got = pd.generate([prompt])[0]
+    want = alone(colocated, "colocated", case)
+    got = alone(pd, "pd", case)
     assert got.prompt_token_ids == want.prompt_token_ids
     if case == "long_1000":
         assert len(got.prompt_token_ids) >= 1000
@@ -138,3 +151,74 @@ def test_sampled_requests_match_too(colocated, pd):
     want = colocated.generate(["Tell me a story."], [thinker, None, None])[0]
     got = pd.generate(["Tell me a story."], [thinker, None, None])[0]  # N-1 params, expanded
     assert differences(colocated, want, pd, got) == []
+
+
+def _thinker_decoding_stage(omni) -> int:
+    pair = omni.pd_pair
+    return pair.decode_stage_id if pair else 0
+
+
+@pytest.mark.parametrize("which", ["colocated", "pd"])
+def test_six_prompts_all_at_once_equal_each_alone(colocated, pd, which):
+    omni = {"colocated": colocated, "pd": pd}[which]
+    want = [alone(omni, which, case) for case in CASES]
+    before = omni.control(_thinker_decoding_stage(omni), "batch_stats")["max_decode_batch"]
+    got = omni.generate([_prompts(omni)[case] for case in CASES])
+    for case, a, b in zip(CASES, want, got):
+        assert differences(omni, a, omni, b) == [], case
+    # They really shared decode steps (the thinker's, and the talker's).
+    assert omni.control(_thinker_decoding_stage(omni), "batch_stats")["max_decode_batch"] > max(before, 1)
+    talker = next(s.stage_id for s in omni.config.stages if s.model_stage == "talker")
+    assert omni.control(talker, "batch_stats")["max_decode_batch"] > 1
+
+
+def test_negative_control_batching_without_invariant_kernels_is_noticed(pd):
+    """With the tiled linear layers switched off in the decode and talker workers, the same
+    all-at-once run no longer equals the solo runs: the comparison above can fail."""
+    talker = next(s.stage_id for s in pd.config.stages if s.model_stage == "talker")
+    want = [alone(pd, "pd", case) for case in CASES]
+    for stage in (pd.pd_pair.decode_stage_id, talker):
+        pd.control(stage, "set_batch_invariant", enabled=False)
+    try:
+        got = pd.generate([_prompts(pd)[case] for case in CASES])
+    finally:
+        for stage in (pd.pd_pair.decode_stage_id, talker):
+            pd.control(stage, "set_batch_invariant", enabled=True)
+    assert any(differences(pd, a, pd, b) for a, b in zip(want, got))
+
+
+MIXED_TEXTS = ["Hi", "Tell me a story.", "What is the capital of France?", "Count to five.",
+               "Describe the sea at night.", "Why is the sky blue?", "Sing me a song.", "Bonjour!"]
+
+
+def _mixed_requests(omni):
+    """16 requests: greedy and seeded-sampled thinkers, talkers with different seeds, several
+    lengths, an audio prompt among them."""
+    from omni_pd.sampling import SamplingParams
+    requests = []
+    for i in range(16):
+        prompt = MIXED_TEXTS[i % len(MIXED_TEXTS)] if i != 5 else _prompts(omni)["audio"]
+        thinker = (SamplingParams(temperature=0, max_tokens=8 + i % 5) if i % 2 == 0 else
+                   SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1000 + i))
+        talker = SamplingParams(temperature=0.9, top_k=50, max_tokens=24 + i, seed=i,
+                                repetition_penalty=1.05)
+        requests.append((prompt, [thinker, talker, None]))
+    return requests
+
+
+def _at_once(omni, requests):
+    """Every request submitted at once (concurrency = len(requests)), each with its own params."""
+    futures = [asyncio.run_coroutine_threadsafe(omni.engine.generate(prompt, params), omni._loop)
+               for prompt, params in requests]
+    return [f.result(300) for f in futures]
+
+
+@pytest.mark.parametrize("which", ["colocated", "pd"])
+def test_sixteen_mixed_requests_at_concurrency_16_equal_their_solo_runs(colocated, pd, which):
+    omni = {"colocated": colocated, "pd": pd}[which]
+    requests = _mixed_requests(omni)
+    solo = [omni.generate([prompt], params)[0] for prompt, params in requests]
+    together = _at_once(omni, requests)
+    for i, (a, b) in enumerate(zip(solo, together)):
+        assert differences(omni, a, omni, b) == [], i
+    assert len({tuple(o.token_ids) for o in solo}) > 4  # they are not all the same request

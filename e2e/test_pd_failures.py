@@ -48,4 +48,4 @@ def test_dead_decode_worker_is_a_bounded_error_not_a_hang(small_decode_pool):
         omni.generate("hi")
     # The prefill side still answers and holds nothing for the failed request.
     counts = omni.clients[0].control("debug_state_counts")
-    assert counts == {"leases": 0, "used_blocks": 0}, counts
+    assert counts == {"thinker.requests": 0, "leases": 0, "used_blocks": 0}, counts

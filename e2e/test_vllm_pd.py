@@ -5,6 +5,8 @@ skipped without it; in CI (CI=true) a missing vLLM is a failure, never a skip.
 """
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import subprocess
@@ -82,12 +84,14 @@ def test_pd_equals_colocated(pd, reference):
 
 def _legs(omni, prompt_ids, prefill_params, decode_params_for, request_id, timeout_s=60):
     """Drive the prefill and decode workers directly (what AsyncOmni does per request)."""
-    prefill = omni.clients[0].generate(request_id, ThinkerPrompt(list(prompt_ids[0])), prefill_params,
-                                       timeout_s, None)
-    decode_params = decode_params_for(prefill.kv_transfer_params)
-    decode = omni.clients[1].generate(request_id, ThinkerPrompt(list(prompt_ids[1])), decode_params,
-                                      timeout_s, None)
-    return prefill, decode
+    async def legs():
+        prefill = await omni.clients[0].generate(request_id, ThinkerPrompt(list(prompt_ids[0])),
+                                                 prefill_params, timeout_s, None)
+        decode_params = decode_params_for(prefill.kv_transfer_params)
+        decode = await omni.clients[1].generate(request_id, ThinkerPrompt(list(prompt_ids[1])),
+                                                decode_params, timeout_s, None)
+        return prefill, decode
+    return asyncio.run_coroutine_threadsafe(legs(), omni._loop).result(timeout_s * 2 + 10)
 
 
 def test_negative_control_other_prompt_same_transfer_id(pd, reference):

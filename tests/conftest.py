@@ -3,6 +3,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread in the test process, as each stage worker gets on this 2-core machine:
+# torch's default pool (one thread per core) spins against the workers and other tests.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -22,6 +22,8 @@ ENGINE_OUTPUT_TYPES: frozenset[str] = frozenset({"text", "image", "audio", "late
 OMNI_PD_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
     {"engine", "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s"})
 
+DEFAULT_MAX_NUM_SEQS = 64  # as vllm-omni's stage configs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 
@@ -88,6 +90,7 @@ class _TypedEngineArgs(_Model):
     enable_prefix_caching: bool | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
     load_format: str = "auto"
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
@@ -136,6 +139,9 @@ class StageRuntime(_Model):
     devices: str | None = None  # CUDA_VISIBLE_DEVICES-style list, e.g. "0,1"
     max_batch_size: int = Field(default=1, ge=1)
     env: dict[str, str] = Field(default_factory=dict)
+    # torch threads in the stage's worker; default: an equal share of the cores per worker.
+    num_threads: int | None = Field(default=None, ge=1)
+    num_interop_threads: int | None = Field(default=None, ge=1)
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -171,6 +177,24 @@ class StageConfig(_Model):
     @property
     def kv_transfer_config(self) -> KVTransferConfig | None:
         return self.engine_args.kv_transfer_config
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests an engine step may hold (vLLM's meaning): engine_args.max_num_seqs, else
+        vllm-omni's runtime.max_batch_size when the file sets it, else DEFAULT_MAX_NUM_SEQS."""
+        if self.engine_args.max_num_seqs is not None:
+            return self.engine_args.max_num_seqs
+        if "max_batch_size" in self.runtime.model_fields_set:
+            return self.runtime.max_batch_size
+        return DEFAULT_MAX_NUM_SEQS
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Tokens one engine step may process (vLLM's meaning): a prefill costs its prompt
+        length, a decode one token. There is no chunked prefill in the hf engines, so this also
+        bounds the longest prompt."""
+        value = self.engine_args.max_num_batched_tokens
+        return value if value is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 class EdgeDefaults(_Model):

@@ -1,10 +1,17 @@
-"""The one interface every stage engine offers the orchestrator, and what a stage input
-processor receives."""
+"""The one interface every stage engine offers its worker, and what a stage input processor
+receives.
+
+An engine is a step loop, not a request handler (vLLM v1's EngineCore is the shape): requests are
+added and aborted at any time, and each `step()` runs one scheduling round (one forward pass per
+model for the requests it picked) and returns per-request outputs: streamed token deltas, and
+one final record (or error) per finished request. The worker calls `step()` while
+`has_unfinished_requests()`; nothing else drives the engine.
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..sampling import SamplingParams
 
@@ -24,19 +31,68 @@ class StageInputs:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)  # text tokens, for streamed requests
+    finished: bool = False
+    output: Any = None  # the stage's output record, when finished without error
+    error: str | None = None  # set when the request failed (finished is then True)
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> "StepOutput":
+        return cls(request_id, finished=True, error=error)
+
+
+@dataclass
+class BatchStats:
+    """How an engine has batched: the evidence that requests really share forward passes."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    max_decode_batch: int = 0  # most requests advanced by one decode pass
+    max_admitted: int = 0  # most requests started in one step
+
+    def record(self, admitted: int, decoding: int) -> None:
+        self.steps += 1
+        self.max_admitted = max(self.max_admitted, admitted)
+        if decoding:
+            self.decode_steps += 1
+            self.max_decode_batch = max(self.max_decode_batch, decoding)
+
+
 class StageEngine(ABC):
-    """Runs one stage for one request at a time."""
+    """Serves many requests at once through `add_request` / `abort_request` / `step`."""
 
     stage_id: int
 
     @abstractmethod
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams,
-                 on_token: Callable[[int], None] | None = None) -> Any:
-        """Run the stage on a prompt built for it; return the stage's output record. A stage that
-        produces text calls `on_token` with each token as it is sampled (it may raise to abort)."""
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    stream: bool = False) -> None:
+        """Queue a request built for this stage. Raises ValueError, with a message naming what to
+        change, for a request this engine can never run; `stream` asks for token deltas."""
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request and free what it holds; no output follows. Unknown ids are ignored."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has work (waiting or running requests)."""
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """One scheduling round. A failure confined to one request is reported as that request's
+        `StepOutput.failed`; an exception raised here fails every request the engine holds."""
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (waiting or running)."""
+        return []
 
     # Engine calls the orchestrator may make outside the request path, by name.
-    control_calls: frozenset[str] = frozenset({"debug_state_counts"})
+    control_calls: frozenset[str] = frozenset({"debug_state_counts", "runtime_info", "batch_stats"})
 
     def close(self) -> None:
         """Release what the engine holds (models, registered memory, sockets)."""
@@ -46,14 +102,39 @@ class StageEngine(ABC):
         return {}
 
     def housekeeping(self) -> None:
-        """Periodic work between requests (expire KV leases)."""
+        """Periodic work (expire KV leases); the worker calls it between steps."""
 
     def debug_state_counts(self) -> dict[str, int]:
-        """Per-request state this engine holds; all zero between requests."""
+        """Per-request state this engine holds; all zero when no request is in flight."""
         return {}
+
+    def batch_stats(self) -> dict[str, int]:
+        """How the engine has batched so far (steps, largest batch), for operators and tests."""
+        return {}
+
+    def runtime_info(self) -> dict[str, Any]:
+        """What the worker process runs with (threads), for operators and tests."""
+        import torch
+        return {"num_threads": torch.get_num_threads(),
+                "num_interop_threads": torch.get_num_interop_threads()}
 
     def control(self, name: str, **kwargs: Any) -> Any:
         if name not in self.control_calls:
             raise ValueError(f"stage {self.stage_id} has no control call {name!r}; "
                              f"it offers {sorted(self.control_calls)}")
         return getattr(self, name)(**kwargs)
+
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
+        """Run one request to completion on an otherwise idle engine (tests and tools; the
+        worker uses add_request / step)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"stage {self.stage_id}: generate() needs an idle engine")
+        self.add_request(request_id, prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id and out.finished:
+                    if out.error is not None:
+                        raise RuntimeError(out.error)
+                    return out.output
+            if not self.has_unfinished_requests():
+                raise RuntimeError(f"stage {self.stage_id}: request {request_id} vanished")

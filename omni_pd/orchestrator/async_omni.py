@@ -1,10 +1,10 @@
 """`AsyncOmni`: the orchestrator both `Omni` and the server run on.
 
-Stage workers serve one request at a time, so each stage has an asyncio lock; requests move
-through the stages independently, so several requests are in flight at once, each in a different
-stage. Blocking pipe I/O to a worker runs in a thread pool. With a P/D pair the thinker runs
-twice: a prefill leg (stop conditions neutralised, KV published) and a decode leg (KV fetched
-over Mooncake); then the prefill leg's KV lease is released.
+Every stage worker serves many requests at once (its engine batches them), so the orchestrator
+holds no per-stage lock: a request is sent to a stage as soon as its input is ready, and each
+stage client matches the worker's answers to the waiting requests. With a P/D pair the thinker
+runs twice: a prefill leg (stop conditions neutralised, KV published) and a decode leg (KV
+fetched over Mooncake); then the prefill leg's KV lease is released.
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import itertools
 import logging
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -35,12 +33,14 @@ from .detokenizer import IncrementalDetokenizer
 from .graph import topological_order
 from .outputs import OmniRequestOutput
 from .request_state import RequestState
-from .stage_client import LocalStageClient, StageClient, StageError
+from .stage_client import StageClient, StageError
+from .threads import stage_threads
 
 log = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 MODALITIES = frozenset({"text", "audio"})
+RELEASE_KV_TIMEOUT_S = 5.0  # an unreleased lease expires on its own (kv_lease_timeout_s)
 
 
 class RequestAborted(RuntimeError):
@@ -100,16 +100,13 @@ class AsyncOmni:
                            for s in self.config.stages if s.custom_process_input_func}
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._locks: dict[int, asyncio.Lock] = {}
-        self._executor = ThreadPoolExecutor(max_workers=2 * len(self.order) + 2,
-                                            thread_name_prefix="omni-pd-stage-io")
-        self.clients: dict[int, StageClient | LocalStageClient] = {}
+        self.clients: dict[int, StageClient] = {}
+        threads = stage_threads(self.config.stages)
         try:
             # Start every worker first, then wait: the stages load their models in parallel.
             for stage_id in self.order:
-                stage = self.stages[stage_id]
-                self.clients[stage_id] = (StageClient(stage, model, startup_timeout_s)
-                                          if stage.runtime.process else LocalStageClient(stage, model))
+                self.clients[stage_id] = StageClient(self.stages[stage_id], model, startup_timeout_s,
+                                                     threads[stage_id])
             for client in self.clients.values():
                 client.wait_ready()
         except BaseException:
@@ -146,7 +143,6 @@ class AsyncOmni:
                 client.close()
             except Exception:  # keep closing the others
                 log.exception("closing stage %d failed", client.stage_id)
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def closed(self) -> bool:
@@ -156,33 +152,8 @@ class AsyncOmni:
     def worker_pids(self) -> list[int]:
         return [c.process.pid for c in self.clients.values() if c.process is not None]
 
-    def _lock(self, stage_id: int) -> asyncio.Lock:
-        if stage_id not in self._locks:
-            self._locks[stage_id] = asyncio.Lock()
-        return self._locks[stage_id]
-
-    async def _on_stage(self, stage_id: int, fn: Callable[[], Any], deadline: float | None) -> Any:
-        """Run a blocking call to a stage's worker under that stage's lock. Cancellation waits
-        for the call to return, so the next request never shares the pipe with this one."""
-        lock = self._lock(stage_id)
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"stage {stage_id} stayed busy past the request's deadline") from None
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
-            try:
-                return await asyncio.shield(future)
-            except asyncio.CancelledError:
-                await asyncio.wait([future])
-                raise
-        finally:
-            lock.release()
-
-    async def control(self, stage_id: int, name: str, **kwargs: Any) -> Any:
-        client = self.clients[stage_id]
-        return await self._on_stage(stage_id, partial(client.control, name, **kwargs), None)
+    async def control(self, stage_id: int, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        return await self.clients[stage_id].control_async(name, timeout_s, **kwargs)
 
     async def debug_state_counts(self) -> dict[str, int]:
         """Per-request state on every side: all zero when no request is in flight."""
@@ -332,20 +303,17 @@ class AsyncOmni:
         if remaining <= 0:
             raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
                                  f"deadline before stage {stage_id}")
-        client = self.clients[stage_id]
-        return await self._on_stage(
-            stage_id, partial(client.generate, state.request_id, prompt, params, remaining, on_tokens),
-            deadline)
+        return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
+                                                     on_tokens)
 
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
         detok = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
-        loop = asyncio.get_running_loop()
 
-        def on_tokens(token_ids: list[int]) -> None:  # runs in a stage I/O thread
+        def on_tokens(token_ids: list[int]) -> None:  # on the event loop
             delta = detok.add(token_ids)
             if delta:
-                loop.call_soon_threadsafe(on_text, delta)
+                on_text(delta)
         return on_tokens
 
     async def _release_kv(self, state: RequestState) -> None:
@@ -355,7 +323,8 @@ class AsyncOmni:
             return
         state.kv_released = True
         try:
-            await self.control(self.pd_pair.prefill_stage_id, "release_kv", transfer_id=state.transfer_id)
+            await self.control(self.pd_pair.prefill_stage_id, "release_kv", RELEASE_KV_TIMEOUT_S,
+                               transfer_id=state.transfer_id)
         except StageError as exc:
             log.warning("request %s: could not release KV lease %s (%s); it expires on its own",
                         state.request_id, state.transfer_id, exc)

@@ -1,4 +1,8 @@
-"""Messages between the orchestrator and a stage worker process.
+"""Messages between the orchestrator and a stage worker.
+
+Any number of requests are in flight on one worker: `AddRequest` and `Abort` may arrive at any
+time, and the worker answers each request with `TokenDelta`s (when streamed) and then exactly one
+`GenerateResult` or `GenerateFailed`. Control calls are answered by `call_id`.
 
 Sent as bytes pickled with the standard pickler: torch tensors are copied into the message rather
 than shared through /dev/shm file descriptors (torch's multiprocessing reducers), so a dead peer
@@ -27,7 +31,7 @@ class StartupFailed:
 
 
 @dataclass
-class GenerateRequest:
+class AddRequest:
     request_id: str
     prompt: Any
     params: SamplingParams
@@ -44,7 +48,8 @@ class TokenDelta:
 
 @dataclass
 class Abort:
-    """Stop working on a request (its client went away or its deadline passed)."""
+    """Stop working on a request (its client went away or its deadline passed). No answer
+    follows; an Abort for a request the worker no longer holds is ignored."""
 
     request_id: str
 

@@ -1,19 +1,29 @@
-"""The orchestrator's handle on one stage worker process."""
+"""The orchestrator's handle on one stage worker: many requests in flight over one pipe.
+
+A reader thread takes every message the worker sends and hands it to whoever waits for it: a
+request's token deltas and final answer go to that request's asyncio future (on the event loop
+that submitted it), a control call's answer to its call id. Sends from any thread are serialised.
+When the worker dies, every waiter fails at once with a message naming the stage and its exit
+code.
+"""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import logging
 import multiprocessing as mp
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..sampling import SamplingParams
 from . import messages as msg
-from .worker import worker_main
+from .worker import thread_main, worker_main
 
 log = logging.getLogger(__name__)
-POLL_S = 0.2  # how often a waiting orchestrator checks that the worker is still alive
+POLL_S = 0.2  # how often the reader checks that the worker is still alive
 
 
 class StageError(RuntimeError):
@@ -24,173 +34,271 @@ class StageTimeout(StageError):
     pass
 
 
+@dataclass
+class _Waiter:
+    """One request's outputs, delivered on the event loop that submitted it."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    on_tokens: Callable[[list[int]], None] | None
+
+    def deliver(self, message: Any) -> None:  # on the event loop
+        if self.future.done():
+            return
+        if isinstance(message, msg.TokenDelta):
+            if self.on_tokens is not None:
+                self.on_tokens(message.token_ids)
+        elif isinstance(message, msg.GenerateResult):
+            self.future.set_result(message.output)
+        elif isinstance(message, StageError):
+            self.future.set_exception(message)
+
+
 class StageClient:
-    def __init__(self, stage_config: Any, model: str, startup_timeout_s: float):
+    def __init__(self, stage_config: Any, model: str, startup_timeout_s: float,
+                 threads: tuple[int, int] = (1, 1)):
         self.stage_id = stage_config.stage_id
         self.model_stage = stage_config.model_stage
         self.startup_timeout_s = startup_timeout_s
-        context = mp.get_context("spawn")
-        self._conn, child = context.Pipe(duplex=True)
-        self.process = context.Process(
-            target=worker_main, name=f"omni-pd-stage{self.stage_id}-{self.model_stage}",
-            args=(stage_config, model, child, logging.getLogger().getEffectiveLevel()), daemon=True)
-        self.process.start()
-        child.close()
+        self.threads = threads
+        name = f"omni-pd-stage{self.stage_id}-{self.model_stage}"
+        if stage_config.runtime.process:
+            context = mp.get_context("spawn")
+            self._conn, child = context.Pipe(duplex=True)
+            self.process = context.Process(
+                target=worker_main, name=name, daemon=True,
+                args=(stage_config, model, child, logging.getLogger().getEffectiveLevel(), threads))
+            self.process.start()
+            child.close()
+            self._thread = None
+        else:  # the engine on a thread of this process, behind the same pipe protocol
+            self._conn, child = mp.Pipe(duplex=True)
+            self.process = None
+            self._thread = threading.Thread(target=thread_main, name=name, daemon=True,
+                                            args=(stage_config, model, child))
+            self._thread.start()
         self.info: dict[str, Any] = {}
-        self._calls = itertools.count()
-        # The orchestrator serialises requests per stage, but an Abort may be sent from another
-        # thread while a request is in flight: sends never interleave.
-        self._send_lock = threading.Lock()
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()  # guards sends, _waiters, _calls, _dead
+        self._waiters: dict[str, _Waiter] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._dead: StageError | None = None
+        self._reader: threading.Thread | None = None
+        self._closing = False
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.model_stage})"
 
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self._thread.is_alive()
+
+    def _exit_description(self) -> str:
+        if self.process is not None:
+            return f"worker (pid {self.process.pid}) exited with code {self.process.exitcode}"
+        return "in-process engine thread stopped"
+
+    def _exited(self, doing: str) -> StageError:
+        return StageError(f"{self.name} {self._exit_description()} {doing}; its log above says why, "
+                          "and a new Omni / server is needed to serve this stage again")
+
+    # ---- start-up ----------------------------------------------------------------------------
     def wait_ready(self) -> None:
-        reply = self._receive(self.startup_timeout_s, "while starting")
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                if self._conn.poll(POLL_S):
+                    reply = msg.loads(self._conn.recv_bytes())
+                    break
+            except (EOFError, OSError):
+                pass
+            if not self.alive():
+                raise self._exited("while starting")
+            if time.monotonic() > deadline:
+                raise StageTimeout(f"{self.name} did not start within {self.startup_timeout_s:.0f} s")
         if isinstance(reply, msg.StartupFailed):
             raise StageError(f"{self.name} failed to start: {reply.message}")
         self.info = reply.info
-        log.info("%s ready in worker pid %d", self.name, reply.pid)
+        where = f"worker pid {reply.pid}" if self.process is not None else "this process"
+        log.info("%s ready in %s (%d intra-op / %d inter-op threads)", self.name, where, *self.threads)
+        self._reader = threading.Thread(target=self._read, name=f"omni-pd-stage{self.stage_id}-reader",
+                                        daemon=True)
+        self._reader.start()
 
-    def _receive(self, timeout_s: float, doing: str) -> Any:
-        deadline = time.monotonic() + timeout_s
+    # ---- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StageTimeout(f"{self.name} did not answer within {timeout_s:.1f} s {doing}; "
-                                   "raise the request timeout if the stage is just slow")
             try:
-                if self._conn.poll(min(POLL_S, remaining)):
-                    return msg.loads(self._conn.recv_bytes())
+                if self._conn.poll(POLL_S):
+                    self._dispatch(msg.loads(self._conn.recv_bytes()))
+                    continue
             except (EOFError, OSError):
                 pass
-            if not self.process.is_alive():
-                raise self._exited(doing)
+            else:
+                if self.alive():
+                    continue
+            # The pipe closed or the worker is gone: fail whoever still waits.
+            if self.process is not None:
+                self.process.join(1.0)
+            self._fail_all(self._exited("while requests were in flight" if not self._closing
+                                        else "at shutdown"))
+            return
 
-    def _receive_matching(self, deadline: float, doing: str, is_mine: Callable[[Any], bool]) -> Any:
-        """The next message `is_mine` accepts. Others are late answers to a request that timed out
-        (or to an older control call): nobody waits for them any more, so they are dropped."""
-        while True:
-            reply = self._receive(max(deadline - time.monotonic(), 0.0), doing)
-            if is_mine(reply):
-                return reply
-            log.debug("%s: dropping a late %s", self.name, type(reply).__name__)
-
-    def _send(self, message: Any) -> None:
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, msg.ControlResult):
+            with self._lock:
+                future = self._calls.pop(message.call_id, None)
+            if future is None:
+                log.debug("%s: dropping a late answer to control call %d", self.name, message.call_id)
+            elif message.error:
+                future.set_exception(StageError(f"{self.name} control call failed: {message.error}"))
+            else:
+                future.set_result(message.value)
+            return
+        request_id = getattr(message, "request_id", None)
+        with self._lock:
+            waiter = self._waiters.get(request_id)
+        if waiter is None:  # an answer to a request that timed out or was aborted
+            log.debug("%s: dropping a late %s for %s", self.name, type(message).__name__, request_id)
+            return
+        if isinstance(message, msg.GenerateFailed):
+            message = StageError(f"{self.name} failed request {request_id}: {message.message}")
         try:
-            with self._send_lock:
-                self._conn.send_bytes(msg.dumps(message))
-        except (BrokenPipeError, OSError) as exc:
-            self.process.join(1.0)
-            raise self._exited("before the request was sent") from exc
+            waiter.loop.call_soon_threadsafe(waiter.deliver, message)
+        except RuntimeError:  # that event loop is closed: nobody waits any more
+            pass
 
-    def _exited(self, doing: str) -> StageError:
-        return StageError(f"{self.name} worker (pid {self.process.pid}) exited with code "
-                          f"{self.process.exitcode} {doing}; its log above says why, and a new "
-                          "Omni / server is needed to serve this stage again")
-
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> Any:
-        self._send(msg.GenerateRequest(request_id, prompt, params, stream=on_tokens is not None))
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def _fail_all(self, error: StageError) -> None:
+        with self._lock:
+            self._dead = error
+            waiters, self._waiters = list(self._waiters.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for waiter in waiters:
             try:
-                reply = self._receive_matching(
-                    deadline, f"for request {request_id}",
-                    lambda r: getattr(r, "request_id", None) == request_id)
-            except StageTimeout:
-                self.abort(request_id)  # a text stage stops at its next token; its answer is dropped
+                waiter.loop.call_soon_threadsafe(waiter.deliver, error)
+            except RuntimeError:
+                pass
+        for future in calls:
+            if not future.done():
+                future.set_exception(error)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _send_locked(self, message: Any) -> None:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            self._conn.send_bytes(msg.dumps(message))
+        except (BrokenPipeError, OSError) as exc:
+            raise self._exited("before the message was sent") from exc
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
+                       on_tokens: Callable[[list[int]], None] | None = None) -> Any:
+        """Submit a request and wait for its output. `on_tokens` gets streamed token deltas on the
+        event loop. On timeout or cancellation the worker is told to abort the request."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop, loop.create_future(), on_tokens)
+        with self._lock:
+            if request_id in self._waiters:
+                raise StageError(f"{self.name} already runs request {request_id}")
+            self._waiters[request_id] = waiter
+            try:
+                self._send_locked(msg.AddRequest(request_id, prompt, params, stream=on_tokens is not None))
+            except BaseException:
+                del self._waiters[request_id]
                 raise
-            if not isinstance(reply, msg.TokenDelta):
-                break
-            on_tokens(reply.token_ids)
-        if isinstance(reply, msg.GenerateFailed):
-            raise StageError(f"{self.name} failed request {request_id}: {reply.message}")
-        return reply.output
+        finished = False
+        try:
+            result = await asyncio.wait_for(waiter.future, max(timeout_s, 0.0))
+            finished = True
+            return result
+        except asyncio.TimeoutError:
+            raise StageTimeout(f"{self.name} did not finish request {request_id} within "
+                               f"{timeout_s:.1f} s; raise the request timeout if the stage is just "
+                               "slow") from None
+        except StageError:
+            finished = True  # the worker answered (failed) or died: nothing left to abort
+            raise
+        finally:
+            with self._lock:
+                self._waiters.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Ask the worker to stop `request_id`; harmless if it already finished."""
-        try:
-            self._send(msg.Abort(request_id))
-        except StageError:
-            pass
-
-    def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        call_id = next(self._calls)
-        self._send(msg.ControlRequest(call_id, name, kwargs))
-        reply = self._receive_matching(
-            time.monotonic() + timeout_s, f"to control call {name}",
-            lambda r: isinstance(r, msg.ControlResult) and r.call_id == call_id)
-        if reply.error:
-            raise StageError(f"{self.name} control call {name} failed: {reply.error}")
-        return reply.value
-
-    def request_shutdown(self) -> None:
-        """Ask the worker to stop without waiting (close() waits): workers stop in parallel."""
-        if self.process.is_alive():
+        with self._lock:
             try:
-                with self._send_lock:
-                    self._conn.send_bytes(msg.dumps(msg.Shutdown()))
-            except (BrokenPipeError, OSError):
+                self._send_locked(msg.Abort(request_id))
+            except StageError:
                 pass
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        if self.process.is_alive():
-            self.request_shutdown()
-            self.process.join(timeout_s)
-        if self.process.is_alive():
-            log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self._conn.close()
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiters)
 
+    # ---- control calls -------------------------------------------------------------------------
+    def control_future(self, name: str, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            try:
+                self._send_locked(msg.ControlRequest(call_id, name, kwargs))
+            except BaseException:
+                del self._calls[call_id]
+                raise
+        future.call_id = call_id  # type: ignore[attr-defined]
+        return future
 
-class LocalStageClient:
-    """The same interface with the engine in this process (`runtime.process: false`)."""
-
-    def __init__(self, stage_config: Any, model: str):
-        from .engine_factory import build_engine
-        self.stage_id = stage_config.stage_id
-        self.model_stage = stage_config.model_stage
-        self.engine = build_engine(stage_config, model)
-        self.info = self.engine.describe()
-        self.process = None
-        self._running: set[str] = set()
-        self._aborted: set[str] = set()
-
-    def abort(self, request_id: str) -> None:
-        if request_id in self._running:
-            self._aborted.add(request_id)
-
-    def wait_ready(self) -> None:
-        pass
-
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> Any:
-        def on_token(token_id: int) -> None:
-            if request_id in self._aborted:
-                raise RuntimeError(f"request {request_id} was aborted")
-            if on_tokens is not None:
-                on_tokens([token_id])
-        self._running.add(request_id)
-        try:
-            return self.engine.generate(request_id, prompt, params, on_token=on_token)
-        except Exception as exc:
-            raise StageError(f"stage {self.stage_id} ({self.model_stage}) failed request "
-                             f"{request_id}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._running.discard(request_id)
-            self._aborted.discard(request_id)
+    def forget_call(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._calls.pop(getattr(future, "call_id", -1), None)
 
     def control(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        return self.engine.control(name, **kwargs)
+        future = self.control_future(name, **kwargs)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.forget_call(future)
+            raise StageTimeout(f"{self.name} did not answer control call {name} within "
+                               f"{timeout_s:.1f} s") from None
 
+    async def control_async(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        future = self.control_future(name, **kwargs)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except asyncio.TimeoutError:
+            self.forget_call(future)
+            raise StageTimeout(f"{self.name} did not answer control call {name} within "
+                               f"{timeout_s:.1f} s") from None
+
+    # ---- shutdown ------------------------------------------------------------------------------
     def request_shutdown(self) -> None:
-        pass
+        """Ask the worker to stop without waiting (close() waits): workers stop in parallel."""
+        self._closing = True
+        if self.alive():
+            with self._lock:
+                try:
+                    self._conn.send_bytes(msg.dumps(msg.Shutdown()))
+                except (BrokenPipeError, OSError):
+                    pass
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self.engine.close()
+        self.request_shutdown()
+        if self.process is not None:
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
+                self.process.terminate()
+                self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        else:
+            self._thread.join(timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+        self._fail_all(self._exited("at shutdown"))
+        self._conn.close()

@@ -1,8 +1,15 @@
-"""A stage worker: one process that builds one stage engine and serves it over a pipe.
+"""A stage worker: builds one stage engine and runs its step loop, fed over a pipe.
 
-The worker ignores SIGINT (Ctrl-C reaches the whole process group; the orchestrator decides
-when workers stop) and exits on a Shutdown message, when the pipe closes, or when its parent
-is gone, so a killed orchestrator never leaves a worker (nor its Mooncake port) behind.
+The loop takes every message waiting on the pipe (add, abort, control, shutdown), then runs one
+engine step if the engine has work, and sends each request's outputs back as they come. It
+blocks on the pipe only while the engine is idle, so a busy engine steps back to back and new
+requests join between steps.
+
+In a worker process (`runtime.process: true`, the default) the worker ignores SIGINT (Ctrl-C
+reaches the whole process group; the orchestrator decides when workers stop), sets torch's
+thread counts from the stage config, and exits on a Shutdown message, when the pipe closes, or
+when its parent is gone, so a killed orchestrator never leaves a worker (nor its Mooncake port)
+behind. `serve()` is the same loop for an engine on a thread of the orchestrator's process.
 """
 from __future__ import annotations
 
@@ -10,96 +17,140 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from . import messages as msg
 
 log = logging.getLogger(__name__)
-IDLE_POLL_S = 0.5  # how often an idle worker runs engine housekeeping (lease expiry)
+IDLE_POLL_S = 0.5  # how long an idle worker waits for a message before housekeeping
+HOUSEKEEPING_S = 0.5  # how often a busy worker runs engine housekeeping (lease expiry)
 
 
-def worker_main(stage_config: Any, model: str, conn, log_level: int) -> None:
+def apply_threads(num_threads: int, num_interop_threads: int) -> None:
+    """torch's intra-op and inter-op pools for this process. Inter-op can only be set before
+    torch runs any parallel work, so this runs first thing in the worker."""
+    import torch
+    torch.set_num_threads(num_threads)
+    try:
+        torch.set_num_interop_threads(num_interop_threads)
+    except RuntimeError:  # already started (an in-process stage shares the orchestrator's torch)
+        log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
+
+
+def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s [stage{stage_config.stage_id}] %(name)s: %(message)s")
+    apply_threads(*threads)
     parent = os.getppid()
-    stage_id = stage_config.stage_id
+    engine = _build(stage_config, model, conn)
+    if engine is not None:
+        serve(engine, conn, alive=lambda: os.getppid() == parent)
+    # The engine is closed and the pipe too: skip the interpreter's slow teardown of the model
+    # (seconds on a busy machine), which only delays the orchestrator's shutdown.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _build(stage_config: Any, model: str, conn):
     try:
         from .engine_factory import build_engine
         engine = build_engine(stage_config, model)
     except BaseException as exc:  # report, then exit: the orchestrator raises with this message
-        conn.send_bytes(msg.dumps(msg.StartupFailed(stage_id, f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(msg.dumps(msg.StartupFailed(stage_config.stage_id, f"{type(exc).__name__}: {exc}")))
         conn.close()
-        return
-    conn.send_bytes(msg.dumps(msg.Ready(stage_id, os.getpid(), engine.describe())))
-    try:
-        while os.getppid() == parent:
-            if not conn.poll(IDLE_POLL_S):
-                engine.housekeeping()
-                continue
+        return None
+    conn.send_bytes(msg.dumps(msg.Ready(stage_config.stage_id, os.getpid(), engine.describe())))
+    return engine
+
+
+def thread_main(stage_config: Any, model: str, conn) -> None:
+    """An in-process stage (`runtime.process: false`): the same loop on a thread."""
+    engine = _build(stage_config, model, conn)
+    if engine is not None:
+        serve(engine, conn, alive=lambda: True)
+
+
+class _Loop:
+    def __init__(self, engine, conn) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.stopping = False
+
+    def send(self, message: Any) -> None:
+        self.conn.send_bytes(msg.dumps(message))
+
+    def handle(self, message: Any) -> None:
+        engine = self.engine
+        if isinstance(message, msg.AddRequest):
             try:
-                message = msg.loads(conn.recv_bytes())
+                engine.add_request(message.request_id, message.prompt, message.params, message.stream)
+            except Exception as exc:
+                log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
+                self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
+        elif isinstance(message, msg.Abort):
+            engine.abort_request(message.request_id)
+        elif isinstance(message, msg.ControlRequest):
+            try:
+                reply = msg.ControlResult(message.call_id, engine.control(message.name, **message.kwargs))
+            except Exception as exc:
+                reply = msg.ControlResult(message.call_id, error=f"{type(exc).__name__}: {exc}")
+            self.send(reply)
+        elif isinstance(message, msg.Shutdown):
+            self.stopping = True
+        else:
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine could not isolate it: every request it holds fails
+            log.exception("stage %s: engine step failed", self.engine.stage_id)
+            error = f"{type(exc).__name__}: {exc}"
+            outputs = []
+            for request_id in self.engine.request_ids():
+                self.engine.abort_request(request_id)
+                outputs.append(_failed(request_id, error))
+        for out in outputs:
+            if out.error is not None:
+                self.send(msg.GenerateFailed(out.request_id, out.error))
+                continue
+            if out.new_token_ids:
+                self.send(msg.TokenDelta(out.request_id, list(out.new_token_ids)))
+            if out.finished:
+                self.send(msg.GenerateResult(out.request_id, out.output))
+
+
+def _failed(request_id: str, error: str):
+    from ..engines.base import StepOutput
+    return StepOutput.failed(request_id, error)
+
+
+def serve(engine, conn, alive: Callable[[], bool]) -> None:
+    loop = _Loop(engine, conn)
+    last_housekeeping = time.monotonic()
+    try:
+        while alive() and not loop.stopping:
+            busy = engine.has_unfinished_requests()
+            try:
+                if conn.poll(0 if busy else IDLE_POLL_S):
+                    while True:  # everything that is waiting, then one step
+                        loop.handle(msg.loads(conn.recv_bytes()))
+                        if loop.stopping or not conn.poll(0):
+                            break
             except (EOFError, OSError):
                 break  # the orchestrator is gone
-            if isinstance(message, msg.Shutdown):
+            if loop.stopping:
                 break
-            inbox = BusyInbox(conn)
-            reply = _handle(engine, message, inbox)
-            if reply is not None:
-                conn.send_bytes(msg.dumps(reply))
-            if inbox.shutdown_requested:
-                break  # a Shutdown arrived while the request ran (and stopped it)
-            engine.housekeeping()
+            if engine.has_unfinished_requests():
+                loop.step()
+            now = time.monotonic()
+            if not busy or now - last_housekeeping >= HOUSEKEEPING_S:
+                engine.housekeeping()
+                last_housekeeping = now
     finally:
         engine.close()
         conn.close()
-
-
-class RequestAborted(RuntimeError):
-    pass
-
-
-class BusyInbox:
-    """The pipe as seen while a request runs: only Abort and Shutdown can arrive then (the
-    orchestrator holds a stage's lock for every other call). A Shutdown stops the request and is
-    remembered, so the main loop exits after replying."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-        self.shutdown_requested = False
-
-    def token_callback(self, message: msg.GenerateRequest):
-        """Called by a text engine after each token: streams it when asked, and stops the request
-        when an Abort for it (or a Shutdown) has arrived."""
-        def on_token(token_id: int) -> None:
-            while self.conn.poll(0):
-                incoming = msg.loads(self.conn.recv_bytes())
-                if isinstance(incoming, msg.Shutdown):
-                    self.shutdown_requested = True
-                    raise RequestAborted("the worker is shutting down")
-                if isinstance(incoming, msg.Abort) and incoming.request_id == message.request_id:
-                    raise RequestAborted(f"request {message.request_id} was aborted")
-                # an Abort for a request that already finished here: nothing to stop
-            if message.stream:
-                self.conn.send_bytes(msg.dumps(msg.TokenDelta(message.request_id, [token_id])))
-        return on_token
-
-
-def _handle(engine, message, inbox: BusyInbox):
-    if isinstance(message, msg.GenerateRequest):
-        try:
-            output = engine.generate(message.request_id, message.prompt, message.params,
-                                     on_token=inbox.token_callback(message))
-            return msg.GenerateResult(message.request_id, output)
-        except Exception as exc:
-            log.debug("request %s failed:\n%s", message.request_id, traceback.format_exc())
-            return msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}")
-    if isinstance(message, msg.ControlRequest):
-        try:
-            return msg.ControlResult(message.call_id, engine.control(message.name, **message.kwargs))
-        except Exception as exc:
-            return msg.ControlResult(message.call_id, error=f"{type(exc).__name__}: {exc}")
-    if isinstance(message, msg.Abort):
-        return None  # the request already finished here: nothing to stop
-    raise TypeError(f"unexpected message {type(message).__name__}")

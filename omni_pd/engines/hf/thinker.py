@@ -87,7 +87,7 @@ class ThinkerRunner:
             prefill_ms=(time.perf_counter() - began) * 1e3,
         )
 
-    def _finish_reason(self, tokens: list[int], params: SamplingParams) -> str | None:
+    def finish_reason(self, tokens: list[int], params: SamplingParams) -> str | None:
         last = tokens[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             return "stop"
@@ -128,7 +128,7 @@ class ThinkerRunner:
             on_token(first_token)
         embeds: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
-        reason = self._finish_reason(tokens, params)
+        reason = self.finish_reason(tokens, params)
         while reason is None:
             position = prompt_len + len(tokens) - 1
             out = self.thinker(
@@ -146,7 +146,7 @@ class ThinkerRunner:
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
-            reason = self._finish_reason(tokens, params)
+            reason = self.finish_reason(tokens, params)
         width = self.text_config.hidden_size
         return DecodeResult(
             token_ids=tokens,

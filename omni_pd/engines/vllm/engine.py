@@ -6,6 +6,18 @@ Runs inside the stage's worker process: an in-process `LLMEngine`
 `kv_transfer_config` included, so a P/D pair is two of these engines over vLLM's
 MooncakeConnector with omni-pd's fixes (patches/) applied.
 
+Requests are submitted to the `LLMEngine` as they arrive (`add_request`) and stepped together:
+each `step()` is one `LLMEngine.step()`, so vLLM's scheduler batches every request it holds, and
+the step's `RequestOutput`s become token deltas (streamed requests) and one final record or
+error per request. Each request has a deadline, checked every step: a decode leg that loads
+remote KV waits `kv_lease_timeout_s` + a margin for it, anything else gets a long bound. Stepping
+and reading vLLM's scheduler happen under the offline_drain patch's per-engine lock, the lock its
+background thread steps under while a prefill engine has KV sends pending and no request left.
+That thread starts only from inside a step, so an abort that leaves no request takes one idle
+step itself (a prefill that finished in the last step still needs one to announce its send), and
+`release_kv` waits for the thread only while no request is in flight (otherwise the worker's own
+steps free the blocks, and it cannot step while it waits there).
+
 Ports: a producer's Mooncake bootstrap server listens on
 `kv_connector_extra_config.mooncake_bootstrap_port` when the YAML sets it, else on a free port
 picked at start-up (vLLM reads it from `VLLM_MOONCAKE_BOOTSTRAP_PORT`, set here in the worker
@@ -25,10 +37,11 @@ import math
 import os
 import socket
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ...sampling import SamplingParams
-from ..base import StageEngine
+from ..base import StageEngine, StepOutput
 from ..types import ThinkerOutput, ThinkerPrompt
 
 log = logging.getLogger(__name__)
@@ -41,6 +54,7 @@ ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 CONSUMER_WAIT_MARGIN_S = 10.0
+IDLE_STEP_SLEEP_S = 0.001
 
 
 class KVTransferFailed(RuntimeError):
@@ -75,11 +89,30 @@ def to_vllm_sampling_params(params: SamplingParams):
         detokenize=params.detokenize, extra_args=extra)
 
 
+@dataclass
+class _RequestState:
+    """What the engine keeps per request between steps (vLLM keeps the rest)."""
+
+    request_id: str  # the caller's id; vLLM's RequestOutput.request_id
+    vllm_id: str  # vLLM's internal id (request_id plus a random suffix)
+    prompt_token_ids: list[int]
+    kv_in: dict[str, Any]  # the request's kv_transfer_params
+    loads_remote: bool  # a decode leg: its prompt's KV comes from a prefill engine
+    deadline: float  # time.monotonic() after which the request is aborted
+    began: float  # time.perf_counter() at add_request
+    stream: bool
+    seen: int = 0  # output tokens seen so far
+    first_token_ms: float | None = None
+    remote_tokens: int = 0  # prompt tokens the scheduler loads over the KV connector
+
+
 class VllmThinkerEngine(StageEngine):
     control_calls = frozenset({"debug_state_counts", "release_kv", "patch_status"})
 
     def __init__(self, stage, model: str):
         self.stage_id = stage.stage_id
+        self.engine = None
+        self._requests: dict[str, _RequestState] = {}
         for key, value in {**ENV_DEFAULTS, **stage.runtime.env}.items():
             if key in stage.runtime.env:
                 os.environ[key] = value
@@ -124,59 +157,139 @@ class VllmThinkerEngine(StageEngine):
                  self.stage_id, name, self.startup_s, self.kv_role, self.bootstrap_port)
 
     # ---- requests --------------------------------------------------------------------------
-    def generate(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
-                 on_token: Callable[[int], None] | None = None) -> ThinkerOutput:
+    def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+                    stream: bool = False) -> None:
+        if self.engine is None:
+            raise RuntimeError(f"stage {self.stage_id}: the vLLM engine is closed")
         if getattr(prompt, "input_features", None) is not None:
             raise ValueError(f"stage {self.stage_id}: the vLLM text engine takes token ids only, "
                              "not audio features")
+        if request_id in self._requests:
+            raise ValueError(f"stage {self.stage_id}: request {request_id} is already running here; "
+                             "give each request its own id")
         token_ids = list(prompt.prompt_token_ids)
-        kv_in = params.kv_transfer_params or {}
+        kv_in = dict(params.kv_transfer_params or {})
         loads_remote = bool(kv_in.get("do_remote_prefill"))
         began = time.perf_counter()
         deadline = time.monotonic() + (self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote
                                        else max(self.kv_wait_s, 60.0) + 600.0)
+        # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
         vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": token_ids},
                                           to_vllm_sampling_params(params))
-        first_token_ms = None
-        seen = 0
-        final = None
-        remote_tokens = 0
-        try:
-            while final is None:
-                outputs = self.engine.step()
-                if loads_remote and not remote_tokens:
-                    remote_tokens = self._external_tokens(vllm_id)
-                for out in outputs:
-                    if out.request_id not in (vllm_id, request_id):
-                        continue
-                    new = list(out.outputs[0].token_ids[seen:]) if out.outputs else []
-                    if new and first_token_ms is None:
-                        first_token_ms = (time.perf_counter() - began) * 1e3
-                    seen += len(new)
-                    if on_token is not None:
-                        for token in new:
-                            on_token(token)
-                    if out.finished:
-                        final = out
-                if final is None and time.monotonic() > deadline:
-                    waited = time.perf_counter() - began
-                    if loads_remote:
-                        raise KVTransferFailed(
-                            f"stage {self.stage_id}: request {request_id} waited {waited:.1f} s for "
-                            f"its KV cache (transfer {kv_in.get('transfer_id')}) and got none; the "
-                            f"prefill leg reported {_published(kv_in)}")
-                    raise TimeoutError(f"stage {self.stage_id}: request {request_id} took over "
-                                       f"{waited:.0f} s")
-        except BaseException:
-            if final is None:
-                self.engine.abort_request([vllm_id], internal=False)
-            raise
+        self._requests[request_id] = _RequestState(
+            request_id=request_id, vllm_id=vllm_id, prompt_token_ids=token_ids, kv_in=kv_in,
+            loads_remote=loads_remote, deadline=deadline, began=began, stream=bool(stream))
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None or self.engine is None:
+            return
+        self._abort_in_vllm(state)
+        self._hand_over_to_drain()
+
+    def _abort_in_vllm(self, state: "_RequestState") -> None:
+        # vLLM's id is internal (the caller's id plus a random suffix): internal=True, or vLLM
+        # would look it up as an external id, find nothing, and abort nothing.
+        self.engine.abort_request([state.vllm_id], internal=True)
+
+    def _hand_over_to_drain(self) -> None:
+        """After an abort that leaves no request: the worker stops stepping, but a prefill that
+        finished in the last step still needs a step to announce its KV send to vLLM's worker
+        (and later ones to see it done). The patched `LLMEngine.step` starts the drain thread
+        when a step leaves such work and no unfinished request, so take that one step here."""
+        if self._requests:
+            return  # step() keeps stepping
+        from .patches.offline_drain import _state, pending_connector_work
+        with _state(self.engine).lock:
+            if (self.engine.get_num_unfinished_requests() == 0
+                    and pending_connector_work(self.engine)):
+                try:
+                    self.engine.step()  # no request is unfinished: no output to lose
+                except Exception:  # an abort must not fail; the KV lease expires on its own
+                    log.exception("stage %d: stepping vLLM after an abort failed", self.stage_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def step(self) -> list[StepOutput]:
+        if not self._requests:
+            return []
+        from .patches.offline_drain import _state
+        # One lock for stepping and for reading the scheduler: the drain thread of a prefill
+        # engine steps under it too (the patched LLMEngine.step re-enters it; it is an RLock).
+        with _state(self.engine).lock:
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            # Taken while vLLM still holds the request: a finished decode leg is gone from the
+            # scheduler (see _external_tokens).
+            for state in self._requests.values():
+                if state.loads_remote and not state.remote_tokens:
+                    state.remote_tokens = self._external_tokens(state.vllm_id)
+            vllm_unfinished = self.engine.get_num_unfinished_requests()
+        now = time.perf_counter()
+        results: list[StepOutput] = []
+        for out in outputs:
+            state = self._requests.get(out.request_id)  # RequestOutput.request_id: the caller's id
+            if state is None:
+                continue
+            completion = out.outputs[0] if out.outputs else None
+            new = list(completion.token_ids[state.seen:]) if completion is not None else []
+            if new and state.first_token_ms is None:
+                state.first_token_ms = (now - state.began) * 1e3
+            state.seen += len(new)
+            record = StepOutput(request_id=state.request_id,
+                                new_token_ids=new if state.stream else [])
+            if out.finished:
+                del self._requests[state.request_id]
+                try:
+                    record.output = self._final_output(state, out)
+                except Exception as exc:  # this request's failure only
+                    record = StepOutput.failed(state.request_id, f"{type(exc).__name__}: {exc}")
+                record.finished = True
+            if record.new_token_ids or record.finished:
+                results.append(record)
+        if self._requests and not vllm_unfinished:
+            # Cannot happen while vLLM and this engine agree; fail rather than step forever.
+            for state in list(self._requests.values()):
+                del self._requests[state.request_id]
+                results.append(StepOutput.failed(state.request_id, (
+                    f"RuntimeError: stage {self.stage_id}: vLLM no longer holds request "
+                    f"{state.request_id} and gave no final output for it")))
+        expired = [s for s in self._requests.values() if time.monotonic() > s.deadline]
+        for state in expired:
+            del self._requests[state.request_id]
+            self._abort_in_vllm(state)
+            results.append(StepOutput.failed(state.request_id, self._expired_error(state)))
+        if expired:
+            self._hand_over_to_drain()
+        if not outputs and self._requests:
+            # Nothing ran (a decode leg waits for its KV): yield the core instead of spinning
+            # the worker's loop, which steps again at once while requests are held.
+            time.sleep(IDLE_STEP_SLEEP_S)
+        return results
+
+    def _expired_error(self, state: "_RequestState") -> str:
+        waited = time.perf_counter() - state.began
+        if state.loads_remote:
+            return (f"KVTransferFailed: stage {self.stage_id}: request {state.request_id} waited "
+                    f"{waited:.1f} s for its KV cache (transfer {state.kv_in.get('transfer_id')}) "
+                    f"and got none; the prefill leg reported {_published(state.kv_in)}")
+        return (f"TimeoutError: stage {self.stage_id}: request {state.request_id} took over "
+                f"{waited:.0f} s")
+
+    def _final_output(self, state: "_RequestState", final) -> ThinkerOutput:
+        request_id, kv_in = state.request_id, state.kv_in
+        if not final.outputs:
+            raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a "
+                               "completion")
         completion = final.outputs[0]
         # RequestOutput.num_cached_tokens of a decode leg is the *prefill* engine's prefix-cache hit
         # count (vLLM copies remote_prefill_cached_tokens into it), so the tokens loaded over the
-        # connector are read from the scheduler's prefill stats instead.
-        cached = remote_tokens
-        if loads_remote and (completion.finish_reason not in ("stop", "length") or cached == 0):
+        # connector are read from the scheduler's prefill stats instead (sampled every step).
+        cached = state.remote_tokens
+        if state.loads_remote and (completion.finish_reason not in ("stop", "length") or cached == 0):
             raise KVTransferFailed(
                 f"stage {self.stage_id}: request {request_id} got no KV cache from the prefill "
                 f"engine for transfer {kv_in.get('transfer_id')} (finish_reason "
@@ -185,15 +298,15 @@ class VllmThinkerEngine(StageEngine):
         if completion.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"stage {self.stage_id}: request {request_id} ended with "
                                f"finish_reason {completion.finish_reason!r}")
-        metrics = {"e2e_ms": (time.perf_counter() - began) * 1e3}
-        if first_token_ms is not None:
-            metrics["first_token_ms"] = first_token_ms
+        metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
+        if state.first_token_ms is not None:
+            metrics["first_token_ms"] = state.first_token_ms
         return ThinkerOutput(
-            request_id=request_id, prompt_token_ids=token_ids,
+            request_id=request_id, prompt_token_ids=state.prompt_token_ids,
             token_ids=list(completion.token_ids), text=completion.text or "",
             finish_reason=completion.finish_reason,
             kv_transfer_params=dict(final.kv_transfer_params) if final.kv_transfer_params else None,
-            num_cached_prompt_tokens=cached if loads_remote else 0, metrics=metrics)
+            num_cached_prompt_tokens=cached if state.loads_remote else 0, metrics=metrics)
 
     # ---- control ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -231,7 +344,13 @@ class VllmThinkerEngine(StageEngine):
         """vLLM frees a prefill's blocks itself once they are sent (or expire). Called after the
         decode leg: wait (bounded) until that has happened, so no state outlives the request.
         True when the blocks are free, False when vLLM still holds them (they expire after
-        kv_lease_timeout_s)."""
+        kv_lease_timeout_s).
+
+        Waits only while this engine holds no request: then the drain thread steps vLLM. With
+        requests in flight only the worker's own step() calls advance the send, and they cannot
+        run while the worker is in here, so it answers at once (the next steps free the blocks)."""
+        if self._requests:
+            return not self._held(transfer_id)
         end = time.monotonic() + timeout_s
         while self._held(transfer_id):
             if time.monotonic() > end:
@@ -242,10 +361,11 @@ class VllmThinkerEngine(StageEngine):
     def debug_state_counts(self) -> dict[str, int]:
         from .patches.offline_drain import _inproc_scheduler, _state
         scheduler = _inproc_scheduler(self.engine)
+        counts = {"vllm.engine_requests": len(self._requests)}
         if scheduler is None:
-            return {"vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
+            return {**counts, "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
         with _state(self.engine).lock:
-            return {"vllm.requests": len(scheduler.requests),
+            return {**counts, "vllm.requests": len(scheduler.requests),
                     "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
 
     def close(self) -> None:
@@ -253,6 +373,7 @@ class VllmThinkerEngine(StageEngine):
         if engine is None:
             return
         self.engine = None
+        self._requests.clear()
         from .patches.offline_drain import stop_draining
         stop_draining(engine)
         try:

@@ -1,0 +1,105 @@
+"""Batch-invariant building blocks for the hf engines' batched forward passes.
+
+A request's greedy output must not depend on what else is in its batch. On CPU, a row of
+`F.linear` computed in a matrix of 1-5 rows takes other kernels (gemv, small-M paths) than the same
+row in a matrix of 8 or more rows, and differs in the last bits; with random-weight logits nearly
+flat, that flips tokens. So every linear layer here runs on tiles of exactly `ROW_TILE` rows (the
+last tile padded with zeros): a row's result then comes from the same kernel, the same shape and
+the same reduction order whatever the batch holds (tests/test_batch_invariant.py checks row
+position and neighbours). MoE experts are applied per expert to the rows routed to it, through the
+same tiled linear, and their contributions are summed per row in ascending expert order, exactly
+as transformers does, so a row's sum does not depend on which other rows picked which experts.
+Per-row ops (RMSNorm, rotary, activations, softmax/top-k over one row) are invariant already;
+attention is computed per sequence by the engines.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the tiles off (or back on) for this process: a test hook (the hf engines' control
+    call `set_batch_invariant`) for end-to-end negative controls; on by default."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Plain `F.linear` on the whole batch inside this block: the negative control the tests use
+    to show that without the tiles a batched request stops matching its solo run."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed on fixed tiles of `ROW_TILE` rows."""
+    if not _enabled:
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    count = rows.shape[0]
+    padded = max(ROW_TILE, -(-count // ROW_TILE) * ROW_TILE)
+    if padded != count:
+        rows = torch.cat([rows, rows.new_zeros((padded - count, rows.shape[1]))])
+    out = torch.cat([F.linear(rows[i:i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)])
+    return out[:count].reshape(*shape[:-1], weight.shape[0])
+
+
+def linear_module(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """transformers' gated MLP (gate_proj, up_proj, down_proj, act_fn)."""
+    return linear_module(mlp.down_proj, mlp.act_fn(linear_module(mlp.gate_proj, x)) * linear_module(mlp.up_proj, x))
+
+
+def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' top-k router: (weights [rows, k], expert indices [rows, k])."""
+    logits = linear(x, router.weight)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    top_value, top_index = torch.topk(probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return top_value.to(logits.dtype), top_index
+
+
+def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I])."""
+    out = torch.zeros_like(x)
+    for expert in torch.unique(top_index).tolist():  # ascending, as transformers iterates
+        rows, slot = torch.where(top_index == expert)
+        gate, up = linear(x[rows], module.gate_up_proj[expert]).chunk(2, dim=-1)
+        hidden = linear(module.act_fn(gate) * up, module.down_proj[expert])
+        out.index_add_(0, rows, hidden * top_weights[rows, slot, None])
+    return out
+
+
+def sparse_moe(block, x: torch.Tensor) -> torch.Tensor:
+    """A Qwen3-Omni MoE block on [rows, hidden]: routed experts, plus the gated shared expert
+    when the block has one (the talker's)."""
+    weights, index = route(block.gate, x)
+    out = experts(block.experts, x, index, weights)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        out = out + torch.sigmoid(linear_module(block.shared_expert_gate, x)) * dense_mlp(shared, x)
+    return out
+
+
+def mlp(block, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's feed-forward part, sparse or dense."""
+    if hasattr(block, "experts"):
+        return sparse_moe(block, x)
+    return dense_mlp(block, x)

@@ -1,0 +1,388 @@
+"""The talker's continuously batched, batch-invariant core.
+
+`TalkerRunner.generate` runs transformers' `generate` for one sequence at a time. This module
+computes the same model (the talker's MoE decoder, its codec head, and the code predictor that
+fills in the residual code groups of every frame) for many requests per step, such that a request's
+codes are bit-identical whether it runs alone or among any others:
+
+* every linear layer and the MoE go through `batch_invariant` (fixed row tiles, experts summed in
+  a fixed order), so a row's result never depends on how many rows share the matrix;
+* attention is computed per sequence, over exactly that sequence's cached positions, with torch's
+  `scaled_dot_product_attention` (never one padded batch);
+* a prompt's prefill is a forward of its own (never shares a pass with anything);
+* sampling draws from a per-request generator, `step_generator(seed, step * num_code_groups +
+  group)`, so a draw depends on the request's seed and position only, never on the batch or on
+  the global RNG.
+
+Everything one request owns lives in one `TalkerRequestState` (its talker inputs, its KV cache,
+its codes, its step index): dropping the object frees the request.
+
+Semantics follow `Qwen3OmniMoeTalkerForConditionalGeneration.generate` (transformers 5.19):
+the step that samples code0 at position t feeds, at t + 1, the sum of the frame's code embeddings
+(the talker's codec embedding of code0 plus the code predictor's per-group embeddings of codes
+1..G-1) plus `trailing_text_hidden[t]` (or `tts_pad_embed` past its end). The code predictor
+starts from [the talker's final-norm hidden state at t, embedding of code0]. codec_eos ends a
+request; the EOS code0, or a code0 cut off by max_tokens, gets no frame (transformers computes a
+frame's residual codes only when it feeds that frame back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+from ...sampling import SamplingParams
+from ..sampler import step_generator
+from . import batch_invariant as bi
+
+# What transformers' talker passes to the code predictor's generate when sampling.
+CODE_PREDICTOR_TOP_K = 50
+CODE_PREDICTOR_TOP_P = 0.8
+# The KV cache grows in chunks of at least this many positions (then doubles).
+_MIN_CACHE_GROWTH = 64
+
+
+@dataclass
+class TalkerRequestState:
+    """One request's whole state in the batched talker."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_embeds: torch.Tensor  # [prompt_len, hidden]: the talker's prefill input
+    trailing: torch.Tensor  # [T, hidden]: trailing_text_hidden, one row per decode step
+    tts_pad: torch.Tensor  # [hidden]
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kv_heads, capacity, hd]
+    values: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0  # positions cached
+    code0s: list[int] = field(default_factory=list)  # every sampled code0, EOS included
+    frames: list[list[int]] = field(default_factory=list)  # [code0, code1, ..., code_{G-1}]
+    hidden: torch.Tensor | None = None  # [hidden]: final-norm hidden of the latest position
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (codec EOS) | "length"
+    error: str | None = None
+    admitted_at: float | None = None
+    trace: dict[str, list] | None = None  # raw logits, when the core traces (tests)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    @property
+    def step(self) -> int:
+        """The talker step index: how many code0s have been sampled."""
+        return len(self.code0s)
+
+    @property
+    def seed(self) -> int:
+        return self.params.seed if self.params.seed is not None else 0
+
+    def codes(self, num_code_groups: int) -> torch.Tensor:
+        """[num_code_groups, frames], int64."""
+        if not self.frames:
+            return torch.zeros((num_code_groups, 0), dtype=torch.long)
+        return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
+
+
+def process_code0_scores(logits: torch.Tensor, generated: list[int], penalty: float,
+                         suppress_mask: torch.Tensor) -> torch.Tensor:
+    """transformers' logits processors for the talker: repetition penalty over the generated ids
+    (the prompt is embeddings only, so only they count), then suppress_tokens."""
+    scores = logits.float()
+    if penalty != 1.0 and generated:
+        ids = torch.tensor(generated, dtype=torch.long)
+        picked = scores.gather(0, ids)
+        picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+        scores = scores.scatter(0, ids, picked)
+    return scores.masked_fill(suppress_mask, float("-inf"))
+
+
+def sample_scores(scores: torch.Tensor, greedy: bool, temperature: float, top_k: int,
+                  top_p: float, seed: int, key: int) -> int:
+    """transformers' greedy / sampling warpers (temperature, top-k, top-p, in that order) on one
+    row, drawing from the request's generator for `key`."""
+    if greedy:
+        return int(torch.argmax(scores).item())
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove[-1:] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=step_generator(seed, key)).item())
+
+
+class BatchedTalker:
+    """The talker and its code predictor, run for many requests per step."""
+
+    def __init__(self, talker: torch.nn.Module, talker_config, suppressed: list[int],
+                 trace: bool = False):
+        self.talker = talker
+        self.model = talker.model  # Qwen3OmniMoeTalkerModel
+        self.predictor = talker.code_predictor
+        self.config = talker_config
+        text = talker_config.text_config
+        self.num_code_groups = talker_config.num_code_groups
+        self.codec_eos = talker_config.codec_eos_token_id
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.kv_heads = text.num_key_value_heads
+        cp_config = talker_config.code_predictor_config
+        self.cp_head_dim = (getattr(cp_config, "head_dim", None)
+                            or cp_config.hidden_size // cp_config.num_attention_heads)
+        self.cp_kv_heads = cp_config.num_key_value_heads
+        if getattr(text, "sliding_window", None) or getattr(cp_config, "sliding_window", None):
+            raise NotImplementedError("the batched talker has no sliding-window attention")
+        self.suppress_mask = torch.zeros(text.vocab_size, dtype=torch.bool)
+        if suppressed:
+            self.suppress_mask[torch.tensor(suppressed, dtype=torch.long)] = True
+        # The code predictor samples with its own generation config's temperature (top_k / top_p
+        # are passed explicitly by transformers' talker).
+        temperature = getattr(self.predictor.generation_config, "temperature", None)
+        self.cp_temperature = 1.0 if temperature is None else float(temperature)
+        self.trace = trace
+
+    # -- request state --------------------------------------------------------------------------
+
+    def new_state(self, request_id: str, inputs: dict[str, torch.Tensor],
+                  params: SamplingParams) -> TalkerRequestState:
+        """A request's state from `TalkerRunner.build_inputs`' output (batch of one)."""
+        state = TalkerRequestState(
+            request_id=request_id, params=params,
+            prompt_embeds=inputs["inputs_embeds"][0].detach().contiguous(),
+            trailing=inputs["trailing_text_hidden"][0].detach().contiguous(),
+            tts_pad=inputs["tts_pad_embed"].reshape(-1).detach().contiguous())
+        if self.trace:
+            state.trace = {"code0_logits": [], "cp_logits": [], "hidden": []}
+        return state
+
+    def _reserve(self, state: TalkerRequestState, needed: int) -> None:
+        """Make room for `needed` positions in the request's own KV cache."""
+        capacity = state.keys[0].shape[2] if state.keys else 0
+        if needed <= capacity:
+            return
+        limit = state.prompt_len + state.params.max_tokens
+        new_capacity = min(max(needed, 2 * capacity, state.prompt_len + _MIN_CACHE_GROWTH), limit)
+        new_capacity = max(new_capacity, needed)
+        dtype = state.prompt_embeds.dtype
+        for layer in range(len(self.model.layers)):
+            for cache in (state.keys, state.values):
+                grown = torch.zeros((1, self.kv_heads, new_capacity, self.head_dim), dtype=dtype)
+                if layer < len(cache):
+                    grown[:, :, :state.length] = cache[layer][:, :, :state.length]
+                    cache[layer] = grown
+                else:
+                    cache.append(grown)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, state: TalkerRequestState) -> None:
+        """The request's prompt, alone: fills its KV cache and samples its first code0."""
+        if state.length:
+            raise RuntimeError(f"request {state.request_id} is already prefilled")
+        hidden = self._talker_forward(state.prompt_embeds, [state], [state.prompt_len])
+        state.hidden = hidden[-1].clone()
+        logits = bi.linear_module(self.talker.codec_head, hidden[-1:])[0]
+        self._take_code0(state, logits)
+
+    @torch.no_grad()
+    def decode(self, states: list[TalkerRequestState]) -> None:
+        """One step for every state (all prefilled, none finished): the code predictor fills the
+        pending frame's residual codes, the frame is fed back, and the talker samples the next
+        code0. A failure confined to one request sets that state's `error`."""
+        if not states:
+            return
+        for state in states:
+            if state.finished or state.hidden is None:
+                raise RuntimeError(f"request {state.request_id} cannot decode "
+                                   f"(finished={state.finished}, prefilled={state.hidden is not None})")
+        residuals, codec_embeds = self._predict_residuals(states)
+        inputs, alive = [], []
+        for state, codes, parts in zip(states, residuals, codec_embeds):
+            if state.error is not None:
+                continue
+            frame_index = len(state.frames)
+            state.frames.append([state.code0s[-1]] + codes)
+            # As transformers: cat the G code embeddings, sum them, then add the text row.
+            embed = torch.stack(parts).unsqueeze(0).sum(1)[0]
+            if frame_index < state.trailing.shape[0]:
+                embed = embed + state.trailing[frame_index]
+            else:
+                embed = embed + state.tts_pad
+            inputs.append(embed)
+            alive.append(state)
+        if not alive:
+            return
+        hidden = self._talker_forward(torch.stack(inputs), alive, [1] * len(alive))
+        logits = bi.linear_module(self.talker.codec_head, hidden)
+        for row, state in enumerate(alive):
+            state.hidden = hidden[row].clone()
+            self._take_code0(state, logits[row])
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    def _take_code0(self, state: TalkerRequestState, logits: torch.Tensor) -> None:
+        if state.trace is not None:
+            state.trace["code0_logits"].append(logits.detach().clone())
+            state.trace["hidden"].append(state.hidden.detach().clone())
+        params = state.params
+        try:
+            scores = process_code0_scores(logits, state.code0s, params.repetition_penalty,
+                                          self.suppress_mask)
+            code0 = sample_scores(scores, params.greedy, params.temperature,
+                                  params.top_k if params.top_k > 0 else 0, params.top_p,
+                                  state.seed, state.step * self.num_code_groups)
+        except Exception as exc:  # noqa: BLE001 - confined to this request
+            self._fail(state, f"talker sampling failed at step {state.step}: {exc}")
+            return
+        state.code0s.append(code0)
+        if code0 == self.codec_eos:
+            state.finished, state.finish_reason = True, "stop"
+        elif len(state.code0s) >= params.max_tokens:
+            state.finished, state.finish_reason = True, "length"
+
+    def _take_residual(self, state: TalkerRequestState, group: int, logits: torch.Tensor) -> int:
+        if state.error is not None:
+            return 0
+        try:
+            # transformers mirrors the talker's do_sample onto the code predictor.
+            return sample_scores(logits.float(), state.params.greedy, self.cp_temperature,
+                                 CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, state.seed,
+                                 (state.step - 1) * self.num_code_groups + group)
+        except Exception as exc:  # noqa: BLE001 - confined to this request
+            self._fail(state, f"code predictor sampling failed at step {state.step - 1}, "
+                              f"group {group}: {exc}")
+            return 0
+
+    @staticmethod
+    def _fail(state: TalkerRequestState, error: str) -> None:
+        state.error = error
+        state.finished, state.finish_reason = True, "error"
+
+    # -- the talker -----------------------------------------------------------------------------
+
+    def _talker_forward(self, x: torch.Tensor, states: list[TalkerRequestState],
+                        counts: list[int]) -> torch.Tensor:
+        """`counts[i]` new rows of `x` ([rows, hidden]) per state, in order; returns the final-norm
+        hidden states ([rows, hidden]: what transformers' `hidden_states[0][-1]` holds and what the
+        codec head reads)."""
+        positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in zip(states, counts)])
+        for state, count in zip(states, counts):
+            self._reserve(state, state.length + count)
+        # Text-only talker input: the three multimodal rotary rows are all the plain position.
+        rope_positions = positions.view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = self.model.rotary_emb(x.unsqueeze(0), rope_positions)  # [1, rows, hd]
+        for index, layer in enumerate(self.model.layers):
+            x = x + self._talker_attention(layer.self_attn, layer.input_layernorm(x), cos, sin,
+                                           states, counts, index)
+            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
+        for state, count in zip(states, counts):
+            state.length += count
+        return self.model.norm(x)
+
+    def _talker_attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          states: list[TalkerRequestState], counts: list[int],
+                          layer: int) -> torch.Tensor:
+        q, k, v = _projections(attn, x, self.head_dim, cos, sin)
+        outputs, start = [], 0
+        for state, count in zip(states, counts):
+            begin, end = state.length, state.length + count
+            keys, values = state.keys[layer], state.values[layer]
+            keys[:, :, begin:end] = k[:, :, start:start + count]
+            values[:, :, begin:end] = v[:, :, start:start + count]
+            outputs.append(_attend(q[:, :, start:start + count], keys[:, :, :end],
+                                   values[:, :, :end], attn.scaling, begin))
+            start += count
+        return bi.linear_module(attn.o_proj, torch.cat(outputs))
+
+    # -- the code predictor ---------------------------------------------------------------------
+
+    def _predict_residuals(self, states: list[TalkerRequestState]
+                           ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Codes 1..G-1 of every state's pending frame, batched: every request has the same
+        predictor length at a given group. Returns the codes and, per state, the G code
+        embeddings (talker codec embedding of code0, then the predictor's per group)."""
+        batch, groups = len(states), self.num_code_groups
+        cp = self.predictor.model
+        code0 = torch.tensor([s.code0s[-1] for s in states], dtype=torch.long)
+        first = self.model.codec_embedding(code0)  # [B, hidden]
+        parts: list[list[torch.Tensor]] = [[first[b]] for b in range(batch)]
+        codes: list[list[int]] = [[] for _ in range(batch)]
+        hidden = torch.stack([s.hidden for s in states])  # [B, hidden]
+        # Prefill [past_hidden, code0 embedding] (2 rows per request), then one row per group.
+        x = torch.stack([hidden, first], dim=1).reshape(2 * batch, -1)
+        caches = [(torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype),
+                   torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype))
+                  for _ in cp.layers]
+        length = 0
+        for group in range(1, groups):
+            width = 2 if group == 1 else 1
+            out = self._predictor_forward(x, batch, width, length, caches)
+            length += width
+            last = out.view(batch, width, -1)[:, -1]
+            logits = bi.linear_module(self.predictor.lm_head[group - 1], last)  # [B, cp_vocab]
+            picks = []
+            for b, state in enumerate(states):
+                if state.trace is not None:
+                    if group == 1:
+                        state.trace["cp_logits"].append([])
+                    state.trace["cp_logits"][-1].append(logits[b].detach().clone())
+                picks.append(self._take_residual(state, group, logits[b]))
+            x = cp.codec_embedding[group - 1](torch.tensor(picks, dtype=torch.long))  # [B, hidden]
+            for b in range(batch):
+                codes[b].append(picks[b])
+                parts[b].append(x[b])
+        return codes, parts
+
+    def _predictor_forward(self, x: torch.Tensor, batch: int, width: int, start: int,
+                           caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cp = self.predictor.model
+        positions = torch.arange(start, start + width).repeat(batch).unsqueeze(0)  # [1, rows]
+        cos, sin = cp.rotary_emb(x.unsqueeze(0), positions)
+        for layer, (keys, values) in zip(cp.layers, caches):
+            attn = layer.self_attn
+            q, k, v = _projections(attn, layer.input_layernorm(x), self.cp_head_dim, cos, sin)
+            outputs = []
+            for b in range(batch):
+                span = slice(b * width, (b + 1) * width)
+                keys[b:b + 1, :, start:start + width] = k[:, :, span]
+                values[b:b + 1, :, start:start + width] = v[:, :, span]
+                outputs.append(_attend(q[:, :, span], keys[b:b + 1, :, :start + width],
+                                       values[b:b + 1, :, :start + width], attn.scaling, start))
+            x = x + bi.linear_module(attn.o_proj, torch.cat(outputs))
+            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
+        return cp.norm(x)
+
+
+def _projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
+    [1, heads, rows, head_dim], as transformers' attention computes them."""
+    rows = x.shape[0]
+
+    def heads(module: torch.nn.Linear) -> torch.Tensor:
+        return bi.linear_module(module, x).view(rows, -1, head_dim)
+
+    q = attn.q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
+    k = attn.k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
+    v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            cached: int) -> torch.Tensor:
+    """One sequence's attention: q [1, heads, n, hd] for its last n positions over keys/values
+    [1, kv_heads, cached + n, hd]; returns [n, heads * hd]."""
+    count = q.shape[2]
+    if count > 1 and cached:
+        raise NotImplementedError("multi-row attention after cached positions (chunked prefill)")
+    out = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=count > 1,
+                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1).reshape(count, -1)
+

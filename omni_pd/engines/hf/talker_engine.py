@@ -1,0 +1,156 @@
+"""The talker stage as a continuously batched step engine.
+
+Requests are added and aborted at any time; each `step()` admits waiting requests (up to
+`max_num_seqs` running, within a token budget of `max_num_batched_tokens`: one per running
+decode plus each admitted prompt's length), prefills each admitted prompt on its own, then advances
+every running request by one frame in one batched pass (`talker_batch.BatchedTalker`).
+
+A request's codes do not depend on what else runs: the batched pass uses batch-invariant
+(fixed-tile) linears and MoE, attention per sequence, and per-request RNG keyed by (seed, step,
+code group), so the engine returns for each request what it would return running it alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ...sampling import SamplingParams
+from ..base import BatchStats, StageEngine, StepOutput
+from ..types import TalkerOutput, TalkerPrompt
+from . import batch_invariant as bi
+from .talker import TalkerRunner
+from .talker_batch import BatchedTalker, TalkerRequestState
+
+log = logging.getLogger(__name__)
+
+
+class HfTalkerEngine(StageEngine):
+    """The talker (thinker embeddings in, codec codes out) for many requests at once."""
+
+    control_calls = StageEngine.control_calls | {"set_batch_invariant"}
+
+    def __init__(self, stage_id: int, model, max_num_seqs: int, max_num_batched_tokens: int):
+        if int(max_num_seqs) < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if int(max_num_batched_tokens) < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.stage_id = stage_id
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
+        self.core = BatchedTalker(model.talker, model.config.talker_config, self.runner.suppressed)
+        self.num_code_groups = model.config.talker_config.num_code_groups
+        self.waiting: OrderedDict[str, TalkerRequestState] = OrderedDict()
+        self.running: OrderedDict[str, TalkerRequestState] = OrderedDict()
+        self._stats = BatchStats()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
+                    stream: bool = False) -> None:
+        """Validate and queue. `stream` has no effect: the talker emits no text tokens, its codes
+        come in the final output."""
+        if request_id in self.waiting or request_id in self.running:
+            raise ValueError(f"stage {self.stage_id}: request {request_id!r} is already queued")
+        self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
+        try:
+            inputs = self.runner.build_inputs(prompt)
+        except ValueError:
+            raise
+        except Exception as exc:  # a malformed prompt this engine can never run
+            raise ValueError(f"request {request_id}: cannot build the talker input: {exc}") from exc
+        length = inputs["inputs_embeds"].shape[1]
+        if length > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request_id}: the talker prompt has {length} positions, more than this "
+                f"stage's max_num_batched_tokens ({self.max_num_batched_tokens}); raise "
+                f"max_num_batched_tokens or shorten the conversation")
+        self.waiting[request_id] = self.core.new_state(request_id, inputs, params)
+
+    def abort_request(self, request_id: str) -> None:
+        # The state object holds everything (inputs, KV cache, codes): dropping it frees it.
+        self.waiting.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def request_ids(self) -> list[str]:
+        return list(self.waiting) + list(self.running)
+
+    def debug_state_counts(self) -> dict[str, int]:
+        return {"talker.requests": len(self.waiting) + len(self.running)}
+
+    def batch_stats(self) -> dict[str, int]:
+        return dataclasses.asdict(self._stats)
+
+    @staticmethod
+    def set_batch_invariant(enabled: bool) -> None:
+        """Test hook: plain (batch-dependent) linear layers in this worker when False."""
+        bi.set_enabled(enabled)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "hf-talker-batched", "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens}
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    def _admit(self) -> list[TalkerRequestState]:
+        """First come, first served: stop at the first waiting request that does not fit."""
+        budget = self.max_num_batched_tokens - len(self.running)
+        admitted: list[TalkerRequestState] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            state = next(iter(self.waiting.values()))
+            if state.prompt_len > budget:
+                break
+            self.waiting.popitem(last=False)
+            budget -= state.prompt_len
+            admitted.append(state)
+        return admitted
+
+    def _finish(self, state: TalkerRequestState) -> StepOutput:
+        self.running.pop(state.request_id, None)
+        if state.error is not None:
+            return StepOutput.failed(state.request_id, f"talker: {state.error}")
+        elapsed = (time.perf_counter() - state.admitted_at) * 1e3
+        output = TalkerOutput(request_id=state.request_id,
+                              codes=state.codes(self.num_code_groups),
+                              metrics={"talker_ms": elapsed})
+        return StepOutput(state.request_id, finished=True, output=output)
+
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        decoding = list(self.running.values())  # prefilled in an earlier step
+        admitted = self._admit()
+        self._stats.record(len(admitted), len(decoding))
+        for state in admitted:
+            state.admitted_at = time.perf_counter()
+            try:
+                self.core.prefill(state)
+            except Exception as exc:  # noqa: BLE001 - a prefill runs alone: fail just this one
+                log.exception("talker prefill failed for %s", state.request_id)
+                outputs.append(StepOutput.failed(state.request_id, f"talker prefill failed: {exc}"))
+                continue
+            self.running[state.request_id] = state
+            if state.finished:
+                outputs.append(self._finish(state))
+        if decoding:
+            try:
+                self.core.decode(decoding)
+            except Exception as exc:  # noqa: BLE001 - the batched pass: fail its requests
+                log.exception("talker decode step failed for %d requests", len(decoding))
+                for state in decoding:
+                    self.running.pop(state.request_id, None)
+                    outputs.append(StepOutput.failed(state.request_id,
+                                                     f"talker decode step failed: {exc}"))
+                return outputs
+            for state in decoding:
+                if state.finished:
+                    outputs.append(self._finish(state))
+        return outputs

@@ -1,0 +1,90 @@
+"""The thinker's batched decode step over the paged KV cache.
+
+One forward pass advances every running request by one token. It computes what transformers'
+thinker text model computes (same modules and weights: RMSNorm, q/k norm, the interleaved
+multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE go through
+`batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
+sequence's cached positions, so a request's logits are bit-identical whether it decodes alone or
+with 63 others. Prompts are prefilled one at a time by transformers' own forward (a request's
+prefill never shares a pass), then their KV is copied into the request's blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+from . import batch_invariant as bi
+from .paged_cache import PagedKVCache
+
+
+@dataclass
+class DecodeRow:
+    """One request's place in a decode step."""
+
+    token: int  # the token fed in (the latest sampled one)
+    position: int  # its position in the sequence (= positions already cached)
+    rope_deltas: int
+    blocks: list[int]
+
+
+@dataclass
+class DecodeStepResult:
+    logits: torch.Tensor  # [B, vocab]
+    embeds: torch.Tensor  # [B, hidden]: layer 0 (the token's embedding) of each fed-in token
+    hidden: torch.Tensor  # [B, hidden]: the talker's accept layer
+
+
+class BatchedThinkerDecoder:
+    def __init__(self, thinker: torch.nn.Module, accept_hidden_layer: int):
+        self.thinker = thinker
+        self.text = thinker.model
+        config = thinker.config.text_config
+        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+            raise NotImplementedError("the batched thinker decoder has no sliding-window attention")
+        self.num_layers = config.num_hidden_layers
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if not 0 <= accept_hidden_layer < self.num_layers:
+            raise ValueError(f"accept_hidden_layer {accept_hidden_layer} must name a layer below "
+                             f"{self.num_layers}")
+        self.accept_hidden_layer = accept_hidden_layer
+
+    @torch.no_grad()
+    def step(self, rows: list[DecodeRow], cache: PagedKVCache) -> DecodeStepResult:
+        count = len(rows)
+        ids = torch.tensor([r.token for r in rows], dtype=torch.long)
+        positions = torch.tensor([r.position for r in rows], dtype=torch.long)
+        deltas = torch.tensor([r.rope_deltas for r in rows], dtype=torch.long)
+        h = self.text.embed_tokens(ids)  # [B, hidden]
+        embeds, accept = h, None
+        # Text-only positions: the three multimodal rotary rows are all position + rope_deltas.
+        rope_positions = (positions + deltas).view(1, count, 1).expand(3, count, 1)
+        cos, sin = self.text.rotary_emb(h.unsqueeze(1), rope_positions)  # [B, 1, head_dim]
+        for index, layer in enumerate(self.text.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index, cache)
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            if index + 1 == self.accept_hidden_layer:
+                accept = h
+        if self.accept_hidden_layer == 0:
+            accept = embeds
+        logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h))
+        return DecodeStepResult(logits=logits, embeds=embeds, hidden=accept)
+
+    def _attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rows: list[DecodeRow], layer: int, cache: PagedKVCache) -> torch.Tensor:
+        count, hd = x.shape[0], self.head_dim
+        q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
+        k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
+        v = bi.linear_module(attn.v_proj, x).view(count, -1, hd)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
+        outputs = []
+        for b, row in enumerate(rows):
+            cache.write_token(layer, row.blocks, row.position, k[b, :, 0], v[b])
+            keys, values = cache.layer_kv(layer, row.blocks, row.position + 1)
+            outputs.append(F.scaled_dot_product_attention(
+                q[b:b + 1], keys.unsqueeze(0), values.unsqueeze(0), scale=attn.scaling,
+                enable_gqa=True))
+        out = torch.cat(outputs).transpose(1, 2).reshape(count, -1)
+        return bi.linear_module(attn.o_proj, out)

@@ -1,0 +1,43 @@
+"""The tiled linear layer gives a row the same bits whatever else is in its batch; plain
+F.linear does not (the reason the tiles exist)."""
+import torch
+import torch.nn.functional as F
+
+from omni_pd.engines.hf import batch_invariant as bi
+
+SHAPES = [(64, 1024), (64, 64), (64, 32), (32, 1152), (64, 272), (16, 64), (32, 1)]
+
+
+def _rows(count, width, seed):
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_row_is_the_same_alone_and_anywhere_in_any_batch():
+    for index, (k, n) in enumerate(SHAPES):
+        weight = _rows(n, k, index)
+        row = _rows(1, k, 100 + index)
+        alone = bi.linear(row, weight)[0]
+        for size in (2, 3, 5, 8, 16, 17, 40, 64):
+            for position in {0, size // 2, size - 1}:
+                batch = _rows(size, k, 1000 * size + position)
+                batch[position] = row[0]
+                assert torch.equal(bi.linear(batch, weight)[position], alone), (k, n, size, position)
+
+
+def test_leading_dimensions_and_bias_are_kept():
+    weight, bias, x = _rows(8, 4, 1), _rows(1, 8, 2)[0], _rows(6, 4, 3).view(2, 3, 4)
+    out = bi.linear(x, weight, bias)
+    assert out.shape == (2, 3, 8)
+    assert torch.allclose(out, F.linear(x, weight, bias), atol=1e-6)
+
+
+def test_negative_control_plain_linear_depends_on_the_batch():
+    """What the tiles fix: the same row computed alone and inside a batch by plain F.linear
+    differs in the last bits for some of these shapes on this CPU (gemv vs gemm kernels)."""
+    differs = []
+    for index, (k, n) in enumerate(SHAPES):
+        weight, batch = _rows(n, k, index), _rows(16, k, 50 + index)
+        differs.append(not torch.equal(F.linear(batch[:1], weight)[0], F.linear(batch, weight)[0]))
+        with bi.disabled():
+            assert torch.equal(bi.linear(batch[:1], weight), F.linear(batch[:1], weight))
+    assert any(differs)

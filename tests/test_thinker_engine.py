@@ -1,0 +1,180 @@
+"""The continuously batched thinker: a request decodes to the same bits alone or in any batch,
+the scheduler honours max_num_seqs / max_num_batched_tokens / the KV cache, aborts free
+everything, and the batched decoder computes transformers' thinker."""
+import dataclasses
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # as in a stage worker on this machine; two threads on two busy cores crawl
+
+from omni_pd.config import load_pipeline_config
+from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.paged_cache import PagedKVCache
+from omni_pd.engines.hf.stage_engines import thinker_runner
+from omni_pd.engines.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
+from omni_pd.engines.hf.thinker_engine import HfThinkerEngine, cache_to_canonical
+from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.sampling import SamplingParams
+
+from omni_pd.paths import STAGE_CONFIGS_DIR
+
+TINY_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+
+TEXTS = ["hi", "tell me about the sea", "x" * 50, "what is two plus two?", "a", "bonjour",
+         "sing", "count to ten"]
+
+
+def _stage(**engine_args):
+    stage = load_pipeline_config(TINY_CONFIG).stage(0)
+    args = stage.engine_args.model_copy(update=engine_args)
+    return stage.model_copy(update={"engine_args": args})
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model, tiny_tokenizer):
+    return thinker_runner(tiny_model, tiny_tokenizer)
+
+
+def _engine(runner, **engine_args):
+    return HfThinkerEngine(_stage(**engine_args), runner)
+
+
+def _prompts(tokenizer):
+    return [ThinkerPrompt(tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                                        add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)) for t in TEXTS]
+
+
+def _params(count, max_tokens=16):
+    # Greedy and seeded sampling, alternating, with different lengths.
+    return [SamplingParams(temperature=0, max_tokens=max_tokens - i % 3) if i % 2 == 0 else
+            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=100 + i)
+            for i in range(count)]
+
+
+def _run_together(engine, prompts, params, stagger=0):
+    """Add the requests (`stagger` steps apart), step until done; outputs and streamed deltas."""
+    outputs, deltas, pending = {}, {}, list(range(len(prompts)))
+    while pending or engine.has_unfinished_requests():
+        for _ in range(1 if stagger else len(pending)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(f"r{i}", prompts[i], params[i], stream=True)
+        for _ in range(max(stagger, 1)):
+            for out in engine.step() if engine.has_unfinished_requests() else []:
+                assert out.error is None, out.error
+                deltas.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    outputs[out.request_id] = out.output
+    return [outputs[f"r{i}"] for i in range(len(prompts))], [deltas.get(f"r{i}", []) for i in range(len(prompts))]
+
+
+def _same(a, b) -> bool:
+    return (a.token_ids == b.token_ids and torch.equal(a.output_embeds, b.output_embeds)
+            and torch.equal(a.output_hidden, b.output_hidden))
+
+
+def test_batched_requests_equal_their_solo_runs(runner, tiny_tokenizer):
+    prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
+    engine = _engine(runner)
+    solo = [engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
+    together, deltas = _run_together(engine, prompts, params)
+    assert engine.batch_stats()["max_decode_batch"] == len(prompts)
+    staggered, _ = _run_together(_engine(runner, max_num_seqs=3), prompts, params, stagger=2)
+    for i in range(len(prompts)):
+        assert _same(solo[i], together[i]) and _same(solo[i], staggered[i]), TEXTS[i]
+        assert deltas[i] == together[i].token_ids  # streamed deltas add up to the output
+    assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+
+
+def test_negative_control_without_tiles_batching_changes_the_bits(runner, tiny_tokenizer):
+    prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
+    engine = _engine(runner)
+    with bi.disabled():
+        solo = [engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
+        together, _ = _run_together(engine, prompts, params)
+    assert not all(_same(a, b) for a, b in zip(solo, together))
+
+
+def test_scheduler_honours_max_num_seqs_and_token_budget(runner, tiny_tokenizer):
+    prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
+    engine = _engine(runner, max_num_seqs=3)
+    _run_together(engine, prompts, params)
+    assert engine.batch_stats()["max_decode_batch"] == 3
+    # A budget as large as the longest short prompt fits one of them per step, never two.
+    small = [p for p in prompts if len(p.prompt_token_ids) <= 16]
+    lengths = sorted(len(p.prompt_token_ids) for p in small)
+    assert len(small) >= 3 and lengths[0] + lengths[1] > lengths[-1]
+    engine = _engine(runner, max_num_batched_tokens=lengths[-1])
+    _run_together(engine, small, _params(len(small)))
+    assert engine.batch_stats()["max_admitted"] == 1
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.add_request("long", prompts[2], params[0])
+    with pytest.raises(ValueError, match="kv_pool_blocks"):
+        _engine(runner, kv_pool_blocks=1).add_request("big", prompts[0], params[0])
+    assert engine.debug_state_counts()["thinker.requests"] == 0
+
+
+def test_requests_wait_for_kv_blocks_instead_of_failing(runner, tiny_tokenizer):
+    prompts = [p for i, p in enumerate(_prompts(tiny_tokenizer)) if i in (0, 1, 3, 4)]
+    params = _params(4)
+    engine = _engine(runner, kv_pool_blocks=3)  # 2-3 blocks a request: room for one at a time
+    solo = [_engine(runner).generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
+    together, _ = _run_together(engine, prompts, params)
+    assert engine.batch_stats()["max_decode_batch"] == 1
+    assert all(_same(a, b) for a, b in zip(solo, together))
+
+
+def test_abort_frees_the_request_and_the_others_finish_unchanged(runner, tiny_tokenizer):
+    prompts, params = _prompts(tiny_tokenizer)[:3], _params(3, max_tokens=20)
+    solo = [_engine(runner).generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
+    engine = _engine(runner)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params[i])
+    engine.step()
+    engine.step()
+    engine.abort_request("r1")
+    engine.abort_request("never-added")
+    assert engine.request_ids() == ["r0", "r2"]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.output for o in engine.step() if o.finished})
+    assert set(outputs) == {"r0", "r2"}
+    assert _same(outputs["r0"], solo[0]) and _same(outputs["r2"], solo[2])
+    assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+
+
+def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_tokenizer):
+    """Teacher-forced: each step's logits and hidden states match transformers' own forward on
+    the same cache (not bit for bit: other kernels)."""
+    prompt = _prompts(tiny_tokenizer)[1]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    pre = runner.prefill(prompt, params)
+    text = runner.text_config
+    cache = PagedKVCache(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, 16, 8,
+                         torch.float32)
+    n = len(prompt.prompt_token_ids)
+    blocks = cache.allocate(n + 8)
+    cache.write(blocks, 0, cache_to_canonical(pre.cache))
+    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    token = pre.first_token
+    for step in range(6):
+        ours = decoder.step([DecodeRow(token, n + step, 0, blocks)], cache)
+        theirs = tiny_model.thinker(
+            input_ids=torch.tensor([[token]]), attention_mask=torch.ones((1, n + step + 1), dtype=torch.long),
+            position_ids=runner._positions(n + step, 1, 0), past_key_values=pre.cache, use_cache=True,
+            output_hidden_states=True)
+        assert torch.allclose(ours.logits[0], theirs.logits[0, -1], atol=1e-5, rtol=1e-4)
+        assert torch.equal(ours.embeds[0], theirs.hidden_states[0][0, -1])
+        assert torch.allclose(ours.hidden[0], theirs.hidden_states[runner.accept_hidden_layer][0, -1],
+                              atol=1e-5, rtol=1e-4)
+        token = int(theirs.logits[0, -1].argmax())
+    # The KV our decoder wrote equals what transformers cached (to float tolerance).
+    assert torch.allclose(cache.read(blocks, n + 6), cache_to_canonical(pre.cache), atol=1e-5)
+    # Negative control: a perturbed cached key moves the logits past that tolerance.
+    cache.data[blocks[0], 0, 0, 0, 0, 0] += 1.0
+    moved = decoder.step([DecodeRow(token, n + 6, 0, blocks)], cache).logits[0]
+    cache.data[blocks[0], 0, 0, 0, 0, 0] -= 1.0
+    same = decoder.step([DecodeRow(token, n + 6, 0, blocks)], cache).logits[0]
+    assert not torch.allclose(moved, same, atol=1e-5, rtol=1e-4)

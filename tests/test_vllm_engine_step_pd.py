@@ -1,0 +1,226 @@
+"""VllmThinkerEngine's step loop on a P/D pair (MooncakeConnector, CPU), each engine in its own
+process driven like a stage worker drives it (add_request, then step() while it has requests,
+idle otherwise): prefills batched together, their KV sent by the offline_drain thread while the
+prefill engine's caller idles (and while it steps a later batch), decodes batched together, and
+the result equals the same requests run whole (no KV transfer) on the prefill engine.
+
+Needs vLLM and Mooncake (`OMNI_PD_VLLM=1 bash scripts/setup.sh`). Outside CI the module is
+skipped without vLLM; in CI (CI=true) a missing vLLM is a failure, never a skip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_pd.engines.vllm import INSTALL_HINT, vllm_available
+
+if not vllm_available():
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
+    pytest.skip(INSTALL_HINT, allow_module_level=True)
+
+from omni_pd import SamplingParams  # noqa: E402
+from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
+from omni_pd.models.qwen3_omni.tiny_config import TINY_MODEL_NAME  # noqa: E402
+from omni_pd.planning import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+PD_CONFIG = REPO / "stage_configs/ci/qwen3_text_pd_vllm.yaml"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, seed=0, ignore_eos=True)
+PROMPTS = {
+    "a": [72, 101, 108, 108, 111],
+    "b": [97, 98, 99],
+    "c": [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110],
+    "d": [(7 * i + 30) % 250 + 1 for i in range(45)],  # > one 32-token KV block
+}
+REPLY_TIMEOUT_S = 120
+
+
+def _serve(config_path: str, stage_index: int, conn) -> None:
+    """A minimal stage worker: one engine, commands over a pipe, steps only inside "run"."""
+    from omni_pd.config import load_pipeline_config
+    from omni_pd.engines.vllm.engine import build_vllm_engine
+
+    stage = load_pipeline_config(config_path).stages[stage_index]
+    engine = build_vllm_engine(stage, TINY_MODEL_NAME)
+    conn.send(("ok", None))
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "add":
+                result = engine.add_request(*args)
+            elif cmd == "run":  # step until idle, as the worker loop does
+                finals, deltas, batch = {}, {}, 0
+                while engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    batch = max(batch, sum(1 for o in outputs if o.new_token_ids))
+                    for o in outputs:
+                        deltas.setdefault(o.request_id, []).extend(o.new_token_ids)
+                        if o.finished:
+                            finals[o.request_id] = (o.error, o.output)
+                result = (finals, deltas, batch)
+            elif cmd == "run_until":  # step until one request finishes, no further
+                finals = {}
+                while args[0] not in finals:
+                    assert engine.has_unfinished_requests(), f"{args[0]} never finished"
+                    finals.update({o.request_id: (o.error, o.output) for o in engine.step()
+                                   if o.finished})
+                result = finals
+            elif cmd == "abort":
+                result = engine.abort_request(args[0])
+            elif cmd == "held":  # finished requests whose KV vLLM still holds for sending
+                result = engine._held()
+            elif cmd == "control":
+                result = engine.control(args[0], **args[1])
+            elif cmd == "close":
+                engine.close()
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(cmd)
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        else:
+            conn.send(("ok", result))
+
+
+class Leg:
+    def __init__(self, ctx, config: Path, stage_index: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(str(config), stage_index, child), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, cmd: str, *args):
+        self.conn.send((cmd, args))
+        if not self.conn.poll(REPLY_TIMEOUT_S):
+            raise AssertionError(f"no reply to {cmd} within {REPLY_TIMEOUT_S} s")
+        status, result = self.conn.recv()
+        assert status == "ok", result
+        return result
+
+    def ready(self) -> None:
+        assert self.conn.poll(REPLY_TIMEOUT_S), "engine did not start"
+        status, result = self.conn.recv()
+        assert status == "ok", result
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        finally:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def legs():
+    ctx = mp.get_context("spawn")
+    started = {"prefill": Leg(ctx, PD_CONFIG, 0), "decode": Leg(ctx, PD_CONFIG, 1)}
+    try:
+        for leg in started.values():
+            leg.ready()
+        yield started
+    finally:
+        for leg in started.values():
+            leg.close()
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_pd_batched_equals_colocated(legs):
+    prefill, decode = legs["prefill"], legs["decode"]
+    colocated = prefill  # requests without kv_transfer_params run whole on it
+    for key, ids in PROMPTS.items():
+        colocated.call("add", key, ThinkerPrompt(list(ids)), GREEDY, False)
+    finals, _, _ = colocated.call("run")
+    reference = {key: out.token_ids for key, (err, out) in finals.items()}
+    assert all(err is None for err, _ in finals.values()), finals
+    assert len({tuple(t) for t in reference.values()}) == len(PROMPTS)
+
+    # Prefill in two batches; the first batch's KV waits while the second one is stepped.
+    prefills = {}
+    for batch in (("a", "b"), ("c", "d")):
+        for key in batch:
+            prefill.call("add", key, ThinkerPrompt(list(PROMPTS[key])),
+                         build_prefill_sampling_params(GREEDY, f"xfer-{key}"), False)
+        finals, _, _ = prefill.call("run")
+        assert sorted(finals) == sorted(batch)
+        for key, (err, out) in finals.items():
+            assert err is None, err
+            assert out.kv_transfer_params["omni_pd_kv_published"] is True, out.kv_transfer_params
+            prefills[key] = out
+    # The prefill worker is idle now; vLLM holds every prefill's blocks for its decode side.
+    assert prefill.call("held") == len(PROMPTS)
+
+    # All four decodes at once: the KV is pulled while only the drain thread steps the prefill.
+    for key, ids in PROMPTS.items():
+        params = build_decode_sampling_params(GREEDY, prefills[key].kv_transfer_params, f"xfer-{key}")
+        decode.call("add", key, ThinkerPrompt(list(ids)), params, True)
+    finals, deltas, batch = decode.call("run")
+    assert batch >= 2, "the decode step never served two requests at once"
+    for key, ids in PROMPTS.items():
+        err, out = finals[key]
+        assert err is None, err
+        assert out.token_ids == reference[key], key
+        assert deltas[key] == out.token_ids
+        assert out.num_cached_prompt_tokens == len(ids), (key, out.num_cached_prompt_tokens)
+        assert {"e2e_ms", "first_token_ms"} <= set(out.metrics)
+
+    # The drain thread finished the sends: vLLM frees every prefill's blocks on its own.
+    assert wait_until(lambda: prefill.call("held") == 0), prefill.call("held")
+    for key in PROMPTS:
+        assert prefill.call("control", "release_kv", {"transfer_id": f"xfer-{key}"}) is True
+    for leg in (prefill, decode):
+        counts = leg.call("control", "debug_state_counts", {})
+        assert all(v == 0 for v in counts.values()), counts
+
+
+def test_abort_right_after_a_prefill_finishes(legs):
+    """Prefill A finishes in a step that leaves B running; B is aborted before another step. A's
+    KV send still goes out (vLLM announces it to its worker only in a later step, which the
+    drain thread must take), so A's decode gets it."""
+    prefill, decode = legs["prefill"], legs["decode"]
+    colocated = prefill  # requests without kv_transfer_params run whole on it
+    ids = PROMPTS["c"]
+    colocated.call("add", "ref", ThinkerPrompt(list(ids)), GREEDY, False)
+    finals, _, _ = colocated.call("run")
+    err, want = finals["ref"]
+    assert err is None, err
+    prefill.call("add", "A", ThinkerPrompt(list(ids)), build_prefill_sampling_params(GREEDY, "xfer-A"),
+                 False)
+    prefill.call("add", "B", ThinkerPrompt(list(PROMPTS["d"])),
+                 dataclasses.replace(GREEDY, max_tokens=400), False)
+    finals = prefill.call("run_until", "A")
+    assert list(finals) == ["A"] and finals["A"][0] is None, finals
+    # A busy prefill engine answers release_kv at once (only its own steps advance the send).
+    began = time.monotonic()
+    assert prefill.call("control", "release_kv", {"transfer_id": "xfer-A"}) is False
+    assert time.monotonic() - began < 1.0
+    prefill.call("abort", "B")  # the prefill worker is idle from here on
+    params = build_decode_sampling_params(GREEDY, finals["A"][1].kv_transfer_params, "xfer-A")
+    decode.call("add", "A", ThinkerPrompt(list(ids)), params, False)
+    began = time.monotonic()
+    finals, _, _ = decode.call("run")
+    err, out = finals["A"]
+    assert err is None, err
+    assert out.token_ids == want.token_ids and out.num_cached_prompt_tokens == len(ids)
+    assert time.monotonic() - began < 10, "the decode leg waited for its KV"
+    assert wait_until(lambda: prefill.call("held") == 0)
+    for leg in (prefill, decode):
+        counts = leg.call("control", "debug_state_counts", {})
+        assert all(v == 0 for v in counts.values()), counts
