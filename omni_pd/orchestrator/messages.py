@@ -67,6 +67,14 @@ class GenerateFailed:
 
 
 @dataclass
+class StepMessages:
+    """Everything one engine step produced (token deltas, results, failures), sent as one
+    message: one pickle and one pipe write per step instead of one per request."""
+
+    messages: list[Any]
+
+
+@dataclass
 class ControlRequest:
     """A named engine call outside the request path (release a KV lease, state counts, ...)."""
 

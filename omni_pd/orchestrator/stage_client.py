@@ -147,6 +147,10 @@ class StageClient:
             return
 
     def _dispatch(self, message: Any) -> None:
+        if isinstance(message, msg.StepMessages):
+            for each in message.messages:
+                self._dispatch(each)
+            return
         if isinstance(message, msg.ControlResult):
             with self._lock:
                 future = self._calls.pop(message.call_id, None)

@@ -114,14 +114,19 @@ class _Loop:
             for request_id in self.engine.request_ids():
                 self.engine.abort_request(request_id)
                 outputs.append(_failed(request_id, error))
+        messages: list[Any] = []
         for out in outputs:
             if out.error is not None:
-                self.send(msg.GenerateFailed(out.request_id, out.error))
+                messages.append(msg.GenerateFailed(out.request_id, out.error))
                 continue
             if out.new_token_ids:
-                self.send(msg.TokenDelta(out.request_id, list(out.new_token_ids)))
+                messages.append(msg.TokenDelta(out.request_id, list(out.new_token_ids)))
             if out.finished:
-                self.send(msg.GenerateResult(out.request_id, out.output))
+                messages.append(msg.GenerateResult(out.request_id, out.output))
+        if len(messages) == 1:
+            self.send(messages[0])
+        elif messages:
+            self.send(msg.StepMessages(messages))
 
 
 def _failed(request_id: str, error: str):
