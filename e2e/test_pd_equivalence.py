@@ -41,7 +41,7 @@ def no_leaks(request):
 
 
 def _block_aligned_prompt(omni, tokens=2 * BLOCK):
-    tokenizer = omni.prompt_builder.tokenizer
+    tokenizer = omni.tokenizer
     def ids(text):
         return tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=True,

@@ -19,7 +19,7 @@ def omni():
 def test_generate_returns_text_tokens_and_24khz_float_audio(omni):
     out = omni.generate("Tell me about the sea.")[0]
     assert out.token_ids and len(out.token_ids) <= 24
-    assert out.text == omni.prompt_builder.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text == omni.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.sample_rate == 24_000 and out.audio.dtype == torch.float32
     talker_frames = out.stage_outputs[1].codes.shape[1]
     assert talker_frames > 0 and out.audio.numel() > (talker_frames - 1) * 1920

@@ -20,11 +20,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..config import PipelineConfig, load_pipeline_config
 from ..engines.base import StageInputs
-from ..engines.hf.stage_engines import thinker_eos_ids
 from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
-from ..models.qwen3_omni.factory import load_config, load_tokenizer, resolve_model
-from ..models.qwen3_omni.prompt import PromptBuilder, normalize_prompt
-from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+from ..models.pipeline import DEFAULT_MODEL, ModelPipeline, load_model_pipeline
 from ..paths import default_stage_config
 from ..planning import (build_decode_sampling_params, build_prefill_sampling_params,
                         expand_sampling_params, find_pd_pair, new_transfer_id)
@@ -71,7 +68,7 @@ def _import_processor(dotted: str) -> Callable[[StageInputs], Any]:
 
 
 class AsyncOmni:
-    def __init__(self, model: str = TINY_MODEL_NAME, stage_configs_path: str | Path | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
                  *, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
@@ -88,14 +85,11 @@ class AsyncOmni:
             log.info("prefill/decode pair detected: stage %d prefills, stage %d decodes",
                      self.pd_pair.prefill_stage_id, self.pd_pair.decode_stage_id)
         self.text_stage_id = self._final_stage("text")
-        source = resolve_model(model)
-        self.model_config = load_config(source)
-        self.tokenizer = load_tokenizer(source)
-        self.eos_token_ids = thinker_eos_ids(self.model_config, self.tokenizer)
-        text_stage_args = self.stages[self.text_stage_id].engine_args
-        self.max_model_len = (text_stage_args.max_model_len or
-                              self.model_config.thinker_config.text_config.max_position_embeddings)
-        self.prompt_builder = PromptBuilder(self.tokenizer, self.model_config.thinker_config)
+        self.pipeline: ModelPipeline = load_model_pipeline(model)
+        self.model_config = self.pipeline.config
+        self.tokenizer = self.pipeline.tokenizer
+        self.max_model_len = (self.stages[self.text_stage_id].engine_args.max_model_len
+                              or self.pipeline.context_len)
         self.processors = {s.stage_id: _import_processor(s.custom_process_input_func)
                            for s in self.config.stages if s.custom_process_input_func}
         self._requests: dict[str, RequestState] = {}
@@ -206,7 +200,7 @@ class AsyncOmni:
             raise ValueError(f"modalities must be ['text'] or ['text', 'audio'], got {sorted(wanted)}")
         params = self._with_seeds(self.stage_params(sampling_params_list))
         state = RequestState(request_id=request_id or self.new_request_id(),
-                             prompt=normalize_prompt(prompt), params=params)
+                             prompt=self.pipeline.normalize_prompt(prompt), params=params)
         if state.request_id in self._requests:
             raise ValueError(f"request id {state.request_id} is already in flight")
         self._requests[state.request_id] = state
@@ -248,7 +242,7 @@ class AsyncOmni:
     async def _run(self, state: RequestState, stage_ids: list[int],
                    on_text: Callable[[str], None] | None) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
-        thinker_prompt = self.prompt_builder.build(state.prompt)
+        thinker_prompt = self.pipeline.build_prompt(state.prompt)
         prompt_len = len(thinker_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:
@@ -308,7 +302,7 @@ class AsyncOmni:
 
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
-        detok = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, params, self.pipeline.eos_token_ids)
 
         def on_tokens(token_ids: list[int]) -> None:  # on the event loop
             delta = detok.add(token_ids)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+from ..models.pipeline import DEFAULT_MODEL
 from ..sampling import SamplingParams
 from .async_omni import (DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, AsyncOmni)
 from .outputs import OmniRequestOutput
@@ -20,7 +20,7 @@ from .outputs import OmniRequestOutput
 class Omni:
     """Offline multi-stage inference: `Omni(model=..., stage_configs_path=...).generate(prompts)`."""
 
-    def __init__(self, model: str = TINY_MODEL_NAME, stage_configs_path: str | Path | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
                  *, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
@@ -37,7 +37,8 @@ class Omni:
     stages = property(lambda self: self.engine.stages)
     clients = property(lambda self: self.engine.clients)
     model_config = property(lambda self: self.engine.model_config)
-    prompt_builder = property(lambda self: self.engine.prompt_builder)
+    pipeline = property(lambda self: self.engine.pipeline)
+    tokenizer = property(lambda self: self.engine.tokenizer)
     pd_pair = property(lambda self: self.engine.pd_pair)
     worker_pids = property(lambda self: self.engine.worker_pids)
 

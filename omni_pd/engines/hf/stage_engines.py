@@ -8,6 +8,7 @@ from collections import OrderedDict
 import torch
 
 from ...models.qwen3_omni.factory import load_model, load_tokenizer, resolve_model
+from ...models.qwen3_omni.pipeline import thinker_eos_ids
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import Code2WavPrompt
@@ -18,13 +19,6 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"auto": torch.float32, "float": torch.float32, "float32": torch.float32,
            "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def thinker_eos_ids(model_config, tokenizer) -> set[int]:
-    ids = {model_config.im_end_token_id}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def thinker_runner(model, tokenizer) -> ThinkerRunner:

@@ -125,10 +125,9 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         omni = ready_omni()
         thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
-        speakers = omni.model_config.talker_config.speaker_id or {}
-        if body.audio is not None and body.audio.voice.lower() not in speakers:
+        if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
             raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
-                           f"{sorted(speakers)}", param="audio.voice")
+                           f"{list(omni.pipeline.voices)}", param="audio.voice")
         request = translate(body, thinker_defaults, served_model)
         params = [request.thinker_params if sid == omni.text_stage_id or
                   (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id) else None
