@@ -97,24 +97,52 @@ def process_code0_scores(logits: torch.Tensor, generated: list[int], penalty: fl
     return scores.masked_fill(suppress_mask, float("-inf"))
 
 
-def sample_scores(scores: torch.Tensor, greedy: bool, temperature: float, top_k: int,
-                  top_p: float, seed: int, key: int) -> int:
-    """transformers' greedy / sampling warpers (temperature, top-k, top-p, in that order) on one
-    row, drawing from the request's generator for `key`."""
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row of a batch is sampled: greedy, or transformers' warpers (temperature, top-k,
+    top-p, in that order) and a draw from the request's generator for `key`."""
+
+    greedy: bool
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float
+    seed: int
+    key: int
+
+
+def sample_rows(scores: torch.Tensor, rows: list[RowSampling]) -> list[int]:
+    """One pick per row of `scores` ([B, vocab]). The warpers run on all sampled rows at once;
+    each is a per-row operation (elementwise, or a sort / top-k / softmax / cumsum along the
+    row), so a row's result is the same in a batch of one or of many. Only the draw itself is
+    per row, from that request's own generator."""
+    picks = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.greedy]
     if greedy:
-        return int(torch.argmax(scores).item())
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k > 0:
-        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        remove[-1:] = False
-        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=step_generator(seed, key)).item())
+        for i, pick in zip(greedy, torch.argmax(scores[greedy], dim=-1).tolist()):
+            picks[i] = pick
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if not sampled:
+        return picks
+    specs = [rows[i] for i in sampled]
+    x = scores[sampled] / torch.tensor([[r.temperature] for r in specs], dtype=scores.dtype)
+    if any(r.top_k > 0 for r in specs):
+        width = min(max(r.top_k for r in specs), x.shape[1])
+        kth = torch.topk(x, width, dim=-1).values.gather(
+            1, torch.tensor([[min(max(r.top_k, 1), width) - 1] for r in specs]))
+        kth = kth.masked_fill(torch.tensor([[r.top_k <= 0] for r in specs]), float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(r.top_p < 1.0 for r in specs):
+        ascending, order = torch.sort(x, dim=-1)
+        threshold = torch.tensor([[1.0 - r.top_p] for r in specs], dtype=x.dtype)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= threshold
+        remove[:, -1] = False
+        remove &= torch.tensor([[r.top_p < 1.0] for r in specs])
+        x = x.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    for row, (i, spec) in enumerate(zip(sampled, specs)):
+        draw = torch.multinomial(probs[row], 1, generator=step_generator(spec.seed, spec.key))
+        picks[i] = int(draw.item())
+    return picks
 
 
 class BatchedTalker:
@@ -188,7 +216,7 @@ class BatchedTalker:
         hidden = self._talker_forward(state.prompt_embeds, [state], [state.prompt_len])
         state.hidden = hidden[-1].clone()
         logits = bi.linear_module(self.talker.codec_head, hidden[-1:])[0]
-        self._take_code0(state, logits)
+        self._take_code0s([state], logits.unsqueeze(0))
 
     @torch.no_grad()
     def decode(self, states: list[TalkerRequestState]) -> None:
@@ -222,42 +250,57 @@ class BatchedTalker:
         logits = bi.linear_module(self.talker.codec_head, hidden)
         for row, state in enumerate(alive):
             state.hidden = hidden[row].clone()
-            self._take_code0(state, logits[row])
+        self._take_code0s(alive, logits)
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def _take_code0(self, state: TalkerRequestState, logits: torch.Tensor) -> None:
-        if state.trace is not None:
-            state.trace["code0_logits"].append(logits.detach().clone())
-            state.trace["hidden"].append(state.hidden.detach().clone())
-        params = state.params
-        try:
-            scores = process_code0_scores(logits, state.code0s, params.repetition_penalty,
-                                          self.suppress_mask)
-            code0 = sample_scores(scores, params.greedy, params.temperature,
-                                  params.top_k if params.top_k > 0 else 0, params.top_p,
-                                  state.seed, state.step * self.num_code_groups)
-        except Exception as exc:  # noqa: BLE001 - confined to this request
-            self._fail(state, f"talker sampling failed at step {state.step}: {exc}")
-            return
-        state.code0s.append(code0)
-        if code0 == self.codec_eos:
-            state.finished, state.finish_reason = True, "stop"
-        elif len(state.code0s) >= params.max_tokens:
-            state.finished, state.finish_reason = True, "length"
+    def _take_code0s(self, states: list[TalkerRequestState], logits: torch.Tensor) -> None:
+        """Sample the next code0 of every state (row i of `logits` is state i's)."""
+        for state, row in zip(states, logits):
+            if state.trace is not None:
+                state.trace["code0_logits"].append(row.detach().clone())
+                state.trace["hidden"].append(state.hidden.detach().clone())
+        scores = torch.stack([process_code0_scores(row, s.code0s, s.params.repetition_penalty,
+                                                   self.suppress_mask)
+                              for s, row in zip(states, logits)])
+        specs = [RowSampling(s.params.greedy, s.params.temperature, max(s.params.top_k, 0),
+                             s.params.top_p, s.seed, s.step * self.num_code_groups) for s in states]
+        for state, code0 in zip(states, self._sample(states, scores, specs, "talker sampling")):
+            if code0 is None:
+                continue
+            state.code0s.append(code0)
+            if code0 == self.codec_eos:
+                state.finished, state.finish_reason = True, "stop"
+            elif len(state.code0s) >= state.params.max_tokens:
+                state.finished, state.finish_reason = True, "length"
 
-    def _take_residual(self, state: TalkerRequestState, group: int, logits: torch.Tensor) -> int:
-        if state.error is not None:
-            return 0
+    def _take_residuals(self, states: list[TalkerRequestState], group: int,
+                        logits: torch.Tensor) -> list[int]:
+        # transformers mirrors the talker's do_sample onto the code predictor.
+        specs = [RowSampling(s.params.greedy, self.cp_temperature, CODE_PREDICTOR_TOP_K,
+                             CODE_PREDICTOR_TOP_P, s.seed, (s.step - 1) * self.num_code_groups + group)
+                 for s in states]
+        picks = self._sample(states, logits.float(), specs, f"code predictor sampling (group {group})")
+        return [0 if pick is None else pick for pick in picks]
+
+    def _sample(self, states: list[TalkerRequestState], scores: torch.Tensor,
+                specs: list[RowSampling], what: str) -> list[int | None]:
+        """All rows at once; if that raises (a NaN row, say), row by row, so that only the
+        requests whose rows fail are failed (their pick is None)."""
+        live = [i for i, s in enumerate(states) if s.error is None]
+        picks: list[int | None] = [None] * len(states)
         try:
-            # transformers mirrors the talker's do_sample onto the code predictor.
-            return sample_scores(logits.float(), state.params.greedy, self.cp_temperature,
-                                 CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, state.seed,
-                                 (state.step - 1) * self.num_code_groups + group)
-        except Exception as exc:  # noqa: BLE001 - confined to this request
-            self._fail(state, f"code predictor sampling failed at step {state.step - 1}, "
-                              f"group {group}: {exc}")
-            return 0
+            for i, pick in zip(live, sample_rows(scores[live], [specs[i] for i in live])):
+                picks[i] = pick
+            return picks
+        except Exception:  # noqa: BLE001 - find the failing rows below
+            pass
+        for i in live:
+            try:
+                picks[i] = sample_rows(scores[i:i + 1], [specs[i]])[0]
+            except Exception as exc:  # noqa: BLE001 - confined to this request
+                self._fail(states[i], f"{what} failed at step {states[i].step}: {exc}")
+        return picks
 
     @staticmethod
     def _fail(state: TalkerRequestState, error: str) -> None:
@@ -326,13 +369,12 @@ class BatchedTalker:
             length += width
             last = out.view(batch, width, -1)[:, -1]
             logits = bi.linear_module(self.predictor.lm_head[group - 1], last)  # [B, cp_vocab]
-            picks = []
             for b, state in enumerate(states):
                 if state.trace is not None:
                     if group == 1:
                         state.trace["cp_logits"].append([])
                     state.trace["cp_logits"][-1].append(logits[b].detach().clone())
-                picks.append(self._take_residual(state, group, logits[b]))
+            picks = self._take_residuals(states, group, logits)
             x = cp.codec_embedding[group - 1](torch.tensor(picks, dtype=torch.long))  # [B, hidden]
             for b in range(batch):
                 codes[b].append(picks[b])
