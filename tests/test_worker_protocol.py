@@ -1,0 +1,194 @@
+"""The stage worker's step loop and the stage client, with many requests in flight: each answer
+reaches its own request, aborts and failures touch only their request, and Shutdown stops a busy
+worker."""
+import asyncio
+import multiprocessing as mp
+import threading
+
+import pytest
+
+from omni_pd.config import load_pipeline_config
+from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
+from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.orchestrator import messages as msg
+from omni_pd.orchestrator.stage_client import StageClient, StageError, StageTimeout
+from omni_pd.orchestrator.worker import serve
+from omni_pd.paths import STAGE_CONFIGS_DIR
+from omni_pd.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=3)
+
+
+class CountingEngine(StageEngine):
+    """Request `name` yields tokens [len(name), len(name)+1, ...], one per step, `max_tokens`
+    of them. Prompt "bad" is refused; prompt "explode" makes the next step raise."""
+
+    def __init__(self):
+        self.stage_id = 7
+        self.requests: dict[str, dict] = {}
+        self.stats = BatchStats()
+        self.closed = False
+        self.gate = threading.Event()  # step() waits for it: lets a test queue requests first
+        self.gate.set()
+
+    def add_request(self, request_id, prompt, params, stream=False):
+        if prompt == "bad":
+            raise ValueError("prompt 'bad' is refused")
+        self.requests[request_id] = {"prompt": prompt, "params": params, "stream": stream, "tokens": []}
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def request_ids(self):
+        return list(self.requests)
+
+    def step(self):
+        self.gate.wait(10)
+        if any(r["prompt"] == "explode" for r in self.requests.values()):
+            raise RuntimeError("kaboom")
+        self.stats.record(0, len(self.requests))
+        outputs = []
+        for request_id, r in list(self.requests.items()):
+            token = len(r["prompt"]) + len(r["tokens"])
+            r["tokens"].append(token)
+            done = len(r["tokens"]) >= r["params"].max_tokens
+            if done:
+                del self.requests[request_id]
+            outputs.append(StepOutput(request_id, [token] if r["stream"] else [], finished=done,
+                                      output=list(r["tokens"]) if done else None))
+        return outputs
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def worker():
+    """A CountingEngine served on a thread; yields (engine, orchestrator end of the pipe)."""
+    engine = CountingEngine()
+    ours, theirs = mp.Pipe(duplex=True)
+    thread = threading.Thread(target=serve, args=(engine, theirs, lambda: True), daemon=True)
+    thread.start()
+    yield engine, ours
+    if thread.is_alive():
+        try:
+            ours.send_bytes(msg.dumps(msg.Shutdown()))
+        except BrokenPipeError:  # the loop already ended
+            pass
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def _send(conn, message):
+    conn.send_bytes(msg.dumps(message))
+
+
+def _receive_until(conn, done, timeout_s=10.0):
+    """Messages (StepMessages unpacked) until `done(received)` holds."""
+    received = []
+    while not done(received):
+        assert conn.poll(timeout_s), f"no message within {timeout_s} s; got {received}"
+        message = msg.loads(conn.recv_bytes())
+        received.extend(message.messages if isinstance(message, msg.StepMessages) else [message])
+    return received
+
+
+def _finals(received):
+    return {m.request_id: m for m in received if isinstance(m, (msg.GenerateResult, msg.GenerateFailed))}
+
+
+def test_many_requests_in_flight_each_answer_reaches_its_request(worker):
+    engine, conn = worker
+    names = ["a", "bb", "ccc", "dddd", "eeeee"]
+    engine.gate.clear()  # the first step (request "a" alone) waits until all are queued
+    for name in names:
+        _send(conn, msg.AddRequest(name, name, PARAMS, stream=name != "a"))
+    engine.gate.set()
+    received = _receive_until(conn, lambda got: len(_finals(got)) == len(names))
+    finals = _finals(received)
+    for name in names:
+        want = [len(name), len(name) + 1, len(name) + 2]
+        assert finals[name].output == want
+        deltas = [t for m in received if isinstance(m, msg.TokenDelta) and m.request_id == name
+                  for t in m.token_ids]
+        assert deltas == (want if name != "a" else [])
+    assert engine.stats.max_decode_batch == len(names)  # they shared steps
+    assert not engine.requests
+
+
+def test_abort_and_refusal_touch_only_their_request(worker):
+    engine, conn = worker
+    _send(conn, msg.AddRequest("keep", "keep", SamplingParams(max_tokens=50)))
+    _send(conn, msg.AddRequest("drop", "drop", SamplingParams(max_tokens=10**9)))  # until aborted
+    _send(conn, msg.AddRequest("refused", "bad", PARAMS))
+    _send(conn, msg.Abort("drop"))
+    _send(conn, msg.Abort("never-added"))
+    finals = _finals(_receive_until(conn, lambda got: {"keep", "refused"} <= set(_finals(got))))
+    assert "drop" not in finals
+    assert isinstance(finals["refused"], msg.GenerateFailed) and "'bad' is refused" in finals["refused"].message
+    assert finals["keep"].output[-1] == 4 + 49
+    _send(conn, msg.ControlRequest(1, "debug_state_counts", {}))
+    reply = _receive_until(conn, lambda got: any(isinstance(m, msg.ControlResult) for m in got))[-1]
+    assert reply.call_id == 1 and reply.error is None and not engine.requests
+
+
+def test_a_failing_step_fails_every_held_request_and_the_worker_goes_on(worker):
+    engine, conn = worker
+    _send(conn, msg.AddRequest("x", "xx", SamplingParams(max_tokens=10**9)))
+    _send(conn, msg.AddRequest("boom", "explode", PARAMS))
+    finals = _finals(_receive_until(conn, lambda got: len(_finals(got)) == 2))
+    assert all(isinstance(m, msg.GenerateFailed) and "kaboom" in m.message for m in finals.values())
+    assert not engine.requests
+    _send(conn, msg.AddRequest("after", "after", PARAMS))
+    assert _finals(_receive_until(conn, lambda got: "after" in _finals(got)))["after"].output == [5, 6, 7]
+
+
+def test_shutdown_stops_a_busy_worker(worker):
+    engine, conn = worker
+    for i in range(3):
+        _send(conn, msg.AddRequest(f"long{i}", "long", SamplingParams(max_tokens=10**9)))
+    _send(conn, msg.Shutdown())  # while three requests that never end are running
+    with pytest.raises(EOFError):  # the worker closed its end once its loop ended
+        while True:
+            assert conn.poll(10)
+            conn.recv_bytes()
+    assert engine.closed
+
+
+TINY = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+
+
+def test_stage_client_routes_concurrent_requests_and_aborts_on_timeout():
+    """A real thinker behind the same pipe protocol on a thread (`runtime.process: false`)."""
+    stage = load_pipeline_config(TINY).stage(0)
+    stage = stage.model_copy(update={"runtime": stage.runtime.model_copy(update={"process": False})})
+    client = StageClient(stage, "tiny-qwen3-omni", startup_timeout_s=120)
+    try:
+        client.wait_ready()
+        prompts = [ThinkerPrompt([260, 257, 10] + [97 + i] * (i + 1) + [261, 10, 260, 258, 10])
+                   for i in range(4)]
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+        async def run():
+            streamed = {i: [] for i in range(4)}
+            outs = await asyncio.gather(*[
+                client.generate(f"r{i}", p, greedy, 60, on_tokens=streamed[i].extend)
+                for i, p in enumerate(prompts)])
+            with pytest.raises(StageTimeout, match="did not finish request slow"):
+                await client.generate("slow", prompts[0], SamplingParams(temperature=0, max_tokens=4000,
+                                                                         ignore_eos=True), 0.3)
+            return outs, streamed
+        outs, streamed = asyncio.run(run())
+        for i, out in enumerate(outs):
+            assert len(out.token_ids) == 8 and streamed[i] == out.token_ids
+        assert client.control("batch_stats")["max_decode_batch"] > 1
+        # The timed-out request was aborted in the engine: nothing is held.
+        assert client.control("debug_state_counts") == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+        assert client.in_flight() == 0
+    finally:
+        client.close()
+    with pytest.raises(StageError, match="stopped"):
+        asyncio.run(client.generate("late", prompts[0], greedy, 5))
