@@ -54,12 +54,14 @@ class BatchStats:
     decode_steps: int = 0
     max_decode_batch: int = 0  # most requests advanced by one decode pass
     max_admitted: int = 0  # most requests started in one step
+    decode_rows: int = 0  # requests advanced, summed over decode steps (mean batch: / decode_steps)
 
     def record(self, admitted: int, decoding: int) -> None:
         self.steps += 1
         self.max_admitted = max(self.max_admitted, admitted)
         if decoding:
             self.decode_steps += 1
+            self.decode_rows += decoding
             self.max_decode_batch = max(self.max_decode_batch, decoding)
 
 
