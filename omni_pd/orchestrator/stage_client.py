@@ -13,6 +13,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import threading
 import time
 from dataclasses import dataclass
@@ -85,19 +86,25 @@ class StageClient:
         self._dead: StageError | None = None
         self._reader: threading.Thread | None = None
         self._closing = False
+        # Reaping the worker (join, exitcode) from two threads at once races in waitpid: the
+        # loser sees "no such child" and takes a dead worker for alive. One lock for all reaping.
+        self._reap_lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.model_stage})"
 
     def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.is_alive()
+        if self.process is not None:  # the sentinel says so without reaping the process
+            return not multiprocessing.connection.wait([self.process.sentinel], 0)
         return self._thread.is_alive()
 
     def _exit_description(self) -> str:
         if self.process is not None:
-            return f"worker (pid {self.process.pid}) exited with code {self.process.exitcode}"
+            with self._reap_lock:
+                self.process.join(1.0)
+                code = self.process.exitcode
+            return f"worker (pid {self.process.pid}) exited with code {code}"
         return "in-process engine thread stopped"
 
     def _exited(self, doing: str) -> StageError:
@@ -140,8 +147,6 @@ class StageClient:
                 if self.alive():
                     continue
             # The pipe closed or the worker is gone: fail whoever still waits.
-            if self.process is not None:
-                self.process.join(1.0)
             self._fail_all(self._exited("while requests were in flight" if not self._closing
                                         else "at shutdown"))
             return
@@ -292,14 +297,15 @@ class StageClient:
     def close(self, timeout_s: float = 10.0) -> None:
         self.request_shutdown()
         if self.process is not None:
-            self.process.join(timeout_s)
-            if self.process.is_alive():
-                log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
-                self.process.terminate()
-                self.process.join(5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+            with self._reap_lock:
+                self.process.join(timeout_s)
+                if self.process.is_alive():
+                    log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
+                    self.process.terminate()
+                    self.process.join(5)
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
         else:
             self._thread.join(timeout_s)
         if self._reader is not None:
