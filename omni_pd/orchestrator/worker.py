@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
 from . import messages as msg
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,10 @@ class _Loop:
 
     def step(self) -> None:
         try:
-            outputs = self.engine.step()
+            # No autograd anywhere in serving: inference mode skips the version counters and
+            # view tracking that no_grad still pays for (~8% of a small decode step).
+            with torch.inference_mode():
+                outputs = self.engine.step()
         except Exception as exc:  # the engine could not isolate it: every request it holds fails
             log.exception("stage %s: engine step failed", self.engine.stage_id)
             error = f"{type(exc).__name__}: {exc}"
