@@ -177,9 +177,20 @@ def test_stage_client_routes_concurrent_requests_and_aborts_on_timeout():
             outs = await asyncio.gather(*[
                 client.generate(f"r{i}", p, greedy, 60, on_tokens=streamed[i].extend)
                 for i, p in enumerate(prompts)])
+            long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
             with pytest.raises(StageTimeout, match="did not finish request slow"):
-                await client.generate("slow", prompts[0], SamplingParams(temperature=0, max_tokens=4000,
-                                                                         ignore_eos=True), 0.3)
+                await client.generate("slow", prompts[0], long, 0.3)
+            # An abort (a client that went away) ends the wait at once: the worker sends nothing
+            # for an aborted request, so the client itself answers the waiter.
+            task = asyncio.ensure_future(client.generate("gone", prompts[1], long, 600))
+            first = asyncio.Event()
+            task2 = asyncio.ensure_future(client.generate("witness", prompts[2], greedy, 60,
+                                                          on_tokens=lambda _: first.set()))
+            await first.wait()  # the worker is stepping; "gone" is in flight
+            client.abort("gone")
+            with pytest.raises(StageError, match="request gone was aborted"):
+                await asyncio.wait_for(task, 10)
+            await task2
             return outs, streamed
         outs, streamed = asyncio.run(run())
         for i, out in enumerate(outs):

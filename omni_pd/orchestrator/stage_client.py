@@ -236,11 +236,19 @@ class StageClient:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Ask the worker to stop `request_id`; harmless if it already finished."""
+        """Ask the worker to stop `request_id`; harmless if it already finished. The worker
+        answers an abort with nothing, so whoever waits for the request gets a StageError now."""
         with self._lock:
+            waiter = self._waiters.pop(request_id, None)
             try:
                 self._send_locked(msg.Abort(request_id))
             except StageError:
+                pass
+        if waiter is not None:
+            try:
+                waiter.loop.call_soon_threadsafe(
+                    waiter.deliver, StageError(f"{self.name}: request {request_id} was aborted"))
+            except RuntimeError:  # that event loop is closed: nobody waits any more
                 pass
 
     def in_flight(self) -> int:
