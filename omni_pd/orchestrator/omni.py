@@ -1,7 +1,7 @@
 """`Omni`: the offline, synchronous API over `AsyncOmni`.
 
 It runs the AsyncOmni on an event loop in a private thread. A batch is submitted at once, so its
-requests overlap across stages (one is in the talker while the next is in the thinker)."""
+requests are batched together by every stage engine and overlap across stages."""
 from __future__ import annotations
 
 import asyncio
