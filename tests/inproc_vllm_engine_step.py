@@ -1,23 +1,19 @@
-"""(Run by tests/test_vllm_engine_step.py in a fresh interpreter.) VllmThinkerEngine's step loop, in-process on the CI's colocated vLLM config: requests added at
-once are stepped together (vLLM batches them) and give the same tokens as each run alone.
+"""VllmThinkerEngine's step loop, in-process on the CI's colocated vLLM config (run by
+tests/test_vllm_engine_step.py in a fresh interpreter): requests added at once are stepped
+together (vLLM batches them) and give the same tokens as each run alone.
 
-Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`). Outside CI the module is skipped without it;
-in CI (CI=true) a missing vLLM is a failure, never a skip (as e2e/vllm_required.py does).
+Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); see e2e/vllm_required.py for when it skips.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
 
-from omni_pd.engines.vllm import INSTALL_HINT, vllm_available
+from vllm_required import TOKEN_PROMPTS, require_vllm
 
-if not vllm_available():
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
-    pytest.skip(INSTALL_HINT, allow_module_level=True)
+require_vllm()
 
 import torch  # noqa: E402
 
@@ -30,14 +26,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "stage_configs/ci/qwen3_text_vllm.yaml"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, seed=0, ignore_eos=True)
-# Token-id prompts of different lengths (the tiny text vocabulary has 272 ids); the last one spans
-# more than one 32-token KV block.
-PROMPTS = {
-    "a": [72, 101, 108, 108, 111],
-    "b": [97, 98, 99],
-    "c": [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110],
-    "d": [(7 * i + 30) % 250 + 1 for i in range(45)],
-}
+PROMPTS = TOKEN_PROMPTS
 
 
 @pytest.fixture(scope="module")

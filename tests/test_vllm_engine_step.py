@@ -5,18 +5,16 @@ after other tests in the same pytest process have loaded transformers' kernel ho
 registration fails ("'_lib_fn_wrapper' object has no attribute 'get'"). A stage worker is always
 a fresh process, so the checks run in one too.
 """
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from omni_pd.engines.vllm import INSTALL_HINT, vllm_available
+from vllm_required import require_vllm
 
+require_vllm()
 pytestmark = pytest.mark.slow
-if not vllm_available() and os.environ.get("CI", "").lower() not in ("true", "1"):
-    pytest.skip(INSTALL_HINT, allow_module_level=True)  # in CI the child fails instead
 HERE = Path(__file__).resolve().parent
 
 

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from omni_pd.engines.vllm import INSTALL_HINT, vllm_available
+from vllm_required import TOKEN_PROMPTS, require_vllm
 
-if not vllm_available():
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
-    pytest.skip(INSTALL_HINT, allow_module_level=True)
+require_vllm()
 
 from omni_pd import SamplingParams  # noqa: E402
 from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
@@ -33,12 +29,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 PD_CONFIG = REPO / "stage_configs/ci/qwen3_text_pd_vllm.yaml"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, seed=0, ignore_eos=True)
-PROMPTS = {
-    "a": [72, 101, 108, 108, 111],
-    "b": [97, 98, 99],
-    "c": [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110],
-    "d": [(7 * i + 30) % 250 + 1 for i in range(45)],  # > one 32-token KV block
-}
+PROMPTS = TOKEN_PROMPTS
 REPLY_TIMEOUT_S = 120
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..engines.base import StepOutput
 from . import messages as msg
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class _Loop:
             outputs = []
             for request_id in self.engine.request_ids():
                 self.engine.abort_request(request_id)
-                outputs.append(_failed(request_id, error))
+                outputs.append(StepOutput.failed(request_id, error))
         messages: list[Any] = []
         for out in outputs:
             if out.error is not None:
@@ -132,11 +133,6 @@ class _Loop:
             self.send(messages[0])
         elif messages:
             self.send(msg.StepMessages(messages))
-
-
-def _failed(request_id: str, error: str):
-    from ..engines.base import StepOutput
-    return StepOutput.failed(request_id, error)
 
 
 def serve(engine, conn, alive: Callable[[], bool]) -> None:

@@ -227,10 +227,11 @@ class _ThinkerEngine(StageEngine):
         """A request has its first token: it runs (decodes from the next step) or is done."""
         request.tokens.append(token)
         request.metrics["first_token_ms"] = request.elapsed_ms()
-        if self.runner.finish_reason(request.tokens, request.params) is None:
-            self._running.append(request.request_id)
-            return [self._delta(request)] if request.stream else []
-        return [self._finish(request, self.runner.finish_reason(request.tokens, request.params))]
+        reason = self.runner.finish_reason(request.tokens, request.params)
+        if reason is not None:
+            return [self._finish(request, reason)]
+        self._running.append(request.request_id)
+        return [self._delta(request)] if request.stream else []
 
     def _decode(self, batch: list[ThinkerRequest]) -> list[StepOutput]:
         rows = [DecodeRow(r.tokens[-1], r.position, r.rope_deltas, r.blocks) for r in batch]
