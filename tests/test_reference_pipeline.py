@@ -44,7 +44,12 @@ def test_split_stages_equal_transformers_generate(tiny_model, tiny_tokenizer):
                                     SamplingParams(temperature=0, max_tokens=10), talker)
     ref_tokens, ref_audio = _reference(tiny_model, ids, 10, IM_END, talker)
     assert tokens == ref_tokens
-    assert audio.numel() > 0 and torch.equal(audio, ref_audio)
+    # code2wav runs length-invariant kernels (engines/hf/code2wav_exact.py) so that streamed
+    # chunks equal the whole waveform exactly; against transformers' own kernels that costs the
+    # last bits only.
+    assert audio.shape == ref_audio.shape and audio.numel() > 0
+    assert (audio - ref_audio).abs().max() <= 1e-5 * ref_audio.abs().max()
+    assert not torch.equal(audio, torch.zeros_like(audio))
 
 
 def test_talker_text_ends_at_the_thinkers_end_of_turn(tiny_model, tiny_tokenizer):

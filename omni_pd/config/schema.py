@@ -73,6 +73,13 @@ class _TypedEngineArgs(_Model):
     # published transfer's blocks when no decode engine acknowledges it.
     kv_pool_blocks: int = Field(default=1024, ge=1)
     kv_lease_timeout_s: float = Field(default=60.0, gt=0)
+    # code2wav with `async_chunk`: frames in the first chunk (small: time to first audio), in
+    # every later chunk, and of left context per chunk (None: the receptive field derived from
+    # the model config, which makes the chunks add up to the whole-utterance waveform exactly).
+    # vllm-omni's key names.
+    initial_codec_chunk_frames: int = Field(default=4, ge=1)
+    codec_chunk_frames: int = Field(default=25, ge=1)
+    codec_left_context_frames: int | None = Field(default=None, ge=1)
     # vllm-omni keys omni-pd reads
     model_stage: str
     model_arch: str | None = None

@@ -37,6 +37,9 @@ class StepOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)  # text tokens, for streamed requests
+    # What a streamed request produced this step for the next stage or the client (the talker's
+    # new codec frames, code2wav's new samples); its final `output` still holds the whole result.
+    chunk: Any = None
     finished: bool = False
     output: Any = None  # the stage's output record, when finished without error
     error: str | None = None  # set when the request failed (finished is then True)
@@ -75,6 +78,11 @@ class StageEngine(ABC):
                     stream: bool = False) -> None:
         """Queue a request built for this stage. Raises ValueError, with a message naming what to
         change, for a request this engine can never run; `stream` asks for token deltas."""
+
+    def append_input(self, request_id: str, data: Any, final: bool) -> None:
+        """More input for a request whose prompt said more would follow (streaming between
+        stages); `final` marks the last piece. Engines that take streamed input override this."""
+        raise ValueError(f"stage {self.stage_id} does not take streamed input")
 
     @abstractmethod
     def abort_request(self, request_id: str) -> None:

@@ -60,6 +60,8 @@ class TalkerOutput:
 class Code2WavPrompt:
     request_id: str
     codes: torch.Tensor  # [num_code_groups, frames]
+    # False: more frames follow through the engine's `append_input` (streaming from the talker).
+    final: bool = True
 
 
 @dataclass

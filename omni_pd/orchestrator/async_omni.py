@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import torch
+
 from ..config import PipelineConfig, load_pipeline_config
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
@@ -58,6 +60,14 @@ class TextDelta:
 
 
 @dataclass
+class AudioDelta:
+    """Waveform samples that follow the ones already sent for this request (float32, mono)."""
+
+    audio: torch.Tensor
+    sample_rate: int
+
+
+@dataclass
 class Finished:
     output: OmniRequestOutput
 
@@ -65,6 +75,11 @@ class Finished:
 def _import_processor(dotted: str) -> Callable[[StageInputs], Any]:
     module, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def _import_stream_processor(dotted: str) -> Callable[[StageInputs], Any] | None:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), f"{name}_stream", None)
 
 
 class AsyncOmni:
@@ -92,6 +107,17 @@ class AsyncOmni:
                               or self.pipeline.context_len)
         self.processors = {s.stage_id: _import_processor(s.custom_process_input_func)
                            for s in self.config.stages if s.custom_process_input_func}
+        # With async_chunk, a stage whose input processor has a streaming counterpart (`X_stream`)
+        # starts with its source stage and is fed the source's chunks as they come.
+        self.stream_processors = {}
+        if self.config.async_chunk:
+            for s in self.config.stages:
+                if s.custom_process_input_func and len(s.engine_input_source) == 1:
+                    factory = _import_stream_processor(s.custom_process_input_func)
+                    if factory is not None:
+                        self.stream_processors[s.stage_id] = factory
+            log.info("async_chunk: stages %s start with their source stage and take its output "
+                     "in chunks", sorted(self.stream_processors) or "(none)")
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.clients: dict[int, StageClient] = {}
@@ -187,12 +213,15 @@ class AsyncOmni:
             return
         state.aborted = True
         log.debug("request %s aborted", request_id)
-        if state.current_stage is not None and state.current_stage in self.clients:
-            self.clients[state.current_stage].abort(request_id)
+        for stage_id in list(state.active_stages):  # every stage of a streamed group at once
+            if stage_id in self.clients:
+                self.clients[stage_id].abort(request_id)
 
     async def generate(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
                        *, request_id: str | None = None, modalities: Sequence[str] = ("text", "audio"),
-                       on_text: Callable[[str], None] | None = None) -> OmniRequestOutput:
+                       on_text: Callable[[str], None] | None = None,
+                       on_audio: Callable[[torch.Tensor, int], None] | None = None
+                       ) -> OmniRequestOutput:
         if self.closed:
             raise RuntimeError("this Omni is closed")
         wanted = frozenset(modalities)
@@ -205,32 +234,41 @@ class AsyncOmni:
             raise ValueError(f"request id {state.request_id} is already in flight")
         self._requests[state.request_id] = state
         try:
-            return await self._run(state, self._stages_for(wanted), on_text)
+            return await self._run(state, self._stages_for(wanted), on_text, on_audio)
         finally:
             await self._release_kv(state)
             del self._requests[state.request_id]
 
     async def stream(self, prompt: Any, sampling_params_list=None, *, request_id: str | None = None,
-                     modalities: Sequence[str] = ("text", "audio")) -> AsyncIterator[TextDelta | Finished]:
-        """Text deltas as the text stage produces them, then the finished output. Closing the
-        iterator early aborts the request."""
+                     modalities: Sequence[str] = ("text", "audio")
+                     ) -> AsyncIterator[TextDelta | AudioDelta | Finished]:
+        """Text deltas as the text stage produces them and audio deltas as code2wav produces them
+        (interleaved), then the finished output. The deltas add up to the finished output's text
+        and audio. Closing the iterator early aborts the request."""
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self.generate(prompt, sampling_params_list, request_id=request_id,
-                                                 modalities=modalities,
-                                                 on_text=lambda text: queue.put_nowait(TextDelta(text))))
+        task = asyncio.create_task(self.generate(
+            prompt, sampling_params_list, request_id=request_id, modalities=modalities,
+            on_text=lambda text: queue.put_nowait(TextDelta(text)),
+            on_audio=lambda audio, rate: queue.put_nowait(AudioDelta(audio, rate))))
         task.add_done_callback(lambda _: queue.put_nowait(None))
-        sent = ""
+        sent, samples_sent = "", 0
         try:
             while True:
                 item = await queue.get()
                 if item is None:
                     break
-                sent += item.text
+                if isinstance(item, TextDelta):
+                    sent += item.text
+                else:
+                    samples_sent += item.audio.numel()
                 yield item
             output = task.result()
             if output.text.startswith(sent) and len(output.text) > len(sent):
                 yield TextDelta(output.text[len(sent):])  # what the deltas held back
+            if output.audio is not None and output.audio.numel() > samples_sent:
+                # Without streaming between stages the audio exists only now, in one piece.
+                yield AudioDelta(output.audio[samples_sent:], output.sample_rate)
             yield Finished(output)
         finally:
             if not task.done():
@@ -239,8 +277,20 @@ class AsyncOmni:
             if not task.cancelled():
                 task.exception()  # retrieved: an aborted request's error is expected here
 
+    def _streamed_groups(self, stage_ids: list[int]) -> list[list[int]]:
+        """Consecutive stages joined by streamed edges run as one group, all at once."""
+        groups: list[list[int]] = []
+        for stage_id in stage_ids:
+            if (groups and stage_id in self.stream_processors
+                    and self.stages[stage_id].engine_input_source == (groups[-1][-1],)):
+                groups[-1].append(stage_id)
+            else:
+                groups.append([stage_id])
+        return groups
+
     async def _run(self, state: RequestState, stage_ids: list[int],
-                   on_text: Callable[[str], None] | None) -> OmniRequestOutput:
+                   on_text: Callable[[str], None] | None,
+                   on_audio: Callable[[torch.Tensor, int], None] | None) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
         thinker_prompt = self.pipeline.build_prompt(state.prompt)
         prompt_len = len(thinker_prompt.prompt_token_ids)
@@ -249,26 +299,110 @@ class AsyncOmni:
             raise PromptTooLong(f"the prompt has {prompt_len} tokens and asks for up to {max_tokens} "
                                 f"more, over this model's context of {self.max_model_len} tokens; "
                                 "shorten the messages or lower max_tokens")
-        for stage_id in stage_ids:
+        for group in self._streamed_groups(stage_ids):
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted")
-            began = time.perf_counter()
-            state.current_stage = stage_id
             try:
-                output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text)
+                if len(group) == 1:
+                    await self._run_stage(state, group[0], thinker_prompt, deadline, on_text)
+                else:
+                    await self._run_streamed(state, group, deadline, on_audio)
             except StageError:
                 if state.aborted:
                     raise RequestAborted(f"request {state.request_id} was aborted") from None
                 raise
-            finally:
-                state.current_stage = None
-            state.stage_ms[stage_id] = state.elapsed_ms(began)
-            if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
-                state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
-            state.outputs[stage_id] = output
-            if self.pd_pair and stage_id == self.pd_pair.decode_stage_id:
+            if self.pd_pair and self.pd_pair.decode_stage_id in group:
                 await self._release_kv(state)
         return self._finish(state)
+
+    async def _run_stage(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
+                         deadline: float, on_text: Callable[[str], None] | None) -> None:
+        began = time.perf_counter()
+        state.active_stages.add(stage_id)
+        state.stage_spans[stage_id] = [state.elapsed_ms()]
+        try:
+            output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text)
+        finally:
+            state.active_stages.discard(stage_id)
+        state.stage_spans[stage_id].append(state.elapsed_ms())
+        state.stage_ms[stage_id] = state.elapsed_ms(began)
+        if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
+            state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
+        state.outputs[stage_id] = output
+
+    async def _run_streamed(self, state: RequestState, group: list[int], deadline: float,
+                            on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
+        """Run a group of stages at once: the first from its finished input, each later one
+        opened with its stream processor's prompt and fed every chunk its source produces."""
+        feeders = {stage_id: self.stream_processors[stage_id](self._stage_inputs(state, stage_id))
+                   for stage_id in group[1:]}
+        request_id = state.request_id
+
+        def forward(stage_id: int) -> Callable[[Any], None]:
+            after = group.index(stage_id) + 1
+            if after < len(group):
+                feeder, client = feeders[group[after]], self.clients[group[after]]
+
+                def to_next(chunk: Any) -> None:
+                    data = feeder.feed(chunk)
+                    if data is not None:
+                        client.append(request_id, data, final=False)
+                return to_next
+
+            def to_client(chunk: Any) -> None:
+                if isinstance(chunk, AudioOutput):
+                    state.audio_chunk_ms.append(state.elapsed_ms())
+                    if on_audio is not None:
+                        on_audio(chunk.audio, chunk.sample_rate)
+            return to_client
+
+        async def run(stage_id: int) -> None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(f"request {request_id} passed its {self.request_timeout_s:.0f} s "
+                                     f"deadline before stage {stage_id}")
+            prompt = (feeders[stage_id].prompt() if stage_id in feeders
+                      else self.processors[stage_id](self._stage_inputs(state, stage_id)))
+            state.stage_spans[stage_id] = [state.elapsed_ms()]
+            began = time.perf_counter()
+            output = await self.clients[stage_id].generate(
+                request_id, prompt, state.params[stage_id], remaining, on_chunk=forward(stage_id))
+            state.stage_spans[stage_id].append(state.elapsed_ms())
+            state.stage_ms[stage_id] = state.elapsed_ms(began)
+            state.outputs[stage_id] = output
+            after = group.index(stage_id) + 1
+            if after < len(group):  # the source is done: its consumer gets its last input
+                final = feeders[group[after]].close(output)
+                self.clients[group[after]].append(request_id, final, final=True)
+
+        # Consumers first: each is registered with its worker before its source's first chunk.
+        tasks = {asyncio.create_task(run(stage_id)): stage_id for stage_id in reversed(group)}
+        state.active_stages.update(group)
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if t.exception() is not None]
+            if failed:
+                for task in pending:  # stop the rest of the group at their next step
+                    self.clients[tasks[task]].abort(request_id)
+                if pending:
+                    await asyncio.wait(pending)
+                for task in pending:
+                    if not task.cancelled():
+                        task.exception()  # retrieved: they fail because we aborted them
+                # The upstream-most failure is the cause; downstream ones follow from it.
+                raise min(failed, key=lambda t: group.index(tasks[t])).exception()
+        finally:
+            state.active_stages.difference_update(group)
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+
+    def _stage_inputs(self, state: RequestState, stage_id: int) -> StageInputs:
+        stage = self.stages[stage_id]
+        return StageInputs(request_id=state.request_id, stage_id=stage_id,
+                           source_stage_ids=tuple(stage.engine_input_source),
+                           upstream=dict(state.outputs), model_config=self.model_config,
+                           speaker=state.prompt.speaker)
 
     async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
                           deadline: float, on_text: Callable[[str], None] | None) -> Any:
@@ -286,10 +420,7 @@ class AsyncOmni:
             # The KV covers the prompt (audio included): the decode leg needs only the token ids.
             prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
         elif stage.engine_input_source:
-            prompt = self.processors[stage_id](StageInputs(
-                request_id=state.request_id, stage_id=stage_id,
-                source_stage_ids=tuple(stage.engine_input_source), upstream=dict(state.outputs),
-                model_config=self.model_config, speaker=state.prompt.speaker))
+            prompt = self.processors[stage_id](self._stage_inputs(state, stage_id))
         on_tokens = None
         if on_text is not None and stage_id == self.text_stage_id:
             on_tokens = self._text_stream(state, params, on_text)
@@ -325,7 +456,8 @@ class AsyncOmni:
 
     def _finish(self, state: RequestState) -> OmniRequestOutput:
         thinker: ThinkerOutput = state.outputs[self.text_stage_id]
-        audio = next((o for o in state.outputs.values() if isinstance(o, AudioOutput)), None)
+        audio_stage, audio = next(((k, o) for k, o in state.outputs.items()
+                                   if isinstance(o, AudioOutput)), (None, None))
         metrics: dict[str, Any] = {
             "ttft_ms": state.first_token_at,
             "e2e_ms": state.elapsed_ms(),
@@ -338,6 +470,15 @@ class AsyncOmni:
                 metrics[key] = thinker.metrics[key]
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = thinker.num_cached_prompt_tokens
+        if audio is not None:
+            # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
+            metrics["ttfa_ms"] = (state.audio_chunk_ms[0] if state.audio_chunk_ms
+                                  else state.stage_spans[audio_stage][1])
+        metrics["timeline"] = {
+            "stages": {str(k): {"name": self.stages[k].model_stage, "start_ms": span[0],
+                                "end_ms": span[-1]} for k, span in state.stage_spans.items()},
+            "audio_chunks_ms": list(state.audio_chunk_ms),
+        }
         return OmniRequestOutput(
             request_id=state.request_id, prompt_token_ids=thinker.prompt_token_ids,
             token_ids=thinker.token_ids, text=thinker.text, finish_reason=thinker.finish_reason,

@@ -1,8 +1,8 @@
 """Messages between the orchestrator and a stage worker.
 
-Any number of requests are in flight on one worker: `AddRequest` and `Abort` may arrive at any
-time, and the worker answers each request with `TokenDelta`s (when streamed) and then exactly one
-`GenerateResult` or `GenerateFailed`. Control calls are answered by `call_id`.
+Any number of requests are in flight on one worker: `AddRequest`, `AppendInput` and `Abort` may
+arrive at any time, and the worker answers each request with `TokenDelta`s and `ChunkOutput`s
+(when streamed) and then exactly one `GenerateResult` or `GenerateFailed`. Control calls are answered by `call_id`.
 
 Sent as bytes pickled with the standard pickler: torch tensors are copied into the message rather
 than shared through /dev/shm file descriptors (torch's multiprocessing reducers), so a dead peer
@@ -44,6 +44,24 @@ class TokenDelta:
 
     request_id: str
     token_ids: list[int]
+
+
+@dataclass
+class AppendInput:
+    """More input for a request whose prompt said more follows (a streamed upstream stage);
+    `final` marks the last piece."""
+
+    request_id: str
+    data: Any
+    final: bool
+
+
+@dataclass
+class ChunkOutput:
+    """What a streamed request produced in one step (codec frames, audio samples)."""
+
+    request_id: str
+    data: Any
 
 
 @dataclass

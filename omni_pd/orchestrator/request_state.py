@@ -20,8 +20,12 @@ class RequestState:
     first_token_at: float | None = None
     transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
     kv_released: bool = False
-    current_stage: int | None = None  # the stage working on it now, for aborts
+    active_stages: set[int] = field(default_factory=set)  # stages working on it now, for aborts
     aborted: bool = False
+    # When each stage started and ended, and when each audio chunk was handed on, in ms since
+    # `started`: the request's timeline, reported in its metrics.
+    stage_spans: dict[int, list[float]] = field(default_factory=dict)
+    audio_chunk_ms: list[float] = field(default_factory=list)
 
     def elapsed_ms(self, since: float | None = None) -> float:
         return (time.perf_counter() - (since if since is not None else self.started)) * 1e3

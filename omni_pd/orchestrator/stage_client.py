@@ -42,6 +42,7 @@ class _Waiter:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_tokens: Callable[[list[int]], None] | None
+    on_chunk: Callable[[Any], None] | None = None
 
     def deliver(self, message: Any) -> None:  # on the event loop
         if self.future.done():
@@ -49,6 +50,12 @@ class _Waiter:
         if isinstance(message, msg.TokenDelta):
             if self.on_tokens is not None:
                 self.on_tokens(message.token_ids)
+        elif isinstance(message, msg.ChunkOutput):
+            if self.on_chunk is not None:
+                try:
+                    self.on_chunk(message.data)
+                except Exception as exc:  # noqa: BLE001 - the consumer failed: so does the request
+                    self.future.set_exception(exc)
         elif isinstance(message, msg.GenerateResult):
             self.future.set_result(message.output)
         elif isinstance(message, StageError):
@@ -203,17 +210,20 @@ class StageClient:
             raise self._exited("before the message was sent") from exc
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
-                       on_tokens: Callable[[list[int]], None] | None = None) -> Any:
-        """Submit a request and wait for its output. `on_tokens` gets streamed token deltas on the
-        event loop. On timeout or cancellation the worker is told to abort the request."""
+                       on_tokens: Callable[[list[int]], None] | None = None,
+                       on_chunk: Callable[[Any], None] | None = None) -> Any:
+        """Submit a request and wait for its output. `on_tokens` gets streamed token deltas and
+        `on_chunk` streamed chunks, on the event loop (an exception from either fails the
+        request). On timeout, failure of a callback or cancellation the worker is told to abort."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop, loop.create_future(), on_tokens)
+        waiter = _Waiter(loop, loop.create_future(), on_tokens, on_chunk)
         with self._lock:
             if request_id in self._waiters:
                 raise StageError(f"{self.name} already runs request {request_id}")
             self._waiters[request_id] = waiter
             try:
-                self._send_locked(msg.AddRequest(request_id, prompt, params, stream=on_tokens is not None))
+                self._send_locked(msg.AddRequest(request_id, prompt, params,
+                                                 stream=on_tokens is not None or on_chunk is not None))
             except BaseException:
                 del self._waiters[request_id]
                 raise
@@ -234,6 +244,14 @@ class StageClient:
                 self._waiters.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def append(self, request_id: str, data: Any, final: bool) -> None:
+        """More input for a request submitted with a prompt that said more follows. Dropped when
+        the request is no longer in flight (aborted, failed)."""
+        with self._lock:
+            if request_id not in self._waiters:
+                return
+            self._send_locked(msg.AppendInput(request_id, data, final))
 
     def abort(self, request_id: str) -> None:
         """Ask the worker to stop `request_id`; harmless if it already finished. The worker

@@ -94,6 +94,14 @@ class _Loop:
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
                 self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
+        elif isinstance(message, msg.AppendInput):
+            try:
+                engine.append_input(message.request_id, message.data, message.final)
+            except Exception as exc:  # the request cannot go on: fail it, free what it holds
+                log.debug("input for %s refused:\n%s", message.request_id, traceback.format_exc())
+                if message.request_id in engine.request_ids():
+                    engine.abort_request(message.request_id)
+                    self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(message, msg.Abort):
             engine.abort_request(message.request_id)
         elif isinstance(message, msg.ControlRequest):
@@ -127,6 +135,8 @@ class _Loop:
                 continue
             if out.new_token_ids:
                 messages.append(msg.TokenDelta(out.request_id, list(out.new_token_ids)))
+            if out.chunk is not None:
+                messages.append(msg.ChunkOutput(out.request_id, out.chunk))
             if out.finished:
                 messages.append(msg.GenerateResult(out.request_id, out.output))
         if len(messages) == 1:

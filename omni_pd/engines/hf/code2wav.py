@@ -1,4 +1,9 @@
-"""code2wav: codec codes in, a 24 kHz float32 waveform out."""
+"""code2wav: codec codes in, a 24 kHz float32 waveform out, whole or in chunks.
+
+Both ways go through `ExactCode2Wav`, whose samples do not depend on how many frames one call
+decodes: chunks decoded with at least the decoder's receptive field of left context add up to the
+whole-utterance waveform bit for bit.
+"""
 from __future__ import annotations
 
 import time
@@ -6,24 +11,23 @@ import time
 import torch
 
 from ..types import AudioOutput, Code2WavPrompt
+from .code2wav_exact import Code2WavStream, ExactCode2Wav
 
 SAMPLE_RATE = 24_000
-CHUNK_SIZE = 300  # codec frames per decode chunk, as transformers' generate uses
-LEFT_CONTEXT = 25
 
 
 class Code2WavRunner:
     def __init__(self, code2wav: torch.nn.Module):
-        self.code2wav = code2wav
+        self.exact = ExactCode2Wav(code2wav)
+        self.geometry = self.exact.geometry
 
     @torch.no_grad()
     def generate(self, prompt: Code2WavPrompt) -> AudioOutput:
         began = time.perf_counter()
-        if prompt.codes.shape[-1] == 0:
-            audio = torch.zeros(0, dtype=torch.float32)
-        else:
-            wav = self.code2wav.chunked_decode(prompt.codes.unsqueeze(0), chunk_size=CHUNK_SIZE,
-                                               left_context_size=LEFT_CONTEXT)
-            audio = wav.reshape(-1).float().contiguous()
+        audio = self.exact.decode(prompt.codes).float().contiguous()
         return AudioOutput(request_id=prompt.request_id, audio=audio, sample_rate=SAMPLE_RATE,
                            metrics={"code2wav_ms": (time.perf_counter() - began) * 1e3})
+
+    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor, left_context: int) -> torch.Tensor:
+        """The samples the next frames add to a streamed utterance (see ExactCode2Wav)."""
+        return self.exact.decode_chunk(stream, codes, left_context).float().contiguous()

@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
 from ...models.qwen3_omni.factory import load_model, load_tokenizer, resolve_model
 from ...models.qwen3_omni.pipeline import thinker_eos_ids
-from ...sampling import SamplingParams
-from ..base import StageEngine, StepOutput
-from ..types import Code2WavPrompt
-from .code2wav import Code2WavRunner
+from ..base import StageEngine
 from .thinker import ThinkerRunner
 
 log = logging.getLogger(__name__)
@@ -25,48 +21,6 @@ def thinker_runner(model, tokenizer) -> ThinkerRunner:
     config = model.config
     return ThinkerRunner(model.thinker, tokenizer, config.talker_config.accept_hidden_layer,
                          thinker_eos_ids(config, tokenizer))
-
-
-class HfCode2WavEngine(StageEngine):
-    """code2wav decodes one request per step, oldest first. Its convolutions are neither
-    batch-invariant on CPU (a waveform decoded in a batch of 5 differs in the last bits from the
-    same codes decoded alone) nor faster batched (16 utterances of 63 frames: 0.36 s one by one,
-    1.36 s as one batch, measured on the 2-core CI machine), so stacking requests would cost
-    exactness and time; one request per step still lets new requests and aborts in between."""
-
-    def __init__(self, stage_id: int, model):
-        self.stage_id = stage_id
-        self.runner = Code2WavRunner(model.code2wav)
-        self._waiting: OrderedDict[str, Code2WavPrompt] = OrderedDict()
-
-    def add_request(self, request_id: str, prompt: Code2WavPrompt, params: SamplingParams,
-                    stream: bool = False) -> None:
-        if request_id in self._waiting:
-            raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
-        if prompt.codes.dim() != 2:
-            raise ValueError(f"request {request_id}: codes must be [num_code_groups, frames], got "
-                             f"shape {tuple(prompt.codes.shape)}")
-        self._waiting[request_id] = prompt
-
-    def abort_request(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting)
-
-    def request_ids(self) -> list[str]:
-        return list(self._waiting)
-
-    def step(self) -> list[StepOutput]:
-        request_id, prompt = self._waiting.popitem(last=False)
-        try:
-            output = self.runner.generate(prompt)
-        except Exception as exc:
-            return [StepOutput.failed(request_id, f"{type(exc).__name__}: {exc}")]
-        return [StepOutput(request_id, finished=True, output=output)]
-
-    def debug_state_counts(self) -> dict[str, int]:
-        return {"code2wav.requests": len(self._waiting)}
 
 
 def build_hf_engine(stage_config, model_name: str) -> StageEngine:
@@ -99,4 +53,8 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
         from .talker_engine import HfTalkerEngine
         return HfTalkerEngine(stage_config.stage_id, model, max_num_seqs=stage_config.max_num_seqs,
                               max_num_batched_tokens=stage_config.max_num_batched_tokens)
-    return HfCode2WavEngine(stage_config.stage_id, model)
+    from .code2wav_engine import HfCode2WavEngine
+    return HfCode2WavEngine(stage_config.stage_id, model,
+                            initial_chunk_frames=args.initial_codec_chunk_frames,
+                            chunk_frames=args.codec_chunk_frames,
+                            left_context_frames=args.codec_left_context_frames)

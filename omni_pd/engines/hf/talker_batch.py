@@ -62,6 +62,8 @@ class TalkerRequestState:
     finish_reason: str | None = None  # "stop" (codec EOS) | "length"
     error: str | None = None
     admitted_at: float | None = None
+    stream: bool = False  # send new frames after each step (streaming to code2wav)
+    frames_sent: int = 0
     trace: dict[str, list] | None = None  # raw logits, when the core traces (tests)
 
     @property
@@ -77,11 +79,19 @@ class TalkerRequestState:
     def seed(self) -> int:
         return self.params.seed if self.params.seed is not None else 0
 
-    def codes(self, num_code_groups: int) -> torch.Tensor:
-        """[num_code_groups, frames], int64."""
-        if not self.frames:
+    def codes(self, num_code_groups: int, start: int = 0) -> torch.Tensor:
+        """[num_code_groups, frames - start], int64: every frame from `start` on."""
+        if len(self.frames) <= start:
             return torch.zeros((num_code_groups, 0), dtype=torch.long)
-        return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
+        return torch.tensor(self.frames[start:], dtype=torch.long).transpose(0, 1).contiguous()
+
+    def take_new_frames(self, num_code_groups: int) -> torch.Tensor | None:
+        """Frames made since the last call, for a streamed request (None when there are none)."""
+        if len(self.frames) == self.frames_sent:
+            return None
+        new = self.codes(num_code_groups, self.frames_sent)
+        self.frames_sent = len(self.frames)
+        return new
 
 
 def process_code0_scores(logits: torch.Tensor, generated: list[int], penalty: float,

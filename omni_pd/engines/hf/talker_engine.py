@@ -53,8 +53,8 @@ class HfTalkerEngine(StageEngine):
 
     def add_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
                     stream: bool = False) -> None:
-        """Validate and queue. `stream` has no effect: the talker emits no text tokens, its codes
-        come in the final output."""
+        """Validate and queue. With `stream`, each step's new codec frames leave as that step's
+        chunk (for a code2wav fed while the talker runs); the final output has them all."""
         if request_id in self.waiting or request_id in self.running:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r} is already queued")
         self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
@@ -70,7 +70,9 @@ class HfTalkerEngine(StageEngine):
                 f"request {request_id}: the talker prompt has {length} positions, more than this "
                 f"stage's max_num_batched_tokens ({self.max_num_batched_tokens}); raise "
                 f"max_num_batched_tokens or shorten the conversation")
-        self.waiting[request_id] = self.core.new_state(request_id, inputs, params)
+        state = self.core.new_state(request_id, inputs, params)
+        state.stream = bool(stream)
+        self.waiting[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
         # The state object holds everything (inputs, KV cache, codes): dropping it frees it.
@@ -113,6 +115,9 @@ class HfTalkerEngine(StageEngine):
             admitted.append(state)
         return admitted
 
+    def _chunk(self, state: TalkerRequestState) -> Any:
+        return state.take_new_frames(self.num_code_groups) if state.stream else None
+
     def _finish(self, state: TalkerRequestState) -> StepOutput:
         self.running.pop(state.request_id, None)
         if state.error is not None:
@@ -121,7 +126,7 @@ class HfTalkerEngine(StageEngine):
         output = TalkerOutput(request_id=state.request_id,
                               codes=state.codes(self.num_code_groups),
                               metrics={"talker_ms": elapsed})
-        return StepOutput(state.request_id, finished=True, output=output)
+        return StepOutput(state.request_id, chunk=self._chunk(state), finished=True, output=output)
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
@@ -153,4 +158,6 @@ class HfTalkerEngine(StageEngine):
             for state in decoding:
                 if state.finished:
                     outputs.append(self._finish(state))
+                elif state.stream and (chunk := self._chunk(state)) is not None:
+                    outputs.append(StepOutput(state.request_id, chunk=chunk))
         return outputs

@@ -1,0 +1,162 @@
+"""code2wav decoded in chunks equals the whole-utterance decode bit for bit, and the receptive
+field derived from the config is what makes it so."""
+import pytest
+import torch
+
+from omni_pd.engines.hf.code2wav_engine import HfCode2WavEngine
+from omni_pd.engines.hf.code2wav_exact import Code2WavStream, ExactCode2Wav, tiled_linear
+from omni_pd.engines.types import AudioOutput, Code2WavPrompt
+from omni_pd.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_model):
+    return ExactCode2Wav(tiny_model.code2wav)
+
+
+def _codes(tiny_model, frames: int, seed: int) -> torch.Tensor:
+    cfg = tiny_model.config.code2wav_config
+    return torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, frames),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def _chunked(exact, codes, first: int, size: int, left_context: int) -> torch.Tensor:
+    stream, pieces, start = Code2WavStream(), [], 0
+    while start < codes.shape[1]:
+        end = min(start + (first if start == 0 else size), codes.shape[1])
+        pieces.append(exact.decode_chunk(stream, codes[:, start:end], left_context))
+        start = end
+    return torch.cat(pieces)
+
+
+def test_geometry_bounds_what_a_frame_really_reaches(tiny_model, exact):
+    """Perturb one frame: the samples that change start where the geometry says that frame's
+    samples start, and end within the derived receptive field."""
+    geo = exact.geometry
+    codes = _codes(tiny_model, 140, 0)
+    frame = 40
+    changed = codes.clone()
+    changed[:, frame] = (changed[:, frame] + 1) % tiny_model.config.code2wav_config.codebook_size
+    with torch.no_grad():
+        base = tiny_model.code2wav(codes.unsqueeze(0)).reshape(-1)
+        moved = (tiny_model.code2wav(changed.unsqueeze(0)).reshape(-1) - base).abs() > 0
+    assert base.numel() == geo.samples(140)
+    hit = moved.nonzero().reshape(-1)
+    assert int(hit[0]) == frame * geo.samples_per_frame - geo.trim  # causal, shifted by the trim
+    last_frame_reached = (int(hit[-1]) + geo.trim) // geo.samples_per_frame
+    assert frame + geo.attention_frames < last_frame_reached <= frame + geo.receptive_field_frames
+
+
+def test_exact_decode_is_transformers_code2wav_to_the_last_bits(tiny_model, exact):
+    codes = _codes(tiny_model, 50, 1)
+    with torch.no_grad():
+        ref = tiny_model.code2wav(codes.unsqueeze(0)).reshape(-1)
+    ours = exact.decode(codes)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("first,size", [(4, 25), (1, 1), (2, 3), (7, 50), (120, 120)])
+def test_chunks_with_the_derived_left_context_equal_the_whole_decode(tiny_model, exact, first, size):
+    codes = _codes(tiny_model, 120, 2)
+    whole = exact.decode(codes)
+    assert torch.equal(_chunked(exact, codes, first, size, exact.geometry.decoder_frames), whole)
+
+
+def test_too_little_left_context_is_detected(tiny_model, exact):
+    codes = _codes(tiny_model, 120, 2)
+    whole = exact.decode(codes)
+    short = _chunked(exact, codes, 4, 25, 2)
+    assert short.shape == whole.shape and not torch.equal(short, whole)
+
+
+def test_stock_kernels_would_not_be_exact(tiny_model, exact):
+    """Negative control for the length-invariant kernels: transformers' own forward, decoding
+    the same chunks with the whole receptive field as context, misses the whole decode."""
+    codes = _codes(tiny_model, 120, 3)
+    geo, module = exact.geometry, tiny_model.code2wav
+    with torch.no_grad():
+        whole = module(codes.unsqueeze(0)).reshape(-1)
+        start, end = 90, 115
+        context = geo.receptive_field_frames
+        chunk = module(codes[:, start - context:end].unsqueeze(0)).reshape(-1)
+    piece = chunk[-(end - start) * geo.samples_per_frame:]
+    span = whole[start * geo.samples_per_frame - geo.trim: end * geo.samples_per_frame - geo.trim]
+    assert piece.shape == span.shape and not torch.equal(piece, span)
+
+
+def test_tiled_linear_rows_do_not_depend_on_length_or_offset(tiny_model):
+    """The premise of the exact kernels, for every weight shape code2wav multiplies with."""
+    shapes = set()
+    for module in tiny_model.code2wav.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+            w = weight.reshape(weight.shape[0], -1) if weight.dim() == 3 else weight
+            shapes.add(tuple(w.shape))
+            if weight.dim() == 3:  # transposed convs multiply [in] -> [out * kernel]
+                shapes.add((weight.shape[1] * weight.shape[2], weight.shape[0]))
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in sorted(shapes):
+        weight = torch.randn(out_features, in_features, generator=generator)
+        rows = torch.randn(3000, in_features, generator=generator)
+        full = tiled_linear(rows, weight)
+        for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 2999)]:
+            assert torch.equal(tiled_linear(rows[start:start + count], weight),
+                               full[start:start + count]), (out_features, in_features, start, count)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+def _drain(engine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs
+
+
+def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model):
+    engine = HfCode2WavEngine(2, tiny_model, initial_chunk_frames=3, chunk_frames=10)
+    codes = _codes(tiny_model, 47, 4)
+    params = SamplingParams()
+    engine.add_request("whole", Code2WavPrompt("whole", codes), params)
+    whole = [o for o in _drain(engine) if o.finished][0].output.audio
+
+    empty = codes[:, :0]
+    engine.add_request("s", Code2WavPrompt("s", empty, final=False), params, stream=True)
+    assert not engine.has_unfinished_requests()  # waiting for frames is not work
+    chunks, final = [], None
+    for start, end in [(0, 2), (2, 9), (9, 9), (9, 30), (30, 47)]:
+        engine.append_input("s", codes[:, start:end], final=end == 47)
+        for out in _drain(engine):
+            if out.chunk is not None:
+                assert isinstance(out.chunk, AudioOutput)
+                chunks.append(out.chunk.audio)
+            if out.finished:
+                final = out.output.audio
+    assert len(chunks) >= 5
+    assert torch.equal(torch.cat(chunks), whole) and torch.equal(final, whole)
+    assert engine.debug_state_counts() == {"code2wav.requests": 0}
+    with pytest.raises(ValueError, match="holds no request"):
+        engine.append_input("s", empty, final=True)
+
+
+def test_engine_abort_mid_stream_frees_the_utterance(tiny_model):
+    engine = HfCode2WavEngine(2, tiny_model)
+    codes = _codes(tiny_model, 30, 5)
+    engine.add_request("a", Code2WavPrompt("a", codes[:, :0], final=False), SamplingParams(), stream=True)
+    engine.append_input("a", codes[:, :10], final=False)
+    assert any(o.chunk is not None for o in _drain(engine))
+    engine.abort_request("a")
+    assert engine.debug_state_counts() == {"code2wav.requests": 0}
+    assert not engine.has_unfinished_requests()
+
+
+def test_engine_refuses_bad_frames(tiny_model):
+    engine = HfCode2WavEngine(2, tiny_model)
+    codes = _codes(tiny_model, 8, 6)
+    engine.add_request("a", Code2WavPrompt("a", codes[:, :0], final=False), SamplingParams(), stream=True)
+    with pytest.raises(ValueError, match=r"codes must be a \[4, frames\] tensor"):
+        engine.append_input("a", codes[:2], final=False)
+    engine.append_input("a", codes, final=True)
+    with pytest.raises(ValueError, match="after the last ones"):
+        engine.append_input("a", codes, final=True)
