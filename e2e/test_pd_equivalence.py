@@ -31,10 +31,32 @@ def pd():
         yield omni
 
 
+def _whole_config(tmp_path_factory, path):
+    """The same pipeline with streaming between stages off (async_chunk: false)."""
+    text = path.read_text()
+    assert "\nasync_chunk: true\n" in text
+    whole = tmp_path_factory.mktemp("whole") / path.name
+    whole.write_text(text.replace("\nasync_chunk: true\n", "\nasync_chunk: false\n"))
+    return whole
+
+
+@pytest.fixture(scope="module")
+def colocated_whole(tmp_path_factory):
+    with Omni(stage_configs_path=_whole_config(tmp_path_factory, COLOCATED),
+              keep_stage_outputs=True) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def pd_whole(tmp_path_factory):
+    with Omni(stage_configs_path=_whole_config(tmp_path_factory, PD), keep_stage_outputs=True) as omni:
+        yield omni
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     yield
-    for name in ("colocated", "pd"):
+    for name in ("colocated", "pd", "colocated_whole", "pd_whole"):
         if name in request.fixturenames:
             counts = request.getfixturevalue(name).debug_state_counts()
             assert all(v == 0 for v in counts.values()), counts
@@ -222,3 +244,44 @@ def test_sixteen_mixed_requests_at_concurrency_16_equal_their_solo_runs(colocate
     for i, (a, b) in enumerate(zip(solo, together)):
         assert differences(omni, a, omni, b) == [], i
     assert len({tuple(o.token_ids) for o in solo}) > 4  # they are not all the same request
+
+
+# -- streaming between stages (async_chunk) ---------------------------------------------------------
+
+def _stage_of(omni, model_stage: str) -> int:
+    return next(s.stage_id for s in omni.config.stages if s.model_stage == model_stage)
+
+
+@pytest.mark.parametrize("which", ["colocated", "pd"])
+def test_streamed_stages_equal_whole_stages(request, which):
+    """The shipped configs stream talker -> code2wav; the same requests with streaming off give
+    the same tokens, talker inputs, codec codes and audio bytes."""
+    streamed_omni = request.getfixturevalue(which)
+    whole_omni = request.getfixturevalue(f"{which}_whole")
+    assert streamed_omni.config.async_chunk and not whole_omni.config.async_chunk
+    prompts = [_prompts(streamed_omni)[case] for case in CASES]
+    streamed, whole = streamed_omni.generate(prompts), whole_omni.generate(prompts)
+    talker, code2wav = _stage_of(streamed_omni, "talker"), _stage_of(streamed_omni, "code2wav")
+    for case, a, b in zip(CASES, whole, streamed):
+        assert differences(whole_omni, a, streamed_omni, b) == [], case
+        stages = b.metrics["timeline"]["stages"]
+        # Really streamed: code2wav ran while the talker did, and sent its audio in chunks.
+        assert stages[str(code2wav)]["start_ms"] < stages[str(talker)]["end_ms"]
+        assert len(b.metrics["timeline"]["audio_chunks_ms"]) > 1, case
+        assert b.metrics["ttfa_ms"] < b.metrics["e2e_ms"]
+        assert a.metrics["timeline"]["audio_chunks_ms"] == []  # whole: one piece at the end
+
+
+def test_negative_control_too_little_codec_context_is_noticed(colocated, colocated_whole):
+    """With code2wav's left context cut below its receptive field, streamed audio stops equalling
+    the whole-utterance audio (while the codes still match): the comparison above can fail."""
+    prompt = _prompts(colocated)["over_one_block"]
+    want = colocated_whole.generate([prompt])[0]
+    code2wav = _stage_of(colocated, "code2wav")
+    exact = colocated.control(code2wav, "set_left_context_frames", frames=2)
+    try:
+        got = colocated.generate([prompt])[0]
+    finally:
+        colocated.control(code2wav, "set_left_context_frames", frames=exact)
+    assert exact > 2
+    assert differences(colocated_whole, want, colocated, got) == ["audio bytes"]

@@ -52,6 +52,8 @@ class _Utterance:
 
 
 class HfCode2WavEngine(StageEngine):
+    control_calls = StageEngine.control_calls | {"set_left_context_frames"}
+
     def __init__(self, stage_id: int, model, initial_chunk_frames: int = 4, chunk_frames: int = 25,
                  left_context_frames: int | None = None):
         self.stage_id = stage_id
@@ -76,6 +78,12 @@ class HfCode2WavEngine(StageEngine):
                 "codec_chunk_frames": self.chunk_frames,
                 "codec_left_context_frames": self.left_context_frames,
                 "decoder_receptive_field_frames": self.runner.geometry.decoder_frames}
+
+    def set_left_context_frames(self, frames: int) -> int:
+        """Test hook: a left context below the receptive field, for end-to-end negative controls.
+        Returns the previous value."""
+        previous, self.left_context_frames = self.left_context_frames, int(frames)
+        return previous
 
     # -- requests -------------------------------------------------------------------------------
 
