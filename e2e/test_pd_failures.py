@@ -1,9 +1,11 @@
 """P/D failure paths: every one ends in one clear error and leaves no state or lease behind."""
+import asyncio
 import os
 import signal
 
 import pytest
 
+from omni_pd.orchestrator.async_omni import AudioDelta
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.orchestrator.stage_client import StageError
 from omni_pd.paths import STAGE_CONFIGS_DIR
@@ -37,6 +39,55 @@ def test_decode_failure_releases_the_prefill_lease_at_once(small_decode_pool):
     assert "stage 1 (thinker)" in message and "kv_pool_blocks" in message
     _clean(omni)  # the lease went on the orchestrator's release, not on expiry
     assert omni.generate("ok")[0].token_ids  # and the pipeline keeps serving
+
+
+def _stage_of(omni, model_stage: str) -> int:
+    return next(s.stage_id for s in omni.config.stages if s.model_stage == model_stage)
+
+
+def _stream_until(omni, prompt, stop_after_audio: int):
+    """Stream a request; close it after `stop_after_audio` audio deltas (0: read it all).
+    Returns (audio deltas seen, the exception that ended the stream or None)."""
+    async def run():
+        seen, events = 0, omni.engine.stream(prompt)
+        try:
+            async for event in events:
+                if isinstance(event, AudioDelta):
+                    seen += 1
+                    if seen == stop_after_audio:
+                        break
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return seen, exc
+        finally:
+            await events.aclose()
+        return seen, None
+    return asyncio.run_coroutine_threadsafe(run(), omni._loop).result(120)
+
+
+def test_client_gone_mid_stream_stops_every_stage(small_decode_pool):
+    omni = small_decode_pool
+    assert omni.config.async_chunk
+    talker = _stage_of(omni, "talker")
+    max_frames = omni.stages[talker].default_sampling_params.max_tokens
+    rows_before = omni.control(talker, "batch_stats")["decode_rows"]
+    seen, error = _stream_until(omni, "Hi", stop_after_audio=1)
+    assert seen == 1 and error is None
+    _clean(omni)  # talker and code2wav dropped it at once, and the KV lease is released
+    # The talker stopped long before its last frame: it was aborted, not left to finish.
+    assert omni.control(talker, "batch_stats")["decode_rows"] - rows_before < max_frames // 2
+    assert omni.generate("ok")[0].audio.numel() > 0
+
+
+def test_stage_failing_mid_stream_ends_the_stream_with_its_name(small_decode_pool):
+    omni = small_decode_pool
+    code2wav = _stage_of(omni, "code2wav")
+    omni.control(code2wav, "inject_chunk_fault", after_chunks=1)
+    seen, error = _stream_until(omni, "Hi", stop_after_audio=0)
+    assert seen == 1  # the first chunk reached the client, then the stage failed
+    assert isinstance(error, StageError)
+    assert f"stage {code2wav} (code2wav)" in str(error) and "injected fault" in str(error)
+    _clean(omni)  # the talker was stopped too
+    assert omni.generate("ok")[0].audio.numel() > 0
 
 
 def test_dead_decode_worker_is_a_bounded_error_not_a_hang(small_decode_pool):

@@ -52,7 +52,7 @@ class _Utterance:
 
 
 class HfCode2WavEngine(StageEngine):
-    control_calls = StageEngine.control_calls | {"set_left_context_frames"}
+    control_calls = StageEngine.control_calls | {"set_left_context_frames", "inject_chunk_fault"}
 
     def __init__(self, stage_id: int, model, initial_chunk_frames: int = 4, chunk_frames: int = 25,
                  left_context_frames: int | None = None):
@@ -72,6 +72,7 @@ class HfCode2WavEngine(StageEngine):
                         "whole-utterance audio at chunk joins; remove the key (or set %d) for "
                         "exact chunks", stage_id, self.left_context_frames, exact, exact)
         self._utterances: OrderedDict[str, _Utterance] = OrderedDict()
+        self._fault_after_chunks: int | None = None  # test hook: fail the next streamed utterance
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "hf-code2wav", "initial_codec_chunk_frames": self.initial_chunk_frames,
@@ -84,6 +85,11 @@ class HfCode2WavEngine(StageEngine):
         Returns the previous value."""
         previous, self.left_context_frames = self.left_context_frames, int(frames)
         return previous
+
+    def inject_chunk_fault(self, after_chunks: int) -> None:
+        """Test hook: the next streamed utterance fails when decoding its chunk number
+        `after_chunks` + 1, as a stage failing mid-stream would."""
+        self._fault_after_chunks = int(after_chunks)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -145,6 +151,9 @@ class HfCode2WavEngine(StageEngine):
         try:
             if frames:
                 start, end = u.decoded, u.decoded + frames
+                if u.stream and self._fault_after_chunks == len(u.pieces):
+                    self._fault_after_chunks = None
+                    raise RuntimeError("injected fault (inject_chunk_fault)")
                 if u.stream:
                     piece = self.runner.decode_chunk(u.carried, u.codes[:, start:end],
                                                      self.left_context_frames)
