@@ -254,18 +254,22 @@ def _stage_of(omni, model_stage: str) -> int:
 
 @pytest.mark.parametrize("which", ["colocated", "pd"])
 def test_streamed_stages_equal_whole_stages(request, which):
-    """The shipped configs stream talker -> code2wav; the same requests with streaming off give
-    the same tokens, talker inputs, codec codes and audio bytes."""
+    """The shipped configs stream thinker -> talker -> code2wav; the same requests with streaming
+    off give the same tokens, talker inputs, codec codes and audio bytes."""
     streamed_omni = request.getfixturevalue(which)
     whole_omni = request.getfixturevalue(f"{which}_whole")
     assert streamed_omni.config.async_chunk and not whole_omni.config.async_chunk
     prompts = [_prompts(streamed_omni)[case] for case in CASES]
     streamed, whole = streamed_omni.generate(prompts), whole_omni.generate(prompts)
     talker, code2wav = _stage_of(streamed_omni, "talker"), _stage_of(streamed_omni, "code2wav")
+    thinker = _thinker_decoding_stage(streamed_omni)
     for case, a, b in zip(CASES, whole, streamed):
         assert differences(whole_omni, a, streamed_omni, b) == [], case
         stages = b.metrics["timeline"]["stages"]
-        # Really streamed: code2wav ran while the talker did, and sent its audio in chunks.
+        # Really streamed: the talker started on the thinker's second token (in P/D, the decode
+        # leg's), code2wav ran while the talker did, and the audio left in chunks.
+        if len(b.token_ids) > 2:
+            assert stages[str(talker)]["start_ms"] < stages[str(thinker)]["end_ms"], case
         assert stages[str(code2wav)]["start_ms"] < stages[str(talker)]["end_ms"]
         assert len(b.metrics["timeline"]["audio_chunks_ms"]) > 1, case
         assert b.metrics["ttfa_ms"] < b.metrics["e2e_ms"]

@@ -88,3 +88,90 @@ def test_codes_are_bounded_with_a_warning(tiny_model, caplog):
     assert "takes 7 of 12 codec frames" in caplog.text
     with pytest.raises(StageInputError, match="code2wav takes"):
         talker2code2wav(_inputs({1: TalkerOutput("r", codes[:2])}, cfg, sources=(1,)))
+
+
+# -- streaming counterparts (async_chunk) ------------------------------------------------------
+
+def _chunks(output, prompt_rows: bool):
+    """The chunks a streaming thinker leg sends for `output`, one token per step: the first with
+    token 0 (and the prompt rows when the leg prefilled), then one fed-back row and one token."""
+    from omni_pd.engines.types import ThinkerChunk
+    empty = torch.zeros((0, WIDTH))
+    yield ThinkerChunk([output.token_ids[0]], empty, empty, output.output_start,
+                       prompt_token_ids=list(output.prompt_token_ids),
+                       prompt_embeds=output.prompt_embeds if prompt_rows else None,
+                       prompt_hidden=output.prompt_hidden if prompt_rows else None)
+    for k in range(1, len(output.token_ids)):
+        row = slice(k - 1, k)
+        yield ThinkerChunk([output.token_ids[k]], output.output_embeds[row], output.output_hidden[row],
+                           output.output_start + k - 1)
+
+
+def _streamed_talker_input(feeder, chunks, output):
+    """Opening prompt plus every delta, as the talker would accumulate them."""
+    from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker_stream  # noqa: F401
+    opening, tokens, embeds, hidden, final = None, [], [], [], False
+    for chunk in chunks:
+        feeder.feed(chunk)
+        if opening is None:
+            opening = feeder.prompt()
+            if opening is not None:
+                assert not opening.final
+                tokens, embeds, hidden = list(opening.output_token_ids), [opening.thinker_embeds], [opening.thinker_hidden]
+            continue
+        delta, final = feeder.take()
+        tokens += delta.output_token_ids
+        embeds.append(delta.thinker_embeds)
+        hidden.append(delta.thinker_hidden)
+    feeder.close(output)
+    delta, final = feeder.take()
+    tokens += delta.output_token_ids
+    embeds.append(delta.thinker_embeds)
+    hidden.append(delta.thinker_hidden)
+    assert final
+    return opening, tokens, torch.cat(embeds), torch.cat(hidden)
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_streamed_thinker_output_adds_up_to_the_merged_talker_input(pd):
+    from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker_stream
+    whole_output = _colocated()
+    if pd:
+        prefill = ThinkerOutput("r", PROMPT, [TOKENS[0]], "", "length", prompt_embeds=_rows(10),
+                                prompt_hidden=_rows(10) + 0.5)
+        decode = ThinkerOutput("r", PROMPT, TOKENS, "", "length", output_embeds=_rows(3, 10),
+                               output_hidden=_rows(3, 10) + 0.5, output_start=10)
+        want = thinker2talker(_inputs({0: prefill, 1: decode}, sources=(1,)))
+        feeder = thinker2talker_stream(_inputs({0: prefill}, sources=(1,)))
+        opening, tokens, embeds, hidden = _streamed_talker_input(feeder, _chunks(decode, False), decode)
+    else:
+        want = thinker2talker(_inputs({0: whole_output}))
+        feeder = thinker2talker_stream(_inputs({}))
+        opening, tokens, embeds, hidden = _streamed_talker_input(
+            feeder, _chunks(whole_output, True), whole_output)
+    # The talker opened as soon as the first generated token's row was there, not at the end.
+    assert opening.output_token_ids == TOKENS[:2]
+    assert opening.thinker_embeds.shape[0] == len(PROMPT) + 1
+    assert tokens == want.output_token_ids
+    assert torch.equal(embeds, want.thinker_embeds) and torch.equal(hidden, want.thinker_hidden)
+
+
+def test_a_thinker_done_before_the_talker_could_start_gives_the_whole_input():
+    from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker_stream
+    output = _colocated()
+    feeder = thinker2talker_stream(_inputs({}))
+    feeder.close(output)  # no chunks at all (an engine that does not stream rows)
+    prompt = feeder.prompt()
+    want = thinker2talker(_inputs({0: output}))
+    assert prompt.final and torch.equal(prompt.thinker_embeds, want.thinker_embeds)
+
+
+def test_streamed_tokens_that_disagree_with_the_output_are_an_error():
+    from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker_stream
+    output = _colocated()
+    feeder = thinker2talker_stream(_inputs({}))
+    for chunk in _chunks(output, True):
+        feeder.feed(chunk)
+    output.token_ids = TOKENS + [5]
+    with pytest.raises(StageInputError, match="streamed 4 tokens but its output has 5"):
+        feeder.close(output)

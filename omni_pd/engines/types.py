@@ -47,6 +47,31 @@ class TalkerPrompt:
     thinker_embeds: torch.Tensor  # [positions, hidden]: prompt then fed-back output tokens
     thinker_hidden: torch.Tensor
     speaker: str = "ethan"
+    # False: the thinker is still running; more tokens and rows follow as TalkerInputDelta.
+    final: bool = True
+
+
+@dataclass
+class TalkerInputDelta:
+    """What a running thinker added since the talker's prompt or the previous delta."""
+
+    output_token_ids: list[int]
+    thinker_embeds: torch.Tensor  # [n, hidden]: the next fed-back rows
+    thinker_hidden: torch.Tensor
+
+
+@dataclass
+class ThinkerChunk:
+    """What a streamed thinker request produced in one step: new tokens and the rows of the
+    tokens it fed back. A leg that prefilled sends its prompt rows in its first chunk."""
+
+    token_ids: list[int]
+    embeds: torch.Tensor  # [n, hidden]: rows for absolute positions start .. start + n - 1
+    hidden: torch.Tensor
+    start: int
+    prompt_token_ids: list[int] | None = None  # first chunk only
+    prompt_embeds: torch.Tensor | None = None  # first chunk of a leg that prefilled
+    prompt_hidden: torch.Tensor | None = None
 
 
 @dataclass

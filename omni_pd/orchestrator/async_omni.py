@@ -306,7 +306,7 @@ class AsyncOmni:
                 if len(group) == 1:
                     await self._run_stage(state, group[0], thinker_prompt, deadline, on_text)
                 else:
-                    await self._run_streamed(state, group, deadline, on_audio)
+                    await self._run_streamed(state, group, thinker_prompt, deadline, on_text, on_audio)
             except StageError:
                 if state.aborted:
                     raise RequestAborted(f"request {state.request_id} was aborted") from None
@@ -316,12 +316,14 @@ class AsyncOmni:
         return self._finish(state)
 
     async def _run_stage(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
-                         deadline: float, on_text: Callable[[str], None] | None) -> None:
+                         deadline: float, on_text: Callable[[str], None] | None,
+                         on_chunk: Callable[[Any], None] | None = None) -> Any:
         began = time.perf_counter()
         state.active_stages.add(stage_id)
         state.stage_spans[stage_id] = [state.elapsed_ms()]
         try:
-            output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text)
+            output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text,
+                                            on_chunk)
         finally:
             state.active_stages.discard(stage_id)
         state.stage_spans[stage_id].append(state.elapsed_ms())
@@ -329,61 +331,88 @@ class AsyncOmni:
         if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
         state.outputs[stage_id] = output
+        return output
 
-    async def _run_streamed(self, state: RequestState, group: list[int], deadline: float,
+    async def _run_streamed(self, state: RequestState, group: list[int], thinker_prompt: ThinkerPrompt,
+                            deadline: float, on_text: Callable[[str], None] | None,
                             on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
-        """Run a group of stages at once: the first from its finished input, each later one
-        opened with its stream processor's prompt and fed every chunk its source produces."""
-        feeders = {stage_id: self.stream_processors[stage_id](self._stage_inputs(state, stage_id))
-                   for stage_id in group[1:]}
+        """Run a group of stages at once. The first starts from its finished input; each later
+        one is fed its source's chunks through its stream processor, starts as soon as that has
+        an opening prompt, and gets the rest of its input as it comes."""
         request_id = state.request_id
+        loop = asyncio.get_running_loop()
+        feeders = {sid: self.stream_processors[sid](self._stage_inputs(state, sid)) for sid in group[1:]}
+        waiters: dict[int, Any] = {}  # stage -> its StageClient waiter, once submitted
+        opened = {sid: loop.create_future() for sid in group[1:]}
+        closed: set[int] = set()  # stages that have had their last input
 
-        def forward(stage_id: int) -> Callable[[Any], None]:
-            after = group.index(stage_id) + 1
-            if after < len(group):
-                feeder, client = feeders[group[after]], self.clients[group[after]]
+        def consumer(sid: int) -> int | None:
+            index = group.index(sid) + 1
+            return group[index] if index < len(group) else None
 
-                def to_next(chunk: Any) -> None:
-                    data = feeder.feed(chunk)
-                    if data is not None:
-                        client.append(request_id, data, final=False)
-                return to_next
+        def pump(sid: int) -> None:
+            """Move what stage `sid`'s stream processor holds to that stage (synchronously, so
+            nothing sent for the request can overtake its submission)."""
+            feeder = feeders[sid]
+            if sid not in waiters:
+                prompt = feeder.prompt()
+                if prompt is None:
+                    return
+                state.stage_spans[sid] = [state.elapsed_ms()]
+                waiters[sid] = self.clients[sid].submit(request_id, prompt, state.params[sid],
+                                                        on_chunk=forward(sid))
+                opened[sid].set_result(None)
+                if prompt.final:
+                    closed.add(sid)
+                    return
+            if sid in closed:
+                return
+            data, final = feeder.take()
+            if final:
+                closed.add(sid)
+            self.clients[sid].append(request_id, data, final)
 
-            def to_client(chunk: Any) -> None:
-                if isinstance(chunk, AudioOutput):
+        def forward(sid: int) -> Callable[[Any], None]:
+            target = consumer(sid)
+
+            def on_chunk(chunk: Any) -> None:
+                if target is not None:
+                    feeders[target].feed(chunk)
+                    pump(target)
+                elif isinstance(chunk, AudioOutput):
                     state.audio_chunk_ms.append(state.elapsed_ms())
                     if on_audio is not None:
                         on_audio(chunk.audio, chunk.sample_rate)
-            return to_client
+            return on_chunk
 
-        async def run(stage_id: int) -> None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(f"request {request_id} passed its {self.request_timeout_s:.0f} s "
-                                     f"deadline before stage {stage_id}")
-            prompt = (feeders[stage_id].prompt() if stage_id in feeders
-                      else self.processors[stage_id](self._stage_inputs(state, stage_id)))
-            state.stage_spans[stage_id] = [state.elapsed_ms()]
-            began = time.perf_counter()
-            output = await self.clients[stage_id].generate(
-                request_id, prompt, state.params[stage_id], remaining, on_chunk=forward(stage_id))
-            state.stage_spans[stage_id].append(state.elapsed_ms())
-            state.stage_ms[stage_id] = state.elapsed_ms(began)
-            state.outputs[stage_id] = output
-            after = group.index(stage_id) + 1
-            if after < len(group):  # the source is done: its consumer gets its last input
-                final = feeders[group[after]].close(output)
-                self.clients[group[after]].append(request_id, final, final=True)
+        async def run(sid: int) -> None:
+            if sid == group[0]:
+                output = await self._run_stage(state, sid, thinker_prompt, deadline, on_text,
+                                               on_chunk=forward(sid))
+                if self.pd_pair and sid == self.pd_pair.decode_stage_id:
+                    await self._release_kv(state)  # the decode leg has its copy
+            else:
+                await opened[sid]
+                began = time.perf_counter()
+                output = await self.clients[sid].result(request_id, waiters[sid],
+                                                        deadline - time.monotonic())
+                state.stage_spans[sid].append(state.elapsed_ms())
+                state.stage_ms[sid] = state.elapsed_ms(began)
+                state.outputs[sid] = output
+            target = consumer(sid)
+            if target is not None:  # the source is done: its consumer gets its last input
+                feeders[target].close(output)
+                pump(target)
 
-        # Consumers first: each is registered with its worker before its source's first chunk.
-        tasks = {asyncio.create_task(run(stage_id)): stage_id for stage_id in reversed(group)}
+        tasks = {asyncio.create_task(run(sid)): sid for sid in group}
         state.active_stages.update(group)
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in done if t.exception() is not None]
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             if failed:
                 for task in pending:  # stop the rest of the group at their next step
                     self.clients[tasks[task]].abort(request_id)
+                    task.cancel()
                 if pending:
                     await asyncio.wait(pending)
                 for task in pending:
@@ -405,7 +434,8 @@ class AsyncOmni:
                            speaker=state.prompt.speaker)
 
     async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
-                          deadline: float, on_text: Callable[[str], None] | None) -> Any:
+                          deadline: float, on_text: Callable[[str], None] | None,
+                          on_chunk: Callable[[Any], None] | None = None) -> Any:
         stage = self.stages[stage_id]
         params = state.params[stage_id]
         prompt: Any = thinker_prompt
@@ -429,7 +459,7 @@ class AsyncOmni:
             raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
                                  f"deadline before stage {stage_id}")
         return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
-                                                     on_tokens)
+                                                     on_tokens, on_chunk)
 
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:

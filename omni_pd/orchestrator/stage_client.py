@@ -209,12 +209,13 @@ class StageClient:
         except (BrokenPipeError, OSError) as exc:
             raise self._exited("before the message was sent") from exc
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
-                       on_tokens: Callable[[list[int]], None] | None = None,
-                       on_chunk: Callable[[Any], None] | None = None) -> Any:
-        """Submit a request and wait for its output. `on_tokens` gets streamed token deltas and
-        `on_chunk` streamed chunks, on the event loop (an exception from either fails the
-        request). On timeout, failure of a callback or cancellation the worker is told to abort."""
+    def submit(self, request_id: str, prompt: Any, params: SamplingParams,
+               on_tokens: Callable[[list[int]], None] | None = None,
+               on_chunk: Callable[[Any], None] | None = None) -> "_Waiter":
+        """Send a request now (on the event loop's thread) and register who waits for it:
+        anything sent for it afterwards (`append`, `abort`) reaches the worker after it. Await
+        `result()` for its output. `on_tokens` gets streamed token deltas and `on_chunk` streamed
+        chunks, on the event loop; an exception from either fails the request."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, loop.create_future(), on_tokens, on_chunk)
         with self._lock:
@@ -227,6 +228,11 @@ class StageClient:
             except BaseException:
                 del self._waiters[request_id]
                 raise
+        return waiter
+
+    async def result(self, request_id: str, waiter: "_Waiter", timeout_s: float) -> Any:
+        """The output of a submitted request. On timeout, a failing callback or cancellation
+        the worker is told to abort it."""
         finished = False
         try:
             result = await asyncio.wait_for(waiter.future, max(timeout_s, 0.0))
@@ -241,9 +247,17 @@ class StageClient:
             raise
         finally:
             with self._lock:
-                self._waiters.pop(request_id, None)
+                if self._waiters.get(request_id) is waiter:
+                    del self._waiters[request_id]
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
+                       on_tokens: Callable[[list[int]], None] | None = None,
+                       on_chunk: Callable[[Any], None] | None = None) -> Any:
+        """`submit` then `result`."""
+        waiter = self.submit(request_id, prompt, params, on_tokens, on_chunk)
+        return await self.result(request_id, waiter, timeout_s)
 
     def append(self, request_id: str, data: Any, final: bool) -> None:
         """More input for a request submitted with a prompt that said more follows. Dropped when

@@ -13,6 +13,7 @@ import torch
 
 from ...sampling import SamplingParams
 from ..types import TalkerOutput, TalkerPrompt
+from . import batch_invariant as bi
 
 
 class TalkerRunner:
@@ -35,16 +36,51 @@ class TalkerRunner:
             raise ValueError(f"unknown voice {speaker!r}; this model has {sorted(speakers)}")
         return speakers[speaker.lower()]
 
+    def _project_text(self, rows: torch.Tensor) -> torch.Tensor:
+        """The talker's text projection of thinker embedding rows [n, hidden], row-invariant
+        (fixed 16-row tiles): a streamed talker projects rows as they arrive, a whole one all at
+        once, and both must get the same bits."""
+        mlp = self.talker.text_projection
+        return bi.linear(mlp.act_fn(bi.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
+                         mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+
+    def _assistant_start(self, prompt: TalkerPrompt) -> int:
+        cfg, ids = self.config, prompt.prompt_token_ids
+        starts = [i for i in range(len(ids) - 1)
+                  if ids[i] == cfg.im_start_token_id and ids[i + 1] == cfg.assistant_token_id]
+        if not starts:
+            raise ValueError(f"request {prompt.request_id}: the prompt has no "
+                             "'<|im_start|>assistant' turn; build it with add_generation_prompt")
+        return starts[-1]
+
+    def _tts_specials(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
+        return self.talker.text_projection(self.thinker_embedding(special)).chunk(3, dim=1)
+
     @torch.no_grad()
     def build_inputs(self, prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
+        """The talker's prefill input and trailing text rows for a whole thinker output."""
+        inputs = self.prefill_inputs(prompt)
+        inputs["trailing_text_hidden"] = self.trailing_rows(prompt, 0, final=True).unsqueeze(0)
+        return inputs
+
+    @torch.no_grad()
+    def prefill_inputs(self, prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
+        """Everything but the trailing text: needs the thinker's rows through the first
+        generated token (position prompt_len), which is all a streamed talker waits for."""
         cfg, tcfg = self.config, self.config.talker_config
         talker = self.talker
-        sequence = prompt.prompt_token_ids + prompt.output_token_ids
         prompt_len = len(prompt.prompt_token_ids)
+        if prompt.thinker_embeds.shape[0] <= prompt_len:
+            raise ValueError(f"request {prompt.request_id}: the talker needs the thinker's row for "
+                             f"its first generated token (position {prompt_len}); the thinker gave "
+                             f"{prompt.thinker_embeds.shape[0]} rows and {len(prompt.output_token_ids)} "
+                             "tokens (a one-token answer has no speech)")
         embeds = prompt.thinker_embeds.unsqueeze(0)
         hidden = prompt.thinker_hidden.unsqueeze(0)
-        ids = torch.tensor([sequence], dtype=torch.long)
-        multimodal = torch.tensor([[t in self.multimodal_ids for t in sequence]])
+        ids = torch.tensor([prompt.prompt_token_ids], dtype=torch.long)
+        multimodal = torch.tensor([[t in self.multimodal_ids for t in prompt.prompt_token_ids]])
 
         # User turns: a position belongs to the role named right after the latest <|im_start|>.
         user_positions, latest_start = [], 0
@@ -64,17 +100,10 @@ class TalkerRunner:
                 user_part[~mm] = talker.text_projection(embeds[0, pos][~mm])
         user_ids = ids[0, user_positions] if user_positions else torch.zeros(0, dtype=torch.long)
 
-        starts = [i for i in range(prompt_len - 1)
-                  if prompt.prompt_token_ids[i] == cfg.im_start_token_id
-                  and prompt.prompt_token_ids[i + 1] == cfg.assistant_token_id]
-        if not starts:
-            raise ValueError(f"request {prompt.request_id}: the prompt has no "
-                             "'<|im_start|>assistant' turn; build it with add_generation_prompt")
-        assistant_start = starts[-1]
-        special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
-        tts_bos, tts_eos, tts_pad = talker.text_projection(self.thinker_embedding(special)).chunk(3, dim=1)
-
-        assistant = talker.text_projection(embeds[:, assistant_start:len(sequence)])
+        assistant_start = self._assistant_start(prompt)
+        tts_bos, _, tts_pad = self._tts_specials()
+        # The assistant turn's first four rows: <|im_start|>assistant\n and the first answer token.
+        assistant = self._project_text(embeds[0, assistant_start:assistant_start + 4]).unsqueeze(0)
         assistant_text = torch.cat((assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos,
                                     assistant[:, 3:4]), dim=1)
         codec_specials = torch.tensor([[tcfg.codec_nothink_id, tcfg.codec_think_bos_id,
@@ -82,24 +111,51 @@ class TalkerRunner:
                                         tcfg.codec_pad_id, tcfg.codec_bos_id]])
         assistant_codec = torch.cat((torch.zeros((1, 3, width), dtype=embeds.dtype),
                                      talker.get_input_embeddings()(codec_specials)), dim=1)
-        trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
-        # Entry j carries generated token j + 1: the text ends at the thinker's first end-of-turn,
-        # so tts_eos goes there and pads follow (transformers does the same per batch row).
-        first_eos = next((i for i, t in enumerate(prompt.output_token_ids)
-                          if t == cfg.im_end_token_id), len(prompt.output_token_ids))
-        column = torch.arange(trailing.shape[1]).view(1, -1, 1)
-        trailing = torch.where(column > first_eos, tts_pad, trailing)
-        trailing = torch.where(column == first_eos, tts_eos, trailing)
         assistant_embeds = assistant_text + assistant_codec
         assistant_ids = torch.full((1, assistant_text.shape[1]), cfg.tts_pad_token_id, dtype=torch.long)
         return {
             "inputs_embeds": torch.cat((user_part.unsqueeze(0), assistant_embeds), dim=1),
-            "trailing_text_hidden": trailing,
             "tts_pad_embed": tts_pad,
             "talker_input_ids": torch.cat((user_ids.unsqueeze(0), assistant_ids), dim=1),
             "attention_mask": torch.ones((1, len(user_positions) + assistant_embeds.shape[1]),
                                          dtype=torch.long),
         }
+
+    @torch.no_grad()
+    def trailing_rows(self, prompt: TalkerPrompt, start: int, final: bool) -> torch.Tensor:
+        """Rows `start`, `start + 1`, ... of the trailing text (one per talker decode step).
+
+        As transformers builds it for a whole output: the thinker rows after the assistant
+        turn's first four, then tts_eos; at the thinker's first end-of-turn token e (or at the
+        number of generated tokens, without one) row e becomes tts_eos and later rows pads (the
+        talker pads past the end too). Until the thinker is done (`final`), only the rows that
+        more thinker output cannot change are returned: fed-back token rows before any
+        end-of-turn and before the generated-token count."""
+        cfg = self.config
+        first = self._assistant_start(prompt) + 4  # the thinker row of trailing row 0
+        token_rows = max(prompt.thinker_embeds.shape[0] - first, 0)
+        tokens = prompt.output_token_ids
+        eos = next((i for i, t in enumerate(tokens) if t == cfg.im_end_token_id), None)
+        if final:
+            end = token_rows + 1  # + tts_eos
+            eos = len(tokens) if eos is None else eos
+        else:
+            end = min(token_rows, eos if eos is not None else len(tokens))
+        width = self.config.talker_config.text_config.hidden_size
+        if end <= start:
+            return torch.zeros((0, width), dtype=prompt.thinker_embeds.dtype)
+        _, tts_eos, tts_pad = self._tts_specials()
+        rows = []
+        if min(end, token_rows) > start:
+            rows.append(self._project_text(prompt.thinker_embeds[first + start:first + min(end, token_rows)]))
+        if end > token_rows:
+            rows.append(tts_eos[0])  # final only: the row after the last fed-back token
+        trailing = torch.cat(rows)
+        if eos is not None:
+            column = torch.arange(start, end).view(-1, 1)
+            trailing = torch.where(column > eos, tts_pad[0], trailing)
+            trailing = torch.where(column == eos, tts_eos[0], trailing)
+        return trailing.contiguous()
 
     @torch.no_grad()
     def generate(self, prompt: TalkerPrompt, params: SamplingParams) -> TalkerOutput:

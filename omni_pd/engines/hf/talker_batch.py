@@ -28,6 +28,8 @@ frame's residual codes only when it feeds that frame back).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
@@ -64,6 +66,10 @@ class TalkerRequestState:
     admitted_at: float | None = None
     stream: bool = False  # send new frames after each step (streaming to code2wav)
     frames_sent: int = 0
+    # A talker fed while its thinker runs: the thinker output so far (None once complete), and
+    # whether `trailing` has every row (else a decode step waits for its row to arrive).
+    thinker_so_far: Any = None
+    trailing_complete: bool = True
     trace: dict[str, list] | None = None  # raw logits, when the core traces (tests)
 
     @property
@@ -84,6 +90,11 @@ class TalkerRequestState:
         if len(self.frames) <= start:
             return torch.zeros((num_code_groups, 0), dtype=torch.long)
         return torch.tensor(self.frames[start:], dtype=torch.long).transpose(0, 1).contiguous()
+
+    @property
+    def ready_to_decode(self) -> bool:
+        """Its next step's trailing row is known (or the trailing text is complete)."""
+        return self.trailing_complete or len(self.frames) < self.trailing.shape[0]
 
     def take_new_frames(self, num_code_groups: int) -> torch.Tensor | None:
         """Frames made since the last call, for a streamed request (None when there are none)."""

@@ -21,7 +21,7 @@ import torch
 
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
-from ..types import TalkerOutput, TalkerPrompt
+from ..types import TalkerInputDelta, TalkerOutput, TalkerPrompt
 from . import batch_invariant as bi
 from .talker import TalkerRunner
 from .talker_batch import BatchedTalker, TalkerRequestState
@@ -59,7 +59,11 @@ class HfTalkerEngine(StageEngine):
             raise ValueError(f"stage {self.stage_id}: request {request_id!r} is already queued")
         self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
         try:
-            inputs = self.runner.build_inputs(prompt)
+            if prompt.final:
+                inputs = self.runner.build_inputs(prompt)
+            else:  # the thinker still runs: its later tokens arrive through append_input
+                inputs = self.runner.prefill_inputs(prompt)
+                inputs["trailing_text_hidden"] = self.runner.trailing_rows(prompt, 0, final=False).unsqueeze(0)
         except ValueError:
             raise
         except Exception as exc:  # a malformed prompt this engine can never run
@@ -72,7 +76,28 @@ class HfTalkerEngine(StageEngine):
                 f"max_num_batched_tokens or shorten the conversation")
         state = self.core.new_state(request_id, inputs, params)
         state.stream = bool(stream)
+        if not prompt.final:
+            state.thinker_so_far, state.trailing_complete = prompt, False
         self.waiting[request_id] = state
+
+    def append_input(self, request_id: str, data: TalkerInputDelta, final: bool) -> None:
+        """More thinker output for a talker started while its thinker runs: extends the
+        trailing text by the rows that output now determines (all of them when `final`)."""
+        state = self.waiting.get(request_id) or self.running.get(request_id)
+        if state is None:
+            raise ValueError(f"stage {self.stage_id} holds no request {request_id}")
+        prompt = state.thinker_so_far
+        if prompt is None:
+            raise ValueError(f"request {request_id}: thinker output arrived after the last of it")
+        if data.thinker_embeds.shape[0]:
+            prompt.thinker_embeds = torch.cat([prompt.thinker_embeds, data.thinker_embeds])
+            prompt.thinker_hidden = torch.cat([prompt.thinker_hidden, data.thinker_hidden])
+        prompt.output_token_ids = prompt.output_token_ids + list(data.output_token_ids)
+        rows = self.runner.trailing_rows(prompt, state.trailing.shape[0], final=final)
+        if rows.shape[0]:
+            state.trailing = torch.cat([state.trailing, rows])
+        if final:
+            state.thinker_so_far, state.trailing_complete = None, True
 
     def abort_request(self, request_id: str) -> None:
         # The state object holds everything (inputs, KV cache, codes): dropping it frees it.
@@ -80,7 +105,8 @@ class HfTalkerEngine(StageEngine):
         self.running.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has work: a request waiting for its thinker's next token is not."""
+        return bool(self.waiting) or any(s.ready_to_decode for s in self.running.values())
 
     def request_ids(self) -> list[str]:
         return list(self.waiting) + list(self.running)
@@ -131,7 +157,8 @@ class HfTalkerEngine(StageEngine):
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        decoding = list(self.running.values())  # prefilled in an earlier step
+        # Prefilled in an earlier step, and not waiting for its thinker's next token.
+        decoding = [s for s in self.running.values() if s.ready_to_decode]
         admitted = self._admit()
         self._stats.record(len(admitted), len(decoding))
         for state in admitted:

@@ -27,7 +27,7 @@ from ...kv import BlockLayout, KVDescriptor, KVReceiver, KVSender, MooncakeTrans
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from ..sampler import sample_next_token
-from ..types import ThinkerOutput, ThinkerPrompt
+from ..types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from . import batch_invariant as bi
 from .paged_cache import PagedKVCache
 from .thinker import ThinkerRunner
@@ -69,6 +69,8 @@ class ThinkerRequest:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
+    rows_streamed: int = 0  # output rows already sent in chunks
+    chunks_sent: int = 0
     rope_deltas: int = 0
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
@@ -251,9 +253,28 @@ class _ThinkerEngine(StageEngine):
         return outputs
 
     def _delta(self, request: ThinkerRequest, finished: bool = False, output: Any = None) -> StepOutput:
-        new = request.tokens[request.streamed:] if request.stream else []
+        """A streamed request's new tokens (for the client's text) and a chunk with them and the
+        rows of the tokens fed back since the last one (for a talker that runs alongside)."""
+        if not request.stream:
+            return StepOutput(request.request_id, finished=finished, output=output)
+        new = request.tokens[request.streamed:]
         request.streamed = len(request.tokens)
-        return StepOutput(request.request_id, new_token_ids=new, finished=finished, output=output)
+        rows = request.output_embeds[request.rows_streamed:]
+        width = self.runner.text_config.hidden_size
+        first = request.chunks_sent == 0
+        chunk = ThinkerChunk(
+            token_ids=list(new),
+            embeds=torch.stack(rows) if rows else torch.zeros((0, width)),
+            hidden=(torch.stack(request.output_hidden[request.rows_streamed:]) if rows
+                    else torch.zeros((0, width))),
+            start=request.prompt_len + request.rows_streamed,
+            prompt_token_ids=list(request.prompt.prompt_token_ids) if first else None,
+            prompt_embeds=request.prompt_embeds if first else None,
+            prompt_hidden=request.prompt_hidden if first else None)
+        request.rows_streamed = len(request.output_embeds)
+        request.chunks_sent += 1
+        return StepOutput(request.request_id, new_token_ids=new, chunk=chunk, finished=finished,
+                          output=output)
 
     def _finish(self, request: ThinkerRequest, reason: str) -> StepOutput:
         width = self.runner.text_config.hidden_size

@@ -4,10 +4,12 @@ They know Qwen3-Omni's data, not processes or engines: `thinker2talker` merges t
 prompt embeddings with its generated-token embeddings (from one colocated thinker, or from the
 prefill and decode legs of a P/D pair) and `talker2code2wav` bounds the codec codes.
 
-A processor `X` may have a streaming counterpart `X_stream`: called with the same StageInputs
-when the upstream stage starts (the pipeline's `async_chunk`), it gives the downstream stage's
-opening prompt and turns each upstream chunk into input for it, yielding in total exactly what
-`X` would give from the whole upstream output.
+A processor `X` may have a streaming counterpart `X_stream` (used with the pipeline's
+`async_chunk`): built with the same StageInputs when the upstream stage starts, it is fed each
+upstream chunk (`feed`) and finally the upstream output (`close`); `prompt()` gives the
+downstream stage's opening prompt as soon as there is enough input for one (None before), and
+`take()` the input that arrived since (and whether it is the last). In total the downstream
+stage gets exactly what `X` would build from the whole upstream output.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import logging
 import torch
 
 from ...engines.base import StageInputs
-from ...engines.types import Code2WavPrompt, TalkerOutput, TalkerPrompt, ThinkerOutput
+from ...engines.types import (Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt,
+                              ThinkerChunk, ThinkerOutput)
 
 log = logging.getLogger(__name__)
 
@@ -111,36 +114,130 @@ def talker2code2wav(inputs: StageInputs) -> Code2WavPrompt:
 
 
 class talker2code2wav_stream:  # noqa: N801 - named after the processor it streams
-    """`talker2code2wav` for a talker that streams its frames: code2wav opens with no frames and
-    gets each chunk's speech frames as they come, the same frames `talker2code2wav` keeps."""
+    """`talker2code2wav` for a talker that streams its frames: code2wav opens at once with no
+    frames and gets each chunk's speech frames as they come, the frames `talker2code2wav` keeps."""
 
     def __init__(self, inputs: StageInputs):
         self.request_id = inputs.request_id
         self.c2w = inputs.model_config.code2wav_config
-        self.taken = 0  # frames passed on
+        self.pending: list[torch.Tensor] = []
+        self.taken = 0  # speech frames passed on
         self.seen = 0  # frames received
-        self.ended = False
+        self.ended = False  # the speech ended (a control code, or code2wav's position limit)
+        self.closed = False
 
-    def prompt(self) -> Code2WavPrompt:
-        return Code2WavPrompt(request_id=self.request_id,
-                              codes=torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long),
-                              final=False)
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long)
 
-    def feed(self, codes: torch.Tensor) -> torch.Tensor | None:
-        """The speech frames in a chunk of talker codes (None when there are none)."""
+    def feed(self, codes: torch.Tensor) -> None:
         self.seen += codes.shape[1] if codes.dim() == 2 else 0
         if self.ended:
-            return None
+            return
         keep, self.ended = _speech_frames(self.request_id, codes, self.c2w, self.taken)
         self.taken += keep
-        return codes[:, :keep].contiguous() if keep else None
+        if keep:
+            self.pending.append(codes[:, :keep])
 
-    def close(self, output: TalkerOutput) -> torch.Tensor:
-        """The talker finished: check its chunks were its whole output; code2wav's last input
-        (no frames: they all came as chunks)."""
+    def close(self, output: TalkerOutput) -> None:
+        """The talker finished: its chunks must have been its whole output."""
         if self.seen != output.codes.shape[1]:
             raise StageInputError(f"request {self.request_id}: the talker streamed {self.seen} "
                                   f"frames but its output has {output.codes.shape[1]}")
         if self.taken < self.seen:
             _log_dropped(self.request_id, self.taken, self.seen, self.c2w)
-        return torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long)
+        self.closed = True
+
+    def prompt(self) -> Code2WavPrompt:
+        codes, final = self.take()
+        return Code2WavPrompt(request_id=self.request_id, codes=codes, final=final)
+
+    def take(self) -> tuple[torch.Tensor, bool]:
+        codes = torch.cat(self.pending, dim=1).contiguous() if self.pending else self._empty()
+        self.pending = []
+        return codes, self.closed
+
+
+class thinker2talker_stream:  # noqa: N801 - named after the processor it streams
+    """`thinker2talker` for a thinker that streams its tokens and rows: the talker opens once
+    the prompt rows and the first generated token's row are there (the prompt rows come from
+    the prefill leg's output in P/D, else in the thinker's first chunk), and then gets every
+    later token and row as it comes. The rows are merged across P/D legs as `thinker2talker`
+    merges them."""
+
+    def __init__(self, inputs: StageInputs):
+        self.inputs = inputs
+        prefill = [o for o in inputs.upstream.values()
+                   if isinstance(o, ThinkerOutput) and o.prompt_embeds is not None]
+        self.prompt_ids: list[int] | None = list(prefill[0].prompt_token_ids) if prefill else None
+        self.prompt_embeds = prefill[0].prompt_embeds if prefill else None
+        self.prompt_hidden = prefill[0].prompt_hidden if prefill else None
+        self.tokens: list[int] = []
+        self.embeds: list[torch.Tensor] = []  # merged rows: prompt part, then output rows
+        self.hidden: list[torch.Tensor] = []
+        self.rows = 0  # merged rows so far
+        self.output_start: int | None = None
+        self.given_tokens = self.given_blocks = 0  # what the talker has been given
+        self.output: ThinkerOutput | None = None
+        self.opened = False
+
+    def feed(self, chunk: ThinkerChunk) -> None:
+        if chunk.prompt_token_ids is not None:
+            if self.prompt_ids is not None and chunk.prompt_token_ids != self.prompt_ids:
+                raise StageInputError(f"request {self.inputs.request_id}: the prefill leg saw a "
+                                      f"{len(self.prompt_ids)}-token prompt, the decode leg a "
+                                      f"{len(chunk.prompt_token_ids)}-token one; they must be the same")
+            self.prompt_ids = list(chunk.prompt_token_ids)
+        if chunk.prompt_embeds is not None:
+            self.prompt_embeds, self.prompt_hidden = chunk.prompt_embeds, chunk.prompt_hidden
+        if self.output_start is None and self.prompt_embeds is not None:
+            # Rows the decode leg recomputed replace the prefill leg's copy of those positions.
+            self.output_start = chunk.start
+            _merge_rows(self.inputs.request_id, "embeddings", self.prompt_embeds, chunk.embeds,
+                        chunk.start, len(self.prompt_ids), chunk.start + chunk.embeds.shape[0])
+            self.embeds.append(self.prompt_embeds[:chunk.start])
+            self.hidden.append(self.prompt_hidden[:chunk.start])
+            self.rows = chunk.start
+        if self.rows != chunk.start:
+            raise StageInputError(f"request {self.inputs.request_id}: thinker rows from position "
+                                  f"{chunk.start} arrived, expected {self.rows}")
+        self.tokens.extend(chunk.token_ids)
+        if chunk.embeds.shape[0]:
+            self.embeds.append(chunk.embeds)
+            self.hidden.append(chunk.hidden)
+            self.rows += chunk.embeds.shape[0]
+
+    def close(self, output: ThinkerOutput) -> None:
+        """The thinker finished: what it streamed must be its whole output."""
+        if self.output_start is not None and self.tokens != list(output.token_ids):
+            raise StageInputError(f"request {self.inputs.request_id}: the thinker streamed "
+                                  f"{len(self.tokens)} tokens but its output has {len(output.token_ids)}")
+        self.output = output
+
+    def prompt(self) -> TalkerPrompt | None:
+        if self.output is not None and not self.opened:
+            # Done before the talker could start: the whole-output processor, as without streaming.
+            self.opened = True
+            upstream = dict(self.inputs.upstream)
+            upstream[max(self.inputs.source_stage_ids)] = self.output
+            whole = StageInputs(self.inputs.request_id, self.inputs.stage_id,
+                                self.inputs.source_stage_ids, upstream, self.inputs.model_config,
+                                self.inputs.speaker)
+            return thinker2talker(whole)
+        if self.prompt_ids is None or self.rows <= len(self.prompt_ids) or not self.tokens:
+            return None  # the talker's prefill needs the first generated token's row
+        self.opened = True
+        embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
+        self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
+        return TalkerPrompt(request_id=self.inputs.request_id, prompt_token_ids=list(self.prompt_ids),
+                            output_token_ids=list(self.tokens), thinker_embeds=embeds,
+                            thinker_hidden=hidden, speaker=self.inputs.speaker, final=False)
+
+    def take(self) -> tuple[TalkerInputDelta, bool]:
+        width = self.embeds[0].shape[1]
+        new_embeds, new_hidden = self.embeds[self.given_blocks:], self.hidden[self.given_blocks:]
+        delta = TalkerInputDelta(
+            output_token_ids=self.tokens[self.given_tokens:],
+            thinker_embeds=torch.cat(new_embeds) if new_embeds else torch.zeros((0, width)),
+            thinker_hidden=torch.cat(new_hidden) if new_hidden else torch.zeros((0, width)))
+        self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
+        return delta, self.output is not None
