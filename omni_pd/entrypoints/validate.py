@@ -36,6 +36,13 @@ def summarize(cfg: PipelineConfig, path: str) -> str:
         )
     edges = cfg.edges()
     lines.append("edges: " + (", ".join(f"{a} -> {b}" for a, b in edges) if edges else "none"))
+    if cfg.async_chunk:
+        from omni_pd.orchestrator.processors import stream_processors
+        streamed = stream_processors(cfg)
+        lines.append("async_chunk: on; streamed edges: " + (", ".join(
+            f"{cfg.stage(sid).engine_input_source[0]} -> {sid}" for sid in sorted(streamed)) or "none"))
+    else:
+        lines.append("async_chunk: off (each stage waits for its source's whole output)")
     pair = find_pd_pair(cfg)
     if pair is None:
         lines.append("P/D: no prefill/decode pair")

@@ -9,7 +9,6 @@ fetched over Mooncake); then the prefill leg's KV lease is released.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import logging
 import secrets
@@ -31,6 +30,7 @@ from ..sampling import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .graph import topological_order
 from .outputs import OmniRequestOutput
+from .processors import import_processor, stream_processors
 from .request_state import RequestState
 from .stage_client import StageClient, StageError
 from .threads import stage_threads
@@ -72,16 +72,6 @@ class Finished:
     output: OmniRequestOutput
 
 
-def _import_processor(dotted: str) -> Callable[[StageInputs], Any]:
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _import_stream_processor(dotted: str) -> Callable[[StageInputs], Any] | None:
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), f"{name}_stream", None)
-
-
 class AsyncOmni:
     def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
                  *, keep_stage_outputs: bool = False,
@@ -105,17 +95,10 @@ class AsyncOmni:
         self.tokenizer = self.pipeline.tokenizer
         self.max_model_len = (self.stages[self.text_stage_id].engine_args.max_model_len
                               or self.pipeline.context_len)
-        self.processors = {s.stage_id: _import_processor(s.custom_process_input_func)
+        self.processors = {s.stage_id: import_processor(s.custom_process_input_func)
                            for s in self.config.stages if s.custom_process_input_func}
-        # With async_chunk, a stage whose input processor has a streaming counterpart (`X_stream`)
-        # starts with its source stage and is fed the source's chunks as they come.
-        self.stream_processors = {}
+        self.stream_processors = stream_processors(self.config)
         if self.config.async_chunk:
-            for s in self.config.stages:
-                if s.custom_process_input_func and len(s.engine_input_source) == 1:
-                    factory = _import_stream_processor(s.custom_process_input_func)
-                    if factory is not None:
-                        self.stream_processors[s.stage_id] = factory
             log.info("async_chunk: stages %s start with their source stage and take its output "
                      "in chunks", sorted(self.stream_processors) or "(none)")
         self._requests: dict[str, RequestState] = {}
@@ -484,6 +467,11 @@ class AsyncOmni:
             log.warning("request %s: could not release KV lease %s (%s); it expires on its own",
                         state.request_id, state.transfer_id, exc)
 
+    def _stage_name(self, stage_id: int) -> str:
+        stage = self.stages[stage_id]
+        role = " prefill" if stage.is_prefill_only else " decode" if stage.is_decode_only else ""
+        return stage.model_stage + role
+
     def _finish(self, state: RequestState) -> OmniRequestOutput:
         thinker: ThinkerOutput = state.outputs[self.text_stage_id]
         audio_stage, audio = next(((k, o) for k, o in state.outputs.items()
@@ -505,8 +493,8 @@ class AsyncOmni:
             metrics["ttfa_ms"] = (state.audio_chunk_ms[0] if state.audio_chunk_ms
                                   else state.stage_spans[audio_stage][1])
         metrics["timeline"] = {
-            "stages": {str(k): {"name": self.stages[k].model_stage, "start_ms": span[0],
-                                "end_ms": span[-1]} for k, span in state.stage_spans.items()},
+            "stages": {str(k): {"name": self._stage_name(k), "start_ms": span[0], "end_ms": span[-1]}
+                       for k, span in state.stage_spans.items()},
             "audio_chunks_ms": list(state.audio_chunk_ms),
         }
         return OmniRequestOutput(

@@ -19,6 +19,18 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.stage = Histogram("omni_pd_stage_latency_seconds", "Per-stage latency",
                                ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttfa = Histogram("omni_pd_time_to_first_audio_seconds",
+                              "Time to the first audio chunk handed to the client",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        # A request's timeline: when each stage started and ended, since the request arrived.
+        self.stage_start = Histogram("omni_pd_stage_start_seconds",
+                                     "When a stage started on a request, since its arrival",
+                                     ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.stage_end = Histogram("omni_pd_stage_end_seconds",
+                                   "When a stage finished a request, since its arrival",
+                                   ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.audio_chunks = Counter("omni_pd_audio_chunks", "Audio chunks handed to clients",
+                                    registry=self.registry)
         self.kv_bytes = Counter("omni_pd_kv_transferred_bytes", "KV bytes moved prefill -> decode",
                                 registry=self.registry)
         self.kv_handoff = Histogram("omni_pd_kv_handoff_seconds", "KV transfer time per request",
@@ -30,6 +42,14 @@ class ServerMetrics:
         self.e2e.observe(metrics["e2e_ms"] / 1e3)
         for stage, ms in metrics.get("stage_ms", {}).items():
             self.stage.labels(stage=stage).observe(ms / 1e3)
+        if metrics.get("ttfa_ms") is not None:
+            self.ttfa.observe(metrics["ttfa_ms"] / 1e3)
+        timeline = metrics.get("timeline") or {}
+        for stage, span in timeline.get("stages", {}).items():
+            label = f"{stage}:{span['name']}"
+            self.stage_start.labels(stage=label).observe(span["start_ms"] / 1e3)
+            self.stage_end.labels(stage=label).observe(span["end_ms"] / 1e3)
+        self.audio_chunks.inc(len(timeline.get("audio_chunks_ms", ())))
         if "kv_bytes_transferred" in metrics:
             self.kv_bytes.inc(metrics["kv_bytes_transferred"])
             self.kv_handoff.observe(metrics["kv_transfer_ms"] / 1e3)
