@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile
 
+from omni_pd.entrypoints.cli import _printable
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
 pytestmark = pytest.mark.slow
@@ -54,6 +56,22 @@ def test_generate_plain_prints_text_and_timings(tmp_path):
     out = _run("generate", "--prompt", "hi", "--output", str(tmp_path / "a.wav"))
     assert out.stdout.startswith("text: ") and "timings: ttft" in out.stdout
     assert (tmp_path / "a.wav").is_file()
+
+
+def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path):
+    streamed = _run("generate", "--prompt", "Tell me about the sea.", "--stream",
+                    "--stage-configs-path", str(TINY), "--output", str(tmp_path / "s.wav"))
+    plain = _generate_json(tmp_path, "--stage-configs-path", str(TINY))
+    printed, _, rest = streamed.stdout.partition("\ntokens: ")
+    assert printed == "text: " + _printable(plain["text"]) and "timings: ttft" in rest
+    got, rate = soundfile.read(tmp_path / "s.wav", dtype="float32")
+    want, want_rate = soundfile.read(plain["audio_path"], dtype="float32")
+    assert soundfile.info(tmp_path / "s.wav").subtype == soundfile.info(plain["audio_path"]).subtype
+    assert rate == want_rate == 24_000 and len(want) > 0 and np.array_equal(got, want)
+    assert hashlib.sha256(got.tobytes()).hexdigest() == plain["audio_sha256"]
+    # Negative control: one sample one step off is noticed.
+    got[len(got) // 2] = np.nextafter(got[len(got) // 2], np.float32(1))
+    assert not np.array_equal(got, want)
 
 
 def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path):

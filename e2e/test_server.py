@@ -13,7 +13,10 @@ import soundfile
 import torch
 
 from live_server import MODEL, Server, alive, omni_pd_serve_command, wait_for
+from omni_pd.audio_io import stage_config_pcm16_gain, to_pcm16
+from omni_pd.config import load_pipeline_config
 from omni_pd.orchestrator.omni import Omni
+from omni_pd.paths import default_stage_config
 from omni_pd.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -57,6 +60,7 @@ def test_models_health_and_metrics(server):
                  "omni_pd_kv_handoff_seconds_bucket", "omni_pd_requests_in_flight"):
         assert name in metrics, name
     assert 'omni_pd_requests_total{outcome="success"}' in metrics
+    assert server.log_text().count("pcm16 audio: 24000 Hz mono int16 after a gain of") == 1
 
 
 def test_text_only_matches_offline(server, offline):
@@ -93,27 +97,64 @@ def test_audio_input(server):
     assert reply.usage.prompt_tokens > 20  # the audio became many prompt positions
 
 
-def test_streaming_deltas_add_up_to_the_full_answer(server):
-    full = _chat(server, "Stream this please.", max_tokens=16, temperature=0)
-    stream = _chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
-                   modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
-    text, audio, finish = [], None, None
+def _collect_stream(stream):
+    """A streamed answer: its text deltas, `delta.audio` objects and finish reason."""
+    text, audio, finish = [], [], None
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         if delta.content:
             text.append(delta.content)
-        if getattr(delta, "audio", None):
-            audio = delta.audio
+        if delta.audio is not None:
+            audio.append(delta.audio)
         finish = chunk.choices[0].finish_reason or finish
+    return text, audio, finish
+
+
+def _int16(*pieces: str) -> np.ndarray:
+    return np.frombuffer(b"".join(base64.b64decode(p) for p in pieces), dtype="<i2")
+
+
+def test_streaming_deltas_add_up_to_the_full_answer(server):
+    full = _chat(server, "Stream this please.", max_tokens=16, temperature=0)
+    stream = _chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
+                   modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"})
+    text, audio, finish = _collect_stream(stream)
     assert len(text) > 1 and "".join(text) == full.choices[0].message.content
-    assert audio is not None and audio.data
+    assert any(a.data for a in audio)
     assert finish == full.choices[0].finish_reason
 
 
+def test_streamed_pcm16_equals_the_non_streamed_audio(server):
+    kwargs = dict(max_tokens=10, temperature=0, modalities=["text", "audio"])
+    pcm16 = {"voice": "ethan", "format": "pcm16"}
+    text, audio, finish = _collect_stream(_chat(server, "Say it in pieces.", stream=True,
+                                                audio=pcm16, **kwargs))
+    whole = _chat(server, "Say it in pieces.", audio=pcm16, **kwargs).choices[0]
+    wav = _chat(server, "Say it in pieces.", audio={"voice": "ethan", "format": "wav"},
+                **kwargs).choices[0].message.audio
+    data = [a.data for a in audio if a.data]
+    streamed, want = _int16(*data), _int16(whole.message.audio.data)
+    assert data and streamed.size > 0 and np.array_equal(streamed, want)
+    # The non-streamed float WAV, converted with the server's gain, gives the same samples.
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(wav.data)), dtype="float32")
+    gain = stage_config_pcm16_gain(load_pipeline_config(default_stage_config()).stages)
+    assert rate == 24_000 and np.array_equal(to_pcm16(torch.from_numpy(samples), gain).numpy(), want)
+    # The gain makes random-weight audio audible and clips (almost) nothing.
+    assert np.abs(want).max() > 3000 and np.mean(np.abs(want) == 32767) < 0.01
+    # Negative controls: one audio delta fewer, or another gain, is noticed.
+    assert not np.array_equal(_int16(*data[:-1]), want)
+    assert not np.array_equal(to_pcm16(torch.from_numpy(samples), gain / 2).numpy(), want)
+    # One audio id; the transcripts add up to the text; only the last audio chunk expires.
+    assert len({a.id for a in audio}) == 1 and audio[0].id
+    assert "".join(a.transcript or "" for a in audio) == "".join(text) == whole.message.content
+    assert audio[-1].expires_at and all(a.expires_at is None for a in audio[:-1])
+    assert finish == whole.finish_reason
+
+
 @pytest.mark.parametrize("case", ["unknown_model", "empty_messages", "bad_modality", "bad_audio_format",
-                                  "temperature", "top_p", "max_tokens", "too_long", "bad_voice",
+                                  "stream_wav", "temperature", "top_p", "max_tokens", "too_long", "bad_voice",
                                   "bad_part"])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}])
@@ -126,6 +167,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
         kwargs["modalities"], param = ["image"], "modalities"
     elif case == "bad_audio_format":
         kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "mp3"})
+        param = "audio.format"
+    elif case == "stream_wav":  # OpenAI streams audio as pcm16 only
+        kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+                      stream=True)
         param = "audio.format"
     elif case == "temperature":
         kwargs["temperature"], param = 5.0, "temperature"
@@ -147,6 +192,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     body = err.value.response.json()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["message"]
     assert body["param"] == param
+    if case == "stream_wav":
+        assert "pcm16" in body["message"] and "stream: false" in body["message"]
     assert _chat(server, "still there?", max_tokens=2).choices[0].message.content is not None
 
 

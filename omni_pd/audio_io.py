@@ -1,10 +1,19 @@
-"""Writing waveforms. Float WAVs: random-weight audio peaks near 1e-6, silence in 16-bit PCM."""
+"""Writing waveforms, and the 16-bit PCM that OpenAI's streamed audio uses.
+
+Float WAVs keep the model's samples exactly: random-weight audio peaks near 1e-6, silence in 16-bit
+PCM without a gain."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Iterable
 
 import soundfile
 import torch
+
+PCM16_SAMPLE_RATE = 24_000  # OpenAI's pcm16: 24 kHz mono little-endian int16
+# The tiny random-weight code2wav's waveform peaks at 0.8e-6 to 1.0e-6 (RMS 1.5e-7) over varied
+# prompts; this gain puts its peaks near half of full scale (RMS about -22 dBFS), clipping nothing.
+DUMMY_WEIGHTS_PCM16_GAIN = 5e5
 
 
 def write_wav(path: str | Path, audio: torch.Tensor, sample_rate: int) -> Path:
@@ -12,3 +21,38 @@ def write_wav(path: str | Path, audio: torch.Tensor, sample_rate: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     soundfile.write(str(out), audio.to(torch.float32).numpy(), sample_rate, subtype="FLOAT")
     return out
+
+
+def open_wav(path: str | Path, sample_rate: int) -> soundfile.SoundFile:
+    """A float32 mono WAV open for writing chunk by chunk; the same file `write_wav` writes once
+    every chunk is in."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return soundfile.SoundFile(str(out), "w", samplerate=sample_rate, channels=1, subtype="FLOAT")
+
+
+def pcm16_gain(load_format: str) -> float:
+    """The gain before 16-bit conversion for audio from a code2wav stage loaded with `load_format`:
+    dummy (random) weights are near silent, real weights produce full-scale audio."""
+    return DUMMY_WEIGHTS_PCM16_GAIN if load_format == "dummy" else 1.0
+
+
+def stage_config_pcm16_gain(stages: Iterable[Any]) -> float:
+    """`pcm16_gain` of the stage that outputs the audio (`final_output_type: audio`), 1.0 with none."""
+    audio = [s for s in stages if s.final_output and s.final_output_type == "audio"]
+    return pcm16_gain(audio[-1].engine_args.load_format) if audio else 1.0
+
+
+def to_pcm16(audio: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
+    """int16 = round(clip(x * gain, -1, 1) * 32767), elementwise: chunks converted one by one
+    concatenate to the whole waveform converted at once."""
+    scaled = torch.clamp(audio.to(torch.float32) * gain, -1.0, 1.0) * 32767.0
+    return torch.round(scaled).to(torch.int16)
+
+
+def pcm16_bytes(audio: torch.Tensor, sample_rate: int, gain: float = 1.0) -> bytes:
+    """`to_pcm16` as little-endian bytes; refuses audio not at `PCM16_SAMPLE_RATE`."""
+    if sample_rate != PCM16_SAMPLE_RATE:
+        raise RuntimeError(f"pcm16 is {PCM16_SAMPLE_RATE} Hz mono, but this model's audio is at "
+                           f"{sample_rate} Hz (no resampler here); request audio.format 'wav' with stream: false")
+    return to_pcm16(audio, gain).numpy().astype("<i2", copy=False).tobytes()

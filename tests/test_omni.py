@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from omni_pd.orchestrator.async_omni import AudioDelta, Finished, TextDelta
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.sampling import SamplingParams
 
@@ -52,6 +53,43 @@ def test_audio_input_changes_the_prompt(omni):
 def test_failed_request_leaves_no_state(omni):
     with pytest.raises(ValueError, match="audio part"):
         omni.generate({"messages": [{"role": "user", "content": [{"type": "audio"}]}], "audios": []})
+    assert all(v == 0 for v in omni.debug_state_counts().values())
+
+
+def test_stream_deltas_add_up_to_generate(omni):
+    params = [SamplingParams(temperature=0, max_tokens=8), None, None]
+    want = omni.generate("Stream to me.", params)[0]
+    events = list(omni.stream("Stream to me.", params))
+    assert isinstance(events[-1], Finished)
+    assert all(isinstance(e, (TextDelta, AudioDelta)) for e in events[:-1])
+    text = [e.text for e in events if isinstance(e, TextDelta)]
+    audio = [e.audio for e in events if isinstance(e, AudioDelta)]
+    assert "".join(text) == want.text == events[-1].output.text
+    assert {e.sample_rate for e in events if isinstance(e, AudioDelta)} == {want.sample_rate}
+    assert torch.equal(torch.cat(audio), want.audio)
+    assert torch.equal(events[-1].output.audio, want.audio)
+    chunks = list(omni.audio_chunks("Stream to me.", params))
+    assert all(c.dtype == torch.float32 for c in chunks)
+    assert torch.equal(torch.cat(chunks), want.audio)
+    # Negative control: without one audio delta, or with one sample changed, it differs.
+    assert not torch.equal(torch.cat([torch.zeros(0), *audio[:-1]]), want.audio)
+    changed = torch.cat(audio).clone()
+    changed[changed.numel() // 2] = torch.nextafter(changed[changed.numel() // 2], torch.tensor(1.0))
+    assert not torch.equal(changed, want.audio)
+    assert all(v == 0 for v in omni.debug_state_counts().values())
+
+
+def test_closing_a_stream_early_aborts_the_request_and_leaves_no_state(omni):
+    params = [SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), None, None]
+    events = omni.stream("A long answer, please.", params)
+    assert isinstance(next(events), TextDelta)
+    counts = omni.debug_state_counts()
+    assert counts["orchestrator.requests"] == 1  # control: it was in flight
+    events.close()
+    assert all(v == 0 for v in omni.debug_state_counts().values())
+    chunks = omni.audio_chunks("Speak.", [SamplingParams(temperature=0, max_tokens=4), None, None])
+    assert next(chunks).numel() > 0
+    chunks.close()
     assert all(v == 0 for v in omni.debug_state_counts().values())
 
 

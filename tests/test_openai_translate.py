@@ -32,6 +32,27 @@ def test_audio_modality_and_voice():
     assert out.modalities == ("text", "audio") and out.prompt["speaker"] == "chelsie"
 
 
+@pytest.mark.parametrize("stream, audio, want", [
+    (False, {"voice": "ethan"}, "wav"), (True, {"voice": "ethan"}, "pcm16"), (True, None, "pcm16"),
+    (False, {"format": "pcm16"}, "pcm16"), (True, {"format": "pcm16"}, "pcm16"),
+])
+def test_audio_output_format_defaults_to_what_the_request_can_carry(stream, audio, want):
+    out = translate(_req(stream=stream, modalities=["text", "audio"], audio=audio), DEFAULTS, "m")
+    assert out.audio_format == want
+
+
+def test_streaming_wav_is_refused_pointing_at_pcm16():
+    with pytest.raises(APIError) as err:
+        translate(_req(stream=True, modalities=["text", "audio"],
+                       audio={"voice": "ethan", "format": "wav"}), DEFAULTS, "m")
+    error = err.value.body.error
+    assert err.value.status == 400 and error.param == "audio.format"
+    assert '"pcm16"' in error.message and "stream: false" in error.message
+    # Control: the same request without streaming is served.
+    translate(_req(stream=False, modalities=["text", "audio"],
+                   audio={"voice": "ethan", "format": "wav"}), DEFAULTS, "m")
+
+
 def test_input_audio_is_decoded_and_resampled_to_16k():
     buffer = io.BytesIO()
     soundfile.write(buffer, np.zeros(8000, dtype=np.float32), 8000, format="WAV")

@@ -55,7 +55,7 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            modalities=["text", "audio"], audio={"voice": VOICE, "format": "wav"},
+            modalities=["text", "audio"], audio={"voice": VOICE, "format": "pcm16"},
             stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             now = time.perf_counter()

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+
+if TYPE_CHECKING:
+    from ..orchestrator.omni import Omni
+    from ..orchestrator.outputs import OmniRequestOutput
 
 log = logging.getLogger("omni_pd.cli")
 
@@ -30,10 +36,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         content = [{"type": "text", "text": args.prompt}, {"type": "audio", "audio": audio}]
     prompt = {"messages": [{"role": "user", "content": content}], "speaker": args.voice}
     with Omni(model=args.model, stage_configs_path=args.stage_configs_path) as omni:
-        result = omni.generate([prompt], use_tqdm=False)[0]
+        if args.stream:
+            result = _generate_streaming(omni, prompt, args.output, print_text=not args.json)
+        else:
+            result = omni.generate([prompt], use_tqdm=False)[0]
     audio_path = None
     if result.audio is not None:
-        audio_path = str(write_wav(args.output, result.audio, result.sample_rate))
+        audio_path = str(args.output if args.stream else
+                         write_wav(args.output, result.audio, result.sample_rate))
     if args.json:
         print(json.dumps({
             "request_id": result.request_id,
@@ -49,7 +59,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         }))
     else:
         m = result.metrics
-        print(f"text: {result.text!r}")
+        if not args.stream:  # streamed, the text is printed already
+            print(f"text: {result.text!r}")
         print(f"tokens: {len(result.token_ids)} generated from a {len(result.prompt_token_ids)}-token "
               f"prompt ({result.finish_reason})")
         if audio_path:
@@ -60,6 +71,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
                   f"prompt tokens in {m['kv_transfer_ms']:.2f} ms")
     return 0
+
+
+def _printable(text: str) -> str:
+    # Random weights produce random bytes: escape what would drive the terminal.
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
+
+def _generate_streaming(omni: Omni, prompt: Any, output: str, print_text: bool
+                        ) -> OmniRequestOutput:
+    """Run `prompt` with `Omni.stream`: print text as it arrives and append each piece of audio
+    to the WAV at `output` (flushed, so the file grows while the request runs)."""
+    from ..audio_io import open_wav
+    from ..orchestrator.async_omni import AudioDelta, Finished, TextDelta
+
+    wav = None
+    if print_text:
+        print("text: ", end="", flush=True)
+    try:
+        with contextlib.closing(omni.stream(prompt)) as events:
+            for event in events:
+                if isinstance(event, TextDelta) and print_text:
+                    print(_printable(event.text), end="", flush=True)
+                elif isinstance(event, AudioDelta):
+                    if wav is None:
+                        wav = open_wav(output, event.sample_rate)
+                    wav.write(event.audio.float().numpy())
+                    wav.flush()
+                elif isinstance(event, Finished):
+                    if print_text:
+                        print()
+                    return event.output
+    finally:
+        if wav is not None:
+            wav.close()
+    raise RuntimeError("the stream ended without its output")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -134,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--voice", default="ethan", help="the talker's speaker")
     gen.add_argument("--output", default="out.wav", help="where to write the WAV (float32)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    gen.add_argument("--stream", action="store_true",
+                     help="print the text as it comes and write the WAV as its audio comes")
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (text and speech)")

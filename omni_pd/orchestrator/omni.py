@@ -5,16 +5,22 @@ requests are batched together by every stage engine and overlap across stages.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+import torch
 from tqdm import tqdm
 
 from ..models.pipeline import DEFAULT_MODEL
 from ..sampling import SamplingParams
-from .async_omni import (DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, AsyncOmni)
+from .async_omni import (DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, AsyncOmni,
+                         AudioDelta, Finished, TextDelta)
 from .outputs import OmniRequestOutput
+
+_END = object()  # the last item a stream's queue gets
 
 
 class Omni:
@@ -84,6 +90,56 @@ class Omni:
         finally:
             for future in futures:
                 future.cancel()  # only matters when one request failed and others still run
+
+    def stream(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
+               *, modalities: Sequence[str] = ("text", "audio")
+               ) -> Iterator[TextDelta | AudioDelta | Finished]:
+        """`AsyncOmni.stream` for one prompt, synchronously: text and audio deltas as the stages
+        produce them, then `Finished`. The request starts at the first `next()`; closing the
+        generator early (break, `.close()`) aborts it."""
+        if self.engine.closed:
+            raise RuntimeError("this Omni is closed")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def pump() -> None:  # on the loop thread
+            try:
+                async for event in self.engine.stream(prompt, sampling_params_list,
+                                                      modalities=modalities):
+                    events.put(event)
+            except Exception as exc:  # noqa: BLE001 - raised again in the caller's thread
+                events.put(exc)
+            finally:
+                events.put(_END)
+
+        task = self._call(_start(pump()))
+        try:
+            while (item := events.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not self._loop.is_closed():
+                self._call(_stop(task))  # returns once the request is aborted and forgotten
+
+    def audio_chunks(self, prompt: Any,
+                     sampling_params_list: Sequence[SamplingParams | None] | None = None
+                     ) -> Iterator[torch.Tensor]:
+        """Only the audio of `stream`: float32 mono chunks that concatenate to the waveform."""
+        with contextlib.closing(self.stream(prompt, sampling_params_list)) as events:
+            for event in events:
+                if isinstance(event, AudioDelta):
+                    yield event.audio
+
+
+async def _start(coroutine) -> asyncio.Task:
+    return asyncio.create_task(coroutine)
+
+
+async def _stop(task: asyncio.Task) -> None:
+    # Cancelling the pump closes AsyncOmni.stream, which aborts the request and waits for it.
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
 
 
 def _is_messages(value) -> bool:

@@ -18,14 +18,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ...orchestrator.async_omni import (AsyncOmni, Finished, PromptTooLong, RequestAborted,
-                                        RequestTimeout, TextDelta)
+from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
+from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PromptTooLong,
+                                        RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.stage_client import StageError, StageTimeout
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest
-from .translate import translate
+from .translate import TranslatedRequest, translate
 
 log = logging.getLogger(__name__)
+AUDIO_EXPIRES_S = 3600  # `expires_at`: OpenAI's audio ids expire; omni-pd keeps no audio at all
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -38,6 +40,10 @@ def wav_base64(audio, sample_rate: int) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def pcm16_base64(audio, sample_rate: int, gain: float) -> str:
+    return base64.b64encode(pcm16_bytes(audio, sample_rate, gain)).decode()
+
+
 class ServerState:
     """What the app holds: the orchestrator once it is up, and its metrics."""
 
@@ -45,6 +51,7 @@ class ServerState:
         self.served_model = served_model
         self.omni: AsyncOmni | None = None
         self.startup_error: str | None = None
+        self.pcm16_gain = 1.0  # set from the stage config once the stages are up
         self.metrics = ServerMetrics()
 
 
@@ -55,8 +62,13 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
 
     async def start_stages() -> None:
         try:
-            state.omni = await asyncio.to_thread(make_omni)
+            omni = await asyncio.to_thread(make_omni)
+            state.omni = omni  # no await until the gain is set: no request sees it unset
+            state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
             log.info("serving %s: every stage is up", served_model)
+            log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
+                     state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
+                     "near silent" if state.pcm16_gain != 1.0 else "real weights")
         except Exception as exc:
             state.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("the stages failed to start: %s", state.startup_error)
@@ -151,7 +163,13 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         state.metrics.observe(output.metrics)
         message: dict[str, Any] = {"role": "assistant", "content": output.text}
         if output.audio is not None and "audio" in request.modalities:
-            message["audio"] = _audio_message(output, created)
+            if request.audio_format == "pcm16":
+                data = pcm16_base64(output.audio, output.sample_rate, state.pcm16_gain)
+            else:
+                data = wav_base64(output.audio, output.sample_rate)
+            message["audio"] = {"id": f"audio-{secrets.token_hex(8)}",
+                                "expires_at": created + AUDIO_EXPIRES_S, "data": data,
+                                "transcript": output.text}
         return {"id": completion_id, "object": "chat.completion", "created": created,
                 "model": served_model,
                 "choices": [{"index": 0, "message": message, "finish_reason": output.finish_reason,
@@ -159,12 +177,6 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                 "usage": _usage(output)}
 
     return app
-
-
-def _audio_message(output, created: int) -> dict[str, Any]:
-    """OpenAI's `message.audio` / `delta.audio`: the WAV as base64, with its transcript."""
-    return {"id": f"audio-{secrets.token_hex(8)}", "expires_at": created + 3600,
-            "data": wav_base64(output.audio, output.sample_rate), "transcript": output.text}
 
 
 def _usage(output) -> dict[str, int]:
@@ -200,13 +212,20 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _stream(omni: AsyncOmni, state: ServerState, request, params, completion_id: str,
-                  created: int, http_request: Request, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedRequest, params,
+                  completion_id: str, created: int, http_request: Request, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
+    `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
+    a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
+    audio waits to learn whether it is the last."""
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.served_model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
+    audio_id = f"audio-{secrets.token_hex(8)}"
+    untranscribed, audio_sent = "", False
     state.metrics.in_flight.inc()
     events = omni.stream(request.prompt, params, request_id=completion_id,
                          modalities=request.modalities)
@@ -216,11 +235,20 @@ async def _stream(omni: AsyncOmni, state: ServerState, request, params, completi
             if await http_request.is_disconnected():
                 break  # closing `events` below aborts the request everywhere
             if isinstance(event, TextDelta):
+                untranscribed += event.text
                 yield _sse(chunk({"content": event.text}))
+            elif isinstance(event, AudioDelta) and event.audio.numel():
+                data = pcm16_base64(event.audio, event.sample_rate, state.pcm16_gain)
+                yield _sse(chunk({"audio": {"id": audio_id, "data": data,
+                                            "transcript": untranscribed}}))
+                untranscribed, audio_sent = "", True
             elif isinstance(event, Finished):
                 output = event.output
-                if output.audio is not None and "audio" in request.modalities:
-                    yield _sse(chunk({"audio": _audio_message(output, created)}))
+                if audio_sent:
+                    last: dict[str, Any] = {"id": audio_id, "expires_at": created + AUDIO_EXPIRES_S}
+                    if untranscribed:
+                        last["transcript"] = untranscribed
+                    yield _sse(chunk({"audio": last}))
                 yield _sse(chunk({}, output.finish_reason))
                 if include_usage:
                     yield _sse({"id": completion_id, "object": "chat.completion.chunk",

@@ -30,7 +30,7 @@ class APIError(Exception):
 class AudioSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     voice: str = "ethan"
-    format: str = "wav"
+    format: str | None = None  # default: "pcm16" when streaming (the only streamable one), else "wav"
 
 
 class ChatMessage(BaseModel):

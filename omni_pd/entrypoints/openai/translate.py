@@ -12,6 +12,7 @@ from ...sampling import SamplingParams
 from .protocol import APIError, ChatCompletionRequest
 
 AUDIO_INPUT_FORMATS = ("wav", "flac", "ogg")
+AUDIO_OUTPUT_FORMATS = ("pcm16", "wav")  # pcm16: 24 kHz mono int16; wav: float32, whole answer
 
 
 @dataclass
@@ -19,6 +20,7 @@ class TranslatedRequest:
     prompt: dict[str, Any]
     thinker_params: SamplingParams
     modalities: tuple[str, ...]
+    audio_format: str  # one of AUDIO_OUTPUT_FORMATS
 
 
 def _bad(message: str, param: str, code: str | None = None) -> APIError:
@@ -66,8 +68,14 @@ def translate(request: ChatCompletionRequest, thinker_defaults: SamplingParams,
         raise _bad(f"modalities {list(modalities)} are not supported; use ['text'] or "
                    "['text', 'audio']", "modalities", "unsupported_modality")
     audio = request.audio
-    if audio is not None and audio.format != "wav":
-        raise _bad(f"audio format {audio.format!r} is not supported; use 'wav'", "audio.format",
+    audio_format = (audio.format if audio else None) or ("pcm16" if request.stream else "wav")
+    if audio_format not in AUDIO_OUTPUT_FORMATS:
+        raise _bad(f"audio format {audio_format!r} is not supported; use one of "
+                   f"{list(AUDIO_OUTPUT_FORMATS)}", "audio.format", "unsupported_audio_format")
+    if request.stream and audio_format != "pcm16":
+        # As OpenAI: a streamed answer's audio comes in pieces, which only raw PCM can be.
+        raise _bad(f"audio format {audio_format!r} cannot be streamed; use \"pcm16\" with "
+                   "stream: true, or stream: false for a whole wav", "audio.format",
                    "unsupported_audio_format")
     changes: dict[str, Any] = {}
     if request.temperature is not None:
@@ -95,4 +103,5 @@ def translate(request: ChatCompletionRequest, thinker_defaults: SamplingParams,
                  "content": _content(i, m.content)} for i, m in enumerate(request.messages)]
     prompt = {"messages": messages, "speaker": audio.voice if audio else "ethan"}
     return TranslatedRequest(prompt=prompt, thinker_params=thinker_defaults.replace(**changes),
-                             modalities=("text", "audio") if "audio" in modalities else ("text",))
+                             modalities=("text", "audio") if "audio" in modalities else ("text",),
+                             audio_format=audio_format)

@@ -1,0 +1,107 @@
+"""The server's streamed audio, against a scripted orchestrator that sends audio in several
+pieces interleaved with text (the real pipeline may send one piece), through the `openai` client."""
+from __future__ import annotations
+
+import base64
+import time
+from types import SimpleNamespace
+from typing import Any, AsyncIterator
+
+import numpy as np
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from omni_pd.audio_io import DUMMY_WEIGHTS_PCM16_GAIN, to_pcm16
+from omni_pd.entrypoints.openai.api_server import create_app
+from omni_pd.orchestrator.async_omni import AudioDelta, Finished, TextDelta
+from omni_pd.orchestrator.outputs import OmniRequestOutput
+from omni_pd.sampling import SamplingParams
+
+RATE = 24_000
+PIECES = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 6e-7 for n in (1920, 700, 3001)]
+# Text before, between and after the audio pieces: the last text has no audio piece after it.
+SCRIPT = [TextDelta("Hel"), AudioDelta(PIECES[0], RATE), TextDelta("lo"), TextDelta(" w"),
+          AudioDelta(PIECES[1], RATE), AudioDelta(PIECES[2], RATE), TextDelta("orld")]
+TEXT = "Hello world"
+
+
+def _stage(stage_id: int, kind: str) -> SimpleNamespace:
+    return SimpleNamespace(stage_id=stage_id, final_output=True, final_output_type=kind,
+                           engine_args=SimpleNamespace(load_format="dummy"),
+                           default_sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
+
+
+class ScriptedOmni:
+    """What the server reads of an AsyncOmni, answering every request with SCRIPT."""
+
+    text_stage_id, pd_pair = 0, None
+
+    def __init__(self) -> None:
+        self.stages = {0: _stage(0, "text"), 1: _stage(1, "audio")}
+        self.config = SimpleNamespace(stages=list(self.stages.values()))
+        self.pipeline = SimpleNamespace(voices=("ethan",))
+        self.clients = {0: None, 1: None}
+
+    def output(self) -> OmniRequestOutput:
+        return OmniRequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[3, 4, 5],
+                                 text=TEXT, finish_reason="stop", audio=torch.cat(PIECES),
+                                 sample_rate=RATE, metrics={"e2e_ms": 1.0, "stage_ms": {}})
+
+    async def stream(self, *_: Any, **__: Any) -> AsyncIterator[Any]:
+        for event in SCRIPT:
+            yield event
+        yield Finished(self.output())
+
+    async def generate(self, *_: Any, **__: Any) -> OmniRequestOutput:
+        return self.output()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app(ScriptedOmni, "m")) as http:
+        deadline = time.monotonic() + 30
+        while http.get("/health").status_code != 200:  # the scripted stages start at once
+            assert time.monotonic() < deadline, "the app never became healthy"
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
+                            max_retries=0)
+
+
+def _audio_request(client, **kw):
+    return client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"}, **kw)
+
+
+def test_each_audio_piece_is_one_pcm16_chunk_in_order_with_its_transcript(client):
+    deltas = [c.choices[0].delta for c in _audio_request(client, stream=True) if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    audio = [d.audio for d in deltas if d.audio is not None]
+    data = [a.data for a in audio if a.data]
+    assert content == TEXT and len(data) == len(PIECES)
+    got = np.frombuffer(b"".join(base64.b64decode(d) for d in data), dtype="<i2")
+    want = to_pcm16(torch.cat(PIECES), DUMMY_WEIGHTS_PCM16_GAIN).numpy()
+    assert np.array_equal(got, want)
+    # Each piece goes out as it arrives: text and audio chunks keep the script's order.
+    order = ["t" if d.content else "a" for d in deltas if d.content or (d.audio and d.audio.data)]
+    assert order == ["t" if isinstance(e, TextDelta) else "a" for e in SCRIPT]
+    assert [a.transcript for a in audio] == ["Hel", "lo w", "", "orld"]
+    assert "".join(a.transcript for a in audio) == TEXT
+    assert len({a.id for a in audio}) == 1 and audio[0].id
+    assert audio[-1].expires_at and audio[-1].data is None
+    assert all(a.expires_at is None for a in audio[:-1])
+    # Negative controls: a dropped piece, or another gain, is noticed.
+    dropped = np.frombuffer(b"".join(base64.b64decode(d) for d in data[:1] + data[2:]), dtype="<i2")
+    assert not np.array_equal(dropped, want)
+    assert not np.array_equal(got, to_pcm16(torch.cat(PIECES), 1.0).numpy())
+
+
+def test_non_streamed_pcm16_is_the_whole_answer(client):
+    audio = _audio_request(client).choices[0].message.audio
+    got = np.frombuffer(base64.b64decode(audio.data), dtype="<i2")
+    assert np.array_equal(got, to_pcm16(torch.cat(PIECES), DUMMY_WEIGHTS_PCM16_GAIN).numpy())
+    assert audio.transcript == TEXT and audio.expires_at
