@@ -31,7 +31,8 @@ def _generate_json(tmp_path, *extra):
 
 
 def test_generate_json_reports_text_audio_and_timings(tmp_path):
-    result = _generate_json(tmp_path)  # the default config: P/D across processes
+    # The default config: P/D across processes, streaming between stages.
+    result = _generate_json(tmp_path, "--timeline", str(tmp_path / "timeline.png"))
     for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256",
                 "metrics"):
         assert key in result
@@ -45,6 +46,16 @@ def test_generate_json_reports_text_audio_and_timings(tmp_path):
     # Tiny thinker: 4 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes per prompt token.
     assert metrics["kv_bytes_transferred"] == len(result["prompt_token_ids"]) * 4 * 2 * 2 * 16 * 4
     assert metrics["kv_transfer_ms"] > 0
+    # The request's timeline: every stage's span, and the audio chunks (drawn into the PNG).
+    timeline = metrics["timeline"]
+    names = {k: v["name"] for k, v in timeline["stages"].items()}
+    assert names == {"0": "thinker prefill", "1": "thinker decode", "2": "talker", "3": "code2wav"}
+    for span in timeline["stages"].values():
+        assert 0 <= span["start_ms"] <= span["end_ms"] <= metrics["e2e_ms"]
+    assert timeline["stages"]["2"]["start_ms"] < timeline["stages"]["1"]["end_ms"]  # overlapped
+    assert len(timeline["audio_chunks_ms"]) > 1
+    assert metrics["ttfa_ms"] == timeline["audio_chunks_ms"][0] < metrics["e2e_ms"]
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_colocated_config_reports_no_kv_transfer(tmp_path):

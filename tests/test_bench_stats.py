@@ -110,3 +110,18 @@ def test_json_holds_null_for_none_and_nan_and_the_table_shows_a_dash(tmp_path):
     assert loaded["ttft_ms_p50"] == pytest.approx(10.0) and not math.isnan(loaded["ttft_ms_p50"])
     table = format_table([row]).splitlines()
     assert len(table) == 3 and table[0].split()[0] == "config" and " - " in table[2]
+
+
+def test_config_overrides_make_a_labelled_copy(tmp_path):
+    import yaml
+
+    from omni_pd.bench.serve import _labels, _resolve_config
+    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk=false", tmp_path)
+    assert label == "qwen3_omni_tiny_pd@async_chunk=false"
+    data = yaml.safe_load(path.read_text())
+    assert data["async_chunk"] is False and len(data["stage_args"]) == 4
+    plain_label, plain = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml", tmp_path)
+    assert yaml.safe_load(plain.read_text())["async_chunk"] is True
+    assert _labels([plain_label, plain_label]) == ["qwen3_omni_tiny_pd", "qwen3_omni_tiny_pd-2"]
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)

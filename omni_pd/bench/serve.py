@@ -15,6 +15,7 @@ import asyncio
 import logging
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
@@ -30,7 +31,9 @@ DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=None,
                         help="comma-separated stage YAMLs, benchmarked one after the other and "
-                             "reported side by side, each labelled by its file stem (default: "
+                             "reported side by side, each labelled by its file stem; "
+                             "PATH@key=value sets a top-level key on a copy (e.g. "
+                             "PATH@async_chunk=false) (default: "
                              "stage_configs/ci/qwen3_omni_tiny.yaml,"
                              "stage_configs/ci/qwen3_omni_tiny_pd.yaml)")
     parser.add_argument("--base-url", default=None,
@@ -79,22 +82,37 @@ def _int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
-def _resolve_config(text: str) -> Path:
-    path = Path(text).expanduser()
-    for candidate in (path, REPO_ROOT / path):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
+def _resolve_config(text: str, scratch: Path) -> tuple[str, Path]:
+    """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
+    `...pd.yaml@async_chunk=false`): the label and the file to serve."""
+    import yaml
+
+    name, *overrides = text.split("@")
+    path = Path(name).expanduser()
+    found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
+    if found is None:
+        raise SystemExit(f"error: stage config {name!r} not found (here or under {REPO_ROOT})")
+    if not overrides:
+        return found.stem, found
+    data = yaml.safe_load(found.read_text())
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: a config override is KEY=VALUE, got {override!r} in {text!r}")
+        data[key] = yaml.safe_load(value)
+    label = "@".join([found.stem, *overrides])
+    copy = scratch / f"{label}.yaml"
+    copy.write_text(yaml.safe_dump(data, sort_keys=False))
+    return label, copy
 
 
-def _labels(paths: list[Path]) -> list[str]:
-    """File stems; a repeated stem gets -2, -3, ..."""
-    labels, seen = [], {}
-    for path in paths:
-        stem = path.stem
-        seen[stem] = seen.get(stem, 0) + 1
-        labels.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
-    return labels
+def _labels(labels: list[str]) -> list[str]:
+    """A repeated label gets -2, -3, ..."""
+    out, seen = [], {}
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
+    return out
 
 
 def _server_env(pairs: list[str]) -> dict[str, str]:
@@ -155,6 +173,11 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
 
 
 def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="omni-pd-bench-") as scratch:  # overridden configs
+        return _run(args, Path(scratch))
+
+
+def _run(args: argparse.Namespace, scratch: Path) -> int:
     from .report import cpu_count, format_table, print_errors, run_metadata, write_json, write_plot
     from .server import ServerProcess, ServerStartError, health_status
     from .stats import add_ratios
@@ -181,9 +204,10 @@ def run(args: argparse.Namespace) -> int:
         targets: list[tuple[str, Path | None]] = [(args.label or urlparse(args.base_url).netloc
                                                    or args.base_url, None)]
     else:
-        paths = ([_resolve_config(p) for p in args.configs.split(",") if p.strip()]
-                 if args.configs else [Path(p) for p in DEFAULT_CONFIGS])
-        targets = list(zip(_labels(paths), paths))
+        resolved = [_resolve_config(p, scratch) for p in
+                    (args.configs.split(",") if args.configs else [str(p) for p in DEFAULT_CONFIGS])
+                    if p.strip()]
+        targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
 
     results: list[dict] = []
     errors: dict[str, list[str]] = {}

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
@@ -44,6 +45,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if result.audio is not None:
         audio_path = str(args.output if args.stream else
                          write_wav(args.output, result.audio, result.sample_rate))
+    if args.timeline:
+        from ..bench.timeline import plot_timeline
+        plot_timeline(result.metrics, args.timeline,
+                      title=f"{result.request_id}: {Path(args.stage_configs_path or '').name or 'default config'}")
     if args.json:
         print(json.dumps({
             "request_id": result.request_id,
@@ -66,7 +71,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if audio_path:
             print(f"audio: {audio_path} ({result.audio.numel()} samples at {result.sample_rate} Hz)")
         stages = ", ".join(f"stage {k} {v:.1f} ms" for k, v in m["stage_ms"].items())
-        print(f"timings: ttft {m['ttft_ms']:.1f} ms, end-to-end {m['e2e_ms']:.1f} ms ({stages})")
+        first_audio = f", first audio {m['ttfa_ms']:.1f} ms" if m.get("ttfa_ms") is not None else ""
+        print(f"timings: ttft {m['ttft_ms']:.1f} ms{first_audio}, end-to-end {m['e2e_ms']:.1f} ms "
+              f"({stages})")
         if "kv_bytes_transferred" in m:
             print(f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
                   f"prompt tokens in {m['kv_transfer_ms']:.2f} ms")
@@ -180,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--voice", default="ethan", help="the talker's speaker")
     gen.add_argument("--output", default="out.wav", help="where to write the WAV (float32)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    gen.add_argument("--timeline", default=None, metavar="PNG",
+                     help="draw the request's timeline (stage spans, audio chunks) into this PNG")
     gen.add_argument("--stream", action="store_true",
                      help="print the text as it comes and write the WAV as its audio comes")
     gen.set_defaults(func=_cmd_generate)
