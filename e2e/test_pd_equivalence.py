@@ -277,15 +277,16 @@ def test_streamed_stages_equal_whole_stages(request, which):
 
 
 def test_negative_control_too_little_codec_context_is_noticed(colocated, colocated_whole):
-    """With code2wav's left context cut below its receptive field, streamed audio stops equalling
-    the whole-utterance audio (while the codes still match): the comparison above can fail."""
+    """With code2wav re-decoding a left context below its receptive field instead of carrying its
+    state, streamed audio stops equalling the whole-utterance audio (while the codes still
+    match): the comparison above can fail."""
     prompt = _prompts(colocated)["over_one_block"]
     want = colocated_whole.generate([prompt])[0]
     code2wav = _stage_of(colocated, "code2wav")
-    exact = colocated.control(code2wav, "set_left_context_frames", frames=2)
+    previous = colocated.control(code2wav, "set_left_context_frames", frames=2)
     try:
         got = colocated.generate([prompt])[0]
     finally:
-        colocated.control(code2wav, "set_left_context_frames", frames=exact)
-    assert exact > 2
+        colocated.control(code2wav, "set_left_context_frames", frames=previous)
+    assert previous is None  # the shipped default: carried state
     assert differences(colocated_whole, want, colocated, got) == ["audio bytes"]

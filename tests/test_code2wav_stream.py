@@ -20,10 +20,15 @@ def _codes(tiny_model, frames: int, seed: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(seed))
 
 
-def _chunked(exact, codes, first: int, size: int, left_context: int) -> torch.Tensor:
+def _chunked(exact, codes, first: int, size: int, left_context: int | None,
+             forget_at: int | None = None) -> torch.Tensor:
+    """Decode in chunks (left_context None: carried state); `forget_at`: drop the decoder's
+    carried state before the chunk starting at that frame (a negative control)."""
     stream, pieces, start = Code2WavStream(), [], 0
     while start < codes.shape[1]:
         end = min(start + (first if start == 0 else size), codes.shape[1])
+        if start == forget_at:
+            stream.carry = {}
         pieces.append(exact.decode_chunk(stream, codes[:, start:end], left_context))
         start = end
     return torch.cat(pieces)
@@ -61,6 +66,18 @@ def test_chunks_with_the_derived_left_context_equal_the_whole_decode(tiny_model,
     codes = _codes(tiny_model, 120, 2)
     whole = exact.decode(codes)
     assert torch.equal(_chunked(exact, codes, first, size, exact.geometry.decoder_frames), whole)
+
+
+@pytest.mark.parametrize("first,size", [(4, 25), (1, 1), (2, 3), (7, 50), (120, 120)])
+def test_chunks_with_carried_state_equal_the_whole_decode(tiny_model, exact, first, size):
+    codes = _codes(tiny_model, 120, 2)
+    assert torch.equal(_chunked(exact, codes, first, size, None), exact.decode(codes))
+
+
+def test_chunks_that_lose_the_carried_state_are_detected(tiny_model, exact):
+    codes = _codes(tiny_model, 120, 2)
+    dropped = _chunked(exact, codes, 4, 25, None, forget_at=29)
+    assert dropped.numel() > 0 and not torch.equal(dropped, exact.decode(codes))
 
 
 def test_too_little_left_context_is_detected(tiny_model, exact):
@@ -114,8 +131,10 @@ def _drain(engine) -> list:
     return outputs
 
 
-def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model):
-    engine = HfCode2WavEngine(2, tiny_model, initial_chunk_frames=3, chunk_frames=10)
+@pytest.mark.parametrize("left_context", [None, 10])
+def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left_context):
+    engine = HfCode2WavEngine(2, tiny_model, initial_chunk_frames=3, chunk_frames=10,
+                              left_context_frames=left_context)
     codes = _codes(tiny_model, 47, 4)
     params = SamplingParams()
     engine.add_request("whole", Code2WavPrompt("whole", codes), params)

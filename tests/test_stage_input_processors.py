@@ -97,39 +97,36 @@ def _chunks(output, prompt_rows: bool):
     token 0 (and the prompt rows when the leg prefilled), then one fed-back row and one token."""
     from omni_pd.engines.types import ThinkerChunk
     empty = torch.zeros((0, WIDTH))
-    yield ThinkerChunk([output.token_ids[0]], empty, empty, output.output_start,
+    yield ThinkerChunk([output.token_ids[0]], empty, output.output_start,
                        prompt_token_ids=list(output.prompt_token_ids),
                        prompt_embeds=output.prompt_embeds if prompt_rows else None,
                        prompt_hidden=output.prompt_hidden if prompt_rows else None)
     for k in range(1, len(output.token_ids)):
         row = slice(k - 1, k)
-        yield ThinkerChunk([output.token_ids[k]], output.output_embeds[row], output.output_hidden[row],
-                           output.output_start + k - 1)
+        yield ThinkerChunk([output.token_ids[k]], output.output_embeds[row], output.output_start + k - 1)
 
 
 def _streamed_talker_input(feeder, chunks, output):
     """Opening prompt plus every delta, as the talker would accumulate them."""
-    from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker_stream  # noqa: F401
-    opening, tokens, embeds, hidden, final = None, [], [], [], False
+    opening, tokens, embeds, final = None, [], [], False
     for chunk in chunks:
         feeder.feed(chunk)
         if opening is None:
             opening = feeder.prompt()
             if opening is not None:
                 assert not opening.final
-                tokens, embeds, hidden = list(opening.output_token_ids), [opening.thinker_embeds], [opening.thinker_hidden]
+                tokens, embeds = list(opening.output_token_ids), [opening.thinker_embeds]
             continue
         delta, final = feeder.take()
         tokens += delta.output_token_ids
         embeds.append(delta.thinker_embeds)
-        hidden.append(delta.thinker_hidden)
     feeder.close(output)
     delta, final = feeder.take()
     tokens += delta.output_token_ids
     embeds.append(delta.thinker_embeds)
-    hidden.append(delta.thinker_hidden)
     assert final
-    return opening, tokens, torch.cat(embeds), torch.cat(hidden)
+    # The talker reads hidden states at prompt positions only: the stream carries just those.
+    return opening, tokens, torch.cat(embeds), opening.thinker_hidden
 
 
 @pytest.mark.parametrize("pd", [False, True])
@@ -153,7 +150,8 @@ def test_streamed_thinker_output_adds_up_to_the_merged_talker_input(pd):
     assert opening.output_token_ids == TOKENS[:2]
     assert opening.thinker_embeds.shape[0] == len(PROMPT) + 1
     assert tokens == want.output_token_ids
-    assert torch.equal(embeds, want.thinker_embeds) and torch.equal(hidden, want.thinker_hidden)
+    assert torch.equal(embeds, want.thinker_embeds)
+    assert torch.equal(hidden, want.thinker_hidden[:len(PROMPT)])
 
 
 def test_a_thinker_done_before_the_talker_could_start_gives_the_whole_input():

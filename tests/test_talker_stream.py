@@ -14,15 +14,16 @@ def _opening(prompt: TalkerPrompt, tokens: int) -> TalkerPrompt:
     fed back)."""
     rows = len(prompt.prompt_token_ids) + tokens - 1
     return TalkerPrompt(prompt.request_id, prompt.prompt_token_ids, prompt.output_token_ids[:tokens],
-                        prompt.thinker_embeds[:rows], prompt.thinker_hidden[:rows], prompt.speaker,
-                        final=False)
+                        prompt.thinker_embeds[:rows],
+                        prompt.thinker_hidden[:len(prompt.prompt_token_ids)],  # all it reads
+                        prompt.speaker, final=False)
 
 
 def _delta(prompt: TalkerPrompt, tokens_before: int, tokens_after: int) -> TalkerInputDelta:
     base = len(prompt.prompt_token_ids) - 1
     rows = slice(base + tokens_before, base + min(tokens_after, len(prompt.output_token_ids)))
     return TalkerInputDelta(prompt.output_token_ids[tokens_before:tokens_after],
-                            prompt.thinker_embeds[rows], prompt.thinker_hidden[rows])
+                            prompt.thinker_embeds[rows])
 
 
 def _run_streamed(engine, prompt, params, steps_per_token: int, final_after: int | None = None):

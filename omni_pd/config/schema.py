@@ -74,9 +74,9 @@ class _TypedEngineArgs(_Model):
     kv_pool_blocks: int = Field(default=1024, ge=1)
     kv_lease_timeout_s: float = Field(default=60.0, gt=0)
     # code2wav with `async_chunk`: frames in the first chunk (small: time to first audio), in
-    # every later chunk, and of left context per chunk (None: the receptive field derived from
-    # the model config, which makes the chunks add up to the whole-utterance waveform exactly).
-    # vllm-omni's key names.
+    # every later chunk, and of left context re-decoded per chunk (None: none, every layer's
+    # state is carried instead; at least the decoder's receptive field, derived from the model
+    # config, keeps the chunks exact too). vllm-omni's key names.
     initial_codec_chunk_frames: int = Field(default=4, ge=1)
     codec_chunk_frames: int = Field(default=25, ge=1)
     codec_left_context_frames: int | None = Field(default=None, ge=1)

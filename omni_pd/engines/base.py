@@ -28,6 +28,7 @@ class StageInputs:
     upstream: dict[int, Any]
     model_config: Any  # the model's top-level (HF) config
     speaker: str = "ethan"
+    engine_args: Any = None  # the stage's engine_args (chunk sizes a stream processor may honour)
     extras: dict[str, Any] = field(default_factory=dict)
 
 

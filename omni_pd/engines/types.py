@@ -45,6 +45,8 @@ class TalkerPrompt:
     prompt_token_ids: list[int]  # the thinker's prompt
     output_token_ids: list[int]  # the thinker's generated tokens
     thinker_embeds: torch.Tensor  # [positions, hidden]: prompt then fed-back output tokens
+    # The accept layer's hidden states: the talker reads them at prompt positions only, so a
+    # streamed prompt (final=False) carries just those.
     thinker_hidden: torch.Tensor
     speaker: str = "ethan"
     # False: the thinker is still running; more tokens and rows follow as TalkerInputDelta.
@@ -57,7 +59,6 @@ class TalkerInputDelta:
 
     output_token_ids: list[int]
     thinker_embeds: torch.Tensor  # [n, hidden]: the next fed-back rows
-    thinker_hidden: torch.Tensor
 
 
 @dataclass
@@ -67,7 +68,6 @@ class ThinkerChunk:
 
     token_ids: list[int]
     embeds: torch.Tensor  # [n, hidden]: rows for absolute positions start .. start + n - 1
-    hidden: torch.Tensor
     start: int
     prompt_token_ids: list[int] | None = None  # first chunk only
     prompt_embeds: torch.Tensor | None = None  # first chunk of a leg that prefilled

@@ -351,6 +351,8 @@ class AsyncOmni:
             if sid in closed:
                 return
             data, final = feeder.take()
+            if data is None and not final:
+                return  # nothing worth a message yet
             if final:
                 closed.add(sid)
             self.clients[sid].append(request_id, data, final)
@@ -414,7 +416,7 @@ class AsyncOmni:
         return StageInputs(request_id=state.request_id, stage_id=stage_id,
                            source_stage_ids=tuple(stage.engine_input_source),
                            upstream=dict(state.outputs), model_config=self.model_config,
-                           speaker=state.prompt.speaker)
+                           speaker=state.prompt.speaker, engine_args=stage.engine_args)
 
     async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
                           deadline: float, on_text: Callable[[str], None] | None,

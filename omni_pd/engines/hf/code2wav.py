@@ -1,8 +1,9 @@
 """code2wav: codec codes in, a 24 kHz float32 waveform out, whole or in chunks.
 
 Both ways go through `ExactCode2Wav`, whose samples do not depend on how many frames one call
-decodes: chunks decoded with at least the decoder's receptive field of left context add up to the
-whole-utterance waveform bit for bit.
+decodes: chunks add up to the whole-utterance waveform bit for bit, whether every layer's state is
+carried from chunk to chunk (the default) or the decoder re-runs at least its receptive field of
+left context.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Code2WavRunner:
         return AudioOutput(request_id=prompt.request_id, audio=audio, sample_rate=SAMPLE_RATE,
                            metrics={"code2wav_ms": (time.perf_counter() - began) * 1e3})
 
-    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor, left_context: int) -> torch.Tensor:
+    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor,
+                     left_context: int | None = None) -> torch.Tensor:
         """The samples the next frames add to a streamed utterance (see ExactCode2Wav)."""
         return self.exact.decode_chunk(stream, codes, left_context).float().contiguous()

@@ -3,10 +3,12 @@
 A whole utterance (its prompt is final) is decoded in one step. A streamed one (`final=False`,
 more frames arriving through `append_input`) is decoded chunk by chunk as its frames arrive:
 `initial_codec_chunk_frames` first, for a short time to first audio, then `codec_chunk_frames`
-at a time; the pre-transformer's window is carried from chunk to chunk and the convolutional
-decoder re-runs `codec_left_context_frames` before each chunk (default: its receptive field,
-derived from the config, which makes the chunks add up to the whole waveform exactly). Each
-chunk's samples leave in the step that decoded them. One chunk per step, oldest ready request first, so new requests and
+at a time. By default every layer carries its state from chunk to chunk (the pre-transformer's
+keys and values, each convolution's input tail), so no frame is decoded twice; with
+`codec_left_context_frames` set, the decoder instead re-runs that many frames before each chunk
+(vllm-omni's way), exact when they cover its receptive field (derived from the config). Either
+way the chunks add up to the whole-utterance waveform exactly. Each chunk's samples leave in the
+step that decoded them. One chunk per step, oldest ready request first, so new requests and
 aborts are taken between chunks.
 
 Requests are not stacked into one forward pass: code2wav's convolutions are neither
@@ -62,11 +64,12 @@ class HfCode2WavEngine(StageEngine):
         geometry = self.runner.geometry
         self.initial_chunk_frames = int(initial_chunk_frames)
         self.chunk_frames = int(chunk_frames)
-        # The pre-transformer's window is carried between chunks as a KV cache, so the left
-        # context only has to cover the convolutional decoder's receptive field.
+        # None: carry every layer's state between chunks. A number: re-decode that much left
+        # context (the pre-transformer's window is carried either way, so the context only has
+        # to cover the convolutional decoder's receptive field).
         exact = geometry.decoder_frames
-        self.left_context_frames = exact if left_context_frames is None else int(left_context_frames)
-        if self.left_context_frames < exact:
+        self.left_context_frames = None if left_context_frames is None else int(left_context_frames)
+        if self.left_context_frames is not None and self.left_context_frames < exact:
             log.warning("stage %d: codec_left_context_frames %d is below code2wav's decoder "
                         "receptive field of %d frames: streamed audio will differ slightly from "
                         "whole-utterance audio at chunk joins; remove the key (or set %d) for "
@@ -80,10 +83,11 @@ class HfCode2WavEngine(StageEngine):
                 "codec_left_context_frames": self.left_context_frames,
                 "decoder_receptive_field_frames": self.runner.geometry.decoder_frames}
 
-    def set_left_context_frames(self, frames: int) -> int:
-        """Test hook: a left context below the receptive field, for end-to-end negative controls.
-        Returns the previous value."""
-        previous, self.left_context_frames = self.left_context_frames, int(frames)
+    def set_left_context_frames(self, frames: int | None) -> int | None:
+        """Test hook: a left context below the receptive field, for end-to-end negative controls
+        (None: back to carried state). Returns the previous value."""
+        previous = self.left_context_frames
+        self.left_context_frames = None if frames is None else int(frames)
         return previous
 
     def inject_chunk_fault(self, after_chunks: int) -> None:

@@ -9,8 +9,8 @@ the length of the input, and rotary embeddings start at position 0 for every cal
 runs the same weights with every length-dependent op replaced:
 
 - linear layers and convolutions are plain matrix products over time steps, never fewer than
-  `MIN_ROWS` rows and never a single output column (a convolution multiplies each time step's
-  window of taps with the kernel: im2col), so a time step's result comes from the same kernel and the same reduction order
+  `MIN_ROWS` rows and never a single output column (a convolution adds its taps' products into
+  one output in tap order), so a time step's result comes from the same kernel and the same reduction order
   whatever the length (`tiled_linear`);
 - attention is computed per query over exactly its window of `sliding_window` keys, with the
   rotary angle of the frame's position in the utterance;
@@ -26,7 +26,7 @@ chunks add up to the whole decode exactly (tests/test_code2wav_stream.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +106,13 @@ def geometry(config) -> Code2WavGeometry:
 @dataclass
 class Code2WavStream:
     """One streamed utterance's carried state: the pre-transformer's keys and values for the
-    last `sliding_window - 1` frames (per layer), and its outputs for the last frames the
-    decoder takes as left context. Frames before them are never computed again."""
+    last `sliding_window - 1` frames (per layer), and either every decoder convolution's last
+    inputs (`carry`: nothing is computed twice) or, with a left context, the pre-transformer's
+    outputs for the frames the decoder re-runs (`hidden_tail`)."""
 
     frames: int = 0  # frames decoded so far
     past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    carry: dict = field(default_factory=dict)  # decoder module -> its input tail
     hidden_tail: torch.Tensor | None = None  # [<= left context, hidden]
 
 
@@ -132,18 +134,24 @@ class ExactCode2Wav:
         return self._decoder(hidden)
 
     @torch.no_grad()
-    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor, left_context: int) -> torch.Tensor:
+    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor,
+                     left_context: int | None = None) -> torch.Tensor:
         """The samples the next frames `codes` [num_quantizers, n] add to a streamed utterance.
 
         The pre-transformer continues from the carried keys and values (exactly as in the whole
-        decode); the decoder re-runs `left_context` earlier frames before the new ones and keeps
-        only the new frames' samples. With `left_context >= geometry.decoder_frames` they equal
-        the same span of the whole-utterance waveform bit for bit."""
+        decode). Without `left_context`, every decoder convolution continues from its carried
+        input tail too: each sample is computed once, from the same inputs as in the whole
+        decode. With it, the decoder re-runs `left_context` earlier frames before the new ones
+        (vllm-omni's way) and keeps only the new frames' samples; with `left_context >=
+        geometry.decoder_frames` these equal the whole decode's as well."""
         count = codes.shape[-1]
         if count == 0:
             return torch.zeros(0)
         start = stream.frames
         hidden, stream.past = self._transformer(self._embed(codes), start, stream.past)
+        if left_context is None:
+            stream.frames += count
+            return self._decoder(hidden, stream.carry)
         if stream.hidden_tail is not None and left_context > 0:
             hidden = torch.cat([stream.hidden_tail[-left_context:], hidden])
         wav = self._decoder(hidden)
@@ -159,22 +167,24 @@ class ExactCode2Wav:
         m = self.m
         return m.code_embedding(codes.unsqueeze(0) + m.code_offset).mean(1)[0]  # [T, hidden]
 
-    def _decoder(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _decoder(self, hidden: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
+        """Upsampling and the convolutional decoder; `carry` (a stream's) holds each
+        convolution's input tail from the previous chunk, None: zeros before the first frame."""
         m = self.m
         x = hidden  # time-major [T, C] from here on
         for transposed, convnext in m.upsample:
             x = self._upsample(transposed.conv, x)
-            x = self._convnext(convnext, x)
+            x = self._convnext(convnext, x, carry)
         decoder = list(m.decoder)
-        x = self._causal_conv(decoder[0], x)
+        x = self._causal_conv(decoder[0], x, carry)
         for block in decoder[1:-2]:
             snake, transposed, *residuals = block.block
-            x = self._transposed(transposed, self._snake(snake, x))
+            x = self._transposed(transposed, self._snake(snake, x), carry)
             for unit in residuals:
-                y = self._causal_conv(unit.conv1, self._snake(unit.act1, x))
-                y = self._causal_conv(unit.conv2, self._snake(unit.act2, y))
+                y = self._causal_conv(unit.conv1, self._snake(unit.act1, x), carry)
+                y = self._causal_conv(unit.conv2, self._snake(unit.act2, y), carry)
                 x = x + y
-        x = self._causal_conv(decoder[-1], self._snake(decoder[-2], x))
+        x = self._causal_conv(decoder[-1], self._snake(decoder[-2], x), carry)
         return x.reshape(-1).clamp(min=-1, max=1)
 
     def _transformer(self, x: torch.Tensor, first_frame: int,
@@ -239,46 +249,65 @@ class ExactCode2Wav:
         return y.permute(0, 2, 1).reshape(-1, c_out)
 
     @staticmethod
-    def _transposed(module, x: torch.Tensor) -> torch.Tensor:
+    def _transposed(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         """Qwen3-Omni's causal transposed conv (kernel 2s, stride s, s samples trimmed on each
-        side): output step t*s + k is input t's first half plus input t-1's second half."""
+        side): output step t*s + k is input t's first half plus input t-1's second half. The
+        utterance's first input makes no output of its own (trimmed); a later chunk's first
+        input pairs with the previous chunk's last (carried)."""
         conv = module.conv
         c_in, c_out, kernel = conv.weight.shape
         stride = conv.stride[0]
         assert kernel == 2 * stride and module.left_pad == stride == module.right_pad
         weight = conv.weight.permute(1, 2, 0).reshape(c_out * kernel, c_in)
         y = tiled_linear(x, weight).view(-1, c_out, kernel)
-        out = y[1:, :, :stride] + y[:-1, :, stride:] + conv.bias.view(1, c_out, 1)
+        previous = carry.get(module) if carry is not None else None
+        if previous is None:
+            out = y[1:, :, :stride] + y[:-1, :, stride:] + conv.bias.view(1, c_out, 1)
+        else:
+            out = y[:, :, :stride] + torch.cat([previous, y[:-1, :, stride:]]) + conv.bias.view(1, c_out, 1)
+        if carry is not None:
+            carry[module] = y[-1:, :, stride:]
         return out.permute(0, 2, 1).reshape(-1, c_out)
 
     @staticmethod
-    def _causal_conv(module, x: torch.Tensor) -> torch.Tensor:
-        """A left-padded stride-1 conv: one product of each time step's window of taps (im2col)
-        with the kernel, or, depthwise, the sum of its taps in tap order."""
+    def _causal_conv(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
+        """A left-padded stride-1 conv, time-major: the bias, then each tap's product added in
+        tap order into the same output (`addmm_`: each tap reads a row slice of the padded
+        input); depthwise, the taps' products summed in tap order. The padding is zeros before
+        the utterance's first frame, else the carried tail of the previous chunk's input."""
         conv = module.conv
         assert conv.stride[0] == 1
         c_out, c_in_per_group, kernel = conv.weight.shape
         dilation = conv.dilation[0]
         steps, channels = x.shape
-        padded = F.pad(x, (0, 0, (kernel - 1) * dilation, 0))
-        if conv.groups == 1:
-            if kernel == 1:
-                return tiled_linear(x, conv.weight[:, :, 0], conv.bias)
-            # windows[t, tap, c] = padded[t + tap * dilation, c]
-            windows = padded.as_strided((steps, kernel, channels),
-                                        (channels, dilation * channels, 1))
-            weight = conv.weight.permute(0, 2, 1).reshape(c_out, kernel * channels)
-            return tiled_linear(windows.reshape(steps, kernel * channels), weight, conv.bias)
-        if conv.groups == c_out == channels and c_in_per_group == 1:  # depthwise
-            out = None
-            for tap in range(kernel):
-                part = padded[tap * dilation: tap * dilation + steps] * conv.weight[:, 0, tap]
-                out = part if out is None else out + part
+        halo = (kernel - 1) * dilation
+        previous = carry.get(module) if carry is not None else None
+        if previous is None:
+            previous = x.new_zeros((halo, channels))
+        if carry is not None and halo:
+            carry[module] = torch.cat([previous, x])[-halo:]
+        if conv.groups == c_out == channels and c_in_per_group == 1 and kernel > 1:  # depthwise
+            padded = torch.cat([previous, x])
+            out = padded[:steps] * conv.weight[:, 0, 0]
+            for tap in range(1, kernel):
+                out += padded[tap * dilation: tap * dilation + steps] * conv.weight[:, 0, tap]
             return out + conv.bias
-        raise NotImplementedError(f"grouped conv with {conv.groups} groups")
+        if conv.groups != 1:
+            raise NotImplementedError(f"grouped conv with {conv.groups} groups")
+        rows = max(steps, MIN_ROWS)  # see tiled_linear: never fewer rows, never one output
+        width = max(c_out, 2)
+        padded = x.new_zeros((rows + halo, channels))
+        padded[:halo] = previous
+        padded[halo:halo + steps] = x
+        weight = conv.weight if c_out == width else torch.cat([conv.weight, torch.zeros_like(conv.weight)])
+        bias = conv.bias if c_out == width else torch.cat([conv.bias, conv.bias.new_zeros(1)])
+        out = bias.expand(rows, width).contiguous()
+        for tap in range(kernel):
+            out.addmm_(padded[tap * dilation: tap * dilation + rows], weight[:, :, tap].t())
+        return out[:steps, :c_out]
 
-    def _convnext(self, block, x: torch.Tensor) -> torch.Tensor:
-        h = self._causal_conv(block.dwconv, x)
+    def _convnext(self, block, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
+        h = self._causal_conv(block.dwconv, x, carry)
         h = block.norm(h)
         h = tiled_linear(block.act(tiled_linear(h, block.pwconv1.weight, block.pwconv1.bias)),
                          block.pwconv2.weight, block.pwconv2.bias)

@@ -96,11 +96,12 @@ class TalkerRequestState:
         """Its next step's trailing row is known (or the trailing text is complete)."""
         return self.trailing_complete or len(self.frames) < self.trailing.shape[0]
 
-    def take_new_frames(self, num_code_groups: int) -> torch.Tensor | None:
-        """Frames made since the last call, for a streamed request (None when there are none)."""
+    def take_new_frames(self) -> list[list[int]] | None:
+        """Frames made since the last call, for a streamed request (None when there are none):
+        plain lists, which cost a fraction of a tensor to send."""
         if len(self.frames) == self.frames_sent:
             return None
-        new = self.codes(num_code_groups, self.frames_sent)
+        new = self.frames[self.frames_sent:]
         self.frames_sent = len(self.frames)
         return new
 

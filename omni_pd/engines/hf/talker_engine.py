@@ -91,7 +91,6 @@ class HfTalkerEngine(StageEngine):
             raise ValueError(f"request {request_id}: thinker output arrived after the last of it")
         if data.thinker_embeds.shape[0]:
             prompt.thinker_embeds = torch.cat([prompt.thinker_embeds, data.thinker_embeds])
-            prompt.thinker_hidden = torch.cat([prompt.thinker_hidden, data.thinker_hidden])
         prompt.output_token_ids = prompt.output_token_ids + list(data.output_token_ids)
         rows = self.runner.trailing_rows(prompt, state.trailing.shape[0], final=final)
         if rows.shape[0]:
@@ -142,7 +141,7 @@ class HfTalkerEngine(StageEngine):
         return admitted
 
     def _chunk(self, state: TalkerRequestState) -> Any:
-        return state.take_new_frames(self.num_code_groups) if state.stream else None
+        return state.take_new_frames() if state.stream else None
 
     def _finish(self, state: TalkerRequestState) -> StepOutput:
         self.running.pop(state.request_id, None)

@@ -265,8 +265,6 @@ class _ThinkerEngine(StageEngine):
         chunk = ThinkerChunk(
             token_ids=list(new),
             embeds=torch.stack(rows) if rows else torch.zeros((0, width)),
-            hidden=(torch.stack(request.output_hidden[request.rows_streamed:]) if rows
-                    else torch.zeros((0, width))),
             start=request.prompt_len + request.rows_streamed,
             prompt_token_ids=list(request.prompt.prompt_token_ids) if first else None,
             prompt_embeds=request.prompt_embeds if first else None,

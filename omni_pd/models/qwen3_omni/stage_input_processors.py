@@ -75,18 +75,20 @@ def thinker2talker(inputs: StageInputs) -> TalkerPrompt:
                         thinker_hidden=hidden, speaker=inputs.speaker)
 
 
-def _speech_frames(request_id: str, codes: torch.Tensor, c2w, already: int) -> tuple[int, bool]:
-    """How many leading frames of `codes` are speech, given `already` frames were taken before,
-    and whether the speech ends inside `codes`. A frame with an id outside the codebook (an
+def _speech_frames(frames: list[list[int]], c2w, already: int) -> tuple[int, bool]:
+    """How many leading `frames` are speech, given `already` frames were taken before, and
+    whether the speech ends among them. A frame with an id outside the codebook (an
     end-of-speech or control code) ends the speech; so does code2wav's position limit."""
-    if codes.dim() != 2 or codes.shape[0] != c2w.num_quantizers:
-        raise StageInputError(f"request {request_id}: codes have shape {tuple(codes.shape)}, "
-                              f"code2wav takes [{c2w.num_quantizers}, frames]")
-    frames = codes.shape[1]
-    invalid = ((codes < 0) | (codes >= c2w.codebook_size)).any(dim=0).nonzero()
-    keep = int(invalid[0]) if len(invalid) else frames
+    keep = next((i for i, frame in enumerate(frames)
+                 if any(code < 0 or code >= c2w.codebook_size for code in frame)), len(frames))
     keep = max(min(keep, c2w.max_position_embeddings - already), 0)
-    return keep, keep < frames
+    return keep, keep < len(frames)
+
+
+def _check_frames(request_id: str, frames: list[list[int]], c2w) -> None:
+    if any(len(frame) != c2w.num_quantizers for frame in frames):
+        raise StageInputError(f"request {request_id}: codec frames must have {c2w.num_quantizers} "
+                              f"codes each, got {sorted({len(f) for f in frames})}")
 
 
 def _log_dropped(request_id: str, kept: int, frames: int, c2w) -> None:
@@ -107,7 +109,10 @@ def _talker_output(inputs: StageInputs) -> TalkerOutput:
 def talker2code2wav(inputs: StageInputs) -> Code2WavPrompt:
     codes = _talker_output(inputs).codes
     c2w = inputs.model_config.code2wav_config
-    keep, ended = _speech_frames(inputs.request_id, codes, c2w, 0)
+    if codes.dim() != 2 or codes.shape[0] != c2w.num_quantizers:
+        raise StageInputError(f"request {inputs.request_id}: codes have shape {tuple(codes.shape)}, "
+                              f"code2wav takes [{c2w.num_quantizers}, frames]")
+    keep, ended = _speech_frames(codes.t().tolist(), c2w, 0)
     if ended:
         _log_dropped(inputs.request_id, keep, codes.shape[1], c2w)
     return Code2WavPrompt(request_id=inputs.request_id, codes=codes[:, :keep].contiguous())
@@ -115,44 +120,56 @@ def talker2code2wav(inputs: StageInputs) -> Code2WavPrompt:
 
 class talker2code2wav_stream:  # noqa: N801 - named after the processor it streams
     """`talker2code2wav` for a talker that streams its frames: code2wav opens at once with no
-    frames and gets each chunk's speech frames as they come, the frames `talker2code2wav` keeps."""
+    frames and gets the speech frames (the frames `talker2code2wav` keeps) in the pieces it
+    decodes (`initial_codec_chunk_frames`, then `codec_chunk_frames`): one message per chunk
+    rather than one per frame."""
 
     def __init__(self, inputs: StageInputs):
         self.request_id = inputs.request_id
         self.c2w = inputs.model_config.code2wav_config
-        self.pending: list[torch.Tensor] = []
-        self.taken = 0  # speech frames passed on
+        args = inputs.engine_args
+        self.first_chunk = getattr(args, "initial_codec_chunk_frames", None) or 1
+        self.chunk = getattr(args, "codec_chunk_frames", None) or 1
+        self.pending: list[list[int]] = []  # speech frames not sent yet
+        self.kept = 0  # speech frames so far (sent or pending)
         self.seen = 0  # frames received
         self.ended = False  # the speech ended (a control code, or code2wav's position limit)
         self.closed = False
 
-    def _empty(self) -> torch.Tensor:
-        return torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long)
-
-    def feed(self, codes: torch.Tensor) -> None:
-        self.seen += codes.shape[1] if codes.dim() == 2 else 0
+    def feed(self, frames: list[list[int]]) -> None:
+        """A talker chunk: its new frames, each [code0, ..., code_{G-1}]."""
+        _check_frames(self.request_id, frames, self.c2w)
+        self.seen += len(frames)
         if self.ended:
             return
-        keep, self.ended = _speech_frames(self.request_id, codes, self.c2w, self.taken)
-        self.taken += keep
-        if keep:
-            self.pending.append(codes[:, :keep])
+        keep, self.ended = _speech_frames(frames, self.c2w, self.kept)
+        self.pending.extend(frames[:keep])
+        self.kept += keep
 
     def close(self, output: TalkerOutput) -> None:
         """The talker finished: its chunks must have been its whole output."""
         if self.seen != output.codes.shape[1]:
             raise StageInputError(f"request {self.request_id}: the talker streamed {self.seen} "
                                   f"frames but its output has {output.codes.shape[1]}")
-        if self.taken < self.seen:
-            _log_dropped(self.request_id, self.taken, self.seen, self.c2w)
+        if self.kept < self.seen:
+            _log_dropped(self.request_id, self.kept, self.seen, self.c2w)
         self.closed = True
 
     def prompt(self) -> Code2WavPrompt:
         codes, final = self.take()
+        if codes is None:
+            codes = torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long)
         return Code2WavPrompt(request_id=self.request_id, codes=codes, final=final)
 
-    def take(self) -> tuple[torch.Tensor, bool]:
-        codes = torch.cat(self.pending, dim=1).contiguous() if self.pending else self._empty()
+    def take(self) -> tuple[torch.Tensor | None, bool]:
+        """The pending frames as codes [num_quantizers, n] once they fill code2wav's next chunk,
+        or whatever is left once the talker is done (final); (None, False) until then."""
+        sent = self.kept - len(self.pending)
+        needed = self.first_chunk - sent if sent < self.first_chunk else self.chunk
+        if not self.closed and len(self.pending) < needed:
+            return None, False
+        codes = (torch.tensor(self.pending, dtype=torch.long).t().contiguous() if self.pending
+                 else torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long))
         self.pending = []
         return codes, self.closed
 
@@ -173,7 +190,7 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
         self.prompt_hidden = prefill[0].prompt_hidden if prefill else None
         self.tokens: list[int] = []
         self.embeds: list[torch.Tensor] = []  # merged rows: prompt part, then output rows
-        self.hidden: list[torch.Tensor] = []
+        self.hidden: torch.Tensor | None = None  # prompt part only: all the talker reads
         self.rows = 0  # merged rows so far
         self.output_start: int | None = None
         self.given_tokens = self.given_blocks = 0  # what the talker has been given
@@ -195,7 +212,7 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
             _merge_rows(self.inputs.request_id, "embeddings", self.prompt_embeds, chunk.embeds,
                         chunk.start, len(self.prompt_ids), chunk.start + chunk.embeds.shape[0])
             self.embeds.append(self.prompt_embeds[:chunk.start])
-            self.hidden.append(self.prompt_hidden[:chunk.start])
+            self.hidden = self.prompt_hidden[:chunk.start]
             self.rows = chunk.start
         if self.rows != chunk.start:
             raise StageInputError(f"request {self.inputs.request_id}: thinker rows from position "
@@ -203,7 +220,6 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
         self.tokens.extend(chunk.token_ids)
         if chunk.embeds.shape[0]:
             self.embeds.append(chunk.embeds)
-            self.hidden.append(chunk.hidden)
             self.rows += chunk.embeds.shape[0]
 
     def close(self, output: ThinkerOutput) -> None:
@@ -226,18 +242,17 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
         if self.prompt_ids is None or self.rows <= len(self.prompt_ids) or not self.tokens:
             return None  # the talker's prefill needs the first generated token's row
         self.opened = True
-        embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
+        embeds = torch.cat(self.embeds)
         self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
         return TalkerPrompt(request_id=self.inputs.request_id, prompt_token_ids=list(self.prompt_ids),
                             output_token_ids=list(self.tokens), thinker_embeds=embeds,
-                            thinker_hidden=hidden, speaker=self.inputs.speaker, final=False)
+                            thinker_hidden=self.hidden, speaker=self.inputs.speaker, final=False)
 
     def take(self) -> tuple[TalkerInputDelta, bool]:
         width = self.embeds[0].shape[1]
-        new_embeds, new_hidden = self.embeds[self.given_blocks:], self.hidden[self.given_blocks:]
+        new_embeds = self.embeds[self.given_blocks:]
         delta = TalkerInputDelta(
             output_token_ids=self.tokens[self.given_tokens:],
-            thinker_embeds=torch.cat(new_embeds) if new_embeds else torch.zeros((0, width)),
-            thinker_hidden=torch.cat(new_hidden) if new_hidden else torch.zeros((0, width)))
+            thinker_embeds=torch.cat(new_embeds) if new_embeds else torch.zeros((0, width)))
         self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
         return delta, self.output is not None
