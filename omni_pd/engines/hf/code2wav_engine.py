@@ -8,12 +8,14 @@ keys and values, each convolution's input tail), so no frame is decoded twice; w
 `codec_left_context_frames` set, the decoder instead re-runs that many frames before each chunk
 (vllm-omni's way), exact when they cover its receptive field (derived from the config). Either
 way the chunks add up to the whole-utterance waveform exactly. Each chunk's samples leave in the
-step that decoded them. One chunk per step, oldest ready request first, so new requests and
-aborts are taken between chunks.
+step that decoded them. One chunk per step, of the ready request with the fewest chunks out
+(oldest first among equals), so a new request's first chunk does not queue behind the later
+chunks of requests already playing; new requests and aborts are taken between chunks.
 
-Requests are not stacked into one forward pass: code2wav's convolutions are neither
-batch-invariant on CPU nor faster batched (16 utterances of 63 frames: 0.36 s one by one, 1.36 s
-as one batch, measured on the 2-core CI machine).
+Requests are not stacked into one forward pass. With transformers' kernels that was neither
+batch-invariant nor faster (16 utterances of 63 frames: 0.36 s one by one, 1.36 s as one batch, on
+the 2-core CI machine); the exact kernels would stay exact stacked along time, but whether that
+pays on a CPU, where the cost is per-sample arithmetic, is not measured yet.
 """
 from __future__ import annotations
 
@@ -148,10 +150,14 @@ class HfCode2WavEngine(StageEngine):
         return any(self._next_chunk(u) is not None for u in self._utterances.values())
 
     def step(self) -> list[StepOutput]:
-        u, frames = next(((u, n) for u in self._utterances.values()
-                          if (n := self._next_chunk(u)) is not None), (None, None))
-        if u is None:
+        # The ready utterance with the fewest chunks out, oldest first among equals: a new
+        # request's first chunk (its time to first audio) does not queue behind the later
+        # chunks of requests that are already playing.
+        ready = [(len(u.pieces), index, u, n) for index, u in enumerate(self._utterances.values())
+                 if (n := self._next_chunk(u)) is not None]
+        if not ready:
             return []
+        _, _, u, frames = min(ready, key=lambda item: item[:2])
         try:
             if frames:
                 start, end = u.decoded, u.decoded + frames
@@ -173,8 +179,6 @@ class HfCode2WavEngine(StageEngine):
             log.exception("code2wav failed for %s", u.request_id)
             del self._utterances[u.request_id]
             return [StepOutput.failed(u.request_id, f"code2wav: {type(exc).__name__}: {exc}")]
-        # Round robin between streamed utterances: the one just served goes to the back.
-        self._utterances.move_to_end(u.request_id)
         chunk = (AudioOutput(u.request_id, piece, SAMPLE_RATE)
                  if u.stream and piece is not None and piece.numel() else None)
         if not (u.final and u.decoded == u.frames):
