@@ -47,8 +47,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          write_wav(args.output, result.audio, result.sample_rate))
     if args.timeline:
         from ..bench.timeline import plot_timeline
-        plot_timeline(result.metrics, args.timeline,
-                      title=f"{result.request_id}: {Path(args.stage_configs_path or '').name or 'default config'}")
+        from ..paths import default_stage_config
+        config = Path(args.stage_configs_path or default_stage_config()).name
+        plot_timeline(result.metrics, args.timeline, title=f"one request, {config}")
     if args.json:
         print(json.dumps({
             "request_id": result.request_id,
