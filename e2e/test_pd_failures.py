@@ -73,8 +73,9 @@ def test_client_gone_mid_stream_stops_every_stage(small_decode_pool):
     seen, error = _stream_until(omni, "Hi", stop_after_audio=1)
     assert seen == 1 and error is None
     _clean(omni)  # talker and code2wav dropped it at once, and the KV lease is released
-    # The talker stopped long before its last frame: it was aborted, not left to finish.
-    assert omni.control(talker, "batch_stats")["decode_rows"] - rows_before < max_frames // 2
+    # The talker stopped well before its last frame: it was aborted, not left to finish (13 of 63
+    # frames on an idle machine; the margin is for a loaded one).
+    assert omni.control(talker, "batch_stats")["decode_rows"] - rows_before < max_frames * 3 // 4
     assert omni.generate("ok")[0].audio.numel() > 0
 
 
