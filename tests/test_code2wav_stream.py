@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from omni_pd.engines.hf.code2wav_engine import HfCode2WavEngine
-from omni_pd.engines.hf.code2wav_exact import Code2WavStream, ExactCode2Wav, tiled_linear
+from omni_pd.engines.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
+                                               tiled_linear)
 from omni_pd.engines.types import AudioOutput, Code2WavPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -120,6 +121,23 @@ def test_tiled_linear_rows_do_not_depend_on_length_or_offset(tiny_model):
         for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 2999)]:
             assert torch.equal(tiled_linear(rows[start:start + count], weight),
                                full[start:start + count]), (out_features, in_features, start, count)
+
+
+def test_column_product_columns_do_not_depend_on_length_or_offset(tiny_model):
+    """The same premise for the decoder's channel-major convolutions, per tap weight shape."""
+    shapes = {(m.weight.shape[0], m.weight.shape[1]) for m in tiny_model.code2wav.decoder.modules()
+              if isinstance(m, torch.nn.Conv1d) and m.groups == 1}
+    for m in tiny_model.code2wav.decoder.modules():  # the transposed convs: [out * kernel, in]
+        if isinstance(m, torch.nn.ConvTranspose1d):
+            shapes.add((m.weight.shape[1] * m.weight.shape[2], m.weight.shape[0]))
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in sorted(shapes):
+        weight = torch.randn(out_features, in_features, generator=generator)
+        columns = torch.randn(in_features, 5000, generator=generator)
+        full = column_product(weight, columns)
+        for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 4999)]:
+            assert torch.equal(column_product(weight, columns[:, start:start + count]),
+                               full[:, start:start + count]), (out_features, in_features, start, count)
 
 
 # -- the engine ---------------------------------------------------------------------------------

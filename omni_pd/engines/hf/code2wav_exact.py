@@ -1,24 +1,26 @@
 """code2wav computed so that a sample's value does not depend on how many frames were decoded.
 
-Streaming speech decodes codec frames in chunks, each with some frames of left context, and the
-chunks must add up to the waveform of the whole utterance bit for bit. Qwen3-Omni's code2wav is
-causal (sliding-window attention, left-padded convolutions), so with enough left context the
-samples of a chunk depend on the same frames as in the whole decode; but on CPU the stock
-kernels do not compute them the same way: `F.linear` and `conv1d` pick kernels and blockings by
-the length of the input, and rotary embeddings start at position 0 for every call. This module
-runs the same weights with every length-dependent op replaced:
+Streaming speech decodes codec frames in chunks, and the chunks must add up to the waveform of the
+whole utterance bit for bit. Qwen3-Omni's code2wav is causal (sliding-window attention,
+left-padded convolutions), so a chunk's samples depend on the same inputs as in the whole decode;
+but on CPU the stock kernels do not compute them the same way: `F.linear` and `conv1d` pick
+kernels and blockings by the length of the input, and rotary embeddings start at position 0 for
+every call. This module runs the same weights with every length-dependent op replaced:
 
-- linear layers and convolutions are plain matrix products over time steps, never fewer than
-  `MIN_ROWS` rows and never a single output column (a convolution adds its taps' products into
-  one output in tap order), so a time step's result comes from the same kernel and the same reduction order
-  whatever the length (`tiled_linear`);
+- the pre-transformer's and upsampler's linear layers are matrix products over time-major rows
+  (`tiled_linear`), the decoder's convolutions products over channel-major columns, time being
+  the long side (`column_product`; a convolution adds its taps' products into one output in tap
+  order); never fewer than `MIN_ROWS` time steps nor a single output, so a time step's result
+  comes from the same kernel and reduction order whatever the length or its position. For the
+  few channels of the last decoder layers this is also faster than oneDNN's convolution;
 - attention is computed per query over exactly its window of `sliding_window` keys, with the
   rotary angle of the frame's position in the utterance;
 - everything else is per element or per time step already.
 
-A streamed utterance carries the pre-transformer's sliding window from chunk to chunk (its keys
-and values, as a KV cache) and re-decodes only the convolutional decoder's receptive field (about
-10 frames) as left context, not the pre-transformer's (71 frames for the shipped configs).
+A streamed utterance carries every layer's state from chunk to chunk (`Code2WavStream`: the
+pre-transformer's keys and values, each convolution's input tail), so each sample is computed
+once; or, with a left context, the decoder re-runs its receptive field (10 frames for the
+shipped configs) before each chunk, vllm-omni's way.
 
 The result differs from transformers' forward in the last bits only (a test bounds it), and the
 chunks add up to the whole decode exactly (tests/test_code2wav_stream.py).
@@ -51,6 +53,20 @@ def tiled_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bias = None if bias is None else torch.cat([bias, bias.new_zeros(1)])
     out = F.linear(rows, weight, bias)
     return out[:count, :outputs]
+
+
+def column_product(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """`weight @ columns` for weight [M, K] and columns [K, N] (channel-major time steps),
+    computed so that a column's result does not depend on N or on its position: as with
+    `tiled_linear`, at least `MIN_ROWS` columns and two output rows (measured on this CPU;
+    tests/test_code2wav_stream.py guards the model's shapes)."""
+    count = columns.shape[1]
+    rows = weight.shape[0]
+    if count < MIN_ROWS:
+        columns = torch.cat([columns, columns.new_zeros((columns.shape[0], MIN_ROWS - count))], dim=1)
+    if rows == 1:
+        weight = torch.cat([weight, weight.new_zeros(weight.shape)])
+    return torch.mm(weight, columns)[:rows, :count]
 
 
 @dataclass(frozen=True)
@@ -171,20 +187,21 @@ class ExactCode2Wav:
         """Upsampling and the convolutional decoder; `carry` (a stream's) holds each
         convolution's input tail from the previous chunk, None: zeros before the first frame."""
         m = self.m
-        x = hidden  # time-major [T, C] from here on
+        x = hidden  # time-major [T, C] through the upsampling
         for transposed, convnext in m.upsample:
             x = self._upsample(transposed.conv, x)
             x = self._convnext(convnext, x, carry)
+        x = x.t().contiguous()  # channel-major [C, T] through the decoder: time is the long side
         decoder = list(m.decoder)
-        x = self._causal_conv(decoder[0], x, carry)
+        x = self._conv(decoder[0], x, carry)
         for block in decoder[1:-2]:
             snake, transposed, *residuals = block.block
             x = self._transposed(transposed, self._snake(snake, x), carry)
             for unit in residuals:
-                y = self._causal_conv(unit.conv1, self._snake(unit.act1, x), carry)
-                y = self._causal_conv(unit.conv2, self._snake(unit.act2, y), carry)
+                y = self._conv(unit.conv1, self._snake(unit.act1, x), carry)
+                y = self._conv(unit.conv2, self._snake(unit.act2, y), carry)
                 x = x + y
-        x = self._causal_conv(decoder[-1], self._snake(decoder[-2], x), carry)
+        x = self._conv(decoder[-1], self._snake(decoder[-2], x), carry)
         return x.reshape(-1).clamp(min=-1, max=1)
 
     def _transformer(self, x: torch.Tensor, first_frame: int,
@@ -251,63 +268,75 @@ class ExactCode2Wav:
     @staticmethod
     def _transposed(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         """Qwen3-Omni's causal transposed conv (kernel 2s, stride s, s samples trimmed on each
-        side): output step t*s + k is input t's first half plus input t-1's second half. The
-        utterance's first input makes no output of its own (trimmed); a later chunk's first
-        input pairs with the previous chunk's last (carried)."""
+        side), channel-major: output step t*s + k is input t's first half plus input t-1's second
+        half. The utterance's first input makes no output of its own (trimmed); a later chunk's
+        first input pairs with the previous chunk's last (carried)."""
         conv = module.conv
         c_in, c_out, kernel = conv.weight.shape
         stride = conv.stride[0]
         assert kernel == 2 * stride and module.left_pad == stride == module.right_pad
         weight = conv.weight.permute(1, 2, 0).reshape(c_out * kernel, c_in)
-        y = tiled_linear(x, weight).view(-1, c_out, kernel)
+        y = column_product(weight, x).view(c_out, kernel, -1)
+        first, second = y[:, :stride], y[:, stride:]
         previous = carry.get(module) if carry is not None else None
         if previous is None:
-            out = y[1:, :, :stride] + y[:-1, :, stride:] + conv.bias.view(1, c_out, 1)
+            out = first[:, :, 1:] + second[:, :, :-1] + conv.bias.view(c_out, 1, 1)
         else:
-            out = y[:, :, :stride] + torch.cat([previous, y[:-1, :, stride:]]) + conv.bias.view(1, c_out, 1)
+            out = first + torch.cat([previous, second[:, :, :-1]], dim=2) + conv.bias.view(c_out, 1, 1)
         if carry is not None:
-            carry[module] = y[-1:, :, stride:]
-        return out.permute(0, 2, 1).reshape(-1, c_out)
+            carry[module] = second[:, :, -1:]
+        return out.permute(0, 2, 1).reshape(c_out, -1)  # [c_out, steps * stride]
 
     @staticmethod
-    def _causal_conv(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
-        """A left-padded stride-1 conv, time-major: the bias, then each tap's product added in
-        tap order into the same output (`addmm_`: each tap reads a row slice of the padded
-        input); depthwise, the taps' products summed in tap order. The padding is zeros before
-        the utterance's first frame, else the carried tail of the previous chunk's input."""
+    def _conv(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
+        """A left-padded stride-1 conv, channel-major: the bias, then each tap's product added in
+        tap order into the same output (`addmm_`, each tap reading a shifted slice of the padded
+        input). The padding is zeros before the utterance's first frame, else the carried tail of
+        the previous chunk's input."""
         conv = module.conv
-        assert conv.stride[0] == 1
-        c_out, c_in_per_group, kernel = conv.weight.shape
+        assert conv.stride[0] == 1 and conv.groups == 1
+        c_out, _, kernel = conv.weight.shape
+        dilation = conv.dilation[0]
+        channels, steps = x.shape
+        halo = (kernel - 1) * dilation
+        previous = carry.get(module) if carry is not None else None
+        columns = max(steps, MIN_ROWS)  # see column_product
+        padded = x.new_zeros((channels, halo + columns))
+        if previous is not None:
+            padded[:, :halo] = previous
+        padded[:, halo:halo + steps] = x
+        if carry is not None and halo:
+            carry[module] = padded[:, steps:halo + steps].clone()  # the last `halo` inputs
+        width = max(c_out, 2)
+        weight = conv.weight if c_out == width else torch.cat([conv.weight, torch.zeros_like(conv.weight)])
+        bias = conv.bias if c_out == width else torch.cat([conv.bias, conv.bias.new_zeros(1)])
+        out = bias.unsqueeze(1).expand(width, columns).contiguous()
+        for tap in range(kernel):
+            out.addmm_(weight[:, :, tap], padded[:, tap * dilation: tap * dilation + columns])
+        return out[:c_out, :steps]
+
+    @staticmethod
+    def _depthwise(module, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
+        """A left-padded depthwise conv, time-major: the taps' products summed in tap order."""
+        conv = module.conv
+        c_out, _, kernel = conv.weight.shape
+        assert conv.stride[0] == 1 and conv.groups == c_out == x.shape[1]
         dilation = conv.dilation[0]
         steps, channels = x.shape
         halo = (kernel - 1) * dilation
         previous = carry.get(module) if carry is not None else None
         if previous is None:
             previous = x.new_zeros((halo, channels))
+        padded = torch.cat([previous, x])
         if carry is not None and halo:
-            carry[module] = torch.cat([previous, x])[-halo:]
-        if conv.groups == c_out == channels and c_in_per_group == 1 and kernel > 1:  # depthwise
-            padded = torch.cat([previous, x])
-            out = padded[:steps] * conv.weight[:, 0, 0]
-            for tap in range(1, kernel):
-                out += padded[tap * dilation: tap * dilation + steps] * conv.weight[:, 0, tap]
-            return out + conv.bias
-        if conv.groups != 1:
-            raise NotImplementedError(f"grouped conv with {conv.groups} groups")
-        rows = max(steps, MIN_ROWS)  # see tiled_linear: never fewer rows, never one output
-        width = max(c_out, 2)
-        padded = x.new_zeros((rows + halo, channels))
-        padded[:halo] = previous
-        padded[halo:halo + steps] = x
-        weight = conv.weight if c_out == width else torch.cat([conv.weight, torch.zeros_like(conv.weight)])
-        bias = conv.bias if c_out == width else torch.cat([conv.bias, conv.bias.new_zeros(1)])
-        out = bias.expand(rows, width).contiguous()
-        for tap in range(kernel):
-            out.addmm_(padded[tap * dilation: tap * dilation + rows], weight[:, :, tap].t())
-        return out[:steps, :c_out]
+            carry[module] = padded[-halo:]
+        out = padded[:steps] * conv.weight[:, 0, 0]
+        for tap in range(1, kernel):
+            out += padded[tap * dilation: tap * dilation + steps] * conv.weight[:, 0, tap]
+        return out + conv.bias
 
     def _convnext(self, block, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
-        h = self._causal_conv(block.dwconv, x, carry)
+        h = self._depthwise(block.dwconv, x, carry)
         h = block.norm(h)
         h = tiled_linear(block.act(tiled_linear(h, block.pwconv1.weight, block.pwconv1.bias)),
                          block.pwconv2.weight, block.pwconv2.bias)
@@ -315,8 +344,9 @@ class ExactCode2Wav:
 
     @staticmethod
     def _snake(module, x: torch.Tensor) -> torch.Tensor:
-        alpha = torch.exp(module.alpha)
-        beta = torch.exp(module.beta)
+        """SnakeBeta on channel-major x [C, T]."""
+        alpha = torch.exp(module.alpha).unsqueeze(1)
+        beta = torch.exp(module.beta).unsqueeze(1)
         return x + (1.0 / (beta + module.no_div_by_zero)) * torch.pow(torch.sin(x * alpha), 2)
 
 
