@@ -76,9 +76,11 @@ class StageEngine(ABC):
 
     @abstractmethod
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    stream: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False) -> None:
         """Queue a request built for this stage. Raises ValueError, with a message naming what to
-        change, for a request this engine can never run; `stream` asks for token deltas."""
+        change, for a request this engine can never run. `stream` asks for token deltas (a text
+        stage) or chunks (a stage whose only streamed output is chunks); `chunks` asks a text
+        stage for its chunks too (a downstream stage is fed while it runs)."""
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         """More input for a request whose prompt said more would follow (streaming between

@@ -35,7 +35,8 @@ class AddRequest:
     request_id: str
     prompt: Any
     params: SamplingParams
-    stream: bool = False  # send TokenDelta messages while generating
+    stream: bool = False  # send TokenDelta / ChunkOutput messages while generating
+    chunks: bool = False  # a text stage sends ChunkOutputs too (a downstream stage is fed by them)
 
 
 @dataclass

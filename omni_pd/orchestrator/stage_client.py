@@ -224,7 +224,8 @@ class StageClient:
             self._waiters[request_id] = waiter
             try:
                 self._send_locked(msg.AddRequest(request_id, prompt, params,
-                                                 stream=on_tokens is not None or on_chunk is not None))
+                                                 stream=on_tokens is not None or on_chunk is not None,
+                                                 chunks=on_chunk is not None))
             except BaseException:
                 del self._waiters[request_id]
                 raise

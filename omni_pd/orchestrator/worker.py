@@ -90,7 +90,8 @@ class _Loop:
         engine = self.engine
         if isinstance(message, msg.AddRequest):
             try:
-                engine.add_request(message.request_id, message.prompt, message.params, message.stream)
+                engine.add_request(message.request_id, message.prompt, message.params, message.stream,
+                                   message.chunks)
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
                 self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))

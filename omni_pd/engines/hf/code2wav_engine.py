@@ -107,11 +107,12 @@ class HfCode2WavEngine(StageEngine):
         return codes.to(torch.long)
 
     def add_request(self, request_id: str, prompt: Code2WavPrompt, params: SamplingParams,
-                    stream: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False) -> None:
         if request_id in self._utterances:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         codes = self._check_codes(request_id, prompt.codes)
-        self._utterances[request_id] = _Utterance(request_id, codes, final=prompt.final, stream=stream)
+        self._utterances[request_id] = _Utterance(request_id, codes, final=prompt.final,
+                                                  stream=stream or chunks)
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         utterance = self._utterances.get(request_id)

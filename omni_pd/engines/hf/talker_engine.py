@@ -52,7 +52,7 @@ class HfTalkerEngine(StageEngine):
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
-                    stream: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False) -> None:
         """Validate and queue. With `stream`, each step's new codec frames leave as that step's
         chunk (for a code2wav fed while the talker runs); the final output has them all."""
         if request_id in self.waiting or request_id in self.running:
@@ -75,7 +75,7 @@ class HfTalkerEngine(StageEngine):
                 f"stage's max_num_batched_tokens ({self.max_num_batched_tokens}); raise "
                 f"max_num_batched_tokens or shorten the conversation")
         state = self.core.new_state(request_id, inputs, params)
-        state.stream = bool(stream)
+        state.stream = bool(stream or chunks)
         if not prompt.final:
             state.thinker_so_far, state.trailing_complete = prompt, False
         self.waiting[request_id] = state

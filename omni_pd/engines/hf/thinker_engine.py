@@ -69,6 +69,7 @@ class ThinkerRequest:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
+    chunks: bool = False  # send ThinkerChunks (a talker runs alongside), not only token deltas
     rows_streamed: int = 0  # output rows already sent in chunks
     chunks_sent: int = 0
     rope_deltas: int = 0
@@ -123,10 +124,10 @@ class _ThinkerEngine(StageEngine):
 
     # ---- the request lifecycle ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
-                    stream: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
-        request = ThinkerRequest(request_id, prompt, params, stream)
+        request = ThinkerRequest(request_id, prompt, params, stream or chunks, chunks=chunks)
         if request.prompt_len == 0:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         if self.prefill_costs_tokens and request.prompt_len > self.max_num_batched_tokens:
@@ -259,6 +260,8 @@ class _ThinkerEngine(StageEngine):
             return StepOutput(request.request_id, finished=finished, output=output)
         new = request.tokens[request.streamed:]
         request.streamed = len(request.tokens)
+        if not request.chunks:
+            return StepOutput(request.request_id, new_token_ids=new, finished=finished, output=output)
         rows = request.output_embeds[request.rows_streamed:]
         width = self.runner.text_config.hidden_size
         first = request.chunks_sent == 0
