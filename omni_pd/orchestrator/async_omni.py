@@ -374,8 +374,6 @@ class AsyncOmni:
             if sid == group[0]:
                 output = await self._run_stage(state, sid, thinker_prompt, deadline, on_text,
                                                on_chunk=forward(sid))
-                if self.pd_pair and sid == self.pd_pair.decode_stage_id:
-                    await self._release_kv(state)  # the decode leg has its copy
             else:
                 await opened[sid]
                 began = time.perf_counter()
@@ -388,6 +386,8 @@ class AsyncOmni:
             if target is not None:  # the source is done: its consumer gets its last input
                 feeders[target].close(output)
                 pump(target)
+            if self.pd_pair and sid == self.pd_pair.decode_stage_id:
+                await self._release_kv(state)  # the decode leg has its copy; after the hand-on
 
         tasks = {asyncio.create_task(run(sid)): sid for sid in group}
         state.active_stages.update(group)
