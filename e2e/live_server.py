@@ -48,13 +48,19 @@ class Server:
     """Starts `command(port)` (default: `omni-pd serve` on the tiny P/D config) and waits until
     GET /health answers 200."""
 
-    def __init__(self, command=omni_pd_serve_command, env: dict[str, str] | None = None):
+    def __init__(self, command=omni_pd_serve_command, env: dict[str, str] | None = None,
+                 api_key: str | None = None):
+        """`api_key`: started with OMNI_PD_API_KEY set to it; `client` and `headers` send it."""
         self.port = free_port()
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        env = {**(env or {}), **({"OMNI_PD_API_KEY": api_key} if api_key else {})}
         self.base = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix=f"omni-pd-server-{self.port}-", suffix=".log")
         self.log = os.fdopen(fd, "w")
         self.proc = subprocess.Popen(command(self.port), stdout=self.log, stderr=self.log,
-                                     env={**os.environ, "MC_LOG_LEVEL": "ERROR", **(env or {})})
+                                     env={**{k: v for k, v in os.environ.items()
+                                             if k != "OMNI_PD_API_KEY"},
+                                          "MC_LOG_LEVEL": "ERROR", **env})
 
         def healthy():
             try:
@@ -67,8 +73,8 @@ class Server:
         except BaseException:
             self.stop()
             raise
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0,
-                                    timeout=120)
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=api_key or "unused",
+                                    max_retries=0, timeout=120)
 
     def log_text(self) -> str:
         self.log.flush()

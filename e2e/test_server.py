@@ -1,8 +1,12 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
 import base64
 import io
+import json
 import os
+import re
 import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,11 +24,12 @@ from omni_pd.paths import default_stage_config
 from omni_pd.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
+API_KEY = "sk-omni-pd-test"  # the module's server requires it (OMNI_PD_API_KEY); its client sends it
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server()
+    srv = Server(api_key=API_KEY)
     try:
         yield srv
     finally:
@@ -197,11 +202,151 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     assert _chat(server, "still there?", max_tokens=2).choices[0].message.content is not None
 
 
+def _post(server, body: bytes, content_type="application/json", timeout=60) -> httpx.Response:
+    return httpx.post(f"{server.base}/v1/chat/completions", content=body, timeout=timeout,
+                      headers={**server.headers, "content-type": content_type})
+
+
+def _openai_error(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def _counter(server, outcome: str) -> float:
+    found = re.search(rf'^omni_pd_requests_total{{outcome="{outcome}"}} (\S+)$',
+                      httpx.get(f"{server.base}/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_malformed_json_is_a_400(server):
-    response = httpx.post(f"{server.base}/v1/chat/completions", content=b"{not json",
-                          headers={"content-type": "application/json"})
+    response = _post(server, b"{not json")
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "invalid_json"
+    assert _openai_error(response)["code"] == "invalid_json"
+
+
+# Bodies as a hostile client writes them (raw bytes: a lone surrogate cannot go through a JSON
+# encoder). Each is a 400 in OpenAI's shape naming the field; none reaches a stage.
+OK_MESSAGES = '"messages": [{"role": "user", "content": "hi"}]'
+HOSTILE_BODIES = {
+    "null_audio": ('{"model": "%s", "messages": [{"role": "user", "content": [{"type": "input_audio", '
+                   '"input_audio": {"data": null, "format": "wav"}}]}]}',
+                   "messages[0].content[0].input_audio.data"),
+    "lone_surrogate": ('{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                       "messages[0].content"),
+    "nan_temperature": ('{"model": "%s", ' + OK_MESSAGES + ', "temperature": NaN}', "temperature"),
+    "tools": ('{"model": "%s", ' + OK_MESSAGES + ', "tools": [{"type": "function", "function": '
+              '{"name": "get_weather", "parameters": {}}}]}', "tools"),
+    "logprobs": ('{"model": "%s", ' + OK_MESSAGES + ', "logprobs": true, "top_logprobs": 2}',
+                 "logprobs"),
+    "n": ('{"model": "%s", ' + OK_MESSAGES + ', "n": 2}', "n"),
+    "wrong_type": ('{"model": "%s", ' + OK_MESSAGES + ', "max_tokens": "ten"}', "max_tokens"),
+    "wrong_nested_type": ('{"model": "%s", "messages": [{"role": "user", "content": 5}]}',
+                          "messages[0].content"),
+    "not_an_object": ('["%s"]', None),
+    "missing_messages": ('{"model": "%s"}', "messages"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_BODIES)
+def test_hostile_bodies_are_400s_naming_the_field(server, case):
+    template, param = HOSTILE_BODIES[case]
+    response = _post(server, (template % MODEL).encode())
+    assert response.status_code == 400, response.text
+    error = _openai_error(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    if case in ("tools", "logprobs", "n"):
+        assert f"omni-pd does not support `{case}`" in error["message"]
+        assert error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("case", ["invalid_utf8", "empty", "text_plain", "unknown_url"])
+def test_every_body_and_route_error_is_in_openai_shape(server, case):
+    if case == "invalid_utf8":
+        response = _post(server, b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}')
+    elif case == "empty":
+        response = _post(server, b"")
+    elif case == "text_plain":
+        response = _post(server, json.dumps({"model": MODEL}).encode(), content_type="text/plain")
+    else:
+        response = httpx.post(f"{server.base}/v1/chat/complete", json={}, headers=server.headers)
+    assert response.status_code == (404 if case == "unknown_url" else 400)
+    error = _openai_error(response)
+    if case == "text_plain":
+        assert "Content-Type: application/json" in error["message"]
+
+
+def test_a_tiny_temperature_is_greedy_not_a_crash(server):
+    greedy = _chat(server, "Tell me about the sea.", max_tokens=8, temperature=0)
+    tiny = _chat(server, "Tell me about the sea.", max_tokens=8, temperature=1e-300)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert tiny.usage.completion_tokens == 8
+
+
+def test_api_key_guards_v1_but_not_health_or_metrics(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+            response = httpx.request(method, f"{server.base}{path}", headers=headers, json={})
+            assert response.status_code == 401, (headers, path)
+            assert _openai_error(response)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert httpx.get(f"{server.base}/metrics").status_code == 200
+    # The right key: the module's client sends it (every other test here), and so does a header.
+    assert httpx.get(f"{server.base}/v1/models", headers=server.headers).status_code == 200
+
+
+def _health_while(server, action) -> tuple[object, float, int]:
+    """`action()`'s result, and the slowest of the GET /health answers polled meanwhile (each
+    must be 200) and how many there were."""
+    slowest, polls, done = 0.0, 0, threading.Event()
+    result = {}
+
+    def run():
+        try:
+            result["value"] = action()
+        finally:
+            done.set()
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not done.is_set():
+        start = time.monotonic()
+        assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
+        slowest, polls = max(slowest, time.monotonic() - start), polls + 1
+        time.sleep(0.02)
+    thread.join()
+    return result.get("value"), slowest, polls
+
+
+def test_a_body_over_the_limit_is_a_413_at_once_and_health_keeps_answering(server):
+    big = b'{"model": "%s", "messages": [], "pad": "' % MODEL.encode() + b"a" * (40 << 20) + b'"}'
+
+    def chunked():  # no Content-Length: the server counts the body as it comes
+        for start in range(0, len(big), 1 << 20):
+            yield big[start:start + (1 << 20)]
+            time.sleep(0.005)
+    for body in (big, chunked):
+        start = time.monotonic()
+        response, slowest, polls = _health_while(
+            server, lambda: _post(server, big if body is big else chunked()))
+        assert response.status_code == 413, response.text[:200]
+        error = _openai_error(response)
+        assert error["code"] == "request_too_large" and "--max-request-bytes" in error["message"]
+        assert time.monotonic() - start < 10 and slowest < 1.0, (time.monotonic() - start, slowest)
+    assert polls > 0
+    assert _chat(server, "still there?", max_tokens=2).choices[0].message.content is not None
+
+
+def test_a_huge_prompt_is_refused_without_stalling_the_server(server):
+    """A 15 MB text took 20 s to tokenize on the event loop, and /health waited as long: now its
+    length is checked off the loop, on a bounded prefix."""
+    body = json.dumps({"model": MODEL, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "z " * 7_500_000}]}).encode()
+    start = time.monotonic()
+    response, slowest, _ = _health_while(server, lambda: _post(server, body))
+    assert response.status_code == 400 and _openai_error(response)["code"] == "context_length_exceeded"
+    assert time.monotonic() - start < 5 and slowest < 1.0, (time.monotonic() - start, slowest)
 
 
 def test_eight_concurrent_requests_equal_offline(server, offline):
@@ -213,14 +358,28 @@ def test_eight_concurrent_requests_equal_offline(server, offline):
 
 
 def test_client_disconnect_mid_stream_frees_the_request(server):
-    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "stream": True, "max_tokens": 2000, "temperature": 0,
-            "messages": [{"role": "user", "content": "a long answer please"}]}) as response:
+    aborted = _counter(server, "aborted")
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=60, headers=server.headers,
+                      json={"model": MODEL, "stream": True, "max_tokens": 2000, "temperature": 0,
+                            "messages": [{"role": "user", "content": "a long answer please"}]}
+                      ) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
     # The connection is closed; the no_leaks fixture waits for every count to return to zero.
+    wait_for(lambda: _counter(server, "aborted") == aborted + 1, 30, "the abort to be counted")
     assert _chat(server, "next", max_tokens=2).choices[0].message.content is not None
+
+
+def test_client_gone_before_a_non_streamed_answer_aborts_and_counts_it(server):
+    aborted, success = _counter(server, "aborted"), _counter(server, "success")
+    start = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # 2000 tokens take far longer than the client waits
+        _post(server, json.dumps({"model": MODEL, "max_tokens": 2000, "temperature": 0, "messages": [
+            {"role": "user", "content": "a long answer please"}]}).encode(), timeout=1.0)
+    # Aborted in every stage (no_leaks checks the counts) well before 2000 tokens would be done.
+    wait_for(lambda: _counter(server, "aborted") == aborted + 1, 30, "the abort to be counted")
+    assert time.monotonic() - start < 10 and _counter(server, "success") == success
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])

@@ -36,12 +36,13 @@ def _stage(stage_id: int, kind: str) -> SimpleNamespace:
 class ScriptedOmni:
     """What the server reads of an AsyncOmni, answering every request with SCRIPT."""
 
-    text_stage_id, pd_pair = 0, None
+    text_stage_id, pd_pair, max_model_len = 0, None, 4096
 
     def __init__(self) -> None:
         self.stages = {0: _stage(0, "text"), 1: _stage(1, "audio")}
         self.config = SimpleNamespace(stages=list(self.stages.values()))
-        self.pipeline = SimpleNamespace(voices=("ethan",))
+        self.pipeline = SimpleNamespace(voices=("ethan",), normalize_prompt=lambda prompt: prompt,
+                                        build_prompt=lambda _: SimpleNamespace(prompt_token_ids=[1, 2]))
         self.clients = {0: None, 1: None}
 
     def output(self) -> OmniRequestOutput:

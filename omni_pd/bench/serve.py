@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -135,7 +136,9 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
     from .load import PROMPTS, run_level, stream_one
     from .stats import summarize_level
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused",
+    # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
+    client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1",
+                                api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
                                 max_retries=0, timeout=args.request_timeout)
     rows = []
     try:

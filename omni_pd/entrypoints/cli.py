@@ -5,11 +5,13 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
+from .openai.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from ..orchestrator.omni import Omni
@@ -145,7 +147,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(lambda: AsyncOmni(model, args.stage_configs_path,
                                        request_timeout_s=args.request_timeout),
                      served, enable_debug_endpoints=args.enable_debug_endpoints,
-                     on_startup_failure=fail_startup)
+                     on_startup_failure=fail_startup, api_key=args.api_key or None,
+                     max_request_bytes=args.max_request_bytes or None)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
     holder["server"] = server
@@ -174,6 +177,13 @@ def _cmd_vllm_shim(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _byte_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give a byte count, or 0 for no limit")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request may take before it fails with 504")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="expose GET /debug/state (per-request state counts, worker pids)")
+    serve.add_argument("--api-key", default=os.environ.get("OMNI_PD_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every /v1/* endpoint (401 "
+                       "without it); /health and /metrics stay open (default: $OMNI_PD_API_KEY, "
+                       "else no key)")
+    serve.add_argument("--max-request-bytes", type=_byte_count, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="refuse request bodies larger than this with 413, before reading "
+                       f"them (default: {DEFAULT_MAX_REQUEST_BYTES} = "
+                       f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB; 0: no limit)")
     serve.set_defaults(func=_cmd_serve)
 
     from ..bench.serve import add_arguments as add_bench_serve_arguments

@@ -1,5 +1,10 @@
 """OpenAI-compatible HTTP server over `AsyncOmni`: /v1/chat/completions (text and speech,
-streaming or not), /v1/models, /health, /metrics."""
+streaming or not), /v1/models, /health, /metrics.
+
+Hostile input: bodies over `max_request_bytes` are refused (413) before they are read, /v1/* needs
+`Authorization: Bearer <api_key>` when a key is set (401), every other problem is a 400 in
+OpenAI's error shape naming the field, and the CPU work a request brings (decoding its audio,
+tokenizing its text) runs off the event loop, so one request cannot stall the others."""
 from __future__ import annotations
 
 import asyncio
@@ -17,21 +22,121 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
 from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PromptTooLong,
                                         RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.stage_client import StageError, StageTimeout
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
 from .translate import TranslatedRequest, translate
 
 log = logging.getLogger(__name__)
 AUDIO_EXPIRES_S = 3600  # `expires_at`: OpenAI's audio ids expire; omni-pd keeps no audio at all
+CHAT_PATH = "/v1/chat/completions"
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body.model_dump(), status_code=error.status)
+class _ErrorJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # ASCII: an error quoting a client's invalid text (a lone surrogate) still encodes.
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return _ErrorJSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_path(loc: tuple) -> str | None:
+    """pydantic's ("body", "messages", 0, "content") -> "messages[0].content", as translate names
+    fields."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part:  # which member of a union failed, not a field
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware that refuses, before the app reads a byte of the body: /v1/* requests
+    without `Authorization: Bearer <api_key>` (401; /health and /metrics stay open, as in vLLM),
+    and bodies over `max_request_bytes` (413), by their Content-Length or, without one, by
+    counting the body as it streams in."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    def _authorized(self, headers: Headers) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                     self.api_key)
+
+    def _too_large(self) -> JSONResponse:
+        limit = self.max_request_bytes
+        return _error_response(APIError(
+            413, f"the request body is over this server's limit of {limit} bytes "
+            f"({limit / 2**20:g} MiB); send less (a shorter audio clip, or FLAC / OGG instead of "
+            "WAV), or start the server with a larger --max-request-bytes",
+            code="request_too_large"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if (self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
+                and not self._authorized(headers)):
+            response = _error_response(APIError(
+                401, "missing or incorrect API key: send the header `Authorization: Bearer <key>` "
+                "with the key the server was started with (--api-key or OMNI_PD_API_KEY)",
+                code="invalid_api_key"), headers={"www-authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        limit = self.max_request_bytes
+        if not limit:
+            return await self.app(scope, receive, send)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            return await self._too_large()(scope, receive, send)
+        received, refused, started = 0, False, False
+
+        async def counted_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    refused = True
+                    if not started:
+                        await self._too_large()(scope, receive, send)
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 is the answer; the app's own (to the error it got) is dropped
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
 
 
 def wav_base64(audio, sample_rate: int) -> str:
@@ -55,8 +160,63 @@ class ServerState:
         self.metrics = ServerMetrics()
 
 
+# Text longer than this many characters per token of context is tokenized only up to that many
+# characters at first: more tokens than the context there already refuses the request, after a
+# bounded amount of work (tokenizing the 16 MiB a body may hold takes about 20 s of CPU).
+PREFIX_CHARS_PER_TOKEN = 64
+
+
+def _texts(prompt: dict[str, Any]) -> list[str]:
+    out = []
+    for message in prompt["messages"]:
+        content = message["content"]
+        if isinstance(content, str):
+            out.append(content)
+        else:
+            out.extend(part["text"] for part in content if part["type"] == "text")
+    return out
+
+
+def _prompt_too_long(prompt_len: int, max_tokens: int, max_model_len: int,
+                     at_least: bool = False) -> PromptTooLong:
+    return PromptTooLong(f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks "
+                         f"for up to {max_tokens} more, over this model's context of "
+                         f"{max_model_len} tokens; shorten the messages or lower max_tokens")
+
+
+def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str) -> TranslatedRequest:
+    """The request translated (its audio decoded) and its prompt's length checked: CPU work that
+    runs in a thread, off the event loop. The orchestrator builds the prompt again on the event
+    loop, which is quick once the prompt is known to fit the context: a 20 MB text took 26 s to
+    tokenize there, and the server answered nothing meanwhile, /health included."""
+    thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
+    request = translate(body, thinker_defaults, served_model)
+    max_tokens, context = request.thinker_params.max_tokens, omni.max_model_len
+    texts, cap = _texts(request.prompt), PREFIX_CHARS_PER_TOKEN * context
+    if sum(map(len, texts)) > cap:
+        # Each text tokenized on its own: in the prompt it is at most a token shorter at either
+        # end (where it merges with the chat template's text around it).
+        lower_bound = 0
+        for text in texts:
+            lower_bound += len(omni.tokenizer.encode(text[:cap], add_special_tokens=False)) - 2
+            if lower_bound + max_tokens > context:
+                raise _prompt_too_long(lower_bound, max_tokens, context, at_least=True)
+    pipeline = omni.pipeline
+    prompt_len = len(pipeline.build_prompt(pipeline.normalize_prompt(request.prompt)).prompt_token_ids)
+    if prompt_len + max_tokens > context:
+        raise _prompt_too_long(prompt_len, max_tokens, context)
+    return request
+
+
+async def _until_disconnected(http_request: Request) -> None:
+    # After the body, uvicorn's receive() blocks until the client goes (or the answer is sent).
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
-               enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None
+               enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None,
+               api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
                ) -> FastAPI:
     state = ServerState(served_model)
 
@@ -89,20 +249,56 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
 
     app = FastAPI(title="omni-pd", lifespan=lifespan)
     app.state.omni_pd = state
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+
+    def count_bad_request(request: Request) -> None:
+        if request.url.path == CHAT_PATH:
+            state.metrics.requests.labels(outcome="bad_request").inc()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        count_bad_request(request)
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            return _error_response(APIError(400, "the request body is not valid JSON: "
-                                            f"{first.get('msg', '')}", code="invalid_json"))
-        return _error_response(APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid')}",
-                                        param=where))
+        loc, kind = tuple(first.get("loc", ())), first.get("type")
+        if kind == "json_invalid":
+            at = f" at character {loc[1]}" if len(loc) > 1 else ""
+            return _error_response(APIError(
+                400, f"the request body is not valid JSON: {(first.get('ctx') or {}).get('error', '')}"
+                f"{at}", code="invalid_json"))
+        where = _param_path(loc)
+        if where is None and kind == "missing":
+            message = "the request body is missing: send a JSON object with `model` and `messages`"
+        elif where is None:
+            content_type = request.headers.get("content-type", "application/json")
+            message = ("the request body must be a JSON object with `model` and `messages`" +
+                       ("" if "json" in content_type else
+                        f", sent with Content-Type: application/json, not {content_type!r}"))
+        else:
+            message = f"{where}: {first.get('msg', 'invalid')}"
+        return _error_response(APIError(400, message, param=where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and exc.__cause__ is not None:  # the body could not be read
+            count_bad_request(request)
+            message = (f"the request body could not be read as JSON ({type(exc.__cause__).__name__}: "
+                       f"{exc.__cause__}); send a UTF-8 JSON object")
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return _error_response(APIError(exc.status_code, message, type=kind), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):  # Starlette logs it, then re-raises
+        return _error_response(APIError(500, f"{type(exc).__name__}: {exc}",
+                                        type="internal_server_error"))
 
     def ready_omni() -> AsyncOmni:
         if state.omni is None:
@@ -133,14 +329,16 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             omni = ready_omni()
             return {"counts": await omni.debug_state_counts(), "worker_pids": omni.worker_pids}
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         omni = ready_omni()
-        thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
-        if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
-            raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
-                           f"{list(omni.pipeline.voices)}", param="audio.voice")
-        request = translate(body, thinker_defaults, served_model)
+        try:
+            if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
+                raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
+                               f"{list(omni.pipeline.voices)}", param="audio.voice")
+            request = await asyncio.to_thread(_prepare, omni, body, served_model)
+        except BaseException as exc:
+            raise _as_api_error(state, exc) from exc
         params = [request.thinker_params if sid == omni.text_stage_id or
                   (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id) else None
                   for sid in (s.stage_id for s in omni.config.stages)]
@@ -152,12 +350,25 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage)),
                 media_type="text/event-stream")
         state.metrics.in_flight.inc()
+        generation = asyncio.ensure_future(omni.generate(
+            request.prompt, params, request_id=completion_id, modalities=request.modalities))
+        client_gone = asyncio.ensure_future(_until_disconnected(http_request))
         try:
-            output = await omni.generate(request.prompt, params, request_id=completion_id,
-                                         modalities=request.modalities)
+            await asyncio.wait([generation, client_gone], return_when=asyncio.FIRST_COMPLETED)
+            if not generation.done():  # the client left before its answer: free the stages
+                omni.abort(completion_id)
+                await asyncio.wait([generation])
+                if not generation.cancelled():
+                    generation.exception()  # retrieved: an aborted request's error is expected
+                state.metrics.requests.labels(outcome="aborted").inc()
+                return Response(status_code=499)  # nobody is there to read it
+            output = generation.result()
         except BaseException as exc:
+            if not generation.done():  # this handler was cancelled (the server is stopping)
+                omni.abort(completion_id)
             raise _as_api_error(state, exc) from exc
         finally:
+            client_gone.cancel()
             state.metrics.in_flight.dec()
         state.metrics.requests.labels(outcome="success").inc()
         state.metrics.observe(output.metrics)
@@ -225,7 +436,7 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
     audio_id = f"audio-{secrets.token_hex(8)}"
-    untranscribed, audio_sent = "", False
+    untranscribed, audio_sent, counted = "", False, False
     state.metrics.in_flight.inc()
     events = omni.stream(request.prompt, params, request_id=completion_id,
                          modalities=request.modalities)
@@ -255,13 +466,17 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                                 "created": created, "model": state.served_model, "choices": [],
                                 "usage": _usage(output)})
                 state.metrics.requests.labels(outcome="success").inc()
+                counted = True
                 state.metrics.observe(output.metrics)
         yield "data: [DONE]\n\n"
     except Exception as exc:  # headers are sent: report in-band, as vLLM does
+        counted = True
         error = _as_api_error(state, exc)
         body = error.body.model_dump() if isinstance(error, APIError) else {"error": {"message": str(exc)}}
         yield _sse(body)
         yield "data: [DONE]\n\n"
     finally:
+        if not counted:  # the client went (a break above, or this generator cancelled / closed)
+            state.metrics.requests.labels(outcome="aborted").inc()
         await events.aclose()
         state.metrics.in_flight.dec()

@@ -5,6 +5,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# `omni-pd serve --max-request-bytes`'s default. 16 MiB holds a base64 WAV of about 6 minutes of
+# 16 kHz mono 16-bit audio (4 at 24 kHz, 1 at 44.1 kHz stereo), far more as FLAC or OGG; parsing
+# that much JSON takes about 0.1 s.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
 
 class ErrorBody(BaseModel):
     message: str
