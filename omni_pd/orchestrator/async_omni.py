@@ -53,6 +53,12 @@ class RequestTimeout(StageError):
 class PromptTooLong(ValueError):
     """Prompt plus max_tokens exceed the thinker's context."""
 
+    @classmethod
+    def of(cls, prompt_len: int, max_tokens: int, context: int, at_least: bool = False) -> "PromptTooLong":
+        return cls(f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks for up "
+                   f"to {max_tokens} more, over this model's context of {context} tokens; shorten "
+                   "the messages or lower max_tokens")
+
 
 @dataclass
 class TextDelta:
@@ -275,13 +281,13 @@ class AsyncOmni:
                    on_text: Callable[[str], None] | None,
                    on_audio: Callable[[torch.Tensor, int], None] | None) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
-        thinker_prompt = self.pipeline.build_prompt(state.prompt)
+        # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
+        # serves every other request meanwhile.
+        thinker_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
         prompt_len = len(thinker_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:
-            raise PromptTooLong(f"the prompt has {prompt_len} tokens and asks for up to {max_tokens} "
-                                f"more, over this model's context of {self.max_model_len} tokens; "
-                                "shorten the messages or lower max_tokens")
+            raise PromptTooLong.of(prompt_len, max_tokens, self.max_model_len)
         for group in self._streamed_groups(stage_ids):
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted")

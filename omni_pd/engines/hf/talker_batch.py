@@ -85,11 +85,11 @@ class TalkerRequestState:
     def seed(self) -> int:
         return self.params.seed if self.params.seed is not None else 0
 
-    def codes(self, num_code_groups: int, start: int = 0) -> torch.Tensor:
-        """[num_code_groups, frames - start], int64: every frame from `start` on."""
-        if len(self.frames) <= start:
+    def codes(self, num_code_groups: int) -> torch.Tensor:
+        """[num_code_groups, frames], int64."""
+        if not self.frames:
             return torch.zeros((num_code_groups, 0), dtype=torch.long)
-        return torch.tensor(self.frames[start:], dtype=torch.long).transpose(0, 1).contiguous()
+        return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
 
     @property
     def ready_to_decode(self) -> bool:

@@ -177,18 +177,12 @@ def _texts(prompt: dict[str, Any]) -> list[str]:
     return out
 
 
-def _prompt_too_long(prompt_len: int, max_tokens: int, max_model_len: int,
-                     at_least: bool = False) -> PromptTooLong:
-    return PromptTooLong(f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks "
-                         f"for up to {max_tokens} more, over this model's context of "
-                         f"{max_model_len} tokens; shorten the messages or lower max_tokens")
-
-
 def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str) -> TranslatedRequest:
     """The request translated (its audio decoded) and its prompt's length checked: CPU work that
-    runs in a thread, off the event loop. The orchestrator builds the prompt again on the event
-    loop, which is quick once the prompt is known to fit the context: a 20 MB text took 26 s to
-    tokenize there, and the server answered nothing meanwhile, /health included."""
+    runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and the server
+    answered nothing meanwhile, /health included). Checked here so a streamed request that cannot
+    fit gets a 400 before its response starts; the orchestrator builds the prompt once more (in a
+    thread too) for the stages."""
     thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
     request = translate(body, thinker_defaults, served_model)
     max_tokens, context = request.thinker_params.max_tokens, omni.max_model_len
@@ -200,11 +194,11 @@ def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str) ->
         for text in texts:
             lower_bound += len(omni.tokenizer.encode(text[:cap], add_special_tokens=False)) - 2
             if lower_bound + max_tokens > context:
-                raise _prompt_too_long(lower_bound, max_tokens, context, at_least=True)
+                raise PromptTooLong.of(lower_bound, max_tokens, context, at_least=True)
     pipeline = omni.pipeline
     prompt_len = len(pipeline.build_prompt(pipeline.normalize_prompt(request.prompt)).prompt_token_ids)
     if prompt_len + max_tokens > context:
-        raise _prompt_too_long(prompt_len, max_tokens, context)
+        raise PromptTooLong.of(prompt_len, max_tokens, context)
     return request
 
 
