@@ -267,6 +267,83 @@ def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None
     assert needle in f"{issue.allowed} {issue.message}"
 
 
+# --- 4b. KV handoff fault keys (kv_connector_extra_config) ---------------------------------------
+
+_EXTRA = "engine_args.kv_transfer_config.kv_connector_extra_config"
+
+
+def _extra(data: dict, index: int) -> dict:
+    return _kvcfg(data, index)["kv_connector_extra_config"]
+
+
+def test_handoff_keys_have_defaults_and_load(tmp_path: Path) -> None:
+    cfg = load_pipeline_config(write(tmp_path, pd_config()))
+    extra = cfg.stage(1).kv_transfer_config.kv_connector_extra_config
+    assert (extra.kv_miss_window_s, extra.kv_handoff_deadline_s, extra.kv_breaker_threshold,
+            extra.kv_breaker_cooldown_s, extra.kv_fallback) == (5.0, 10.0, 3, 5.0, "local_prefill")
+    data = pd_config()
+    for index in (0, 1):  # the prefill stage may repeat the decode stage's values
+        _extra(data, index).update(kv_miss_window_s=2, kv_handoff_deadline_s=4.5,
+                                   kv_breaker_threshold=1, kv_breaker_cooldown_s=0.5, kv_fallback="error")
+    extra = load_pipeline_config(write(tmp_path, data)).stage(1).kv_transfer_config.kv_connector_extra_config
+    assert (extra.kv_miss_window_s, extra.kv_handoff_deadline_s, extra.kv_breaker_threshold,
+            extra.kv_breaker_cooldown_s, extra.kv_fallback) == (2.0, 4.5, 1, 0.5, "error")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [("kv_miss_window_s", 0, "greater than 0"), ("kv_miss_window_s", -1.5, "greater than 0"),
+     ("kv_handoff_deadline_s", 0, "greater than 0"), ("kv_breaker_threshold", 0, "greater than or equal to 1"),
+     ("kv_breaker_threshold", 2.5, "valid integer"), ("kv_breaker_threshold", True, "expected a number"),
+     ("kv_breaker_cooldown_s", 0, "greater than 0"), ("kv_miss_window_s", "soon", "valid number"),
+     ("kv_fallback", "retry", "'local_prefill' or 'error'")],
+)
+def test_bad_handoff_values(tmp_path: Path, key: str, value: Any, needle: str) -> None:
+    data = pd_config()
+    _extra(data, 1)[key] = value
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[1].{_EXTRA}.{key}")
+    assert issue.stage_id == 1 and issue.got == value and needle in issue.message
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "got"),
+    [({"kv_miss_window_s": 10.0}, "kv_miss_window_s", 10.0),  # equal to the default deadline
+     ({"kv_miss_window_s": 6, "kv_handoff_deadline_s": 3}, "kv_miss_window_s", 6),
+     ({"kv_handoff_deadline_s": 4}, "kv_handoff_deadline_s", 4)],  # below the default window
+    ids=["window-equals-deadline", "window-above-deadline", "deadline-below-default-window"],
+)
+def test_window_must_be_below_deadline(tmp_path: Path, extra, key, got) -> None:
+    data = pd_config()
+    _extra(data, 1).update(extra)
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[1].{_EXTRA}.{key}")
+    assert issue.got == got
+    assert "kv_miss_window_s" in issue.message and "kv_handoff_deadline_s" in issue.message
+    assert "lower kv_miss_window_s" in issue.message and "raise kv_handoff_deadline_s" in issue.message
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "key"),
+    [({"kv_miss_window_s": 2.0}, {}, "kv_miss_window_s"),  # the decode stage uses the default
+     ({"kv_fallback": "error"}, {"kv_fallback": "local_prefill"}, "kv_fallback"),
+     ({"kv_breaker_threshold": 5}, {"kv_breaker_threshold": 4}, "kv_breaker_threshold")],
+)
+def test_prefill_stage_may_not_contradict_the_decode_stages_handoff_keys(tmp_path: Path, prefill, decode, key) -> None:
+    data = pd_config()
+    _extra(data, 0).update(prefill)
+    _extra(data, 1).update(decode)
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[0].{_EXTRA}.{key}")
+    assert issue.stage_id == 0 and issue.got == prefill[key]
+    assert key in issue.message and "prefill stage 0" in issue.message and "decode stage 1" in issue.message
+
+
+def test_misspelt_handoff_key_is_not_passed_through_silently(tmp_path: Path) -> None:
+    data = pd_config()
+    _extra(data, 1)["kv_miss_windows_s"] = 2.0
+    _extra(data, 1)["some_connector_key"] = 1  # a connector's own key still passes
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[1].{_EXTRA}.kv_miss_windows_s")
+    assert "did you mean 'kv_miss_window_s'" in issue.message
+
+
 def test_kv_both_is_fine_on_either_side(tmp_path: Path) -> None:
     data = pd_config()
     _kvcfg(data, 0)["kv_role"] = "kv_both"

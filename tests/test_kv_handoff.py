@@ -56,7 +56,7 @@ def sender(transports, clock):
 def receiver(transports):
     r = KVReceiver(LAYOUT, 32, transports[1])
     yield r
-    assert r.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    assert r.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     r.close()
     assert transports[1].registered_bytes == 0
 
@@ -86,7 +86,7 @@ def test_heterogeneous_layouts_are_converted(sender, transports):
         assert result.kv_canonical.dtype == torch.bfloat16
         assert torch.equal(result.kv_canonical, kv.to(torch.bfloat16))
         assert result.bytes_transferred == 21 * LAYOUT.bytes_per_token
-        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     finally:
         for tid in ("t-hetero", "t-hetero-2"):
             sender.release(tid)
@@ -124,7 +124,7 @@ def test_incompatible_geometry_fails_before_transfer(sender, transports):
         desc = sender.publish("t-geom", make_kv(5))
         with pytest.raises(ValueError, match="kv heads"):
             receiver.fetch(desc)
-        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     finally:
         sender.release("t-geom")
         receiver.close()
@@ -142,6 +142,14 @@ def test_injected_fault_travels_undetected(sender, receiver):
     desc = sender.publish("t-clean", kv)
     assert torch.equal(receiver.fetch(desc).kv_canonical, kv)
     sender.release("t-clean")
+
+
+def test_injected_fault_after_checksumming_is_caught(sender, receiver):
+    sender.inject_fault_once(block_index=1, byte_offset=5, after_checksum=True)
+    desc = sender.publish("t-late-fault", make_kv(20, seed=2))
+    with pytest.raises(KVIntegrityError, match=r"t-late-fault: block 1 "):
+        receiver.fetch(desc)
+    sender.release("t-late-fault")
 
 
 def test_fault_outside_the_transferred_bytes_is_rejected(sender):
@@ -201,7 +209,7 @@ def test_dead_peer_fails_fast_and_leaves_no_state(sender, receiver, transports):
     with pytest.raises(KVTransferError, match=rf"peer {dead} failed.*1 segments, 30720 bytes"):
         receiver.fetch(KVDescriptor.from_params(params))
     assert time.monotonic() - began < 3.0
-    assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0}
+    assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     assert transports[1].probe(transports[0].session_id) is True
     sender.release("t-dead")
 

@@ -16,6 +16,7 @@ from omni_pd.planning import (
     new_transfer_id,
 )
 from omni_pd.sampling import SamplingParams
+from omni_pd.planning.pd import HandoffPolicy, handoff_policy
 
 
 def _stage(stage_id: int, model_stage: str, sources: list[int], **extra: Any) -> dict[str, Any]:
@@ -204,3 +205,39 @@ def test_new_transfer_id_is_unique_and_names_request() -> None:
     ids = {new_transfer_id("chatcmpl-42") for _ in range(100)}
     assert len(ids) == 100
     assert all(t.startswith("chatcmpl-42") for t in ids)
+
+
+# --- handoff policy -----------------------------------------------------------------------------
+
+def _with_extra(prefill: dict[str, Any], decode: dict[str, Any]) -> PipelineConfig:
+    cfg = pd_cfg()
+    stages = []
+    for stage, extra in ((cfg.stage(10), prefill), (cfg.stage(11), decode)):
+        kv = stage.kv_transfer_config
+        merged = {**kv.kv_connector_extra_config.model_dump(exclude_unset=True), **extra}
+        kv = kv.model_copy(update={"kv_connector_extra_config": type(kv.kv_connector_extra_config)(**merged)})
+        stages.append(stage.model_copy(update={"engine_args": stage.engine_args.model_copy(
+            update={"kv_transfer_config": kv})}))
+    return cfg.model_copy(update={"stage_args": (*stages, cfg.stage(12), cfg.stage(13))})
+
+
+def test_handoff_policy_defaults() -> None:
+    assert handoff_policy(find_pd_pair(pd_cfg())) == HandoffPolicy(
+        miss_window_s=5.0, deadline_s=10.0, breaker_threshold=3, breaker_cooldown_s=5.0,
+        fallback="local_prefill")
+
+
+def test_handoff_policy_reads_the_decode_stage() -> None:
+    cfg = _with_extra({}, {"kv_miss_window_s": 1.5, "kv_handoff_deadline_s": 2.0,
+                           "kv_breaker_threshold": 7, "kv_breaker_cooldown_s": 0.25, "kv_fallback": "error"})
+    policy = handoff_policy(find_pd_pair(cfg))
+    assert policy == HandoffPolicy(1.5, 2.0, 7, 0.25, "error")
+    with pytest.raises(Exception):  # frozen
+        policy.miss_window_s = 3.0  # type: ignore[misc]
+
+
+def test_handoff_policy_ignores_the_prefill_stage() -> None:
+    # The loader refuses a contradicting prefill stage; a config built in code still gets the
+    # decode stage's values.
+    cfg = _with_extra({"kv_miss_window_s": 1.0}, {})
+    assert handoff_policy(find_pd_pair(cfg)).miss_window_s == 5.0

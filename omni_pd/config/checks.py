@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.pydantic_issues import suggest
-from omni_pd.config.schema import PipelineRuntime, StageConfig
+from omni_pd.config.schema import KVConnectorExtraConfig, KVTransferConfig, PipelineRuntime, StageConfig
 
 # Model stages the embedded hf engine implements.
 HF_MODEL_STAGES: frozenset[str] = frozenset({"thinker", "talker", "code2wav"})
@@ -138,6 +138,23 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
                 stage, _ek(index, "default_sampling_params.kv_transfer_params"), kv_params,
                 "remove it",
                 "kv_transfer_params are set per request by omni-pd's P/D planning, not in the file"))
+    return issues
+
+
+def check_kv_extra_keys(ctx: CheckContext) -> list[ConfigIssue]:
+    """kv_connector_extra_config passes unknown keys to the connector, so a misspelt omni-pd
+    key would be silently ignored: flag unknown keys that look like one of ours."""
+    issues: list[ConfigIssue] = []
+    ours = KVConnectorExtraConfig.HANDOFF_KEYS
+    for index, stage in ctx.stages:
+        kv = stage.kv_transfer_config
+        for key in (kv.kv_connector_extra_config.model_extra or {}) if kv else {}:
+            hint = suggest(key, ours)
+            if hint is not None:
+                issues.append(ctx.issue(
+                    stage, _ek(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
+                    kv.kv_connector_extra_config.model_extra[key], ", ".join(ours),
+                    f"unknown key '{key}'; did you mean '{hint}'?"))
     return issues
 
 
@@ -285,6 +302,7 @@ def _check_pair(
         add(ctx.issue(ds, f"{dbase}.engine_id", dkv.engine_id,
                       "an engine_id different from the prefill stage's (or omit it)",
                       f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own"))
+    issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
     if pkv.bootstrap_port is not None and pkv.bootstrap_port == dkv.bootstrap_port:
         port_key = ("kv_connector_extra_config.mooncake_bootstrap_port"
                     if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None else "kv_port")
@@ -294,8 +312,31 @@ def _check_pair(
     return issues
 
 
+def _check_handoff_keys(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig],
+    pkv: KVTransferConfig, dkv: KVTransferConfig,
+) -> list[ConfigIssue]:
+    """The decode stage's handoff keys govern the pair: a prefill stage may repeat them, not
+    contradict them (a reader of the prefill stage would believe the wrong value)."""
+    (pi, ps), (_, ds) = p, d
+    pextra, dextra = pkv.kv_connector_extra_config, dkv.kv_connector_extra_config
+    issues = []
+    for key in KVConnectorExtraConfig.HANDOFF_KEYS:
+        pv, dv = getattr(pextra, key), getattr(dextra, key)
+        if key in pextra.model_fields_set and pv != dv:
+            source = "sets" if key in dextra.model_fields_set else "uses the default"
+            issues.append(ctx.issue(
+                ps, _ek(pi, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"), pv,
+                f"{dv!r} (decode stage {ds.stage_id}'s value), or remove it here",
+                f"{key} differs between prefill stage {ps.stage_id} ({pv!r}) and decode stage "
+                f"{ds.stage_id}, which {source} {dv!r}; the decode stage's value governs the "
+                "handoff: set it there"))
+    return issues
+
+
 ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
-    check_graph, check_stage_rules, check_final_outputs, check_connectors, check_pd,
+    check_graph, check_stage_rules, check_kv_extra_keys, check_final_outputs, check_connectors,
+    check_pd,
 )
 
 

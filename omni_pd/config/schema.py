@@ -6,9 +6,9 @@ stages (P/D pairing, graph, imports) live in `checks.py` so that every problem c
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from omni_pd.config.engine_keys import VLLM_ENGINE_ARG_NAMES, VLLM_OMNI_ENGINE_ARG_NAMES
 from omni_pd.sampling import SamplingParams
@@ -37,6 +37,43 @@ class KVConnectorExtraConfig(BaseModel):
 
     mooncake_protocol: Literal["tcp", "rdma"] | None = None
     mooncake_bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    # hf P/D handoff faults (omni-pd's keys; the decode stage's values govern the pair).
+    # How long the decode side waits for a request's KV before giving up on the peer (a frozen
+    # prefill worker costs this, not Mooncake's 30 s), and the hard deadline of one handoff.
+    kv_miss_window_s: float = Field(default=5.0, gt=0)
+    kv_handoff_deadline_s: float = Field(default=10.0, gt=0)
+    # Consecutive handoff failures that open the circuit breaker to the prefill peer, and how
+    # long it stays open; what a request does meanwhile (or when its handoff fails).
+    kv_breaker_threshold: int = Field(default=3, ge=1)
+    kv_breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    kv_fallback: Literal["local_prefill", "error"] = "local_prefill"
+    HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
+        "kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
+        "kv_breaker_cooldown_s", "kv_fallback")
+
+    @field_validator("kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
+                     "kv_breaker_cooldown_s", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # pydantic reads `true` as 1; a flag where a number belongs is a mistake, not a 1.
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _window_below_deadline(self) -> "KVConnectorExtraConfig":
+        window, deadline = self.kv_miss_window_s, self.kv_handoff_deadline_s
+        if window < deadline:
+            return self
+        # Name first the key the file set, so the issue points at it.
+        if "kv_miss_window_s" in self.model_fields_set:
+            raise ValueError(
+                f"kv_miss_window_s ({window:g}) must be below kv_handoff_deadline_s ({deadline:g}"
+                f"{'' if 'kv_handoff_deadline_s' in self.model_fields_set else ', the default'}): "
+                "lower kv_miss_window_s or raise kv_handoff_deadline_s")
+        raise ValueError(
+            f"kv_handoff_deadline_s ({deadline:g}) must be above kv_miss_window_s ({window:g}, "
+            "the default): raise kv_handoff_deadline_s or lower kv_miss_window_s")
 
 
 class KVTransferConfig(_Model):
@@ -149,6 +186,12 @@ class StageRuntime(_Model):
     # torch threads in the stage's worker; default: an equal share of the cores per worker.
     num_threads: int | None = Field(default=None, ge=1)
     num_interop_threads: int | None = Field(default=None, ge=1)
+    # omni-pd: a dead worker is restarted with a doubling backoff, unless it died more than
+    # max_restarts times in restart_window_s (then it stays down and /health says why).
+    max_restarts: int = Field(default=3, ge=0)
+    restart_window_s: float = Field(default=60.0, gt=0)
+    # A worker that sends nothing (not even its heartbeat) for this long counts as frozen.
+    heartbeat_timeout_s: float = Field(default=3.0, ge=1.0)  # heartbeats come every 0.5 s
 
     @field_validator("devices", mode="before")
     @classmethod

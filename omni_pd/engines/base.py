@@ -104,6 +104,11 @@ class StageEngine(ABC):
         """Every request the engine holds (waiting or running)."""
         return []
 
+    def step_delay_s(self) -> float:
+        """How long the worker may wait for messages before the next step: above 0 when every
+        request waits on I/O (a KV read), so the loop does not spin a core meanwhile."""
+        return 0.0
+
     # Engine calls the orchestrator may make outside the request path, by name.
     control_calls: frozenset[str] = frozenset({"debug_state_counts", "runtime_info", "batch_stats"})
 

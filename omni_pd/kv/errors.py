@@ -16,3 +16,13 @@ class KVTransferError(KVError):
 
 class KVIntegrityError(KVError):
     """Transferred bytes do not match the checksums the sender published."""
+
+
+class KVMissError(KVTransferError):
+    """The prefill side's KV did not arrive within the miss window (frozen, overloaded or
+    unreachable peer); the decode side stopped waiting."""
+
+
+class KVIncompatibleError(KVTransferError):
+    """The prefill and decode engines' KV fingerprints differ (model, weights, dtype, geometry):
+    KV from that peer would be read wrongly, so no handoff is attempted."""

@@ -2,14 +2,18 @@
 that pulls them over Mooncake, and the per-transfer state machine both report through.
 
 Prefill side: PUBLISHED -> DONE (decode side acknowledged) | EXPIRED (lease timed out).
-Decode side:  TRANSFERRING -> DONE | FAILED.
+Decode side:  TRANSFERRING -> DONE | FAILED | ABANDONED (the request stopped waiting: miss window
+or abort).
 Each side keeps its per-transfer objects in one dict, removed when the transfer reaches a final
-state, so ``debug_state_counts()`` is all zeros between requests.
+state, so ``debug_state_counts()`` is all zeros between requests. One exception on the decode
+side, counted apart: a transfer that ends while Mooncake may still write its staging blocks (a
+frozen peer resumes late) leaves them in quarantine until Mooncake reports the read finished.
 """
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,10 +22,10 @@ from typing import Any, Callable, Mapping
 import torch
 import xxhash
 
-from .errors import KVIntegrityError
+from .errors import KVIntegrityError, KVMissError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
-from .transport import MooncakeTransport, Segment, coalesce
+from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +36,17 @@ class TransferState(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     EXPIRED = "expired"
+    ABANDONED = "abandoned"
 
 
 _LEGAL: dict[TransferState, frozenset[TransferState]] = {
     TransferState.PUBLISHED: frozenset({TransferState.DONE, TransferState.EXPIRED}),
-    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED}),
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED,
+                                           TransferState.ABANDONED}),
     TransferState.DONE: frozenset(),
     TransferState.FAILED: frozenset(),
     TransferState.EXPIRED: frozenset(),
+    TransferState.ABANDONED: frozenset(),
 }
 
 
@@ -69,8 +76,13 @@ class Lease(_Tracked):
 
 @dataclass
 class Transfer(_Tracked):
-    """Decode side: local blocks receiving one descriptor's bytes."""
+    """Decode side: local staging blocks receiving one descriptor's bytes."""
     started: float = field(default_factory=time.perf_counter)
+    descriptor: KVDescriptor | None = None
+    read: AsyncRead | None = None
+    deadline: float = math.inf  # on the receiver's clock
+    wait_s: float = math.inf
+    verify_checksums: bool = True
 
 
 def checksum(data: torch.Tensor) -> str:
@@ -176,16 +188,19 @@ class KVSender:
         self.pool = BlockPool(layout, pool_blocks)
         transport.register(self.pool.base_address, self.pool.nbytes)
         self._leases: dict[str, Lease] = {}
-        self._fault: tuple[int, int] | None = None
+        self._fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()  # publish / release / expire may come from different threads
         self._closed = False
 
-    def inject_fault_once(self, block_index: int, byte_offset: int) -> None:
-        """Test hook: the next publish flips one byte before checksumming (undetectable corruption)."""
+    def inject_fault_once(self, block_index: int, byte_offset: int,
+                          after_checksum: bool = False) -> None:
+        """Test hook: the next publish flips one byte, before checksumming (corruption the
+        checksums cannot see) or after (as if the bytes changed on the way: the decode side must
+        catch it)."""
         if block_index < 0 or byte_offset < 0:
             raise ValueError("inject_fault_once: block_index and byte_offset must be >= 0")
         with self._lock:
-            self._fault = (block_index, byte_offset)
+            self._fault = (block_index, byte_offset, after_checksum)
 
     def publish(self, transfer_id: str, kv_canonical: torch.Tensor) -> KVDescriptor:
         """Copy the KV into leased pool blocks and describe them for the decode side."""
@@ -200,8 +215,9 @@ class KVSender:
             block_ids = self.pool.allocate(len(lengths))
             try:
                 self.pool.write(block_ids, kv_canonical)
-                self._apply_fault(transfer_id, block_ids, lengths)
+                self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
                 sums = tuple(checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
+                self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
                 descriptor = KVDescriptor(
                     transfer_id=transfer_id, remote_engine_id=self.engine_id,
                     remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
@@ -214,17 +230,18 @@ class KVSender:
                                               deadline=self._clock() + self.lease_timeout_s)
         return descriptor
 
-    def _apply_fault(self, transfer_id: str, block_ids: list[int], lengths: list[int]) -> None:
-        if self._fault is None:
+    def _apply_fault(self, transfer_id: str, block_ids: list[int], lengths: list[int],
+                     after_checksum: bool) -> None:
+        if self._fault is None or self._fault[2] != after_checksum:
             return
-        (index, offset), self._fault = self._fault, None
+        (index, offset, _), self._fault = self._fault, None
         if index >= len(block_ids) or offset >= lengths[index]:
             raise ValueError(f"injected fault (block {index}, byte {offset}) lies outside the "
                              f"{len(block_ids)} blocks / transferred bytes of transfer {transfer_id}")
         view = self.pool.block_view(block_ids[index])
         view[offset] ^= 0xFF
-        log.warning("transfer %s: injected a KV fault at block %d byte %d (test hook)",
-                    transfer_id, index, offset)
+        log.warning("transfer %s: injected a KV fault at block %d byte %d %s checksumming (test "
+                    "hook)", transfer_id, index, offset, "after" if after_checksum else "before")
 
     def release(self, transfer_id: str) -> bool:
         """The decode side's acknowledgement: frees the lease's blocks."""
@@ -269,6 +286,12 @@ class KVSender:
 
 # -- decode side -----------------------------------------------------------------------------
 
+# How often a blocking fetch() looks at its read: short next to a transfer, long next to a poll.
+_FETCH_POLL_S = 0.0005
+# Pools closed while a read may still write them; kept until the process exits.
+_KEPT_ALIVE: list[BlockPool] = []
+
+
 @dataclass(frozen=True)
 class FetchResult:
     kv_canonical: torch.Tensor
@@ -282,49 +305,114 @@ class FetchResult:
 
 
 class KVReceiver:
-    def __init__(self, layout: BlockLayout, pool_blocks: int, transport: MooncakeTransport):
-        self.layout, self.transport = layout, transport
+    """Pulls descriptors' KV into staging blocks of its own registered pool, without blocking:
+    `start` submits the read, `poll` (called each engine step) returns the verified, converted
+    KV once it has arrived, None before, and raises when it failed or its wait ran out.
+    Staging blocks go back to the pool when the transfer ends, except while Mooncake may still
+    write them (`settled` is false): those stay quarantined until `reclaim` sees the read end."""
+
+    def __init__(self, layout: BlockLayout, pool_blocks: int, transport: MooncakeTransport,
+                 clock: Callable[[], float] = time.monotonic):
+        self.layout, self.transport, self._clock = layout, transport, clock
         self.pool = BlockPool(layout, pool_blocks)
         transport.register(self.pool.base_address, self.pool.nbytes)
         self._transfers: dict[str, Transfer] = {}
-        self._lock = threading.Lock()  # bookkeeping only; the transfer itself runs unlocked
+        self._quarantine: list[Transfer] = []  # ended transfers whose read Mooncake still runs
+        self._lock = threading.Lock()  # bookkeeping only; nothing here waits on the peer
         self._closed = False
 
-    def fetch(self, descriptor: KVDescriptor, verify_checksums: bool = True) -> FetchResult:
-        """Pull the descriptor's KV into local blocks, verify, convert; local blocks are freed on
-        every path. A dead peer fails in milliseconds; a frozen one can block for Mooncake's
-        transfer timeout (~30 s): a tighter deadline is the caller's job. Does not acknowledge:
-        the caller tells the sender (release) once the KV is safely in use."""
+    # ---- the non-blocking path ---------------------------------------------------------------
+    def staging_blocks(self, descriptor: KVDescriptor) -> int:
+        """Local blocks a transfer of `descriptor` stages into: remote blocks back to back at the
+        remote block stride, so equal layouts map block to block and different ones still fit."""
+        remote = descriptor.kv_layout
+        staged_bytes = remote.num_blocks_for(descriptor.num_tokens) * remote.block_bytes
+        return -(-staged_bytes // self.layout.block_bytes)
+
+    def can_start(self, descriptor: KVDescriptor) -> bool:
+        with self._lock:
+            return self.staging_blocks(descriptor) <= self.pool.num_free
+
+    def start(self, descriptor: KVDescriptor, wait_s: float = math.inf,
+              verify_checksums: bool = True) -> None:
+        """Submit the read of the descriptor's KV; `wait_s` bounds how long `poll` waits for it."""
+        if not wait_s >= 0:
+            raise ValueError(f"transfer {descriptor.transfer_id}: wait_s must be >= 0, got {wait_s!r}")
         remote = descriptor.kv_layout
         check_compatible(remote, self.layout)  # fail before moving any bytes
         lengths = remote.transfer_lengths(descriptor.num_tokens)
-        # Remote blocks are staged back to back at the remote block stride in our local blocks,
-        # so equal layouts map block to block and different ones still fit.
-        staged_bytes = len(lengths) * remote.block_bytes
-        transfer = self._begin(descriptor.transfer_id, -(-staged_bytes // self.layout.block_bytes))
+        transfer = self._begin(descriptor.transfer_id, self.staging_blocks(descriptor))
+        transfer.descriptor, transfer.verify_checksums, transfer.wait_s = descriptor, verify_checksums, wait_s
+        transfer.deadline = self._clock() + wait_s
         try:
             segments = self._segments(descriptor, transfer.block_ids, lengths)
-            began = time.perf_counter()
-            num_segments = self.transport.read(descriptor.remote_session, segments)
-            transfer_ms = (time.perf_counter() - began) * 1e3
-            raw = self.pool.gather(transfer.block_ids).reshape(-1)[:staged_bytes]  # view; freed below
-            staged = raw.view(len(lengths), remote.block_bytes)
-            if verify_checksums:
-                self._verify(descriptor, staged, lengths)
-            if remote != self.layout:
-                local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
-                kv = unpack_blocks(local_blocks, self.layout, descriptor.num_tokens)
-            else:
-                kv = unpack_blocks(staged, remote, descriptor.num_tokens)
-            transfer.move(TransferState.DONE)
-            return FetchResult(kv, sum(lengths), transfer_ms, num_segments)
+            transfer.read = self.transport.submit_read(descriptor.remote_session, segments)
         except BaseException as exc:
-            transfer.move(TransferState.FAILED, f"{type(exc).__name__}: {exc}")
-            log.debug("transfer %s failed: %s", transfer.transfer_id, transfer.reason)
+            self._end(transfer, TransferState.FAILED, exc)
             raise
-        finally:
-            self._end(transfer)
 
+    def poll(self, transfer_id: str) -> FetchResult | None:
+        """The fetched KV, or None while the read runs and its wait has not run out. Raises
+        KVMissError past the wait, KVTransferError when Mooncake failed, KVIntegrityError on a
+        checksum mismatch; the transfer is over after any of them (or a result)."""
+        transfer = self._transfers[transfer_id]
+        state = transfer.read.poll()
+        if state is ReadState.IN_FLIGHT:
+            if self._clock() < transfer.deadline:
+                return None
+            error: Exception = self._miss(transfer)
+            self._end(transfer, TransferState.ABANDONED, error)
+            raise error
+        if state is ReadState.FAILED:
+            error = self.transport.read_failure(transfer.read)
+            self._end(transfer, TransferState.FAILED, error)
+            raise error
+        try:
+            result = self._assemble(transfer)
+        except BaseException as exc:
+            self._end(transfer, TransferState.FAILED, exc)
+            raise
+        self._end(transfer, TransferState.DONE)
+        return result
+
+    def abandon(self, transfer_id: str, reason: str) -> None:
+        """The request is gone (aborted): end its transfer; unknown ids are ignored."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is not None:
+            transfer.read.poll()  # a read that just ended frees its blocks now, not later
+            self._end(transfer, TransferState.ABANDONED, reason)
+
+    def reclaim(self) -> int:
+        """Free the staging blocks of quarantined reads Mooncake has finished; returns how many.
+        Cheap (one status call per read): call it each step and in housekeeping."""
+        with self._lock:
+            if not self._quarantine:
+                return 0
+            still, freed = [], 0
+            for transfer in self._quarantine:
+                transfer.read.poll()
+                if transfer.read.settled:
+                    self.pool.free(transfer.block_ids)
+                    freed += len(transfer.block_ids)
+                    log.debug("transfer %s: %d quarantined KV blocks freed after %.1f s",
+                              transfer.transfer_id, len(transfer.block_ids),
+                              time.perf_counter() - transfer.started)
+                else:
+                    still.append(transfer)
+            self._quarantine = still
+            return freed
+
+    # ---- the blocking path (tools and tests) --------------------------------------------------
+    def fetch(self, descriptor: KVDescriptor, verify_checksums: bool = True,
+              wait_s: float = math.inf) -> FetchResult:
+        """start + poll until done, sleeping between polls (no spinning). Does not acknowledge:
+        the caller tells the sender (release) once the KV is safely in use."""
+        self.start(descriptor, wait_s, verify_checksums)
+        while (result := self.poll(descriptor.transfer_id)) is None:
+            time.sleep(_FETCH_POLL_S)
+        return result
+
+    # ---- internals ---------------------------------------------------------------------------
     def _begin(self, transfer_id: str, num_blocks: int) -> Transfer:
         with self._lock:
             if self._closed:
@@ -335,10 +423,47 @@ class KVReceiver:
             self._transfers[transfer_id] = transfer
             return transfer
 
-    def _end(self, transfer: Transfer) -> None:
+    def _end(self, transfer: Transfer, state: TransferState, reason: object = "") -> None:
+        """Final state; free the staging blocks, or quarantine them while the read runs."""
+        transfer.move(state, f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException)
+                      else str(reason))
+        if state is not TransferState.DONE:
+            log.debug("transfer %s %s: %s", transfer.transfer_id, state.value, transfer.reason)
+        if transfer.read is not None and state is not TransferState.DONE:
+            transfer.read.withdraw()  # a read still queued for submission never runs
         with self._lock:
             del self._transfers[transfer.transfer_id]
-            self.pool.free(transfer.block_ids)
+            if transfer.read is None or transfer.read.settled:
+                self.pool.free(transfer.block_ids)
+            else:
+                self._quarantine.append(transfer)
+
+    def _miss(self, transfer: Transfer) -> KVMissError:
+        d = transfer.descriptor
+        return KVMissError(
+            f"transfer {d.transfer_id}: the KV from prefill peer {d.remote_session} (engine "
+            f"{d.remote_engine_id}) did not arrive within {transfer.wait_s:g} s (kv_wait_s, or the "
+            "decode stage's kv_miss_window_s); check that the prefill worker is running and not "
+            "stopped or overloaded, and that its Mooncake port is reachable from the decode "
+            f"worker ({len(transfer.block_ids)} staging blocks stay out of use while Mooncake may "
+            "still write them)")
+
+    def _assemble(self, transfer: Transfer) -> FetchResult:
+        descriptor = transfer.descriptor
+        remote = descriptor.kv_layout
+        lengths = remote.transfer_lengths(descriptor.num_tokens)
+        staged_bytes = len(lengths) * remote.block_bytes
+        raw = self.pool.gather(transfer.block_ids).reshape(-1)[:staged_bytes]  # view; freed after
+        staged = raw.view(len(lengths), remote.block_bytes)
+        if transfer.verify_checksums:
+            self._verify(descriptor, staged, lengths)
+        if remote != self.layout:
+            local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
+            kv = unpack_blocks(local_blocks, self.layout, descriptor.num_tokens)
+        else:
+            kv = unpack_blocks(staged, remote, descriptor.num_tokens)
+        transfer_ms = (time.perf_counter() - transfer.started) * 1e3
+        return FetchResult(kv, sum(lengths), transfer_ms, transfer.read.num_segments)
 
     def _segments(self, descriptor: KVDescriptor, local_ids: list[int],
                   lengths: list[int]) -> list[Segment]:
@@ -367,14 +492,22 @@ class KVReceiver:
                     "publish (lease expired and blocks reused?) or the transfer corrupted it")
 
     def debug_state_counts(self) -> dict[str, int]:
+        """transfers / used_blocks: held for live requests (zero between requests);
+        kv_quarantined_blocks: held for reads Mooncake has not ended (no request's state)."""
         with self._lock:
-            return {"transfers": len(self._transfers), "used_blocks": self.pool.num_used}
+            quarantined = sum(len(t.block_ids) for t in self._quarantine)
+            return {"transfers": len(self._transfers), "used_blocks": self.pool.num_used - quarantined,
+                    "kv_quarantined_blocks": quarantined}
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
-            if self._transfers:
-                log.warning("KVReceiver closed with %d transfers in flight", len(self._transfers))
+            if self._transfers or self._quarantine:
+                log.warning("KVReceiver closed with %d transfers in flight and %d reads quarantined",
+                            len(self._transfers), len(self._quarantine))
+                # Mooncake may still write the pool (tcp does not check registration): never
+                # hand its memory back to the allocator.
+                _KEPT_ALIVE.append(self.pool)
             self._closed = True
             self.transport.unregister(self.pool.base_address)

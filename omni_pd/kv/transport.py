@@ -1,15 +1,45 @@
 """One Mooncake TransferEngine (P2P handshake, no etcd) behind a small, raising interface.
 
 Mooncake calls return codes and never raise; this wrapper turns failures into KVTransferError with
-a message saying what to check. A read from a dead peer fails within milliseconds; a frozen peer can
-block up to Mooncake's transfer timeout (~30 s, ``MC_TRANSFER_TIMEOUT``). Deadlines longer than that
-belong to the caller (the orchestrator), not here.
+a message saying what to check. A read from a dead peer fails within milliseconds.
+
+Two ways to read. `read` blocks in Mooncake's own wait loop, which spins a core, and on a frozen
+peer lasts Mooncake's transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s, at least 5). `submit_read`
+returns an `AsyncRead` at once; polling it costs microseconds and Mooncake's threads stay idle
+meanwhile, so the caller bounds the wait itself. The submission itself runs on a thread of its
+own: Mooncake's first call to a peer handshakes with it synchronously, and a frozen peer holds
+that call (and, through Mooncake's lock, every other submission) about 60 s, whatever the
+settings. An abandoned async read cannot be cancelled (the binding has no call for it): Mooncake
+may still write its local memory until the read ends, which on a frozen peer happens after the
+tcp transport's progress timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``, 30 s; ``MC_TRANSFER_TIMEOUT``
+does not apply to async reads), or as soon as the peer resumes.
+
+Network exposure. Mooncake (0.3.13) binds its two listening sockets to the wildcard address whatever
+host it is given: the P2P handshake port on 0.0.0.0 and the TCP data port on [::] (dual stack). No
+setting changes that (``MC_TCP_BIND_ADDRESS`` only names the address a non-P2P engine advertises).
+Anyone who reaches either port can read and write all memory registered with the engine (the KV
+pools); the handshake port tells them where it is. So, right after ``initialize()`` and before any
+memory is registered, this wrapper attaches a socket filter (classic BPF, ``SO_ATTACH_FILTER``) to
+both listening sockets that drops every packet not addressed to the engine's host: loopback
+(127.0.0.0/8 and ::1) when the host is a loopback address, else exactly the configured kv_ip.
+``ss -ltn`` still shows the wildcard address, but a connection to any other address of the machine
+gets no answer (its SYN is dropped), as if the socket were bound to the host. The filter is
+inherited by accepted connections. ``OMNI_PD_KV_ANY_DESTINATION=1`` skips it (Mooncake's own
+behaviour: for NAT set-ups where peers reach this engine at an address other than its kv_ip).
 """
 from __future__ import annotations
 
+import ctypes
+import enum
+import ipaddress
 import logging
+import math
 import os
-from typing import Sequence
+import queue
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from .errors import KVTransferError
 
@@ -32,6 +62,163 @@ def _load_engine_class():
     return TransferEngine
 
 
+# ---- Restricting Mooncake's listening sockets to the engine's host (see the module docstring) ----
+
+ANY_DESTINATION_ENV = "OMNI_PD_KV_ANY_DESTINATION"
+_SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; the socket module does not export it
+_SKF_NET_OFF = -0x100000  # classic BPF: loads relative to the IP header
+_LD_B_ABS, _LD_W_ABS, _AND_K, _JEQ_K, _JA, _RET_K = 0x30, 0x20, 0x54, 0x15, 0x05, 0x06
+_TCP_LISTEN, _TCP_ESTABLISHED = "0A", "01"
+_init_lock = threading.Lock()  # one initialize() at a time, so its new sockets are its own
+
+Destinations = tuple[list[ipaddress.IPv4Network], list[ipaddress.IPv6Address]]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def allowed_destinations(host: str) -> Destinations | None:
+    """The destination addresses a Mooncake engine on `host` accepts; None: every address (the
+    host is a wildcard address, or the deployer set OMNI_PD_KV_ANY_DESTINATION)."""
+    if os.environ.get(ANY_DESTINATION_ENV, "").lower() in ("1", "true", "yes"):
+        return None
+    try:
+        addresses = {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:  # a host name: what it resolves to here
+        addresses = {ipaddress.ip_address(info[4][0].split("%")[0])
+                     for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    v4: list[ipaddress.IPv4Network] = []
+    v6: list[ipaddress.IPv6Address] = []
+    for address in addresses:
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        if address.is_unspecified:
+            return None
+        if address.is_loopback:
+            v4.append(ipaddress.ip_network("127.0.0.0/8"))
+            v6.append(ipaddress.IPv6Address("::1"))
+        elif isinstance(address, ipaddress.IPv4Address):
+            v4.append(ipaddress.ip_network(address))
+        else:
+            v6.append(address)
+    return sorted(set(v4)), sorted(set(v6))
+
+
+def destination_filter(allowed: Destinations) -> list[tuple[int, int, int, int]]:
+    """A classic BPF program (code, jt, jf, k) that keeps IPv4/IPv6 packets whose destination is
+    in `allowed` and drops the rest."""
+    v4, v6 = allowed
+    program: list[list] = []  # [code, jt label, jf label, k]; labels resolve to relative jumps
+    labels: dict[str, int] = {}
+
+    def emit(code: int, k: int = 0, jt: str | None = None, jf: str | None = None) -> None:
+        program.append([code, jt, jf, k & 0xFFFFFFFF])
+
+    emit(_LD_B_ABS, _SKF_NET_OFF)          # A = first byte of the IP header
+    emit(_AND_K, 0xF0)                     # A = version << 4
+    emit(_JEQ_K, 0x40, jt="v4", jf="not_v4")
+    labels["not_v4"] = len(program)
+    emit(_JEQ_K, 0x60, jt="v6", jf="drop")
+    labels["v4"] = len(program)
+    for network in v4:
+        emit(_LD_W_ABS, _SKF_NET_OFF + 16)  # IPv4 destination address
+        emit(_AND_K, int(network.netmask))
+        emit(_JEQ_K, int(network.network_address), jt="accept")
+    emit(_JA, jt="drop")
+    labels["v6"] = len(program)
+    for index, address in enumerate(v6):
+        words = [int.from_bytes(address.packed[i:i + 4], "big") for i in range(0, 16, 4)]
+        for w, word in enumerate(words):
+            emit(_LD_W_ABS, _SKF_NET_OFF + 24 + 4 * w)  # IPv6 destination address, word w
+            emit(_JEQ_K, word, jt="accept" if w == 3 else None, jf=f"v6_next{index}")
+        labels[f"v6_next{index}"] = len(program)
+    labels["drop"] = len(program)
+    emit(_RET_K, 0)
+    labels["accept"] = len(program)
+    emit(_RET_K, 0xFFFFFFFF)
+    resolved = []
+    for pc, (code, jt, jf, k) in enumerate(program):
+        def rel(label):
+            return 0 if label is None else labels[label] - pc - 1
+        if code == _JA:
+            resolved.append((code, 0, 0, rel(jt)))
+        else:
+            resolved.append((code, rel(jt), rel(jf), k))
+    return resolved
+
+
+def _attach_filter(fd: int, program: list[tuple[int, int, int, int]]) -> None:
+    instructions = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
+    fprog = _SockFprog(len(program), instructions)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setsockopt(fd, socket.SOL_SOCKET, _SO_ATTACH_FILTER, ctypes.byref(fprog),
+                       ctypes.sizeof(fprog)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"setsockopt(SO_ATTACH_FILTER) on fd {fd}: {os.strerror(errno)}")
+
+
+def _proc_address(hex_address: str) -> IPAddress:
+    raw = bytes.fromhex(hex_address)  # 32-bit words in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        return address.ipv4_mapped
+    return address
+
+
+def own_tcp_sockets(pid: int | str = "self") -> list[tuple[int, str, IPAddress, int]]:
+    """(fd, state, local address, local port) of each TCP socket open in process `pid`."""
+    inode_fd: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inode_fd[target[8:-1]] = int(fd)
+    sockets = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as handle:
+                lines = handle.read().splitlines()[1:]
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[9] in inode_fd:
+                address, port = fields[1].split(":")
+                sockets.append((inode_fd[fields[9]], fields[3], _proc_address(address), int(port, 16)))
+    return sockets
+
+
+def _is_allowed(address, allowed: Destinations) -> bool:
+    v4, v6 = allowed
+    if isinstance(address, ipaddress.IPv4Address):
+        return any(address in network for network in v4)
+    return address in v6
+
+
+def restrict_listeners(new_listeners: list[tuple[int, int]], allowed: Destinations) -> None:
+    """Attach the destination filter to each (fd, port), then shut down any connection accepted
+    on those ports before the filter was there and addressed elsewhere."""
+    program = destination_filter(allowed)
+    for fd, _ in new_listeners:
+        _attach_filter(fd, program)
+    ports = {port for _, port in new_listeners}
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd, state, address, port in own_tcp_sockets():
+        if state == _TCP_ESTABLISHED and port in ports and not _is_allowed(address, allowed):
+            log.warning("closing a Mooncake connection to %s:%d accepted before the filter", address, port)
+            libc.shutdown(fd, socket.SHUT_RDWR)
+
+
 def coalesce(segments: Sequence[Segment]) -> list[Segment]:
     """Merge entries whose local and remote ranges both continue the previous entry."""
     merged: list[list[int]] = []
@@ -45,19 +232,165 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]:
     return [(a, b, c) for a, b, c in merged]
 
 
+class ReadState(enum.Enum):
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# transfer_check_status: 1 completed, -1 failed (Mooncake then frees the batch), 0 still
+# running, -2 timed out (final, as Mooncake's own sync wait treats it).
+_COMPLETED, _RUNNING = 1, 0
+
+
+@dataclass(eq=False)
+class AsyncRead:
+    """One submitted read, as one Mooncake batch per segment: the binding's non-blocking
+    `transfer_check_status` reports only a batch's first task (its `get_batch_transfer_status`
+    waits, spinning, until the batch ends)."""
+
+    remote_session: str
+    num_segments: int
+    nbytes: int
+    _engine: Any = field(repr=False)
+    _pending: list[int] = field(default_factory=list)  # the submitter's until it is "submitted"
+    error: str = ""  # why the read failed; empty while it has not
+    _stage: str = "queued"  # -> "submitting" -> "submitted", or "queued" -> "withdrawn"
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        """Mooncake has finished every batch (or never got the read): it writes no more local
+        memory."""
+        return self._stage in ("submitted", "withdrawn") and not self._pending
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error)
+
+    def withdraw(self) -> bool:
+        """Take back a read the submitter has not started; True if it will never run."""
+        with self._lock:
+            if self._stage == "queued":
+                self._stage, self.error = "withdrawn", "withdrawn before submission"
+            return self._stage == "withdrawn"
+
+    def _begin_submit(self) -> bool:
+        with self._lock:
+            if self._stage != "queued":
+                return False
+            self._stage = "submitting"
+            return True
+
+    def _end_submit(self) -> None:
+        with self._lock:
+            self._stage = "submitted"
+
+    def poll(self) -> ReadState:
+        """Non-blocking. A batch that reached a final status is never polled again: Mooncake
+        frees it then, and its id (an address) is reused by later batches."""
+        if self._stage == "withdrawn":
+            return ReadState.FAILED
+        if self._stage != "submitted":
+            return ReadState.IN_FLIGHT  # still being submitted (a first contact handshakes)
+        still: list[int] = []
+        for batch_id in self._pending:
+            rc = self._engine.transfer_check_status(batch_id)
+            if rc == _RUNNING:
+                still.append(batch_id)
+            elif rc != _COMPLETED and not self.error:
+                self.error = f"Mooncake reported status {rc} for a batch"
+        self._pending = still
+        if self.error:
+            return ReadState.FAILED
+        return ReadState.IN_FLIGHT if still else ReadState.DONE
+
+
+def _valid_batch_id(batch_id: int) -> bool:
+    # A failed submit returns 0, or -1 seen through an unsigned 64-bit batch id.
+    return 0 < batch_id < 2 ** 63
+
+
+class _Submitter:
+    """One daemon thread submitting reads in order (Mooncake serialises them under its lock
+    anyway). Daemon: a handshake stuck on a frozen peer must not hold up process exit."""
+
+    def __init__(self, engine: Any, name: str):
+        self._engine = engine
+        self._queue: queue.SimpleQueue[tuple[AsyncRead, list[Segment]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, read: AsyncRead, entries: list[Segment]) -> None:
+        self._queue.put((read, entries))
+
+    def _run(self) -> None:
+        while True:
+            read, entries = self._queue.get()
+            if not read._begin_submit():
+                continue  # withdrawn while queued
+            try:
+                self._submit(read, entries)
+            except BaseException as exc:  # never leave a read half submitted and unsettled
+                read.error = read.error or f"submitting the read raised {type(exc).__name__}: {exc}"
+            finally:
+                read._end_submit()
+
+    def _submit(self, read: AsyncRead, entries: list[Segment]) -> None:
+        for local, remote, length in entries:
+            batch_id = self._engine.batch_transfer_async_read(read.remote_session, [local], [remote],
+                                                              [length])
+            if not _valid_batch_id(batch_id):
+                read.error = "Mooncake refused to submit the read"
+                return
+            read._pending.append(batch_id)
+
+
 class MooncakeTransport:
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp"):
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp",
+                 progress_timeout_s: float | None = None):
+        """`progress_timeout_s`: how long Mooncake's tcp transport lets a read make no progress
+        before failing it (it bounds how long an abandoned read keeps its memory); applied
+        through MC_TCP_PROGRESS_TIMEOUT_SEC unless the deployer set that, and process-wide."""
+        if progress_timeout_s is not None:
+            os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(max(1, math.ceil(progress_timeout_s))))
         engine_class = _load_engine_class()
         self.host, self.protocol = host, protocol
         self._engine = engine_class()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
-        if rc != 0:
-            raise KVTransferError(
-                f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}) returned "
-                f"{rc}; check that {host} is an address of this machine (kv_ip) and that the "
-                f"protocol is available here ('tcp' always is; 'rdma' needs an RDMA device)")
-        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        allowed = allowed_destinations(host)
+        with _init_lock:
+            before = {fd for fd, state, _, _ in own_tcp_sockets() if state == _TCP_LISTEN}
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+            if rc != 0:
+                raise KVTransferError(
+                    f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}) "
+                    f"returned {rc}; check that {host} is an address of this machine (kv_ip) and "
+                    "that the protocol is available here ('tcp' always is; 'rdma' needs an RDMA "
+                    "device)")
+            rpc_port = self._engine.get_rpc_port()
+            self.listeners = sorted((fd, port) for fd, state, _, port in own_tcp_sockets()
+                                    if state == _TCP_LISTEN and fd not in before)
+            self.session_id = f"{host}:{rpc_port}"
+            if allowed is not None:
+                try:
+                    if rpc_port not in {port for _, port in self.listeners}:
+                        raise OSError(f"its handshake port {rpc_port} is not among the sockets it "
+                                      f"opened ({self.listeners})")
+                    restrict_listeners(self.listeners, allowed)
+                except OSError as exc:
+                    raise KVTransferError(
+                        f"cannot restrict Mooncake engine {self.session_id} to connections "
+                        f"addressed to {host}: {exc}. Its ports would accept peers on every "
+                        f"address of this machine; set {ANY_DESTINATION_ENV}=1 to accept that "
+                        "(and firewall the ports)") from exc
+        log.info("Mooncake engine %s listening on ports %s (%s), %s", self.session_id,
+                 ", ".join(str(port) for _, port in self.listeners), protocol,
+                 "accepting every destination address" if allowed is None else
+                 "accepting connections addressed to " +
+                 ", ".join(map(str, [*allowed[0], *allowed[1]])))
         self._registered: dict[int, int] = {}
+        self._submitter: _Submitter | None = None  # started with the first async read
+        self._submitter_lock = threading.Lock()
 
     def register(self, address: int, nbytes: int) -> None:
         if address in self._registered:
@@ -81,7 +414,8 @@ class MooncakeTransport:
         return sum(self._registered.values())
 
     def read(self, remote_session: str, segments: Sequence[Segment]) -> int:
-        """Pull remote bytes into local registered memory; returns the number of entries sent."""
+        """Pull remote bytes into local registered memory, blocking (see the module docstring);
+        returns the number of entries sent. For benchmarks and tools: engines use submit_read."""
         entries = coalesce(segments)
         if not entries:
             return 0
@@ -94,6 +428,25 @@ class MooncakeTransport:
                 "prefill process is alive and its Mooncake port reachable from here, and that its "
                 "lease has not expired (kv_lease_timeout_s) before the decode side fetched")
         return len(entries)
+
+    def submit_read(self, remote_session: str, segments: Sequence[Segment]) -> AsyncRead:
+        """Start pulling remote bytes into local registered memory; never blocks on the peer.
+        A refused submit (dead peer, bad address) shows as a failed read at the first poll; the
+        batches submitted before it still count as in flight until they end."""
+        entries = coalesce(segments)
+        read = AsyncRead(remote_session, len(entries), sum(e[2] for e in entries), self._engine)
+        with self._submitter_lock:
+            if self._submitter is None:
+                self._submitter = _Submitter(self._engine, f"kv-submit-{self.session_id}")
+        self._submitter.put(read, entries)
+        return read
+
+    def read_failure(self, read: AsyncRead) -> KVTransferError:
+        return KVTransferError(
+            f"KV read from peer {read.remote_session} failed ({read.error}; {read.num_segments} "
+            f"segments, {read.nbytes} bytes, {self.protocol}): check that the prefill process is "
+            "alive and its Mooncake port reachable from here, and that its lease has not expired "
+            "(kv_lease_timeout_s) before the decode side fetched")
 
     def probe(self, remote_session: str) -> bool:
         return self._engine.send_probe(remote_session) == 0

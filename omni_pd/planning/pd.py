@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from omni_pd.config.schema import PipelineConfig, StageConfig
+from omni_pd.config.schema import KVConnectorExtraConfig, PipelineConfig, StageConfig
 from omni_pd.sampling import SamplingParams
 
 # Keys the decode side needs from the prefill output to find and pull the KV cache (vLLM names).
@@ -42,6 +42,31 @@ def find_pd_pair(cfg: PipelineConfig) -> PDPair | None:
             f"prefill stages {[s.stage_id for s in prefill]} and decode stages {[s.stage_id for s in decode]}"
         )
     return PDPair(prefill[0].stage_id, decode[0].stage_id, prefill[0], decode[0])
+
+
+@dataclass(frozen=True)
+class HandoffPolicy:
+    """How a P/D pair's KV handoff meets faults (the decode stage's kv_connector_extra_config)."""
+
+    miss_window_s: float  # the decode side's wait for a request's KV
+    deadline_s: float  # hard bound on one handoff
+    breaker_threshold: int  # consecutive handoff failures that open the breaker to the peer
+    breaker_cooldown_s: float  # how long an open breaker stays open
+    fallback: str  # "local_prefill" | "error": what a request does when its handoff fails
+
+
+# HandoffPolicy field -> its kv_connector_extra_config key.
+HANDOFF_POLICY_KEYS: dict[str, str] = dict(zip(
+    ("miss_window_s", "deadline_s", "breaker_threshold", "breaker_cooldown_s", "fallback"),
+    KVConnectorExtraConfig.HANDOFF_KEYS))
+
+
+def handoff_policy(pair: PDPair) -> HandoffPolicy:
+    """The pair's policy: the decode stage's keys (defaults where it sets none). The loader
+    refuses a prefill stage that sets one of them to another value."""
+    kv = pair.decode.kv_transfer_config
+    extra = kv.kv_connector_extra_config if kv is not None else KVConnectorExtraConfig()
+    return HandoffPolicy(**{name: getattr(extra, key) for name, key in HANDOFF_POLICY_KEYS.items()})
 
 
 def new_transfer_id(request_id: str) -> str:

@@ -3,17 +3,23 @@
 Each step the scheduler admits waiting requests (oldest first) while the step's budget allows
 (`max_num_seqs` requests held, `max_num_batched_tokens` tokens computed: a prefill costs its
 prompt, a decode one token) and the paged cache has blocks for their prompt plus `max_tokens`.
-Admitted requests start (colocated: prefill; decode leg: fetch the KV over Mooncake), then every
-request that was already running decodes one token in one batched, batch-invariant pass. The
-prefill leg only prefills: it publishes each prompt's KV for its decode engine and is done.
+Admitted requests start (colocated: prefill; decode leg: submit the KV read over Mooncake, or
+prefill locally when the request carries no remote KV), then every request that was already
+running decodes one token in one batched, batch-invariant pass. The prefill leg only prefills: it
+publishes each prompt's KV for its decode engine and is done.
 
 A request's state lives in one `ThinkerRequest`, held in `_requests` from `add_request` until it
-finishes, fails or is aborted; its blocks go back to the cache on each of those paths.
+finishes, fails or is aborted; its blocks go back to the cache on each of those paths. Its phase
+says which queue holds it: WAITING (not admitted), FETCHING (decode leg: its KV read is in
+flight; each step polls it without blocking, bounded by the miss window), RUNNING (decoding).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -24,6 +30,8 @@ import torch
 from transformers import DynamicCache
 
 from ...kv import BlockLayout, KVDescriptor, KVReceiver, KVSender, MooncakeTransport
+from ...config.schema import KVConnectorExtraConfig
+from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint, weights_digest
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from ..sampler import sample_next_token
@@ -36,6 +44,9 @@ from .thinker_batch import BatchedThinkerDecoder, DecodeRow
 log = logging.getLogger(__name__)
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# How long a decode worker whose every request waits on a KV read sleeps between polls: far
+# below a transfer's milliseconds of latency, far above a poll's microseconds of CPU.
+FETCH_POLL_S = 0.002
 
 
 def cache_to_canonical(cache: DynamicCache) -> torch.Tensor:
@@ -59,6 +70,39 @@ def _kv_settings(stage_config) -> tuple[str, str]:
     return host, protocol
 
 
+def _handoff_settings(stage_config) -> KVConnectorExtraConfig:
+    kv = stage_config.kv_transfer_config
+    return kv.kv_connector_extra_config if kv else KVConnectorExtraConfig()  # the defaults
+
+
+def _engine_id(stage_config, role: str) -> str:
+    kv = stage_config.kv_transfer_config
+    return kv.engine_id if kv and kv.engine_id else f"{role}-{uuid.uuid4().hex[:12]}"
+
+
+def model_name(thinker: torch.nn.Module) -> str:
+    """What the engine knows of its model: the checkpoint path, else (dummy weights) the config's
+    model type and the module's class."""
+    config = thinker.config
+    return config.name_or_path or f"{config.model_type} ({type(thinker).__name__})"
+
+
+def thinker_fingerprint(thinker: torch.nn.Module, layout: BlockLayout, engine_id: str) -> dict[str, Any]:
+    return kv_fingerprint(model_name(thinker), weights_digest(thinker.named_parameters()), layout,
+                          engine_id)
+
+
+def _log_fingerprint(stage_id: int, role: str, fingerprint: dict[str, Any]) -> None:
+    log.info("stage %d: thinker %s engine KV fingerprint %s", stage_id, role,
+             json.dumps(fingerprint, sort_keys=True))
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # added, not admitted yet
+    FETCHING = "fetching"  # decode leg: admitted, its prompt's KV read is in flight
+    RUNNING = "running"  # admitted and starting (prefill), or has its first token and decodes
+
+
 @dataclass
 class ThinkerRequest:
     request_id: str
@@ -66,6 +110,8 @@ class ThinkerRequest:
     params: SamplingParams
     stream: bool
     arrived: float = field(default_factory=time.perf_counter)
+    phase: Phase = Phase.WAITING
+    kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
@@ -84,6 +130,10 @@ class ThinkerRequest:
         return len(self.prompt.prompt_token_ids)
 
     @property
+    def prefills_here(self) -> bool:
+        return self.kv is None
+
+    @property
     def position(self) -> int:
         """Where the latest token goes: prompt plus the tokens already fed back."""
         return self.prompt_len + len(self.tokens) - 1
@@ -97,7 +147,6 @@ class _ThinkerEngine(StageEngine):
 
     control_calls = StageEngine.control_calls | {"set_batch_invariant"}
     decodes = True  # the prefill leg overrides: it never decodes
-    prefill_costs_tokens = True  # the decode leg's prompts arrive as KV: admitting computes none
 
     def __init__(self, stage_config, runner: ThinkerRunner):
         self.stage_id = stage_config.stage_id
@@ -108,6 +157,7 @@ class _ThinkerEngine(StageEngine):
         self.block_size = args.kv_block_size
         self._requests: dict[str, ThinkerRequest] = {}
         self._waiting: deque[str] = deque()
+        self._fetching: list[str] = []
         self._running: list[str] = []
         self._stats = BatchStats()
         self.cache: PagedKVCache | None = None
@@ -130,7 +180,8 @@ class _ThinkerEngine(StageEngine):
         request = ThinkerRequest(request_id, prompt, params, stream or chunks, chunks=chunks)
         if request.prompt_len == 0:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
-        if self.prefill_costs_tokens and request.prompt_len > self.max_num_batched_tokens:
+        self._check(request)
+        if request.prefills_here and request.prompt_len > self.max_num_batched_tokens:
             raise ValueError(f"request {request_id}: the prompt has {request.prompt_len} tokens, over "
                              f"stage {self.stage_id}'s max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
@@ -141,12 +192,11 @@ class _ThinkerEngine(StageEngine):
                 raise ValueError(f"request {request_id}: prompt plus max_tokens need {needed} KV "
                                  f"blocks, stage {self.stage_id} has {self.cache.num_blocks}; raise "
                                  "engine_args.kv_pool_blocks or lower max_tokens")
-        self._check(request)
         self._requests[request_id] = request
         self._waiting.append(request_id)
 
     def _check(self, request: ThinkerRequest) -> None:
-        """Role-specific validation (kv_transfer_params)."""
+        """Role-specific validation (kv_transfer_params); may set `request.kv`."""
 
     def abort_request(self, request_id: str) -> None:
         request = self._requests.get(request_id)
@@ -154,18 +204,22 @@ class _ThinkerEngine(StageEngine):
             self._drop(request)
             log.debug("stage %d: request %s aborted", self.stage_id, request_id)
 
+    def _queue(self, phase: Phase) -> deque[str] | list[str]:
+        return {Phase.WAITING: self._waiting, Phase.FETCHING: self._fetching,
+                Phase.RUNNING: self._running}[phase]
+
     def _drop(self, request: ThinkerRequest) -> None:
         del self._requests[request.request_id]
-        if request.request_id in self._running:
-            self._running.remove(request.request_id)
-        else:
-            try:
-                self._waiting.remove(request.request_id)
-            except ValueError:
-                pass
+        queue = self._queue(request.phase)
+        if request.request_id in queue:
+            queue.remove(request.request_id)
+        self._release(request)
         if request.blocks:
             self.cache.release(request.blocks)
             request.blocks = []
+
+    def _release(self, request: ThinkerRequest) -> None:
+        """Role-specific resources of a request that leaves (the decode leg's KV read)."""
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -190,7 +244,9 @@ class _ThinkerEngine(StageEngine):
 
     def step(self) -> list[StepOutput]:
         decoding = [self._requests[r] for r in self._running]
-        outputs: list[StepOutput] = []
+        # Requests whose KV arrived get their first token now and decode from the next step,
+        # as an admitted prompt does.
+        outputs = self._progress()
         admitted = self._admit(len(decoding))
         self._stats.record(len(admitted), len(decoding))
         for request in admitted:
@@ -205,26 +261,45 @@ class _ThinkerEngine(StageEngine):
             outputs.extend(self._decode(decoding))
         return outputs
 
+    def _progress(self) -> list[StepOutput]:
+        """Advance requests that wait on I/O (the decode leg's KV reads); none here."""
+        return []
+
+    def _can_start(self, request: ThinkerRequest) -> bool:
+        """Role-specific resources a request needs to be admitted (beyond cache blocks)."""
+        return True
+
     def _admit(self, num_decoding: int) -> list[ThinkerRequest]:
         budget = self.max_num_batched_tokens - num_decoding
-        slots = self.max_num_seqs - num_decoding
+        slots = self.max_num_seqs - (len(self._requests) - len(self._waiting))  # held: admitted
         admitted: list[ThinkerRequest] = []
         while self._waiting and len(admitted) < slots:
             request = self._requests[self._waiting[0]]
-            cost = request.prompt_len if self.prefill_costs_tokens else 1
-            if cost > budget:
+            # A remote prompt's KV arrives by transfer: admitting it computes no token.
+            cost = request.prompt_len if request.prefills_here else 1
+            if cost > budget or not self._can_start(request):
                 break  # oldest first: a long prompt is not overtaken
             if self.cache is not None:
                 if self.cache.blocks_for(request.prompt_len + request.params.max_tokens) > self.cache.num_free:
                     break
                 request.blocks = self.cache.allocate(request.prompt_len + request.params.max_tokens)
             self._waiting.popleft()
+            request.phase = Phase.RUNNING  # until its start says otherwise (fetching)
             budget -= cost
             admitted.append(request)
         return admitted
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         raise NotImplementedError
+
+    def _prefill_here(self, request: ThinkerRequest) -> list[StepOutput]:
+        """Prefill the prompt into the request's blocks and take its first token."""
+        pre = self.runner.prefill(request.prompt, request.params)
+        self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache))
+        request.rope_deltas = pre.rope_deltas
+        request.prompt_embeds, request.prompt_hidden = pre.prompt_embeds, pre.prompt_hidden
+        request.metrics["prefill_ms"] = pre.prefill_ms
+        return self._first_token(request, pre.first_token)
 
     def _first_token(self, request: ThinkerRequest, token: int) -> list[StepOutput]:
         """A request has its first token: it runs (decodes from the next step) or is done."""
@@ -233,7 +308,8 @@ class _ThinkerEngine(StageEngine):
         reason = self.runner.finish_reason(request.tokens, request.params)
         if reason is not None:
             return [self._finish(request, reason)]
-        self._running.append(request.request_id)
+        if request.request_id not in self._running:
+            self._running.append(request.request_id)
         return [self._delta(request)] if request.stream else []
 
     def _decode(self, batch: list[ThinkerRequest]) -> list[StepOutput]:
@@ -300,12 +376,7 @@ class HfThinkerEngine(_ThinkerEngine):
     """The whole thinker in one engine: prefill, then batched decode, in the same process."""
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
-        pre = self.runner.prefill(request.prompt, request.params)
-        self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache))
-        request.rope_deltas = pre.rope_deltas
-        request.prompt_embeds, request.prompt_hidden = pre.prompt_embeds, pre.prompt_hidden
-        request.metrics["prefill_ms"] = pre.prefill_ms
-        return self._first_token(request, pre.first_token)
+        return self._prefill_here(request)
 
 
 class HfPrefillEngine(_ThinkerEngine):
@@ -318,17 +389,18 @@ class HfPrefillEngine(_ThinkerEngine):
     def __init__(self, stage_config, runner: ThinkerRunner):
         super().__init__(stage_config, runner)
         args = stage_config.engine_args
-        kv = stage_config.kv_transfer_config
-        self.engine_id = (kv.engine_id if kv and kv.engine_id else f"prefill-{uuid.uuid4().hex[:12]}")
+        self.engine_id = _engine_id(stage_config, "prefill")
         host, protocol = _kv_settings(stage_config)
         self.transport = MooncakeTransport(host=host, protocol=protocol)
         self.layout = thinker_layout(runner.thinker, self.block_size)
+        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
+        _log_fingerprint(self.stage_id, "prefill", self.fingerprint)
         self.sender = KVSender(self.engine_id, self.layout, args.kv_pool_blocks, self.transport,
                                args.kv_lease_timeout_s)
 
     def describe(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
-                "kv_layout": self.layout.to_dict()}
+                "kv_layout": self.layout.to_dict(), FINGERPRINT_KEY: self.fingerprint}
 
     def _check(self, request: ThinkerRequest) -> None:
         kv_params = request.params.kv_transfer_params or {}
@@ -350,6 +422,7 @@ class HfPrefillEngine(_ThinkerEngine):
             "remote_request_id": request.request_id,
             "first_token": pre.first_token,
             "rope_deltas": pre.rope_deltas,
+            FINGERPRINT_KEY: self.fingerprint,
         }
         log.debug("request %s: published %d prompt tokens as transfer %s", request.request_id,
                   request.prompt_len, transfer_id)
@@ -365,8 +438,9 @@ class HfPrefillEngine(_ThinkerEngine):
     def release_kv(self, transfer_id: str) -> bool:
         return self.sender.release(transfer_id)
 
-    def inject_kv_fault(self, block_index: int = 0, byte_offset: int = 3) -> None:
-        self.sender.inject_fault_once(block_index, byte_offset)
+    def inject_kv_fault(self, block_index: int = 0, byte_offset: int = 3,
+                        after_checksum: bool = False) -> None:
+        self.sender.inject_fault_once(block_index, byte_offset, after_checksum)
 
     def housekeeping(self) -> None:
         self.sender.expire_leases()
@@ -379,46 +453,133 @@ class HfPrefillEngine(_ThinkerEngine):
 
 
 class HfDecodeEngine(_ThinkerEngine):
-    """The decode leg: admitting a request fetches its prompt's KV from the prefill engine into
-    the request's own blocks; then it decodes with everything else that runs."""
-
-    prefill_costs_tokens = False
+    """The decode leg. A request whose kv_transfer_params carry do_remote_prefill has its
+    prompt's KV read from the prefill engine: admitting it submits the read, each step polls it
+    (other requests decode meanwhile), and once it has arrived and checked out it is written
+    into the request's blocks and the request runs. The wait is bounded by `kv_wait_s` from the
+    request's kv_transfer_params, else the stage's kv_miss_window_s; past it the request fails
+    with KVMissError. A request without remote KV is prefilled here, as the colocated engine
+    does (the orchestrator's fallback when the prefill peer is dead, frozen or broken)."""
 
     def __init__(self, stage_config, runner: ThinkerRunner):
         super().__init__(stage_config, runner)
+        handoff = _handoff_settings(stage_config)
+        self.kv_miss_window_s = handoff.kv_miss_window_s
+        self.engine_id = _engine_id(stage_config, "decode")
         host, protocol = _kv_settings(stage_config)
-        self.transport = MooncakeTransport(host=host, protocol=protocol)
+        # A read abandoned on a frozen peer holds its staging blocks until Mooncake gives up on
+        # it: make that the handoff deadline rather than Mooncake's 30 s.
+        self.transport = MooncakeTransport(host=host, protocol=protocol,
+                                           progress_timeout_s=handoff.kv_handoff_deadline_s)
         self.layout = thinker_layout(runner.thinker, self.block_size)
+        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
+        _log_fingerprint(self.stage_id, "decode", self.fingerprint)
+        self.peers = PeerFingerprints(self.fingerprint)
         self.receiver = KVReceiver(self.layout, stage_config.engine_args.kv_pool_blocks, self.transport)
 
     def describe(self) -> dict[str, Any]:
-        return {"kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict()}
+        return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
+                "kv_layout": self.layout.to_dict(), FINGERPRINT_KEY: self.fingerprint,
+                "kv_miss_window_s": self.kv_miss_window_s}
 
     def _check(self, request: ThinkerRequest) -> None:
-        kv_params = request.params.kv_transfer_params or {}
-        if not kv_params.get("do_remote_prefill"):
-            raise ValueError(f"request {request.request_id}: a decode-only stage needs "
-                             "kv_transfer_params with do_remote_prefill=true from a prefill stage")
+        kv_params = request.params.kv_transfer_params
+        if not kv_params or not kv_params.get("do_remote_prefill"):
+            return  # no remote KV: prefilled here
         descriptor = KVDescriptor.from_params(kv_params)
         if descriptor.num_tokens != request.prompt_len:
             raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} holds "
                              f"KV for {descriptor.num_tokens} tokens but the prompt has "
                              f"{request.prompt_len}")
+        for key in ("first_token", "rope_deltas"):
+            if not _is_int(kv_params.get(key)):
+                raise ValueError(f"request {request.request_id}: kv_transfer_params[{key!r}] for "
+                                 f"transfer {descriptor.transfer_id}: expected an int from the "
+                                 f"prefill stage, got {kv_params.get(key)!r:.80}")
+        self._wait_s(request.request_id, kv_params)
+        staging = self.receiver.staging_blocks(descriptor)
+        if staging > self.receiver.pool.num_blocks:
+            raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} "
+                             f"stages into {staging} KV blocks, stage {self.stage_id} has "
+                             f"{self.receiver.pool.num_blocks}; raise engine_args.kv_pool_blocks")
+        request.kv = descriptor
+
+    def _wait_s(self, request_id: str, kv_params: dict[str, Any]) -> float:
+        value = kv_params.get("kv_wait_s")
+        if value is None:
+            return self.kv_miss_window_s
+        # 0 is a wait that has run out already (the orchestrator's deadline): a miss, unless
+        # the KV is there by the first poll.
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ValueError(f"request {request_id}: kv_transfer_params['kv_wait_s'] must be a "
+                             f"number of seconds >= 0, got {value!r:.80}")
+        return float(value)
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
+        if request.prefills_here:
+            log.debug("request %s: no remote KV, prefilling %d prompt tokens here",
+                      request.request_id, request.prompt_len)
+            return self._prefill_here(request)
         kv_params = request.params.kv_transfer_params
-        fetched = self.receiver.fetch(KVDescriptor.from_params(kv_params))
+        self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
+        self.receiver.start(request.kv, self._wait_s(request.request_id, kv_params))
+        request.phase = Phase.FETCHING
+        self._fetching.append(request.request_id)
+        log.debug("request %s: reading %d prompt tokens of KV as transfer %s from %s",
+                  request.request_id, request.prompt_len, request.kv.transfer_id,
+                  request.kv.remote_session)
+        return []
+
+    def _progress(self) -> list[StepOutput]:
+        self.receiver.reclaim()
+        outputs: list[StepOutput] = []
+        for request in [self._requests[r] for r in self._fetching]:
+            try:
+                fetched = self.receiver.poll(request.kv.transfer_id)
+                if fetched is not None:
+                    outputs.extend(self._fetched(request, fetched))
+            except Exception as exc:  # this request's transfer failed or timed out
+                log.debug("stage %d: request %s: %s: %s", self.stage_id, request.request_id,
+                          type(exc).__name__, exc)
+                if request.request_id in self._requests:
+                    self._drop(request)
+                outputs.append(StepOutput.failed(request.request_id, f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _fetched(self, request: ThinkerRequest, fetched) -> list[StepOutput]:
+        self._fetching.remove(request.request_id)
+        request.phase = Phase.RUNNING
         self.cache.write(request.blocks, 0, fetched.kv)
+        kv_params = request.params.kv_transfer_params
         request.rope_deltas = int(kv_params["rope_deltas"])
         request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
                                kv_bytes_transferred=fetched.bytes_transferred)
         return self._first_token(request, int(kv_params["first_token"]))
 
+    def _can_start(self, request: ThinkerRequest) -> bool:
+        # Staging blocks in quarantine come back only when Mooncake ends their reads: wait.
+        return request.prefills_here or self.receiver.can_start(request.kv)
+
+    def _release(self, request: ThinkerRequest) -> None:
+        if request.phase is Phase.FETCHING:
+            # Mooncake may still write the staging blocks: the receiver quarantines them.
+            self.receiver.abandon(request.kv.transfer_id, f"request {request.request_id} left")
+
+    def step_delay_s(self) -> float:
+        # Nothing decodes: every admitted request waits on its read, and a request still
+        # waiting after a step could not be admitted (it waits for slots or blocks that only
+        # the end of a read or quarantine frees). Stepping again at once would only spin.
+        return FETCH_POLL_S if self._requests and not self._running else 0.0
+
+    def housekeeping(self) -> None:
+        self.receiver.reclaim()
+
     def _output(self, request: ThinkerRequest, reason: str, embeds: torch.Tensor,
                 hidden: torch.Tensor) -> ThinkerOutput:
         output = super()._output(request, reason, embeds, hidden)
-        output.prompt_embeds = output.prompt_hidden = None  # they stay with the prefill leg
-        output.num_cached_prompt_tokens = request.prompt_len
+        if not request.prefills_here:
+            output.prompt_embeds = output.prompt_hidden = None  # they stay with the prefill leg
+            output.num_cached_prompt_tokens = request.prompt_len
         return output
 
     def debug_state_counts(self) -> dict[str, int]:
@@ -426,3 +587,7 @@ class HfDecodeEngine(_ThinkerEngine):
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
