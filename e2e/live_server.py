@@ -29,13 +29,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(condition, timeout_s: float, what: str):
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.2)  # polling a condition under a deadline
+        time.sleep(poll_s)  # polling a condition under a deadline
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 

@@ -91,13 +91,13 @@ def test_stage_failing_mid_stream_ends_the_stream_with_its_name(small_decode_poo
     assert omni.generate("ok")[0].audio.numel() > 0
 
 
-def test_dead_decode_worker_is_a_bounded_error_not_a_hang(small_decode_pool):
+def test_dead_decode_worker_is_restarted_and_serves_again(small_decode_pool):
     omni = small_decode_pool
     decode_pid = omni.clients[1].process.pid
     os.kill(decode_pid, signal.SIGKILL)
     omni.clients[1].process.join(10)
-    with pytest.raises(StageError, match=r"stage 1 \(thinker\) worker .* exited"):
-        omni.generate("hi")
-    # The prefill side still answers and holds nothing for the failed request.
-    counts = omni.clients[0].control("debug_state_counts")
-    assert counts == {"thinker.requests": 0, "leases": 0, "used_blocks": 0}, counts
+    # A request that comes while it restarts waits for it (within its deadline), then succeeds.
+    out = omni.generate("hi")[0]
+    assert out.token_ids and omni.clients[1].process.pid != decode_pid
+    assert omni.health()["stages"]["1"]["restarts"] == 1
+    _clean(omni)

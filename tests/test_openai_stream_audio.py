@@ -58,6 +58,9 @@ class ScriptedOmni:
     async def generate(self, *_: Any, **__: Any) -> OmniRequestOutput:
         return self.output()
 
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "stages": {}}
+
     def close(self) -> None:
         pass
 

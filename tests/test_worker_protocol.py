@@ -203,3 +203,59 @@ def test_stage_client_routes_concurrent_requests_and_aborts_on_timeout():
         client.close()
     with pytest.raises(StageError, match="stopped"):
         asyncio.run(client.generate("late", prompts[0], greedy, 5))
+
+
+def test_a_dead_worker_is_restarted_until_it_dies_too_often():
+    """A worker process killed once is restarted (the waiter in it fails naming the signal, a
+    request sent during the restart waits for it); killed once more than `max_restarts`
+    allows, it is left down and says why."""
+    import os
+    import signal
+
+    from omni_pd.orchestrator.stage_client import StageUnavailable
+    from omni_pd.orchestrator.supervisor import StageStatus
+
+    stage = load_pipeline_config(TINY).stage(0)
+    stage = stage.model_copy(update={"runtime": stage.runtime.model_copy(
+        update={"max_restarts": 1, "restart_window_s": 600})})
+    client = StageClient(stage, "tiny-qwen3-omni", startup_timeout_s=120)
+    prompt = ThinkerPrompt([260, 257, 10, 97, 261, 10, 260, 258, 10])
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    try:
+        client.wait_ready()
+        first_pid = client.process.pid
+
+        async def killed_mid_request() -> str:
+            started = asyncio.Event()
+            task = asyncio.ensure_future(client.generate("victim", prompt, long, 60,
+                                                         on_tokens=lambda _: started.set()))
+            await started.wait()
+            os.kill(client.process.pid, signal.SIGKILL)
+            with pytest.raises(StageError) as err:
+                await task
+            return str(err.value)
+        message = asyncio.run(killed_mid_request())
+        assert "stage 0 (thinker)" in message and "SIGKILL" in message and "restart" in message
+        assert client.status in (StageStatus.RESTARTING, StageStatus.UP)
+
+        async def after_restart():
+            await client.wait_usable(60)  # waits while it restarts
+            return await client.generate("next", prompt, greedy, 60)
+        assert len(asyncio.run(after_restart()).token_ids) == 4
+        assert client.process.pid != first_pid and client.restarts == 1
+
+        os.kill(client.process.pid, signal.SIGKILL)  # a second death within the window
+        import multiprocessing.connection
+        assert multiprocessing.connection.wait([client.process.sentinel], 10)  # it is gone
+
+        async def down():
+            with pytest.raises(StageUnavailable) as err:
+                await client.wait_usable(60)
+            return str(err.value)
+        message = asyncio.run(down())
+        assert client.status is StageStatus.DOWN
+        assert "stage 0 (thinker) is down" in message and "max_restarts (1)" in message, message
+        assert "SIGKILL" in message
+    finally:
+        client.close()

@@ -5,6 +5,12 @@ holds no per-stage lock: a request is sent to a stage as soon as its input is re
 stage client matches the worker's answers to the waiting requests. With a P/D pair the thinker
 runs twice: a prefill leg (stop conditions neutralised, KV published) and a decode leg (KV
 fetched over Mooncake); then the prefill leg's KV lease is released.
+
+Faults: a dead worker is restarted by its stage client, and requests that need it wait for it
+within their deadline. The handoff is bounded (`kv_miss_window_s`, `kv_handoff_deadline_s`);
+failed handoffs open the pair's breaker, and the pair's `kv_fallback` decides what a request
+that cannot use the prefill side gets: the decode engine computes the prompt itself
+(`local_prefill`, output identical to colocated) or a named error.
 """
 from __future__ import annotations
 
@@ -26,20 +32,27 @@ from ..models.pipeline import DEFAULT_MODEL, ModelPipeline, load_model_pipeline
 from ..paths import default_stage_config
 from ..planning import (build_decode_sampling_params, build_prefill_sampling_params,
                         expand_sampling_params, find_pd_pair, new_transfer_id)
+from ..planning.pd import handoff_policy
 from ..sampling import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .graph import topological_order
 from .outputs import OmniRequestOutput
 from .processors import import_processor, stream_processors
+from .breaker import CircuitBreaker
 from .request_state import RequestState
-from .stage_client import StageClient, StageError
+from .stage_client import StageClient, StageError, StageTimeout, StageUnavailable
+from .supervisor import StageStatus
 from .threads import stage_threads
 
 log = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 MODALITIES = frozenset({"text", "audio"})
-RELEASE_KV_TIMEOUT_S = 5.0  # an unreleased lease expires on its own (kv_lease_timeout_s)
+RELEASE_KV_TIMEOUT_S = 2.0  # an unreleased lease expires on its own (kv_lease_timeout_s)
+CONTROL_TIMEOUT_S = 5.0  # a stage that does not answer a state query within this is reported
+# How a worker names a failed KV handoff (the exception class in front of its message).
+HANDOFF_FAILURES = frozenset({"KVTransferError", "KVMissError", "KVIntegrityError",
+                              "KVIncompatibleError", "KVTransferFailed"})
 
 
 class RequestAborted(RuntimeError):
@@ -48,6 +61,10 @@ class RequestAborted(RuntimeError):
 
 class RequestTimeout(StageError):
     """The request passed its deadline."""
+
+
+class HandoffFailed(StageUnavailable):
+    """The P/D pair could not hand the KV on and its kv_fallback is 'error'."""
 
 
 class PromptTooLong(ValueError):
@@ -92,9 +109,20 @@ class AsyncOmni:
         self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
                                         for s in self.config.stages})
         self.pd_pair = find_pd_pair(self.config)
+        self.breaker: CircuitBreaker | None = None
+        self.handoff_failures = self.fallbacks = 0
         if self.pd_pair:
-            log.info("prefill/decode pair detected: stage %d prefills, stage %d decodes",
-                     self.pd_pair.prefill_stage_id, self.pd_pair.decode_stage_id)
+            self.handoff = handoff_policy(self.pd_pair)
+            self.breaker = CircuitBreaker(self.handoff.breaker_threshold,
+                                          self.handoff.breaker_cooldown_s)
+            log.info("prefill/decode pair detected: stage %d prefills, stage %d decodes; handoff "
+                     "miss window %g s, deadline %g s, breaker after %d failures (cooldown %g s), "
+                     "fallback %s", self.pd_pair.prefill_stage_id, self.pd_pair.decode_stage_id,
+                     self.handoff.miss_window_s, self.handoff.deadline_s,
+                     self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
+                     self.handoff.fallback)
+        self._background: set[asyncio.Task] = set()  # KV releases nobody waits for
+        self._warned_incompatible = False
         self.text_stage_id = self._final_stage("text")
         self.pipeline: ModelPipeline = load_model_pipeline(model)
         self.model_config = self.pipeline.config
@@ -144,6 +172,8 @@ class AsyncOmni:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         clients, self.clients = self.clients, {}
         for client in clients.values():
             client.request_shutdown()
@@ -165,12 +195,37 @@ class AsyncOmni:
         return await self.clients[stage_id].control_async(name, timeout_s, **kwargs)
 
     async def debug_state_counts(self) -> dict[str, int]:
-        """Per-request state on every side: all zero when no request is in flight."""
+        """Per-request state on every side: all zero when no request is in flight. A stage that
+        cannot answer (restarting, down, frozen) shows as `stageN.unreachable: 1`."""
         counts = {"orchestrator.requests": len(self._requests)}
         for stage_id in list(self.clients):
-            for key, value in (await self.control(stage_id, "debug_state_counts")).items():
+            try:
+                answer = await self.control(stage_id, "debug_state_counts", CONTROL_TIMEOUT_S)
+            except StageError:
+                counts[f"stage{stage_id}.unreachable"] = 1
+                continue
+            for key, value in answer.items():
                 counts[f"stage{stage_id}.{key}"] = value
         return counts
+
+    def health(self) -> dict[str, Any]:
+        """Each stage's status (up, restarting, down, silent) and why; "ok" when all are up and
+        answering. The server's /health answers 503 unless ok."""
+        stages: dict[str, Any] = {}
+        for stage_id, client in self.clients.items():
+            why = client.unavailable()
+            stages[str(stage_id)] = {
+                "name": self._stage_name(stage_id), "status": client.status.value,
+                "responsive": why is None, "restarts": client.restarts,
+                "pid": client.process.pid if client.process is not None else None,
+                "reason": str(why) if why is not None else ""}
+        report: dict[str, Any] = {
+            "status": "ok" if all(s["responsive"] for s in stages.values()) else "degraded",
+            "stages": stages}
+        if self.breaker is not None:
+            report["kv_handoff"] = {"breaker": self.breaker.state.value,
+                                    "failures": self.handoff_failures, "fallbacks": self.fallbacks}
+        return report
 
     # ---- requests --------------------------------------------------------------------------
     def stage_params(self, sampling_params_list: Sequence[SamplingParams | None] | None
@@ -225,7 +280,7 @@ class AsyncOmni:
         try:
             return await self._run(state, self._stages_for(wanted), on_text, on_audio)
         finally:
-            await self._release_kv(state)
+            self._release_kv(state)  # sent now, its answer awaited in the background
             del self._requests[state.request_id]
 
     async def stream(self, prompt: Any, sampling_params_list=None, *, request_id: str | None = None,
@@ -292,6 +347,11 @@ class AsyncOmni:
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted")
             try:
+                if self.pd_pair and group == [self.pd_pair.prefill_stage_id]:
+                    await self._prefill_leg(state, thinker_prompt, deadline)
+                    continue
+                for stage_id in group:  # restarting or silent stages: wait, within the deadline
+                    await self.clients[stage_id].wait_usable(deadline - time.monotonic())
                 if len(group) == 1:
                     await self._run_stage(state, group[0], thinker_prompt, deadline, on_text)
                 else:
@@ -301,8 +361,57 @@ class AsyncOmni:
                     raise RequestAborted(f"request {state.request_id} was aborted") from None
                 raise
             if self.pd_pair and self.pd_pair.decode_stage_id in group:
-                await self._release_kv(state)
+                self._release_kv(state)
         return self._finish(state)
+
+    # ---- the P/D handoff ---------------------------------------------------------------------
+    async def _prefill_leg(self, state: RequestState, thinker_prompt: ThinkerPrompt,
+                           deadline: float) -> None:
+        """Run the prefill leg within the miss window, or decide that the decode leg computes the
+        prompt itself (the breaker is open, the prefill worker is down or silent, or the leg
+        failed); with kv_fallback 'error' that decision is a HandoffFailed instead."""
+        pair, policy = self.pd_pair, self.handoff
+        client = self.clients[pair.prefill_stage_id]
+        why = client.unavailable()
+        if why is not None:
+            return self._no_remote(state, str(why))
+        if not self.breaker.allow():
+            return self._no_remote(state, f"the handoff breaker is {self.breaker.state.value} after "
+                                          f"{self.breaker.consecutive_failures} failed handoffs")
+        now = time.monotonic()
+        state.handoff_deadline = min(now + policy.deadline_s, deadline)
+        try:
+            await self._run_stage(state, pair.prefill_stage_id, thinker_prompt,
+                                  min(now + policy.miss_window_s, state.handoff_deadline), None)
+        except StageTimeout:
+            if state.aborted:
+                raise RequestAborted(f"request {state.request_id} was aborted") from None
+            self._handoff_failed(state, f"{client.name} did not publish the KV within the miss "
+                                        f"window (kv_miss_window_s {policy.miss_window_s:g} s)")
+        except StageError as exc:
+            if state.aborted:
+                raise RequestAborted(f"request {state.request_id} was aborted") from None
+            self._handoff_failed(state, str(exc))
+
+    def _handoff_failed(self, state: RequestState, why: str) -> None:
+        self.handoff_failures += 1
+        self.breaker.failure(why)
+        self._release_kv(state)
+        state.outputs.pop(self.pd_pair.prefill_stage_id, None)
+        state.stage_spans.pop(self.pd_pair.prefill_stage_id, None)
+        self._no_remote(state, why)
+
+    def _no_remote(self, state: RequestState, why: str) -> None:
+        if self.handoff.fallback == "error":
+            raise HandoffFailed(f"request {state.request_id}: the KV handoff from "
+                                f"{self.clients[self.pd_pair.prefill_stage_id].name} is not "
+                                f"possible ({why}); kv_fallback is 'error' (set kv_fallback: "
+                                "local_prefill to let the decode engine compute such prompts)",
+                                self.handoff.breaker_cooldown_s)
+        self.fallbacks += 1
+        state.local_prefill = True
+        log.debug("request %s: the decode engine computes the prompt itself (%s)",
+                  state.request_id, why)
 
     async def _run_stage(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
                          deadline: float, on_text: Callable[[str], None] | None,
@@ -393,7 +502,7 @@ class AsyncOmni:
                 feeders[target].close(output)
                 pump(target)
             if self.pd_pair and sid == self.pd_pair.decode_stage_id:
-                await self._release_kv(state)  # the decode leg has its copy; after the hand-on
+                self._release_kv(state)  # the decode leg has its copy; after the hand-on
 
         tasks = {asyncio.create_task(run(sid)): sid for sid in group}
         state.active_stages.update(group)
@@ -421,7 +530,9 @@ class AsyncOmni:
         stage = self.stages[stage_id]
         return StageInputs(request_id=state.request_id, stage_id=stage_id,
                            source_stage_ids=tuple(stage.engine_input_source),
-                           upstream=dict(state.outputs), model_config=self.model_config,
+                           # live: a stream processor made before a P/D fallback sees the
+                           # prefill leg's output go
+                           upstream=state.outputs, model_config=self.model_config,
                            speaker=state.prompt.speaker, engine_args=stage.engine_args)
 
     async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
@@ -434,12 +545,10 @@ class AsyncOmni:
         if pair and stage_id == pair.prefill_stage_id:
             state.transfer_id = new_transfer_id(state.request_id)
             params = build_prefill_sampling_params(params, state.transfer_id)
+        elif pair and stage_id == pair.decode_stage_id and not state.local_prefill:
+            return await self._remote_decode(state, thinker_prompt, deadline, on_text, on_chunk)
         elif pair and stage_id == pair.decode_stage_id:
-            prefill_out = state.outputs[pair.prefill_stage_id]
-            params = build_decode_sampling_params(params, prefill_out.kv_transfer_params or {},
-                                                  state.transfer_id)
-            # The KV covers the prompt (audio included): the decode leg needs only the token ids.
-            prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
+            pass  # the fallback: the decode engine computes the whole prompt, as colocated
         elif stage.engine_input_source:
             prompt = self.processors[stage_id](self._stage_inputs(state, stage_id))
         on_tokens = None
@@ -452,6 +561,45 @@ class AsyncOmni:
         return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
                                                      on_tokens, on_chunk)
 
+    async def _remote_decode(self, state: RequestState, thinker_prompt: ThinkerPrompt,
+                             deadline: float, on_text: Callable[[str], None] | None,
+                             on_chunk: Callable[[Any], None] | None) -> Any:
+        """The decode leg with the prefill leg's KV. A failed handoff (a KV read that missed its
+        window, a corrupted block, an incompatible peer) fails before the leg produces anything,
+        so the request is run again on the fallback path."""
+        pair = self.pd_pair
+        decode_id = pair.decode_stage_id
+        prefill_out = state.outputs[pair.prefill_stage_id]
+        params = build_decode_sampling_params(state.params[decode_id],
+                                              prefill_out.kv_transfer_params or {}, state.transfer_id)
+        wait_s = min(self.handoff.miss_window_s, state.handoff_deadline - time.monotonic(),
+                     deadline - time.monotonic())
+        params = params.replace(kv_transfer_params={**params.kv_transfer_params,
+                                                    "kv_wait_s": max(wait_s, 0.0)})
+        # The KV covers the prompt (audio included): the decode leg needs only the token ids.
+        prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
+        on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
+                                 f"deadline before stage {decode_id}")
+        try:
+            output = await self.clients[decode_id].generate(state.request_id, prompt, params,
+                                                            remaining, on_tokens, on_chunk)
+        except StageError as exc:
+            kind = getattr(exc, "kind", "")
+            if kind not in HANDOFF_FAILURES or state.aborted:
+                raise
+            if kind == "KVIncompatibleError" and not self._warned_incompatible:
+                self._warned_incompatible = True  # a deployment error: say it once, loudly
+                log.warning("the P/D pair cannot hand KV on: %s; requests fall back (kv_fallback "
+                            "%s) until the stages are made compatible", exc, self.handoff.fallback)
+            self._handoff_failed(state, str(exc))
+            return await self._stage_call(state, decode_id, thinker_prompt, deadline, on_text,
+                                          on_chunk)
+        self.breaker.success()
+        return output
+
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
         detok = IncrementalDetokenizer(self.tokenizer, params, self.pipeline.eos_token_ids)
@@ -462,18 +610,36 @@ class AsyncOmni:
                 on_text(delta)
         return on_tokens
 
-    async def _release_kv(self, state: RequestState) -> None:
-        # The decode leg has its copy (or failed): the prefill leg may free the blocks now rather
-        # than at lease expiry.
+    def _release_kv(self, state: RequestState) -> None:
+        """Tell the prefill leg it may free the request's KV blocks now rather than at lease
+        expiry. Sent at once (so a later state query sees it), answered in the background: the
+        request's answer never waits on it."""
         if state.transfer_id is None or state.kv_released or self.closed:
             return
         state.kv_released = True
+        client = self.clients[self.pd_pair.prefill_stage_id]
         try:
-            await self.control(self.pd_pair.prefill_stage_id, "release_kv", RELEASE_KV_TIMEOUT_S,
-                               transfer_id=state.transfer_id)
+            future = client.control_future("release_kv", transfer_id=state.transfer_id)
+        except StageError as exc:  # restarting or down: its leases went with the old worker
+            log.debug("request %s: KV lease %s not released (%s)", state.request_id,
+                      state.transfer_id, exc)
+            return
+        task = asyncio.ensure_future(self._await_release(client, future, state))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _await_release(client: StageClient, future, state: RequestState) -> None:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), RELEASE_KV_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            client.forget_call(future)
+            log.debug("request %s: %s did not confirm the release of KV lease %s within %.0f s; "
+                      "it expires on its own", state.request_id, client.name, state.transfer_id,
+                      RELEASE_KV_TIMEOUT_S)
         except StageError as exc:
-            log.warning("request %s: could not release KV lease %s (%s); it expires on its own",
-                        state.request_id, state.transfer_id, exc)
+            log.debug("request %s: KV lease %s not released (%s)", state.request_id,
+                      state.transfer_id, exc)
 
     def _stage_name(self, stage_id: int) -> str:
         stage = self.stages[stage_id]
@@ -496,6 +662,7 @@ class AsyncOmni:
                 metrics[key] = thinker.metrics[key]
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = thinker.num_cached_prompt_tokens
+            metrics["kv_fallback"] = state.local_prefill
         if audio is not None:
             # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
             metrics["ttfa_ms"] = (state.audio_chunk_ms[0] if state.audio_chunk_ms

@@ -114,6 +114,13 @@ class Shutdown:
     pass
 
 
+@dataclass
+class Heartbeat:
+    """Sent by a worker every HEARTBEAT_S from a thread of its own, whatever its engine is
+    doing: silence means the process is frozen (SIGSTOP, a hung call holding the GIL), which a
+    live process id alone does not show."""
+
+
 def dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 

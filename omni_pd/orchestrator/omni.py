@@ -69,6 +69,10 @@ class Omni:
     def debug_state_counts(self) -> dict[str, int]:
         return self._call(self.engine.debug_state_counts())
 
+    def health(self) -> dict[str, Any]:
+        """Each stage's status and why (see `AsyncOmni.health`)."""
+        return self.engine.health()
+
     def control(self, stage_id: int, name: str, **kwargs: Any) -> Any:
         """Call a stage engine's control function (tests and operators)."""
         return self._call(self.engine.control(stage_id, name, **kwargs))

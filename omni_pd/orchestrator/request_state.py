@@ -20,6 +20,8 @@ class RequestState:
     first_token_at: float | None = None
     transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
     kv_released: bool = False
+    handoff_deadline: float = 0.0  # monotonic time by which the decode leg must have the KV
+    local_prefill: bool = False  # the P/D fallback: the decode leg computes the prompt itself
     active_stages: set[int] = field(default_factory=set)  # stages working on it now, for aborts
     aborted: bool = False
     # When each stage started and ended, and when each audio chunk was handed on, in ms since

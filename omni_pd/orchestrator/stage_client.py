@@ -3,8 +3,11 @@
 A reader thread takes every message the worker sends and hands it to whoever waits for it: a
 request's token deltas and final answer go to that request's asyncio future (on the event loop
 that submitted it), a control call's answer to its call id. Sends from any thread are serialised.
-When the worker dies, every waiter fails at once with a message naming the stage and its exit
-code.
+
+When the worker dies, every waiter fails at once with a message naming the stage and the cause
+(exit code or signal), and the client starts a new worker after a doubling backoff
+(`RestartPolicy`); a worker that died too often is left down. Each worker sends a heartbeat, so
+a frozen one (SIGSTOP) shows as unresponsive although its process lives.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from typing import Any, Callable
 
 from ..sampling import SamplingParams
 from . import messages as msg
+from .supervisor import RestartPolicy, StageStatus
 from .worker import thread_main, worker_main
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,31 @@ class StageError(RuntimeError):
 
 class StageTimeout(StageError):
     pass
+
+
+class StageUnavailable(StageError):
+    """The stage is restarting or down: nothing was sent to it. `retry_after_s` is a hint for
+    clients (None when the stage is down for good)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def _failure_kind(message: str) -> str:
+    """The exception class name a worker put in front of a failure ("KVMissError: ...")."""
+    head = message.split(":", 1)[0]
+    return head if head.isidentifier() else ""
+
+
+@dataclass
+class _Worker:
+    """One incarnation of the stage's worker: a new one after each restart."""
+
+    conn: Any
+    process: Any = None  # multiprocessing.Process, or None for an in-process engine thread
+    thread: threading.Thread | None = None
+    pid: int | None = None
 
 
 @dataclass
@@ -65,100 +95,261 @@ class _Waiter:
 class StageClient:
     def __init__(self, stage_config: Any, model: str, startup_timeout_s: float,
                  threads: tuple[int, int] = (1, 1)):
+        self.stage_config = stage_config
+        self.model = model
         self.stage_id = stage_config.stage_id
         self.model_stage = stage_config.model_stage
         self.startup_timeout_s = startup_timeout_s
         self.threads = threads
-        name = f"omni-pd-stage{self.stage_id}-{self.model_stage}"
-        if stage_config.runtime.process:
-            context = mp.get_context("spawn")
-            self._conn, child = context.Pipe(duplex=True)
-            self.process = context.Process(
-                target=worker_main, name=name, daemon=True,
-                args=(stage_config, model, child, logging.getLogger().getEffectiveLevel(), threads))
-            self.process.start()
-            child.close()
-            self._thread = None
-        else:  # the engine on a thread of this process, behind the same pipe protocol
-            self._conn, child = mp.Pipe(duplex=True)
-            self.process = None
-            self._thread = threading.Thread(target=thread_main, name=name, daemon=True,
-                                            args=(stage_config, model, child))
-            self._thread.start()
+        self.heartbeat_timeout_s = stage_config.runtime.heartbeat_timeout_s
+        self.policy = RestartPolicy.of(stage_config.runtime)
         self.info: dict[str, Any] = {}
+        self.status = StageStatus.STARTING
+        self.reason = ""  # why the stage is restarting or down
+        self.restarts = 0
+        self.last_seen = time.monotonic()  # the worker's last message (heartbeats included)
         self._call_ids = itertools.count()
-        self._lock = threading.Lock()  # guards sends, _waiters, _calls, _dead
+        self._lock = threading.Lock()  # guards sends, _waiters, _calls, _dead, status, _worker
         self._waiters: dict[str, _Waiter] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._dead: StageError | None = None
-        self._reader: threading.Thread | None = None
         self._closing = False
+        self._stop = threading.Event()  # set at close: a pending restart gives up
+        self._status_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         # Reaping the worker (join, exitcode) from two threads at once races in waitpid: the
         # loser sees "no such child" and takes a dead worker for alive. One lock for all reaping.
         self._reap_lock = threading.Lock()
+        self._worker = self._spawn()
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.model_stage})"
 
+    @property
+    def process(self):
+        """The current worker process (None for an in-process stage)."""
+        return self._worker.process
+
+    def _spawn(self) -> _Worker:
+        name = f"omni-pd-stage{self.stage_id}-{self.model_stage}"
+        if self.stage_config.runtime.process:
+            context = mp.get_context("spawn")
+            conn, child = context.Pipe(duplex=True)
+            process = context.Process(
+                target=worker_main, name=name, daemon=True,
+                args=(self.stage_config, self.model, child,
+                      logging.getLogger().getEffectiveLevel(), self.threads))
+            process.start()
+            child.close()
+            return _Worker(conn, process=process, pid=process.pid)
+        # the engine on a thread of this process, behind the same pipe protocol
+        conn, child = mp.Pipe(duplex=True)
+        thread = threading.Thread(target=thread_main, name=name, daemon=True,
+                                  args=(self.stage_config, self.model, child))
+        thread.start()
+        return _Worker(conn, thread=thread)
+
+    def _alive(self, worker: _Worker) -> bool:
+        if worker.process is not None:  # the sentinel says so without reaping the process
+            return not multiprocessing.connection.wait([worker.process.sentinel], 0)
+        return worker.thread.is_alive()
+
     def alive(self) -> bool:
-        if self.process is not None:  # the sentinel says so without reaping the process
-            return not multiprocessing.connection.wait([self.process.sentinel], 0)
-        return self._thread.is_alive()
+        return self._alive(self._worker)
 
-    def _exit_description(self) -> str:
-        if self.process is not None:
-            with self._reap_lock:
-                self.process.join(1.0)
-                code = self.process.exitcode
-            return f"worker (pid {self.process.pid}) exited with code {code}"
-        return "in-process engine thread stopped"
+    def responsive(self) -> bool:
+        """Up, and heard from within the heartbeat timeout (a frozen worker is alive but silent)."""
+        return (self.status is StageStatus.UP
+                and time.monotonic() - self.last_seen < self.heartbeat_timeout_s)
 
-    def _exited(self, doing: str) -> StageError:
-        return StageError(f"{self.name} {self._exit_description()} {doing}; its log above says why, "
-                          "and a new Omni / server is needed to serve this stage again")
+    def _cause(self, worker: _Worker) -> str:
+        if worker.process is None:
+            return "its in-process engine thread stopped"
+        with self._reap_lock:
+            worker.process.join(1.0)
+            code = worker.process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return f"its worker (pid {worker.pid}) {how}"
 
     # ---- start-up ----------------------------------------------------------------------------
-    def wait_ready(self) -> None:
+    def _await_ready(self, worker: _Worker) -> dict[str, Any]:
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             try:
-                if self._conn.poll(POLL_S):
-                    reply = msg.loads(self._conn.recv_bytes())
+                if worker.conn.poll(POLL_S):
+                    reply = msg.loads(worker.conn.recv_bytes())
                     break
             except (EOFError, OSError):
                 pass
-            if not self.alive():
-                raise self._exited("while starting")
+            if not self._alive(worker):
+                raise StageError(f"{self.name}: {self._cause(worker)} while starting; its log "
+                                 "above says why")
             if time.monotonic() > deadline:
                 raise StageTimeout(f"{self.name} did not start within {self.startup_timeout_s:.0f} s")
         if isinstance(reply, msg.StartupFailed):
             raise StageError(f"{self.name} failed to start: {reply.message}")
-        self.info = reply.info
-        where = f"worker pid {reply.pid}" if self.process is not None else "this process"
+        where = f"worker pid {reply.pid}" if worker.process is not None else "this process"
         log.info("%s ready in %s (%d intra-op / %d inter-op threads)", self.name, where, *self.threads)
-        self._reader = threading.Thread(target=self._read, name=f"omni-pd-stage{self.stage_id}-reader",
-                                        daemon=True)
-        self._reader.start()
+        return reply.info
+
+    def wait_ready(self) -> None:
+        self.info = self._await_ready(self._worker)
+        self._set_up()
+
+    def _set_up(self) -> None:
+        with self._lock:
+            self._dead = None
+            self.status, self.reason = StageStatus.UP, ""
+            self.last_seen = time.monotonic()
+            worker = self._worker
+        threading.Thread(target=self._read, args=(worker,), daemon=True,
+                         name=f"omni-pd-stage{self.stage_id}-reader").start()
+        self._notify()
+
+    # ---- availability --------------------------------------------------------------------------
+    def _notify(self) -> None:
+        """Wake whoever waits for this stage's status to change."""
+        with self._lock:
+            waiters, self._status_waiters = self._status_waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            except RuntimeError:  # that event loop is closed
+                pass
+
+    def unavailable(self) -> StageUnavailable | None:
+        """Why a request cannot be sent now, or None when the stage is up and responsive."""
+        return self._unavailable_locked()
+
+    def _unavailable_locked(self) -> StageUnavailable | None:  # reads plain attributes only
+        if self.status is StageStatus.UP:
+            if not self._alive(self._worker):  # dead, and the reader is about to say so
+                return StageUnavailable(f"{self.name}'s worker has just exited; it is restarted "
+                                        "unless it died too often", 1.0)
+            silent = time.monotonic() - self.last_seen
+            if silent < self.heartbeat_timeout_s:
+                return None
+            return StageUnavailable(f"{self.name} has not answered for {silent:.1f} s (frozen or "
+                                    "starved of CPU); its requests wait", self.heartbeat_timeout_s)
+        if self.status is StageStatus.RESTARTING:
+            return StageUnavailable(f"{self.name} is restarting ({self.reason}); retry shortly",
+                                    max(1.0, self.policy.first_backoff_s * 4))
+        if self.status is StageStatus.DOWN:
+            return StageUnavailable(f"{self.name} is down: {self.reason}; restart the server once "
+                                    "the cause is fixed")
+        if self.status is StageStatus.CLOSED:
+            return StageUnavailable(f"{self.name} stopped at shutdown")
+        return StageUnavailable(f"{self.name} is still starting")
+
+    async def wait_usable(self, timeout_s: float) -> None:
+        """Return once the stage is up and responsive; wait while it restarts or is silent (up
+        to `timeout_s`, then StageTimeout); raise StageUnavailable at once when it is down."""
+        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            why = self.unavailable()
+            if why is None:
+                return
+            if self.status in (StageStatus.DOWN, StageStatus.CLOSED):
+                raise why
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's "
+                                   "deadline)")
+            future = loop.create_future()
+            with self._lock:
+                self._status_waiters.append((loop, future))
+            # A silent worker that speaks again does not notify: look again every half second.
+            try:
+                await asyncio.wait_for(future, min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass
 
     # ---- the reader thread -------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, worker: _Worker) -> None:
         while True:
             try:
-                if self._conn.poll(POLL_S):
-                    self._dispatch(msg.loads(self._conn.recv_bytes()))
+                if worker.conn.poll(POLL_S):
+                    data = worker.conn.recv_bytes()
+                    stale = time.monotonic() - self.last_seen >= self.heartbeat_timeout_s
+                    self.last_seen = time.monotonic()
+                    if stale:
+                        log.warning("%s answers again", self.name)
+                        self._notify()
+                    self._dispatch(msg.loads(data))
                     continue
             except (EOFError, OSError):
                 pass
             else:
-                if self.alive():
+                if self._alive(worker):
                     continue
             # The pipe closed or the worker is gone: fail whoever still waits.
-            self._fail_all(self._exited("while requests were in flight" if not self._closing
-                                        else "at shutdown"))
+            if self._closing:
+                self._fail_all(StageError(f"{self.name} stopped at shutdown"))
+            else:
+                self._died(worker)
             return
 
+    def _died(self, worker: _Worker) -> None:
+        cause = self._cause(worker)
+        delay = self.policy.next_delay(time.monotonic())
+        if delay is None:
+            fate = f"it is left down ({self.policy.describe_limit()})"
+            status = StageStatus.DOWN
+            log.warning("%s: %s; %s; /health reports it until the server is restarted",
+                        self.name, cause, fate)
+        else:
+            fate = f"it is being restarted (restart {self.restarts + 1}, in {delay:.2f} s)"
+            status = StageStatus.RESTARTING
+            log.warning("%s: %s; restarting it in %.2f s", self.name, cause, delay)
+        error = StageError(f"{self.name}: {cause} while requests were in flight; {fate}")
+        with self._lock:
+            self.status = status
+            self.reason = cause if delay is not None else f"{cause} ({self.policy.describe_limit()})"
+        self._fail_all(error)
+        self._notify()
+        if delay is not None:
+            threading.Thread(target=self._restart_after, args=(delay,), daemon=True,
+                             name=f"omni-pd-stage{self.stage_id}-restart").start()
+
+    def _restart_after(self, delay: float) -> None:
+        if self._stop.wait(delay):
+            return  # closing
+        old = self._worker
+        if old.process is not None:
+            with self._reap_lock:
+                old.process.join(1.0)
+        old.conn.close()
+        began = time.monotonic()
+        with self._lock:
+            if self._closing:
+                return
+            self._worker = worker = self._spawn()
+        try:
+            info = self._await_ready(worker)
+        except StageError as exc:
+            log.warning("%s: restart failed: %s", self.name, exc)
+            self._died(worker)
+            return
+        with self._lock:
+            closing = self._closing
+        if closing:  # close() came while it started: it stops with the others
+            return
+        self.info = info
+        self.restarts += 1
+        self._set_up()
+        log.warning("%s is back after a restart (%d so far) in %.1f s", self.name, self.restarts,
+                    time.monotonic() - began)
+
     def _dispatch(self, message: Any) -> None:
+        if isinstance(message, msg.Heartbeat):
+            return
         if isinstance(message, msg.StepMessages):
             for each in message.messages:
                 self._dispatch(each)
@@ -180,7 +371,9 @@ class StageClient:
             log.debug("%s: dropping a late %s for %s", self.name, type(message).__name__, request_id)
             return
         if isinstance(message, msg.GenerateFailed):
-            message = StageError(f"{self.name} failed request {request_id}: {message.message}")
+            error = StageError(f"{self.name} failed request {request_id}: {message.message}")
+            error.kind = _failure_kind(message.message)  # type: ignore[attr-defined]
+            message = error
         try:
             waiter.loop.call_soon_threadsafe(waiter.deliver, message)
         except RuntimeError:  # that event loop is closed: nobody waits any more
@@ -188,7 +381,8 @@ class StageClient:
 
     def _fail_all(self, error: StageError) -> None:
         with self._lock:
-            self._dead = error
+            # Later sends fail at once with why the stage is unavailable (restarting, down).
+            self._dead = self._unavailable_locked() or error
             waiters, self._waiters = list(self._waiters.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for waiter in waiters:
@@ -205,9 +399,10 @@ class StageClient:
         if self._dead is not None:
             raise self._dead
         try:
-            self._conn.send_bytes(msg.dumps(message))
+            self._worker.conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
-            raise self._exited("before the message was sent") from exc
+            raise StageError(f"{self.name}: its worker went away before the message was sent; "
+                             "it is restarted unless it died too often") from exc
 
     def submit(self, request_id: str, prompt: Any, params: SamplingParams,
                on_tokens: Callable[[list[int]], None] | None = None,
@@ -327,29 +522,34 @@ class StageClient:
     # ---- shutdown ------------------------------------------------------------------------------
     def request_shutdown(self) -> None:
         """Ask the worker to stop without waiting (close() waits): workers stop in parallel."""
-        self._closing = True
-        if self.alive():
+        with self._lock:
+            self._closing = True
+            worker = self._worker
+        self._stop.set()
+        if self._alive(worker):
             with self._lock:
                 try:
-                    self._conn.send_bytes(msg.dumps(msg.Shutdown()))
+                    worker.conn.send_bytes(msg.dumps(msg.Shutdown()))
                 except (BrokenPipeError, OSError):
                     pass
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.request_shutdown()
-        if self.process is not None:
+        worker = self._worker
+        if worker.process is not None:
             with self._reap_lock:
-                self.process.join(timeout_s)
-                if self.process.is_alive():
+                worker.process.join(timeout_s)
+                if worker.process.is_alive():
                     log.warning("%s did not stop within %.0f s; terminating it", self.name, timeout_s)
-                    self.process.terminate()
-                    self.process.join(5)
-                if self.process.is_alive():
-                    self.process.kill()
-                    self.process.join()
+                    worker.process.terminate()
+                    worker.process.join(5)
+                if worker.process.is_alive():
+                    worker.process.kill()
+                    worker.process.join()
         else:
-            self._thread.join(timeout_s)
-        if self._reader is not None:
-            self._reader.join(timeout_s)
-        self._fail_all(self._exited("at shutdown"))
-        self._conn.close()
+            worker.thread.join(timeout_s)
+        with self._lock:
+            self.status = StageStatus.CLOSED
+        self._fail_all(StageError(f"{self.name} stopped at shutdown"))
+        self._notify()
+        worker.conn.close()

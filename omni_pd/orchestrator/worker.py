@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from . import messages as msg
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # how long an idle worker waits for a message before housekeeping
 HOUSEKEEPING_S = 0.5  # how often a busy worker runs engine housekeeping (lease expiry)
+HEARTBEAT_S = 0.5  # how often a worker tells the orchestrator it is alive
 
 
 def apply_threads(num_threads: int, num_interop_threads: int) -> None:
@@ -82,9 +84,21 @@ class _Loop:
         self.engine = engine
         self.conn = conn
         self.stopping = False
+        self._send_lock = threading.Lock()  # the step loop and the heartbeat thread both send
 
     def send(self, message: Any) -> None:
-        self.conn.send_bytes(msg.dumps(message))
+        data = msg.dumps(message)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def heartbeat(self, stop: threading.Event) -> None:
+        beat = msg.dumps(msg.Heartbeat())
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                with self._send_lock:
+                    self.conn.send_bytes(beat)
+            except (OSError, ValueError):  # the pipe is closed: the loop is ending too
+                return
 
     def handle(self, message: Any) -> None:
         engine = self.engine
@@ -149,11 +163,17 @@ class _Loop:
 def serve(engine, conn, alive: Callable[[], bool]) -> None:
     loop = _Loop(engine, conn)
     last_housekeeping = time.monotonic()
+    stop_heartbeat = threading.Event()
+    threading.Thread(target=loop.heartbeat, args=(stop_heartbeat,), name="omni-pd-heartbeat",
+                     daemon=True).start()
     try:
         while alive() and not loop.stopping:
             busy = engine.has_unfinished_requests()
+            # A busy engine steps back to back, unless every request it holds waits on I/O (a KV
+            # read): then it waits a little for messages rather than spin a core.
+            wait_s = engine.step_delay_s() if busy else IDLE_POLL_S
             try:
-                if conn.poll(0 if busy else IDLE_POLL_S):
+                if conn.poll(wait_s):
                     while True:  # everything that is waiting, then one step
                         loop.handle(msg.loads(conn.recv_bytes()))
                         if loop.stopping or not conn.poll(0):
@@ -169,5 +189,7 @@ def serve(engine, conn, alive: Callable[[], bool]) -> None:
                 engine.housekeeping()
                 last_housekeeping = now
     finally:
+        stop_heartbeat.set()
         engine.close()
-        conn.close()
+        with loop._send_lock:
+            conn.close()

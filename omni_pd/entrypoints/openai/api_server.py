@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
 from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PromptTooLong,
                                         RequestAborted, RequestTimeout, TextDelta)
-from ...orchestrator.stage_client import StageError, StageTimeout
+from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
 from .translate import TranslatedRequest, translate
@@ -251,7 +251,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
+        return _error_response(exc, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -305,7 +305,9 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         if state.omni is None:
             return JSONResponse({"status": "failed" if state.startup_error else "starting",
                                  "error": state.startup_error}, status_code=503)
-        return {"status": "ok", "stages": len(state.omni.clients)}
+        # 503 while any stage restarts, is down or is silent; the body names it and says why.
+        report = state.omni.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -314,6 +316,8 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
 
     @app.get("/metrics")
     async def metrics():
+        if state.omni is not None:
+            state.metrics.observe_health(state.omni.health())
         return PlainTextResponse(generate_latest(state.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
@@ -403,6 +407,11 @@ def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:
     if isinstance(exc, (RequestTimeout, StageTimeout)):  # the request's deadline passed
         state.metrics.requests.labels(outcome="timeout").inc()
         return APIError(504, str(exc), type="timeout")
+    if isinstance(exc, StageUnavailable):  # restarting or down: nothing was computed
+        state.metrics.requests.labels(outcome="unavailable").inc()
+        retry = exc.retry_after_s
+        return APIError(503, str(exc), type="service_unavailable",
+                        headers={"retry-after": str(max(1, round(retry)))} if retry else None)
     if isinstance(exc, (RequestAborted, asyncio.CancelledError)):
         state.metrics.requests.labels(outcome="aborted").inc()
         return exc

@@ -35,6 +35,36 @@ class ServerMetrics:
                                 registry=self.registry)
         self.kv_handoff = Histogram("omni_pd_kv_handoff_seconds", "KV transfer time per request",
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        # Faults, read from the orchestrator's health report at each scrape.
+        self.stage_up = Gauge("omni_pd_stage_up", "1 when the stage is up and answering",
+                              ["stage"], registry=self.registry)
+        self.stage_restarts = Counter("omni_pd_stage_restarts", "Worker restarts",
+                                      ["stage"], registry=self.registry)
+        self.kv_breaker_open = Gauge("omni_pd_kv_breaker_open",
+                                     "1 while the P/D handoff breaker is open or half-open",
+                                     registry=self.registry)
+        self.kv_handoff_failures = Counter("omni_pd_kv_handoff_failures",
+                                           "Failed or exhausted KV handoffs", registry=self.registry)
+        self.kv_fallbacks = Counter("omni_pd_kv_fallbacks",
+                                    "Requests the P/D pair served without its prefill side",
+                                    registry=self.registry)
+        self._seen: dict[str, float] = {}  # the orchestrator's counts at the previous scrape
+
+    def _advance(self, key: str, counter, value: float) -> None:
+        counter.inc(max(value - self._seen.get(key, 0.0), 0.0))
+        self._seen[key] = value
+
+    def observe_health(self, report: dict) -> None:
+        for stage_id, stage in report["stages"].items():
+            label = f"{stage_id}:{stage['name']}"
+            self.stage_up.labels(stage=label).set(1 if stage["responsive"] else 0)
+            self._advance(f"restarts:{label}", self.stage_restarts.labels(stage=label),
+                          stage["restarts"])
+        handoff = report.get("kv_handoff")
+        if handoff is not None:
+            self.kv_breaker_open.set(0 if handoff["breaker"] == "closed" else 1)
+            self._advance("failures", self.kv_handoff_failures, handoff["failures"])
+            self._advance("fallbacks", self.kv_fallbacks, handoff["fallbacks"])
 
     def observe(self, metrics: dict) -> None:
         if metrics.get("ttft_ms") is not None:

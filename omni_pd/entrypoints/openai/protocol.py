@@ -26,9 +26,11 @@ class APIError(Exception):
     """A request error that becomes OpenAI's error JSON with this status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers  # e.g. Retry-After on a 503
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
 
 
