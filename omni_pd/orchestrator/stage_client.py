@@ -273,14 +273,15 @@ class StageClient:
 
     # ---- the reader thread -------------------------------------------------------------------
     def _read(self, worker: _Worker) -> None:
+        silent = False  # reported silent (frozen) and not heard from since
         while True:
             try:
                 if worker.conn.poll(POLL_S):
                     data = worker.conn.recv_bytes()
-                    stale = time.monotonic() - self.last_seen >= self.heartbeat_timeout_s
                     self.last_seen = time.monotonic()
-                    if stale:
-                        log.warning("%s answers again", self.name)
+                    if silent:
+                        silent = False
+                        log.info("%s answers again", self.name)
                         self._notify()
                     self._dispatch(msg.loads(data))
                     continue
@@ -288,6 +289,12 @@ class StageClient:
                 pass
             else:
                 if self._alive(worker):
+                    quiet = time.monotonic() - self.last_seen
+                    if not silent and quiet >= self.heartbeat_timeout_s:
+                        silent = True
+                        log.warning("%s has sent nothing, not even its heartbeat, for %.1f s: "
+                                    "frozen (SIGSTOP?) or starved of CPU; its requests wait",
+                                    self.name, quiet)
                     continue
             # The pipe closed or the worker is gone: fail whoever still waits.
             if self._closing:
@@ -327,14 +334,19 @@ class StageClient:
                 old.process.join(1.0)
         old.conn.close()
         began = time.monotonic()
+        worker = self._spawn()
         with self._lock:
-            if self._closing:
-                return
-            self._worker = worker = self._spawn()
+            closing = self._closing
+            if not closing:
+                self._worker = worker
+        if closing:
+            self._stop_worker(worker)
+            return
         try:
             info = self._await_ready(worker)
         except StageError as exc:
             log.warning("%s: restart failed: %s", self.name, exc)
+            self._stop_worker(worker)  # one that hangs in start-up must not linger
             self._died(worker)
             return
         with self._lock:
@@ -344,8 +356,14 @@ class StageClient:
         self.info = info
         self.restarts += 1
         self._set_up()
-        log.warning("%s is back after a restart (%d so far) in %.1f s", self.name, self.restarts,
-                    time.monotonic() - began)
+        log.info("%s is back after a restart (%d so far) in %.1f s", self.name, self.restarts,
+                 time.monotonic() - began)
+
+    def _stop_worker(self, worker: _Worker) -> None:
+        if worker.process is not None and self._alive(worker):
+            with self._reap_lock:
+                worker.process.kill()
+                worker.process.join(5)
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, msg.Heartbeat):
