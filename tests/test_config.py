@@ -107,19 +107,49 @@ def test_real_model_config_loads() -> None:
     assert cfg.stage(1).default_sampling_params.stop_token_ids == (2150,)
 
 
-def test_vllm_omni_style_pd_file_loads_and_only_imports_fail() -> None:
+def test_vllm_omni_style_pd_file_loads_with_its_processor_names_resolved() -> None:
     # Uses every key vllm-omni's Qwen3-Omni stage files use (P/D, connectors, async chunk).
     path = FIXTURES / "vllm_omni_style_pd.yaml"
-    cfg = load_pipeline_config(path, check_imports=False)
+    cfg = load_pipeline_config(path)
     assert cfg.stage(0).is_prefill_only and cfg.stage(1).is_decode_only
     assert cfg.stage(0).kv_transfer_config.bootstrap_port == 25201
     assert cfg.runtime.connectors["connector_of_mooncake"].name == "MooncakeStoreConnector"
     assert cfg.stage(3).engine_args.async_scheduling is False
-    with pytest.raises(ConfigError) as info:
-        load_pipeline_config(path)
-    issues = info.value.issues
-    assert {i.key for i in issues} == {"stage_args[2].custom_process_input_func", "stage_args[3].custom_process_input_func"}
-    assert all("vllm_omni" in i.message for i in issues)
+    ours = "omni_pd.models.qwen3_omni.stage_input_processors"
+    assert cfg.stage(2).custom_process_input_func == f"{ours}.thinker2talker"
+    assert cfg.stage(3).custom_process_input_func == f"{ours}.talker2code2wav"
+
+
+def test_next_stage_processor_goes_to_the_stages_it_feeds() -> None:
+    """vllm-omni's async_chunk files name the processor on the producing stage."""
+    from omni_pd.config.aliases import apply_processor_aliases
+    vo = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
+    data = {"stage_args": [
+        {"stage_id": 0, "engine_args": {"custom_process_next_stage_input_func":
+                                        f"{vo}.thinker2talker_async_chunk"}},
+        {"stage_id": 1, "engine_input_source": [0], "engine_args": {}},
+        {"stage_id": 2, "engine_input_source": [0],
+         "custom_process_input_func": "my.own.processor", "engine_args": {}}]}
+    out = apply_processor_aliases(data)
+    assert out["stage_args"][1]["custom_process_input_func"] == \
+        "omni_pd.models.qwen3_omni.stage_input_processors.thinker2talker"
+    assert out["stage_args"][2]["custom_process_input_func"] == "my.own.processor"  # its own wins
+    assert "custom_process_input_func" not in data["stage_args"][1]  # the input is not changed
+
+
+def test_an_unknown_vllm_omni_processor_is_still_an_import_error(tmp_path: Path) -> None:
+    data = yaml.safe_load((FIXTURES / "vllm_omni_style_pd.yaml").read_text())
+    data["stage_args"][2]["custom_process_input_func"] = \
+        "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker_v9"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].custom_process_input_func")
+    assert "vllm_omni" in issue.message
+
+
+def test_runtime_env_values_may_be_numbers() -> None:
+    stage = StageConfig.model_validate({"stage_id": 0, "runtime": {"env": {"OMP_NUM_THREADS": 4,
+                                                                           "X": 0.5, "Y": True}},
+                                        "engine_args": {"model_stage": "thinker"}})
+    assert stage.runtime.env == {"OMP_NUM_THREADS": "4", "X": "0.5", "Y": "true"}
 
 
 def test_pd_config_loads(tmp_path: Path) -> None:

@@ -86,3 +86,39 @@ VLLM_OMNI_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
         "has_sampling_extra_args", "sampling_extra_args_keys",
     }
 )
+
+
+# Keys an hf stage reads (the rest of its engine_args mean something to vLLM / vllm-omni only).
+HF_ENGINE_KEYS: frozenset[str] = frozenset({
+    "engine", "model_stage", "model_arch", "hf_config_name", "engine_output_type", "model",
+    "load_format", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s", "kv_transfer_config",
+    "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames",
+})
+
+_WHY_UNUSED: dict[str, str] = {
+    "gpu_memory_utilization": "GPU memory sizing; the hf engine's KV pool is kv_pool_blocks",
+    "kv_cache_memory_bytes": "GPU memory sizing; the hf engine's KV pool is kv_pool_blocks",
+    "enforce_eager": "CUDA graphs; the hf engine runs eagerly",
+    "max_cudagraph_capture_size": "CUDA graphs; the hf engine runs eagerly",
+    "cuda_graph_sizes": "CUDA graphs; the hf engine runs eagerly",
+    "compilation_config": "torch.compile / CUDA graphs; the hf engine runs eagerly",
+    "worker_type": "vllm-omni's worker kind; omni-pd runs its own engine per model_stage",
+    "worker_cls": "vllm-omni's worker class; omni-pd runs its own engine per model_stage",
+    "scheduler_cls": "vllm-omni's scheduler; omni-pd's engine schedules itself",
+    "async_scheduling": "vllm-omni's scheduler; omni-pd's engine schedules itself",
+    "distributed_executor_backend": "vLLM's executor; each omni-pd stage is one worker process",
+    "trust_remote_code": "remote model code; omni-pd builds the model classes it knows",
+    "enable_prefix_caching": "not implemented by the hf engine",
+    "enable_chunked_prefill": "not implemented by the hf engine",
+    "mm_processor_cache_gb": "vLLM's multimodal processor cache",
+    "custom_process_next_stage_input_func": "given to the stages this one feeds as their "
+                                            "custom_process_input_func",
+}
+
+
+def unused_by_hf(explicit: set[str]) -> list[tuple[str, str]]:
+    """The keys a stage file set (`explicit`) that an hf stage does not use, each with why."""
+    return [(key, _WHY_UNUSED.get(key, "a vLLM / vllm-omni engine argument; only engine: vllm "
+                                       "stages use it"))
+            for key in sorted(explicit - HF_ENGINE_KEYS)]

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import yaml
 from pydantic import ValidationError
 
+from omni_pd.config.aliases import apply_processor_aliases
 from omni_pd.config.checks import CheckContext, run_checks
 from omni_pd.config.errors import ConfigError, ConfigIssue
 from omni_pd.config.pydantic_issues import issues_from_validation_error
@@ -28,6 +29,7 @@ def pipeline_config_from_dict(
     data: Mapping[str, Any], *, file: str = "<dict>", check_imports: bool = True
 ) -> PipelineConfig:
     """Validate an already-parsed stage config (same rules and errors as `load_pipeline_config`)."""
+    data = apply_processor_aliases(data)  # vllm-omni's processor names -> omni-pd's
     issues: list[ConfigIssue] = []
     raw_stages = data.get("stage_args")
     valid: list[tuple[int, StageConfig]] = []

@@ -193,6 +193,15 @@ class StageRuntime(_Model):
     # A worker that sends nothing (not even its heartbeat) for this long counts as frozen.
     heartbeat_timeout_s: float = Field(default=3.0, ge=1.0)  # heartbeats come every 0.5 s
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_text(cls, value: Any) -> Any:
+        # YAML reads `OMP_NUM_THREADS: 4` as a number; the environment holds text.
+        if isinstance(value, dict):
+            return {k: str(v).lower() if isinstance(v, bool) else
+                    str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
+        return value
+
     @field_validator("devices", mode="before")
     @classmethod
     def _devices_as_text(cls, value: Any) -> Any:

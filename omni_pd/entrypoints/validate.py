@@ -5,6 +5,7 @@ import sys
 from typing import TextIO
 
 from omni_pd.config import ConfigError, PipelineConfig, load_pipeline_config
+from omni_pd.config.engine_keys import unused_by_hf
 from omni_pd.planning import find_pd_pair
 
 EXIT_OK = 0
@@ -34,6 +35,10 @@ def summarize(cfg: PipelineConfig, path: str) -> str:
             f"  [{s.stage_id}] {s.model_stage:<9} engine={s.engine:<4} role={role:<12} "
             f"inputs={inputs} {final}"
         )
+    for s in cfg.stages:
+        if s.engine == "hf" and (unused := unused_by_hf(set(s.engine_args.model_fields_set))):
+            lines.append(f"  stage {s.stage_id}: the hf engine does not use " + "; ".join(
+                f"{key} ({why})" for key, why in unused))
     edges = cfg.edges()
     lines.append("edges: " + (", ".join(f"{a} -> {b}" for a, b in edges) if edges else "none"))
     if cfg.async_chunk:

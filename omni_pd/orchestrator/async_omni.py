@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 
 from ..config import PipelineConfig, load_pipeline_config
+from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
 from ..models.pipeline import DEFAULT_MODEL, ModelPipeline, load_model_pipeline
@@ -123,6 +124,10 @@ class AsyncOmni:
                      self.handoff.fallback)
         self._background: set[asyncio.Task] = set()  # KV releases nobody waits for
         self._warned_incompatible = False
+        for stage in self.config.stages:  # keys from a vllm-omni file: said once, not ignored
+            if stage.engine == "hf" and (unused := unused_by_hf(set(stage.engine_args.model_fields_set))):
+                log.info("stage %d (%s, hf engine) does not use %s", stage.stage_id,
+                         stage.model_stage, "; ".join(f"{k} ({why})" for k, why in unused))
         self.text_stage_id = self._final_stage("text")
         self.pipeline: ModelPipeline = load_model_pipeline(model)
         self.model_config = self.pipeline.config

@@ -1,0 +1,72 @@
+"""vllm-omni's own Qwen3-Omni stage files load unchanged (issue 12, criterion 1).
+
+The files are read from vllm-omni's published wheel (fetched once with `pip download --no-deps`
+into .cache/, never copied into the repository). 0.18.0 is the last release that ships the
+legacy `stage_args` files; its P/D separation file lives only in vllm-omni's repository, so the
+P/D case is tests/fixtures/vllm_omni_style_pd.yaml (tests/test_config.py).
+"""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from omni_pd.entrypoints.validate import run_validate
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache" / "vllm-omni"
+LEGACY_VERSION = "0.18.0"
+LEGACY_FILES = [
+    "vllm_omni/model_executor/stage_configs/qwen3_omni_moe.yaml",
+    "vllm_omni/model_executor/stage_configs/qwen3_omni_moe_async_chunk.yaml",
+    "vllm_omni/model_executor/stage_configs/qwen3_omni_moe_multiconnector.yaml",
+    "vllm_omni/platforms/npu/stage_configs/qwen3_omni_moe.yaml",
+    "vllm_omni/platforms/npu/stage_configs/qwen3_omni_moe_async_chunk.yaml",
+    "vllm_omni/platforms/rocm/stage_configs/qwen3_omni_moe.yaml",
+    "vllm_omni/platforms/xpu/stage_configs/qwen3_omni_moe.yaml",
+]
+
+
+def vllm_omni_wheel(version: str) -> Path:
+    """The wheel of vllm-omni `version`, downloaded (no dependencies) on first use."""
+    found = sorted(CACHE.glob(f"vllm_omni-{version}-*.whl"))
+    if found:
+        return found[0]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                             "--disable-pip-version-check", f"vllm-omni=={version}", "-d", str(CACHE)],
+                            capture_output=True, text=True, timeout=600)
+    found = sorted(CACHE.glob(f"vllm_omni-{version}-*.whl"))
+    assert result.returncode == 0 and found, (
+        f"could not download vllm-omni=={version} from the package index (needed to test its "
+        f"stage files):\n{result.stderr}")
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def legacy_files(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("vllm_omni_legacy")
+    with zipfile.ZipFile(vllm_omni_wheel(LEGACY_VERSION)) as wheel:
+        files = {}
+        for name in LEGACY_FILES:
+            path = out / name.replace("/", "__")
+            path.write_bytes(wheel.read(name))
+            files[name] = path
+    return files
+
+
+@pytest.mark.parametrize("name", LEGACY_FILES)
+def test_legacy_qwen3_omni_file_validates(legacy_files, name):
+    out, err = io.StringIO(), io.StringIO()
+    assert run_validate(str(legacy_files[name]), out=out, err=err) == 0, err.getvalue()
+    summary = out.getvalue()
+    assert "[1] talker" in summary and "[2] code2wav" in summary
+    assert "edges: 0 -> 1, 1 -> 2" in summary
+    if "async_chunk" in name:  # the processors named on the producing stages were found
+        assert "streamed edges: 0 -> 1, 1 -> 2" in summary
+    # Keys the hf engine does not use are named, with why, not silently dropped.
+    assert "the hf engine does not use" in summary and "gpu_memory_utilization" in summary
