@@ -16,6 +16,8 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING"]
 TINY = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+TINY_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
+DEPLOY_PD = STAGE_CONFIGS_DIR / "deploy" / "qwen3_omni_tiny_pd.yaml"
 
 
 def _run(*args, check=True):
@@ -63,6 +65,26 @@ def test_colocated_config_reports_no_kv_transfer(tmp_path):
     assert set(metrics["stage_ms"]) == {"0", "1", "2"} and "kv_bytes_transferred" not in metrics
 
 
+def test_deploy_config_generates_what_its_stage_args_twin_does(tmp_path):
+    # vllm-omni 0.30's deploy schema: the same P/D pipeline as the stage_args file, so the same
+    # tokens and audio, byte for byte.
+    deploy = _generate_json(tmp_path, "--deploy-config", str(DEPLOY_PD))
+    legacy = _generate_json(tmp_path, "--stage-configs-path", str(TINY_PD))
+    assert len(deploy["token_ids"]) > 0 and deploy["num_samples"] > 0
+    assert deploy["token_ids"] == legacy["token_ids"]
+    assert deploy["audio_sha256"] == legacy["audio_sha256"]
+    assert deploy["metrics"]["kv_bytes_transferred"] == legacy["metrics"]["kv_bytes_transferred"] > 0
+    # Negative control: the deploy file's own values are what runs; another talker seed in it
+    # (its sampling defaults) gives other audio from the same text.
+    text = DEPLOY_PD.read_text()
+    talker_seed = "      seed: 42\n      repetition_penalty: 1.05"
+    assert text.count(talker_seed) == 1
+    reseeded = tmp_path / "reseeded.yaml"
+    reseeded.write_text(text.replace(talker_seed, "      seed: 7\n      repetition_penalty: 1.05"))
+    other = _generate_json(tmp_path, "--deploy-config", str(reseeded))
+    assert other["token_ids"] == legacy["token_ids"] and other["audio_sha256"] != legacy["audio_sha256"]
+
+
 def test_generate_plain_prints_text_and_timings(tmp_path):
     out = _run("generate", "--prompt", "hi", "--output", str(tmp_path / "a.wav"))
     assert out.stdout.startswith("text: ") and "timings: ttft" in out.stdout
@@ -100,6 +122,8 @@ def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path):
 def test_validate_config_exit_codes(tmp_path):
     ok = _run("validate-config", str(TINY))
     assert "thinker" in ok.stdout
+    deploy = _run("validate-config", "--deploy-config", str(DEPLOY_PD))
+    assert "pipeline qwen3_omni_moe_pd" in deploy.stdout and "P/D: prefill stage 0" in deploy.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.read_text().replace("engine_input_source: [0]", "engine_input_sourc: [0]"))
     result = _run("validate-config", str(bad), check=False)

@@ -1,24 +1,21 @@
 """vllm-omni's own Qwen3-Omni stage files load unchanged (issue 12, criterion 1).
 
 The files are read from vllm-omni's published wheel (fetched once with `pip download --no-deps`
-into .cache/, never copied into the repository). 0.18.0 is the last release that ships the
-legacy `stage_args` files; its P/D separation file lives only in vllm-omni's repository, so the
+into .cache/, never copied into the repository: tests/vllm_omni_wheels.py). 0.18.0 is the last
+release that ships the legacy `stage_args` files; its P/D separation file lives only in vllm-omni's repository, so the
 P/D case is tests/fixtures/vllm_omni_style_pd.yaml (tests/test_config.py).
 """
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from vllm_omni_wheels import vllm_omni_wheel
 
 from omni_pd.entrypoints.validate import run_validate
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / ".cache" / "vllm-omni"
 LEGACY_VERSION = "0.18.0"
 LEGACY_FILES = [
     "vllm_omni/model_executor/stage_configs/qwen3_omni_moe.yaml",
@@ -29,22 +26,6 @@ LEGACY_FILES = [
     "vllm_omni/platforms/rocm/stage_configs/qwen3_omni_moe.yaml",
     "vllm_omni/platforms/xpu/stage_configs/qwen3_omni_moe.yaml",
 ]
-
-
-def vllm_omni_wheel(version: str) -> Path:
-    """The wheel of vllm-omni `version`, downloaded (no dependencies) on first use."""
-    found = sorted(CACHE.glob(f"vllm_omni-{version}-*.whl"))
-    if found:
-        return found[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                             "--disable-pip-version-check", f"vllm-omni=={version}", "-d", str(CACHE)],
-                            capture_output=True, text=True, timeout=600)
-    found = sorted(CACHE.glob(f"vllm_omni-{version}-*.whl"))
-    assert result.returncode == 0 and found, (
-        f"could not download vllm-omni=={version} from the package index (needed to test its "
-        f"stage files):\n{result.stderr}")
-    return found[0]
 
 
 @pytest.fixture(scope="module")

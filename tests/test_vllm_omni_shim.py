@@ -56,6 +56,23 @@ def test_translates_vllm_serve_arguments():
                    "--host", "0.0.0.0", "--port", "8091", "--served-model-name", "omni"]
     assert shim.translate_vllm_argv(["serve", "--omni", "--model", "m"]) == [
         "--log-level", "INFO", "serve", "m"]
+    # vllm-omni 0.30's deploy schema passes through as omni-pd's --deploy-config.
+    assert shim.translate_vllm_argv(["serve", "m", "--omni", "--deploy-config", "d.yaml"]) == [
+        "--log-level", "INFO", "serve", "m", "--deploy-config", "d.yaml"]
+
+
+def test_deploy_config_reaches_the_server(monkeypatch):
+    seen = {}
+
+    def fake_serve(args):
+        seen.update(stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config)
+        return 0
+
+    monkeypatch.setattr("omni_pd.entrypoints.cli._cmd_serve", fake_serve)
+    with pytest.raises(SystemExit) as exit_:
+        shim.run_vllm_command(["serve", "tiny-qwen3-omni", "--omni", "--deploy-config", "d.yaml"])
+    assert exit_.value.code == 0
+    assert seen == {"stage_configs_path": None, "deploy_config": "d.yaml"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -63,6 +80,7 @@ def test_translates_vllm_serve_arguments():
     (["serve", "m", "--omni", "--max-model-len", "4096"], "--max-model-len 4096"),
     (["serve", "a", "--omni", "--model", "b"], "two models"),
     (["serve", "m", "--omni", "--uvicorn-log-level", "trace"], "--uvicorn-log-level"),
+    (["serve", "m", "--omni", "--stage-configs-path", "a", "--deploy-config", "b"], "not both"),
 ])
 def test_arguments_it_cannot_honour_are_refused_by_name(argv, message, capsys):
     with pytest.raises(shim.ShimError, match=message.replace("-", r"\-")):

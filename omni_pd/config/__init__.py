@@ -1,4 +1,5 @@
 """Stage YAML schema and loader: every error names file, stage, key and what to change."""
+from omni_pd.config.deploy import load_deploy_config
 from omni_pd.config.errors import ConfigError, ConfigIssue
 from omni_pd.config.loader import load_pipeline_config, pipeline_config_from_dict
 from omni_pd.config.schema import (
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineRuntime",
     "StageConfig",
     "StageRuntime",
+    "load_deploy_config",
     "load_pipeline_config",
     "pipeline_config_from_dict",
 ]

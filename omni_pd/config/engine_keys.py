@@ -5,7 +5,8 @@
 being silently ignored by an engine.
 
 - `VLLM_ENGINE_ARG_NAMES`: field names of vLLM's `EngineArgs` dataclass (vllm/engine/arg_utils.py,
-  v0.11-era), minus private `_api_*` fields. Forwarded to vLLM for `engine: vllm` stages.
+  v0.11-era, plus those vLLM 0.32.0 has: `moe_backend`, `attention_config`, ...), minus private
+  `_api_*` fields. Forwarded to vLLM for `engine: vllm` stages.
 - `VLLM_OMNI_ENGINE_ARG_NAMES`: keys vllm-omni adds in `OmniEngineArgs` (vllm_omni/engine/
   arg_utils.py). Accepted so vllm-omni stage files load; omni-pd does not forward them to vLLM.
 
@@ -69,6 +70,47 @@ VLLM_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
         "disable_log_stats", "aggregate_engine_logging",
         # kv transfer and misc
         "kv_transfer_config", "kv_events_config", "additional_config",
+        # added in vLLM <= 0.32 (EngineArgs fields of vllm 0.32.0 the list above lacked)
+        "allow_deprecated_quantization", "attention_backend", "attention_config",
+        "aux_output_config", "cp_kv_cache_interleave_size", "cpu_distributed_timeout_seconds",
+        "cpu_offload_params", "cudagraph_metrics", "custom_histogram_buckets",
+        "data_parallel_external_lb", "data_parallel_multi_port_external_lb", "dcp_comm_backend",
+        "dcp_kv_cache_interleave_size", "dcp_q_replicate", "device_ids", "diffusion_config",
+        "distributed_timeout_seconds", "dp_sync_interval", "ec_manager_config",
+        "ec_transfer_config", "elastic_ep_max_dp_size", "enable_batch_sharded_sampling",
+        "enable_cumem_allocator", "enable_elastic_ep", "enable_ep_weight_filter",
+        "enable_fault_tolerance", "enable_flashinfer_autotune", "enable_hc_sp",
+        "enable_layerwise_nvtx_tracing", "enable_logging_iteration_details",
+        "enable_mamba_cache_stochastic_rounding", "enable_mamba_shared_prefix_checkpoint",
+        "enable_mfu_metrics", "enable_mixed_moe_lora_format", "enable_mm_processor_stats",
+        "enable_moe_shared_loras", "enable_nccl_comm_suspend", "enable_return_routed_experts",
+        "enable_shm_tensor_arena", "enable_tower_connector_lora", "enable_trace_replay",
+        "engram_config", "fail_on_environ_validation", "fault_tolerance_config",
+        "gdn_prefill_backend", "ir_op_priority", "jit_monitor_mode", "jit_monitor_verbose",
+        "kda_decode_backend", "kda_prefill_backend", "kernel_config", "kv_cache_dtype_skip_layers",
+        "kv_cache_metrics", "kv_cache_metrics_sample", "kv_offloading_backend",
+        "kv_offloading_size", "language_model_only", "linear_backend", "log_config_file",
+        "log_level", "logging_config", "long_prefill_token_threshold_adaptive",
+        "lora_target_modules", "mamba_backend", "mamba_cache_mode", "mamba_cache_philox_rounds",
+        "mamba_config", "mamba_ssu_algorithm", "master_addr", "master_port", "max_lora_cls_labels",
+        "max_num_active_seqs", "max_num_queued_reqs", "max_num_queued_tokens",
+        "max_num_scheduled_tokens", "mm_device_do_normalize", "mm_encoder_attn_dtype",
+        "mm_encoder_fp8_scale_path", "mm_encoder_fp8_scale_save_margin",
+        "mm_encoder_fp8_scale_save_path", "mm_encoder_only", "mm_hasher_algorithm",
+        "mm_ipc_gpu_memory_gb", "mm_processor_device", "mm_tensor_ipc", "model_class_overrides",
+        "model_weights", "moe_backend", "nnodes", "node_rank", "numa_bind", "numa_bind_cpus",
+        "numa_bind_nodes", "offload_backend", "offload_group_size", "offload_num_in_group",
+        "offload_params", "offload_prefetch_step", "optimization_level",
+        "per_request_spec_decode_metrics", "performance_mode", "prefill_context_parallel_size",
+        "prefill_schedule_interval", "prefix_cache_retention_interval", "prefix_match_unit",
+        "profiler_config", "quantization_config", "reasoning_config", "reasoning_parser_plugin",
+        "renderer_num_workers", "replayssm_buffer_len", "return_sampling_mask",
+        "safetensors_prefetch_block_size", "safetensors_prefetch_num_threads",
+        "scheduler_reserve_full_isl", "shutdown_timeout", "sleep_mode_offload_cudagraph",
+        "sleep_preserve_parameter_names", "sparse_indexer_topk_backend", "spec_method",
+        "spec_model", "spec_tokens", "specialize_active_lora", "stream_interval",
+        "swa_bounded_replay", "tokens_only", "ubatch_size", "use_fp64_gumbel", "use_replayssm",
+        "video_pruning_method", "watermark", "watermark_config", "weight_transfer_config",
     }
 )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 from pydantic import ValidationError
 
 from omni_pd.config.aliases import apply_processor_aliases
@@ -16,13 +15,27 @@ from omni_pd.config.checks import CheckContext, run_checks
 from omni_pd.config.errors import ConfigError, ConfigIssue
 from omni_pd.config.pydantic_issues import issues_from_validation_error
 from omni_pd.config.schema import PipelineConfig, PipelineRuntime, StageConfig
+from omni_pd.config.yaml_io import read_yaml_mapping
 
 
-def load_pipeline_config(path: str | Path, *, check_imports: bool = True) -> PipelineConfig:
-    """Read and validate a stage YAML. `check_imports=False` skips importing input processors."""
+def load_pipeline_config(
+    path: str | Path, *, check_imports: bool = True, platform: str | None = None
+) -> PipelineConfig:
+    """Read and validate a stage YAML: vllm-omni's legacy `stage_args` file, or a vllm-omni 0.30
+    deploy file (a top-level `stages` list, see `omni_pd.config.deploy`; `platform` picks its
+    `platforms:` section, default: the machine's). `check_imports=False` skips importing input
+    processors."""
     file = str(path)
-    data = _read_mapping(Path(path), file)
+    data = read_yaml_mapping(Path(path), file)
+    if is_deploy_document(data):
+        from omni_pd.config.deploy import load_deploy_config
+        return load_deploy_config(path, platform=platform, check_imports=check_imports)
     return pipeline_config_from_dict(data, file=file, check_imports=check_imports)
+
+
+def is_deploy_document(data: Mapping[str, Any]) -> bool:
+    """A vllm-omni 0.30 deploy file (`stages`, `base_config`), not a legacy `stage_args` one."""
+    return "stage_args" not in data and ("stages" in data or "base_config" in data)
 
 
 def pipeline_config_from_dict(
@@ -102,26 +115,3 @@ def _runtime_section(
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_mapping(path: Path, file: str) -> Mapping[str, Any]:
-    def fail(got: Any, allowed: str, message: str) -> ConfigError:
-        return ConfigError([ConfigIssue(file, None, "<file>", got, allowed, message)])
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise fail(str(path), "path to an existing stage YAML", "file not found") from None
-    except OSError as exc:
-        raise fail(str(path), "a readable file", f"cannot read file: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise fail(None, "valid YAML", f"not valid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise fail(type(data).__name__, "a mapping with a top-level 'stage_args' list",
-                   "the file's top level is not a mapping")
-    return data

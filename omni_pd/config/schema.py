@@ -265,6 +265,7 @@ class EdgeConfig(_Model):
     from_stage: int = Field(alias="from")
     to_stage: int = Field(alias="to")
     window_size: int | None = Field(default=None, ge=-1)
+    max_inflight: int | None = Field(default=None, ge=1)  # vllm-omni's per-edge key
 
 
 class ConnectorSpec(_Model):

@@ -23,8 +23,14 @@ log = logging.getLogger("omni_pd.cli")
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=TINY_MODEL_NAME,
                         help=f"checkpoint directory or the embedded {TINY_MODEL_NAME!r} (default)")
-    parser.add_argument("--stage-configs-path", default=None,
-                        help="stage YAML (default: stage_configs/ci/qwen3_omni_tiny_pd.yaml, P/D on the CPU)")
+    configs = parser.add_mutually_exclusive_group()
+    configs.add_argument("--stage-configs-path", default=None,
+                         help="stage YAML: vllm-omni's stage_args file or a 0.30 deploy file, told "
+                         "by its keys (default: stage_configs/ci/qwen3_omni_tiny_pd.yaml, P/D on "
+                         "the CPU)")
+    configs.add_argument("--deploy-config", default=None, metavar="PATH",
+                         help="a vllm-omni 0.30 deploy YAML (`stages` overrides of the built-in "
+                         "Qwen3-Omni pipeline), e.g. stage_configs/deploy/qwen3_omni_tiny_pd.yaml")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -38,7 +44,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             audio = decode_audio(handle.read())
         content = [{"type": "text", "text": args.prompt}, {"type": "audio", "audio": audio}]
     prompt = {"messages": [{"role": "user", "content": content}], "speaker": args.voice}
-    with Omni(model=args.model, stage_configs_path=args.stage_configs_path) as omni:
+    with Omni(model=args.model, stage_configs_path=args.stage_configs_path,
+              deploy_config=args.deploy_config) as omni:
         if args.stream:
             result = _generate_streaming(omni, prompt, args.output, print_text=not args.json)
         else:
@@ -50,7 +57,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.timeline:
         from ..bench.timeline import plot_timeline
         from ..paths import default_stage_config
-        config = Path(args.stage_configs_path or default_stage_config()).name
+        config = Path(args.deploy_config or args.stage_configs_path or default_stage_config()).name
         plot_timeline(result.metrics, args.timeline, title=f"one request, {config}")
     if args.json:
         print(json.dumps({
@@ -120,7 +127,13 @@ def _generate_streaming(omni: Omni, prompt: Any, output: str, print_text: bool
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .validate import run_validate
-    return run_validate(args.path)
+    if (args.path is None) == (args.deploy_config is None):
+        print("error: give one stage YAML: PATH (either schema, told by its keys) or "
+              "--deploy-config PATH", file=sys.stderr)
+        return 2
+    if args.deploy_config is not None:
+        return run_validate(args.deploy_config, deploy=True, platform=args.platform)
+    return run_validate(args.path, platform=args.platform)
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -145,6 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         holder["server"].should_exit = True
 
     app = create_app(lambda: AsyncOmni(model, args.stage_configs_path,
+                                       deploy_config=args.deploy_config,
                                        request_timeout_s=args.request_timeout),
                      served, enable_debug_endpoints=args.enable_debug_endpoints,
                      on_startup_failure=fail_startup, api_key=args.api_key or None,
@@ -167,7 +181,8 @@ def _cmd_vllm_shim(args: argparse.Namespace) -> int:
         if args.action == "install":
             where = shim.install(args.target)
             print(f"installed omni-pd's vllm_omni shim at {where}: `vllm serve MODEL --omni "
-                  "--stage-configs-path PATH` now runs omni-pd's server")
+                  "--stage-configs-path PATH` (or `--deploy-config PATH`) now runs omni-pd's "
+                  "server")
         elif args.action == "uninstall":
             where = shim.uninstall(args.target)
             print(f"removed {where}" if where else "omni-pd's vllm_omni shim was not installed")
@@ -241,7 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     shim.set_defaults(func=_cmd_vllm_shim)
 
     val = sub.add_parser("validate-config", help="check a stage YAML and print its summary")
-    val.add_argument("path")
+    val.add_argument("path", nargs="?", default=None,
+                     help="a stage_args file or a vllm-omni 0.30 deploy file (told by its keys)")
+    val.add_argument("--deploy-config", default=None, metavar="PATH",
+                     help="a vllm-omni 0.30 deploy file")
+    from ..config.deploy_yaml import PLATFORMS
+    val.add_argument("--platform", default=None, choices=PLATFORMS,
+                     help="whose `platforms:` section of a deploy file applies (default: this "
+                     "machine's: cuda, rocm or xpu where torch sees one, else cpu)")
     val.set_defaults(func=_cmd_validate)
 
     tiny = sub.add_parser("make-tiny-model", help="write the embedded tiny model as a checkpoint")

@@ -2,27 +2,50 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from omni_pd.config import ConfigError, PipelineConfig, load_pipeline_config
+from omni_pd.config.deploy import DeployLoad, load_deploy
 from omni_pd.config.engine_keys import unused_by_hf
+from omni_pd.config.loader import is_deploy_document
+from omni_pd.config.yaml_io import read_yaml_mapping
 from omni_pd.planning import find_pd_pair
 
 EXIT_OK = 0
 EXIT_INVALID = 2
 
 
-def run_validate(path: str, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Print a summary and return 0, or print every problem to stderr and return 2."""
+def run_validate(path: str, *, out: TextIO | None = None, err: TextIO | None = None,
+                 deploy: bool | None = None, platform: str | None = None) -> int:
+    """Print a summary and return 0, or print every problem to stderr and return 2.
+    `deploy`: the file is a vllm-omni 0.30 deploy file (True), a stage_args file (False), or
+    either, told by its keys (None); `platform` picks a deploy file's `platforms:` section."""
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        cfg = load_pipeline_config(path)
+        if deploy is None:
+            deploy = is_deploy_document(read_yaml_mapping(Path(path), path))
+        loaded = load_deploy(path, platform=platform) if deploy else None
+        cfg = loaded.config if loaded is not None else load_pipeline_config(path)
     except ConfigError as exc:
         print(str(exc), file=err)
         return EXIT_INVALID
-    print(summarize(cfg, path), file=out)
+    summary = summarize(cfg, path)
+    if loaded is not None:
+        head, _, rest = summary.partition("\n")
+        summary = "\n".join([head, *deploy_lines(loaded), rest])
+    print(summary, file=out)
     return EXIT_OK
+
+
+def deploy_lines(loaded: DeployLoad) -> list[str]:
+    """What omni-pd made of a deploy file: pipeline, platform, base files, mapped keys."""
+    lines = ["deploy config (vllm-omni 0.30 schema):"]
+    if len(loaded.files) > 1:
+        lines.append("  base_config: " + " -> ".join(loaded.files))
+    lines.extend(f"  {note}" for note in loaded.notes)
+    return lines
 
 
 def summarize(cfg: PipelineConfig, path: str) -> str:

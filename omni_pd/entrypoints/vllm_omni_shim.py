@@ -1,4 +1,5 @@
-"""`vllm serve MODEL --omni --stage-configs-path PATH` reaching omni-pd's server.
+"""`vllm serve MODEL --omni --stage-configs-path PATH` (or `--deploy-config PATH`, vllm-omni
+0.30's deploy schema) reaching omni-pd's server.
 
 vLLM's CLI (0.32) hands every command line holding `--omni` to
 `vllm_omni.entrypoints.cli.main:main` when a module named `vllm_omni` can be imported, and exits
@@ -110,6 +111,7 @@ def _vllm_serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None)
     parser.add_argument("--model", default=None)
     parser.add_argument("--stage-configs-path", default=None)
+    parser.add_argument("--deploy-config", default=None)
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", default=None)
     parser.add_argument("--served-model-name", nargs="+", default=None)
@@ -128,6 +130,8 @@ def translate_vllm_argv(argv: list[str]) -> list[str]:
         raise ShimError(f"omni-pd's server does not take {' '.join(unknown)} from `vllm serve`; "
                         "engine options belong in the stage YAML's engine_args, and `omni-pd serve "
                         "--help` lists the server's own options")
+    if known.stage_configs_path and known.deploy_config:
+        raise ShimError("give --stage-configs-path or --deploy-config, not both")
     if known.model_tag and known.model and known.model_tag != known.model:
         raise ShimError(f"two models given: {known.model_tag!r} and --model {known.model!r}")
     level = (known.uvicorn_log_level or "info").upper()
@@ -139,6 +143,7 @@ def translate_vllm_argv(argv: list[str]) -> list[str]:
     if model:
         out.append(model)
     for flag, value in (("--stage-configs-path", known.stage_configs_path),
+                        ("--deploy-config", known.deploy_config),
                         ("--host", known.host), ("--port", known.port)):
         if value is not None:
             out += [flag, value]

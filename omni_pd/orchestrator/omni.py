@@ -27,10 +27,11 @@ class Omni:
     """Offline multi-stage inference: `Omni(model=..., stage_configs_path=...).generate(prompts)`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
-                 *, keep_stage_outputs: bool = False,
+                 *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
-        self.engine = AsyncOmni(model, stage_configs_path, keep_stage_outputs=keep_stage_outputs,
+        self.engine = AsyncOmni(model, stage_configs_path, deploy_config=deploy_config,
+                                keep_stage_outputs=keep_stage_outputs,
                                 request_timeout_s=request_timeout_s,
                                 startup_timeout_s=startup_timeout_s)
         self._loop = asyncio.new_event_loop()
