@@ -31,6 +31,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     configs.add_argument("--deploy-config", default=None, metavar="PATH",
                          help="a vllm-omni 0.30 deploy YAML (`stages` overrides of the built-in "
                          "Qwen3-Omni pipeline), e.g. stage_configs/deploy/qwen3_omni_tiny_pd.yaml")
+    parser.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                        help="cpu: run every hf stage on the CPU even where the stage file asks "
+                        "for GPUs or tensor parallelism (auto refuses such a file: the hf engine "
+                        "runs on the CPU)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +49,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         content = [{"type": "text", "text": args.prompt}, {"type": "audio", "audio": audio}]
     prompt = {"messages": [{"role": "user", "content": content}], "speaker": args.voice}
     with Omni(model=args.model, stage_configs_path=args.stage_configs_path,
-              deploy_config=args.deploy_config) as omni:
+              deploy_config=args.deploy_config, device=args.device) as omni:
         if args.stream:
             result = _generate_streaming(omni, prompt, args.output, print_text=not args.json)
         else:
@@ -159,7 +163,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     app = create_app(lambda: AsyncOmni(model, args.stage_configs_path,
                                        deploy_config=args.deploy_config,
-                                       request_timeout_s=args.request_timeout),
+                                       request_timeout_s=args.request_timeout,
+                                       device=args.device),
                      served, enable_debug_endpoints=args.enable_debug_endpoints,
                      on_startup_failure=fail_startup, api_key=args.api_key or None,
                      max_request_bytes=args.max_request_bytes or None)

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 
 from ..config import PipelineConfig, load_deploy_config, load_pipeline_config
+from ..config.devices import check_devices
 from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
@@ -100,7 +101,9 @@ class AsyncOmni:
     def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
                  *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
+        """`device`: "auto" refuses hf stages that ask for GPUs or tensor parallelism (the hf
+        engine runs on the CPU); "cpu" runs every hf stage on the CPU anyway."""
         self.model = model
         if stage_configs_path is not None and deploy_config is not None:
             raise ValueError("pass stage_configs_path or deploy_config, not both")
@@ -109,6 +112,7 @@ class AsyncOmni:
         self.stage_configs_path = Path(deploy_config or stage_configs_path or default_stage_config())
         self.config: PipelineConfig = (load_deploy_config if deploy_config is not None
                                        else load_pipeline_config)(self.stage_configs_path)
+        check_devices(self.config, device)  # before any worker starts
         self.keep_stage_outputs = keep_stage_outputs
         self.request_timeout_s = request_timeout_s
         self.stages = {s.stage_id: s for s in self.config.stages}

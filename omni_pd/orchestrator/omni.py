@@ -29,11 +29,11 @@ class Omni:
     def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
                  *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
         self.engine = AsyncOmni(model, stage_configs_path, deploy_config=deploy_config,
                                 keep_stage_outputs=keep_stage_outputs,
                                 request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s)
+                                startup_timeout_s=startup_timeout_s, device=device)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="omni-pd-loop",
                                         daemon=True)
