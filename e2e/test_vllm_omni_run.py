@@ -56,3 +56,21 @@ def test_vllm_omni_deploy_file_runs_the_tiny_model_like_omni_pd_config(checkpoin
     # Negative control: the comparison sees a different talker seed.
     assert other_seed.token_ids == ours[0].token_ids
     assert not torch.equal(other_seed.audio, ours[0].audio)
+
+
+def test_vllm_omni_style_pd_file_runs_the_tiny_model_like_colocated(checkpoint):
+    """tests/fixtures/vllm_omni_style_pd.yaml has every key of vllm-omni's legacy P/D files
+    (GPU devices, vllm_omni processor names, its connectors); vllm-omni's own P/D CI file is in
+    its repository only, out of reach of CI. Run on the CPU, its P/D handoff gives the colocated
+    tokens and audio."""
+    fixture = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm_omni_style_pd.yaml"
+    with Omni(model=str(checkpoint), stage_configs_path=fixture, device="cpu") as omni:
+        pd = omni.generate(PROMPTS, _params(), use_tqdm=False)
+        other_seed = omni.generate(PROMPTS[:1], _params(talker_seed=7), use_tqdm=False)[0]
+    with Omni(stage_configs_path=STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml") as omni:
+        colocated = omni.generate(PROMPTS, _params(), use_tqdm=False)
+    assert not torch.equal(other_seed.audio, colocated[0].audio)  # the comparison can fail
+    for a, b in zip(pd, colocated):
+        assert a.metrics["num_cached_prompt_tokens"] == len(a.prompt_token_ids)  # handed off
+        assert not a.metrics["kv_fallback"]
+        assert a.token_ids == b.token_ids and torch.equal(a.audio, b.audio)
