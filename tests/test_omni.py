@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -98,3 +100,18 @@ def test_closed_omni_refuses_work():
     o.close()
     with pytest.raises(RuntimeError, match="closed"):
         o.generate("hi")
+
+
+def test_a_prepared_prompt_is_built_once(omni, monkeypatch):
+    """The server builds a request's prompt in its thread (to check its length) and hands it on:
+    the orchestrator must not tokenize it again."""
+    engine = omni.engine
+    prepared = engine.prepare("Hi there")
+    built = []
+    original = engine.pipeline.build_prompt
+    monkeypatch.setattr(engine, "pipeline", dataclasses.replace(
+        engine.pipeline, build_prompt=lambda p: built.append(p) or original(p)))
+    out = omni._call(engine.generate(prepared, modalities=("text",)))
+    assert built == [] and out.prompt_token_ids == prepared.thinker_prompt.prompt_token_ids
+    omni._call(engine.generate("Hi there", modalities=("text",)))  # control: a plain prompt is built
+    assert len(built) == 1

@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from omni_pd.audio_io import DUMMY_WEIGHTS_PCM16_GAIN, to_pcm16
 from omni_pd.entrypoints.openai.api_server import create_app
-from omni_pd.orchestrator.async_omni import AudioDelta, Finished, TextDelta
+from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.orchestrator.async_omni import AudioDelta, Finished, PreparedPrompt, TextDelta
 from omni_pd.orchestrator.outputs import OmniRequestOutput
 from omni_pd.sampling import SamplingParams
 
@@ -41,8 +42,7 @@ class ScriptedOmni:
     def __init__(self) -> None:
         self.stages = {0: _stage(0, "text"), 1: _stage(1, "audio")}
         self.config = SimpleNamespace(stages=list(self.stages.values()))
-        self.pipeline = SimpleNamespace(voices=("ethan",), normalize_prompt=lambda prompt: prompt,
-                                        build_prompt=lambda _: SimpleNamespace(prompt_token_ids=[1, 2]))
+        self.pipeline = SimpleNamespace(voices=("ethan",))
         self.clients = {0: None, 1: None}
 
     def output(self) -> OmniRequestOutput:
@@ -57,6 +57,9 @@ class ScriptedOmni:
 
     async def generate(self, *_: Any, **__: Any) -> OmniRequestOutput:
         return self.output()
+
+    def prepare(self, prompt: Any) -> PreparedPrompt:
+        return PreparedPrompt(prompt, ThinkerPrompt(prompt_token_ids=[1, 2]))
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "stages": {}}

@@ -79,6 +79,16 @@ class PromptTooLong(ValueError):
                    "the messages or lower max_tokens")
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt normalized and built for the thinker (`AsyncOmni.prepare`): `generate` and
+    `stream` take it as the prompt and skip building it again (the server builds it once, in the
+    thread that checks its length)."""
+
+    prompt: Any  # the model's normalized prompt (messages, speaker)
+    thinker_prompt: ThinkerPrompt
+
+
 @dataclass
 class TextDelta:
     text: str
@@ -260,6 +270,12 @@ class AsyncOmni:
         return {sid: p if p.seed is not None or p.greedy else p.replace(seed=seed)
                 for sid, p in params.items()}
 
+    def prepare(self, prompt: Any) -> PreparedPrompt:
+        """Normalize and build a prompt for the thinker: CPU work (tokenizing, audio features)
+        for a thread, whose result `generate` / `stream` take as the prompt."""
+        normalized = self.pipeline.normalize_prompt(prompt)
+        return PreparedPrompt(normalized, self.pipeline.build_prompt(normalized))
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
 
@@ -286,13 +302,16 @@ class AsyncOmni:
         if not wanted or not wanted <= MODALITIES or "text" not in wanted:
             raise ValueError(f"modalities must be ['text'] or ['text', 'audio'], got {sorted(wanted)}")
         params = self._with_seeds(self.stage_params(sampling_params_list))
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else None
         state = RequestState(request_id=request_id or self.new_request_id(),
-                             prompt=self.pipeline.normalize_prompt(prompt), params=params)
+                             prompt=prepared.prompt if prepared else self.pipeline.normalize_prompt(prompt),
+                             params=params)
         if state.request_id in self._requests:
             raise ValueError(f"request id {state.request_id} is already in flight")
         self._requests[state.request_id] = state
         try:
-            return await self._run(state, self._stages_for(wanted), on_text, on_audio)
+            return await self._run(state, self._stages_for(wanted), on_text, on_audio,
+                                   prepared.thinker_prompt if prepared else None)
         finally:
             self._release_kv(state)  # sent now, its answer awaited in the background
             del self._requests[state.request_id]
@@ -348,11 +367,13 @@ class AsyncOmni:
 
     async def _run(self, state: RequestState, stage_ids: list[int],
                    on_text: Callable[[str], None] | None,
-                   on_audio: Callable[[torch.Tensor, int], None] | None) -> OmniRequestOutput:
+                   on_audio: Callable[[torch.Tensor, int], None] | None,
+                   thinker_prompt: ThinkerPrompt | None = None) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
-        # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
-        # serves every other request meanwhile.
-        thinker_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
+        if thinker_prompt is None:
+            # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
+            # serves every other request meanwhile.
+            thinker_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
         prompt_len = len(thinker_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:

@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
-from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PromptTooLong,
-                                        RequestAborted, RequestTimeout, TextDelta)
+from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PreparedPrompt,
+                                        PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
@@ -177,12 +177,12 @@ def _texts(prompt: dict[str, Any]) -> list[str]:
     return out
 
 
-def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str) -> TranslatedRequest:
-    """The request translated (its audio decoded) and its prompt's length checked: CPU work that
-    runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and the server
-    answered nothing meanwhile, /health included). Checked here so a streamed request that cannot
-    fit gets a 400 before its response starts; the orchestrator builds the prompt once more (in a
-    thread too) for the stages."""
+def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str
+             ) -> tuple[TranslatedRequest, PreparedPrompt]:
+    """The request translated (its audio decoded), its prompt built and its length checked: CPU
+    work that runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and
+    the server answered nothing meanwhile, /health included). Checked here so a streamed request
+    that cannot fit gets a 400 before its response starts; the built prompt goes to the stages."""
     thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
     request = translate(body, thinker_defaults, served_model)
     max_tokens, context = request.thinker_params.max_tokens, omni.max_model_len
@@ -195,11 +195,11 @@ def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str) ->
             lower_bound += len(omni.tokenizer.encode(text[:cap], add_special_tokens=False)) - 2
             if lower_bound + max_tokens > context:
                 raise PromptTooLong.of(lower_bound, max_tokens, context, at_least=True)
-    pipeline = omni.pipeline
-    prompt_len = len(pipeline.build_prompt(pipeline.normalize_prompt(request.prompt)).prompt_token_ids)
+    prepared = omni.prepare(request.prompt)
+    prompt_len = len(prepared.thinker_prompt.prompt_token_ids)
     if prompt_len + max_tokens > context:
         raise PromptTooLong.of(prompt_len, max_tokens, context)
-    return request
+    return request, prepared
 
 
 async def _until_disconnected(http_request: Request) -> None:
@@ -334,7 +334,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
                 raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
                                f"{list(omni.pipeline.voices)}", param="audio.voice")
-            request = await asyncio.to_thread(_prepare, omni, body, served_model)
+            request, prepared = await asyncio.to_thread(_prepare, omni, body, served_model)
         except BaseException as exc:
             raise _as_api_error(state, exc) from exc
         params = [request.thinker_params if sid == omni.text_stage_id or
@@ -344,12 +344,12 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         created = int(time.time())
         if body.stream:
             return StreamingResponse(
-                _stream(omni, state, request, params, completion_id, created, http_request,
+                _stream(omni, state, request, prepared, params, completion_id, created, http_request,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage)),
                 media_type="text/event-stream")
         state.metrics.in_flight.inc()
         generation = asyncio.ensure_future(omni.generate(
-            request.prompt, params, request_id=completion_id, modalities=request.modalities))
+            prepared, params, request_id=completion_id, modalities=request.modalities))
         client_gone = asyncio.ensure_future(_until_disconnected(http_request))
         try:
             await asyncio.wait([generation, client_gone], return_when=asyncio.FIRST_COMPLETED)
@@ -426,7 +426,8 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedRequest, params,
+async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedRequest,
+                  prepared: PreparedPrompt, params,
                   completion_id: str, created: int, http_request: Request, include_usage: bool
                   ) -> AsyncIterator[str]:
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
@@ -441,7 +442,7 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     audio_id = f"audio-{secrets.token_hex(8)}"
     untranscribed, audio_sent, counted = "", False, False
     state.metrics.in_flight.inc()
-    events = omni.stream(request.prompt, params, request_id=completion_id,
+    events = omni.stream(prepared, params, request_id=completion_id,
                          modalities=request.modalities)
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}))
