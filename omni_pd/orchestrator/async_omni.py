@@ -453,17 +453,15 @@ class AsyncOmni:
                          on_chunk: Callable[[Any], None] | None = None) -> Any:
         began = time.perf_counter()
         state.active_stages.add(stage_id)
-        state.stage_spans[stage_id] = [state.elapsed_ms()]
+        state.stage_started(stage_id)
         try:
             output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text,
                                             on_chunk)
         finally:
             state.active_stages.discard(stage_id)
-        state.stage_spans[stage_id].append(state.elapsed_ms())
-        state.stage_ms[stage_id] = state.elapsed_ms(began)
+        state.stage_finished(stage_id, began, output)
         if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
-        state.outputs[stage_id] = output
         return output
 
     async def _run_streamed(self, state: RequestState, group: list[int], thinker_prompt: ThinkerPrompt,
@@ -491,7 +489,7 @@ class AsyncOmni:
                 prompt = feeder.prompt()
                 if prompt is None:
                     return
-                state.stage_spans[sid] = [state.elapsed_ms()]
+                state.stage_started(sid)
                 waiters[sid] = self.clients[sid].submit(request_id, prompt, state.params[sid],
                                                         on_chunk=forward(sid))
                 opened[sid].set_result(None)
@@ -529,9 +527,7 @@ class AsyncOmni:
                 began = time.perf_counter()
                 output = await self.clients[sid].result(request_id, waiters[sid],
                                                         deadline - time.monotonic())
-                state.stage_spans[sid].append(state.elapsed_ms())
-                state.stage_ms[sid] = state.elapsed_ms(began)
-                state.outputs[sid] = output
+                state.stage_finished(sid, began, output)
             target = consumer(sid)
             if target is not None:  # the source is done: its consumer gets its last input
                 feeders[target].close(output)
@@ -589,10 +585,7 @@ class AsyncOmni:
         on_tokens = None
         if on_text is not None and stage_id == self.text_stage_id:
             on_tokens = self._text_stream(state, params, on_text)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
-                                 f"deadline before stage {stage_id}")
+        remaining = self._time_left(state, deadline, stage_id)
         return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
                                                      on_tokens, on_chunk)
 
@@ -614,10 +607,7 @@ class AsyncOmni:
         # The KV covers the prompt (audio included): the decode leg needs only the token ids.
         prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
         on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
-                                 f"deadline before stage {decode_id}")
+        remaining = self._time_left(state, deadline, decode_id)
         try:
             output = await self.clients[decode_id].generate(state.request_id, prompt, params,
                                                             remaining, on_tokens, on_chunk)
@@ -634,6 +624,13 @@ class AsyncOmni:
                                           on_chunk)
         self.breaker.success()
         return output
+
+    def _time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
+                                 f"deadline before stage {stage_id}")
+        return remaining
 
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:

@@ -29,5 +29,14 @@ class RequestState:
     stage_spans: dict[int, list[float]] = field(default_factory=dict)
     audio_chunk_ms: list[float] = field(default_factory=list)
 
+    def stage_started(self, stage_id: int) -> None:
+        self.stage_spans[stage_id] = [self.elapsed_ms()]
+
+    def stage_finished(self, stage_id: int, began: float, output: Any) -> None:
+        """Its span ends now; `began` (perf_counter) starts the time it is charged with."""
+        self.stage_spans[stage_id].append(self.elapsed_ms())
+        self.stage_ms[stage_id] = self.elapsed_ms(began)
+        self.outputs[stage_id] = output
+
     def elapsed_ms(self, since: float | None = None) -> float:
         return (time.perf_counter() - (since if since is not None else self.started)) * 1e3
