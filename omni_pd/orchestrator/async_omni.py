@@ -43,7 +43,6 @@ from .processors import import_processor, stream_processors
 from .breaker import CircuitBreaker
 from .request_state import RequestState
 from .stage_client import StageClient, StageError, StageTimeout, StageUnavailable
-from .supervisor import StageStatus
 from .threads import stage_threads
 
 log = logging.getLogger(__name__)
@@ -418,15 +417,12 @@ class AsyncOmni:
         try:
             await self._run_stage(state, pair.prefill_stage_id, thinker_prompt,
                                   min(now + policy.miss_window_s, state.handoff_deadline), None)
-        except StageTimeout:
-            if state.aborted:
-                raise RequestAborted(f"request {state.request_id} was aborted") from None
-            self._handoff_failed(state, f"{client.name} did not publish the KV within the miss "
-                                        f"window (kv_miss_window_s {policy.miss_window_s:g} s)")
         except StageError as exc:
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted") from None
-            self._handoff_failed(state, str(exc))
+            self._handoff_failed(state, str(exc) if not isinstance(exc, StageTimeout) else (
+                f"{client.name} did not publish the KV within the miss window "
+                f"(kv_miss_window_s {policy.miss_window_s:g} s)"))
 
     def _handoff_failed(self, state: RequestState, why: str) -> None:
         self.handoff_failures += 1
@@ -663,13 +659,8 @@ class AsyncOmni:
     @staticmethod
     async def _await_release(client: StageClient, future, state: RequestState) -> None:
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future), RELEASE_KV_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            client.forget_call(future)
-            log.debug("request %s: %s did not confirm the release of KV lease %s within %.0f s; "
-                      "it expires on its own", state.request_id, client.name, state.transfer_id,
-                      RELEASE_KV_TIMEOUT_S)
-        except StageError as exc:
+            await client.await_call(future, "release_kv", RELEASE_KV_TIMEOUT_S)
+        except StageError as exc:  # a timeout included: an unreleased lease expires on its own
             log.debug("request %s: KV lease %s not released (%s)", state.request_id,
                       state.transfer_id, exc)
 

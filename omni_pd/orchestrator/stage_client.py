@@ -224,10 +224,8 @@ class StageClient:
                 pass
 
     def unavailable(self) -> StageUnavailable | None:
-        """Why a request cannot be sent now, or None when the stage is up and responsive."""
-        return self._unavailable_locked()
-
-    def _unavailable_locked(self) -> StageUnavailable | None:  # reads plain attributes only
+        """Why a request cannot be sent now, or None when the stage is up and responsive. Reads
+        plain attributes only, so it may run under `_lock`."""
         if self.status is StageStatus.UP:
             if not self._alive(self._worker):  # dead, and the reader is about to say so
                 return StageUnavailable(f"{self.name}'s worker has just exited; it is restarted "
@@ -400,7 +398,7 @@ class StageClient:
     def _fail_all(self, error: StageError) -> None:
         with self._lock:
             # Later sends fail at once with why the stage is unavailable (restarting, down).
-            self._dead = self._unavailable_locked() or error
+            self._dead = self.unavailable() or error
             waiters, self._waiters = list(self._waiters.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for waiter in waiters:
@@ -529,7 +527,10 @@ class StageClient:
                                f"{timeout_s:.1f} s") from None
 
     async def control_async(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        future = self.control_future(name, **kwargs)
+        return await self.await_call(self.control_future(name, **kwargs), name, timeout_s)
+
+    async def await_call(self, future: concurrent.futures.Future, name: str, timeout_s: float) -> Any:
+        """The answer to a control call already sent (`control_future`), or StageTimeout."""
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
