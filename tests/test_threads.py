@@ -45,3 +45,27 @@ def test_bad_thread_counts_are_refused_by_name(tmp_path):
         "      num_threads: 0\n", 1))
     with pytest.raises(ConfigError, match=r"runtime\.num_threads"):
         load_pipeline_config(path)
+
+
+def test_the_orchestrator_runs_torch_on_one_thread_while_the_workers_compute():
+    """Every stage in a worker process: the orchestrator's process uses one torch thread for as
+    long as the pipeline is open (its small ops would otherwise wait on cores the workers hold),
+    and gets its setting back at close."""
+    import torch
+    from omni_pd.orchestrator.threads import orchestrator_threads
+    assert orchestrator_threads(load_pipeline_config(TINY_PD).stages) == 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with Omni(stage_configs_path=TINY):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_in_process_stage_keeps_the_orchestrators_threads(tmp_path):
+    from omni_pd.orchestrator.threads import orchestrator_threads
+    path = tmp_path / "inproc.yaml"
+    path.write_text(TINY.read_text().replace("      process: true\n", "      process: false\n", 1))
+    assert orchestrator_threads(load_pipeline_config(path).stages) is None

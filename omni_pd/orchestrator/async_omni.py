@@ -43,7 +43,7 @@ from .processors import import_processor, stream_processors
 from .breaker import CircuitBreaker
 from .request_state import RequestState
 from .stage_client import StageClient, StageError, StageTimeout, StageUnavailable
-from .threads import stage_threads
+from .threads import orchestrator_threads, stage_threads
 
 log = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
@@ -162,6 +162,14 @@ class AsyncOmni:
         self._ids = itertools.count()
         self.clients: dict[int, StageClient] = {}
         threads = stage_threads(self.config.stages)
+        self._torch_threads_before: int | None = None
+        wanted = orchestrator_threads(self.config.stages)
+        if wanted is not None and torch.get_num_threads() != wanted:
+            # Restored by close(): a library user's process gets its own setting back.
+            self._torch_threads_before = torch.get_num_threads()
+            torch.set_num_threads(wanted)
+            log.info("orchestrator: torch runs on %d thread here (was %d) while the stages work "
+                     "in their own processes", wanted, self._torch_threads_before)
         try:
             # Start every worker first, then wait: the stages load their models in parallel.
             for stage_id in self.order:
@@ -205,6 +213,9 @@ class AsyncOmni:
                 client.close()
             except Exception:  # keep closing the others
                 log.exception("closing stage %d failed", client.stage_id)
+        before, self._torch_threads_before = self._torch_threads_before, None
+        if before is not None:
+            torch.set_num_threads(before)
 
     @property
     def closed(self) -> bool:
