@@ -140,6 +140,7 @@ class ExactCode2Wav:
         self.config = module.config
         self.geometry = geometry(self.config)
         self.window = self.config.sliding_window
+        self._snake_factors: dict = {}  # SnakeBeta module -> (exp(alpha), 1 / (exp(beta) + eps))
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -342,12 +343,21 @@ class ExactCode2Wav:
                          block.pwconv2.weight, block.pwconv2.bias)
         return x + block.gamma * h
 
-    @staticmethod
-    def _snake(module, x: torch.Tensor) -> torch.Tensor:
-        """SnakeBeta on channel-major x [C, T]."""
-        alpha = torch.exp(module.alpha).unsqueeze(1)
-        beta = torch.exp(module.beta).unsqueeze(1)
-        return x + (1.0 / (beta + module.no_div_by_zero)) * torch.pow(torch.sin(x * alpha), 2)
+    def _snake(self, module, x: torch.Tensor) -> torch.Tensor:
+        """SnakeBeta on channel-major x [C, T]: x + 1/(exp(beta) + eps) * sin(x * exp(alpha))^2,
+        the per-channel factors computed once per module, the rest in place on one buffer (the
+        same operations in the same order as transformers', so the same bits)."""
+        factors = self._snake_factors.get(module)
+        if factors is None:
+            factors = (torch.exp(module.alpha).unsqueeze(1),
+                       1.0 / (torch.exp(module.beta).unsqueeze(1) + module.no_div_by_zero))
+            self._snake_factors[module] = factors
+        alpha, inverse = factors
+        y = x * alpha
+        y.sin_()
+        y.mul_(y)
+        y.mul_(inverse)
+        return y.add_(x)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
