@@ -3,6 +3,7 @@ reaches its own request, aborts and failures touch only their request, and Shutd
 worker."""
 import asyncio
 import multiprocessing as mp
+import pickle
 import threading
 
 import pytest
@@ -259,3 +260,20 @@ def test_a_dead_worker_is_restarted_until_it_dies_too_often():
         assert "SIGKILL" in message
     finally:
         client.close()
+
+
+def test_tensors_cross_the_pipe_as_their_values():
+    """Every dtype the stages send (bfloat16 included, which numpy lacks), empty, strided and
+    0-d tensors arrive equal; a view carries only its own values, not its base's storage (torch's
+    reducer sends the whole storage)."""
+    import torch
+    from omni_pd.orchestrator import messages as msg
+    base = torch.randn(1000, 64)
+    tensors = [torch.randn(3, 4), torch.randn(3, 4).to(torch.bfloat16), torch.zeros(0, 5),
+               torch.zeros(0, 2, dtype=torch.bfloat16), torch.arange(10)[2:9:3], torch.tensor(True),
+               torch.randn(2, 3).t(), torch.randint(0, 9, (4,), dtype=torch.int16)]
+    back = msg.loads(msg.dumps(msg.ChunkOutput("r", tensors))).data
+    for sent, got in zip(tensors, back, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    row = msg.dumps(msg.ChunkOutput("r", base[-1:]))
+    assert len(row) < 1024 < base[-1:].numel() * 4 + 1024 < len(pickle.dumps(base[-1:]))
