@@ -469,13 +469,10 @@ def test_real_model_pd_example_loads():
     assert "P/D: prefill stage 0 -> decode stage 1" in out.getvalue()
     cfg = load_deploy_config(SHIPPED / "qwen3_omni_moe_pd.yaml", platform="cuda")
     prefill, decode, talker, code2wav = cfg.stages
-    assert [s.runtime.devices for s in cfg.stages] == ["0,1", "2,3", "1", "0"]
-    assert prefill.engine_args.tensor_parallel_size == decode.engine_args.tensor_parallel_size == 2
+    # hf stages: no GPU and no tensor parallelism promised (tests/test_devices.py checks them all)
+    assert [s.runtime.devices for s in cfg.stages] == [None] * 4
+    assert prefill.engine_args.tensor_parallel_size == decode.engine_args.tensor_parallel_size == 1
     assert (prefill.kv_transfer_config.bootstrap_port, decode.kv_transfer_config.bootstrap_port) == (
         25201, 25202)
-    assert decode.engine_args.compilation_config == {"custom_ops": ["+rotary_embedding"]}
     assert {s.engine_args.dtype for s in cfg.stages} == {"bfloat16"}
     assert code2wav.engine_args.codec_chunk_frames == 25
-    rocm = load_deploy_config(SHIPPED / "qwen3_omni_moe_pd.yaml", platform="rocm")
-    assert rocm.stages[3].engine_args.enforce_eager is True
-    assert rocm.stages[0].engine_args.compilation_config is None
