@@ -190,6 +190,9 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
     for _, transfer_id in handed:
         assert prefill.release_kv(transfer_id)
     assert decode.peers.is_verified(prefill.engine_id)
+    # The reads landed in the paged cache itself: one registered pool, no staging pool beside it.
+    assert decode.receiver.pool is decode.cache.pool
+    assert decode.transport.registered_bytes == decode.cache.pool.nbytes
 
 
 def test_corrupted_kv_is_refused_with_integrity_error(decode, prefill, tiny_tokenizer, clean):

@@ -14,6 +14,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from omni_pd.kv import (BlockLayout, IllegalTransition, KVDescriptor, KVIntegrityError, KVReceiver,  # noqa: E402
                         KVSender, KVTransferError, MooncakeTransport, PoolExhausted, TransferState)
 from omni_pd.kv.handoff import Lease, Transfer  # noqa: E402
+from omni_pd.kv.layout import unpack_blocks  # noqa: E402
 
 LAYOUT = BlockLayout.default_for(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
 
@@ -69,7 +70,7 @@ def test_fetch_is_bit_exact_and_moves_only_prompt_bytes(sender, receiver):
     assert torch.equal(result.kv_canonical, kv)
     assert result.bytes_transferred == 37 * LAYOUT.bytes_per_token
     assert result.num_segments == 1  # contiguous blocks on both sides coalesce
-    assert result.transfer_ms > 0
+    assert result.transfer_ms > 0 and not result.converted  # read in place: no staging, no unpack
     assert sender.release("t-exact") is True
     assert sender.release("t-exact") is False
 
@@ -84,7 +85,7 @@ def test_heterogeneous_layouts_are_converted(sender, transports):
         desc = KVDescriptor.from_params(sender.publish("t-hetero-2", kv).to_params())
         result = receiver.fetch(desc)
         assert result.kv_canonical.dtype == torch.bfloat16
-        assert torch.equal(result.kv_canonical, kv.to(torch.bfloat16))
+        assert torch.equal(result.kv_canonical, kv.to(torch.bfloat16)) and result.converted
         assert result.bytes_transferred == 21 * LAYOUT.bytes_per_token
         assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     finally:
@@ -280,3 +281,23 @@ def test_sender_in_spawned_process(receiver):
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def test_a_read_lands_in_the_blocks_handed_over_and_they_come_back(sender, receiver):
+    """The decode engine's path: its own (scattered) cache blocks receive the KV in place and
+    come back with the result; a bad hand-over is refused before the receiver takes the blocks."""
+    kv = make_kv(40, seed=5)
+    desc = sender.publish("t-into", kv)
+    spare = receiver.pool.allocate(6)
+    into = [spare[4], spare[1], spare[2]]  # not one run: three entries
+    with pytest.raises(ValueError, match="need 3 destination blocks, got 2"):
+        receiver.start(desc, into=into[:2])
+    receiver.start(desc, into=into)
+    assert receiver.debug_state_counts()["used_blocks"] == 3 and receiver.blocks_held == 3
+    while (result := receiver.poll("t-into")) is None:
+        time.sleep(0.001)
+    assert result.blocks == into and not result.converted and result.num_segments >= 2
+    assert torch.equal(unpack_blocks(receiver.pool.gather(into), LAYOUT, 40), kv)
+    assert receiver.blocks_held == 0 and receiver.pool.num_used == 6  # the caller's again
+    receiver.pool.free(spare)
+    sender.release("t-into")

@@ -166,7 +166,7 @@ def setup():
 
 def test_receiver_miss_window_and_quarantine(setup):
     receiver, transport, clock = setup
-    receiver.start(_descriptor(), wait_s=5.0)
+    receiver.start(_descriptor(), wait_s=5.0, into=receiver.pool.allocate(2))
     _settle(transport.reads[0][0])
     assert receiver.poll("t1") is None
     clock.now += 4.9
@@ -186,7 +186,7 @@ def test_receiver_miss_window_and_quarantine(setup):
 
 def test_receiver_failed_read_frees_at_once_and_says_what_to_check(setup):
     receiver, transport, _ = setup
-    receiver.start(_descriptor(), wait_s=math.inf)
+    receiver.start(_descriptor(), wait_s=math.inf, into=receiver.pool.allocate(2))
     _settle(transport.reads[0][0])
     transport.engine.status[transport.engine.submitted[0][1]] = -1
     with pytest.raises(KVTransferError, match="10.0.0.9:1234 failed"):
@@ -197,11 +197,11 @@ def test_receiver_failed_read_frees_at_once_and_says_what_to_check(setup):
 def test_receiver_abandon_withdraws_or_quarantines(setup):
     receiver, transport, _ = setup
     transport.engine.hang["10.0.0.9:1234"] = threading.Event()
-    receiver.start(_descriptor(), wait_s=math.inf)
+    receiver.start(_descriptor(), wait_s=math.inf, into=receiver.pool.allocate(2))
     while transport.reads[0][0]._stage != "submitting":
         time.sleep(0.001)
     second = KVDescriptor(**{**_descriptor().__dict__, "transfer_id": "t2"})
-    receiver.start(second, wait_s=math.inf)
+    receiver.start(second, wait_s=math.inf, into=receiver.pool.allocate(2))
     receiver.abandon("t2", "aborted")  # still queued: withdrawn, freed at once
     receiver.abandon("t1", "aborted")  # in Mooncake's hands: quarantined
     receiver.abandon("unknown", "aborted")

@@ -13,7 +13,7 @@ from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.engines.hf.stage_engines import thinker_runner
 from omni_pd.engines.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
-from omni_pd.engines.hf.thinker_engine import HfThinkerEngine, cache_to_canonical
+from omni_pd.engines.hf.thinker_engine import HfThinkerEngine, cache_to_canonical, thinker_layout
 from omni_pd.engines.types import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -151,9 +151,7 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     prompt = _prompts(tiny_tokenizer)[1]
     params = SamplingParams(temperature=0, max_tokens=8)
     pre = runner.prefill(prompt, params)
-    text = runner.text_config
-    cache = PagedKVCache(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, 16, 8,
-                         torch.float32)
+    cache = PagedKVCache(thinker_layout(runner.thinker, 16), 8)
     n = len(prompt.prompt_token_ids)
     blocks = cache.allocate(n + 8)
     cache.write(blocks, 0, cache_to_canonical(pre.cache))

@@ -6,11 +6,18 @@ Decode side:  TRANSFERRING -> DONE | FAILED | ABANDONED (the request stopped wai
 or abort).
 Each side keeps its per-transfer objects in one dict, removed when the transfer reaches a final
 state, so ``debug_state_counts()`` is all zeros between requests. One exception on the decode
-side, counted apart: a transfer that ends while Mooncake may still write its staging blocks (a
-frozen peer resumes late) leaves them in quarantine until Mooncake reports the read finished.
+side, counted apart: a transfer that ends while Mooncake may still write its blocks (a frozen
+peer resumes late) leaves them in quarantine until Mooncake reports the read finished.
+
+Zero copy on the decode side: when both sides share a block layout, the receiver reads each remote
+block straight into a destination block of its pool, which is the decode engine's paged cache
+(`KVReceiver(layout, cache.pool, ...)`); the engine hands the request's blocks over for the read
+and gets them back, filled and verified, with the result. Only when the layouts differ does a
+read land in staging blocks first, converted into the destination blocks in one pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -76,13 +83,18 @@ class Lease(_Tracked):
 
 @dataclass
 class Transfer(_Tracked):
-    """Decode side: local staging blocks receiving one descriptor's bytes."""
+    """Decode side: one descriptor's bytes landing in blocks of the receiver's pool. `block_ids`
+    are all the blocks it holds: `dest` (the KV's home, handed over by the caller) and, when the
+    layouts differ, `staging`."""
     started: float = field(default_factory=time.perf_counter)
     descriptor: KVDescriptor | None = None
     read: AsyncRead | None = None
     deadline: float = math.inf  # on the receiver's clock
     wait_s: float = math.inf
     verify_checksums: bool = True
+    dest: list[int] = field(default_factory=list)
+    staging: list[int] = field(default_factory=list)
+    failure: BaseException | None = None  # raised at the next poll (it happened after start took the blocks)
 
 
 def checksum(data: torch.Tensor) -> str:
@@ -294,27 +306,42 @@ _KEPT_ALIVE: list[BlockPool] = []
 
 @dataclass(frozen=True)
 class FetchResult:
-    kv_canonical: torch.Tensor
+    """A finished read. `blocks`: the destination blocks, holding the prompt's KV in the
+    receiver's layout, back in the caller's hands. `converted`: the layouts differed (staged,
+    then converted into them) rather than read in place. `kv_canonical`: from `fetch` only, the
+    KV as a tensor (its blocks are freed)."""
+    blocks: list[int]
     bytes_transferred: int
     transfer_ms: float
     num_segments: int
+    converted: bool = False
+    kv_canonical: torch.Tensor | None = None
 
     @property
-    def kv(self) -> torch.Tensor:
+    def kv(self) -> torch.Tensor | None:
         return self.kv_canonical
 
 
 class KVReceiver:
-    """Pulls descriptors' KV into staging blocks of its own registered pool, without blocking:
-    `start` submits the read, `poll` (called each engine step) returns the verified, converted
-    KV once it has arrived, None before, and raises when it failed or its wait ran out.
-    Staging blocks go back to the pool when the transfer ends, except while Mooncake may still
-    write them (`settled` is false): those stay quarantined until `reclaim` sees the read end."""
+    """Pulls descriptors' KV into blocks of a registered pool, without blocking: `start` submits
+    the read into destination blocks the caller hands over, `poll` (called each engine step)
+    hands them back verified (and converted, where the layouts differ) once the KV has arrived,
+    None before, and raises when it failed or its wait ran out. A failed or abandoned transfer's
+    blocks go back to the pool, except while Mooncake may still write them (`settled` is false):
+    those stay quarantined until `reclaim` sees the read end.
 
-    def __init__(self, layout: BlockLayout, pool_blocks: int, transport: MooncakeTransport,
+    `pool`: the decode engine's paged cache pool (shared: the KV lands where it is used), or a
+    block count for a pool of the receiver's own (tools and tests, through `fetch`)."""
+
+    def __init__(self, layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
                  clock: Callable[[], float] = time.monotonic):
         self.layout, self.transport, self._clock = layout, transport, clock
-        self.pool = BlockPool(layout, pool_blocks)
+        if isinstance(pool, BlockPool):
+            if pool.layout != layout:
+                raise ValueError(f"the receiver's pool has layout {pool.layout}, not {layout}")
+            self.pool = pool
+        else:
+            self.pool = BlockPool(layout, pool)
         transport.register(self.pool.base_address, self.pool.nbytes)
         self._transfers: dict[str, Transfer] = {}
         self._quarantine: list[Transfer] = []  # ended transfers whose read Mooncake still runs
@@ -322,10 +349,16 @@ class KVReceiver:
         self._closed = False
 
     # ---- the non-blocking path ---------------------------------------------------------------
+    def dest_blocks(self, descriptor: KVDescriptor) -> int:
+        """Destination blocks a transfer of `descriptor` fills: its tokens in the local layout."""
+        return self.layout.num_blocks_for(descriptor.num_tokens)
+
     def staging_blocks(self, descriptor: KVDescriptor) -> int:
-        """Local blocks a transfer of `descriptor` stages into: remote blocks back to back at the
-        remote block stride, so equal layouts map block to block and different ones still fit."""
+        """Extra blocks a transfer of `descriptor` stages into: none when the layouts are equal
+        (read in place), else the remote blocks back to back at the remote block stride."""
         remote = descriptor.kv_layout
+        if remote == self.layout:
+            return 0
         staged_bytes = remote.num_blocks_for(descriptor.num_tokens) * remote.block_bytes
         return -(-staged_bytes // self.layout.block_bytes)
 
@@ -334,28 +367,38 @@ class KVReceiver:
             return self.staging_blocks(descriptor) <= self.pool.num_free
 
     def start(self, descriptor: KVDescriptor, wait_s: float = math.inf,
-              verify_checksums: bool = True) -> None:
-        """Submit the read of the descriptor's KV; `wait_s` bounds how long `poll` waits for it."""
+              verify_checksums: bool = True, into: list[int] | None = None) -> None:
+        """Submit the read of the descriptor's KV into the destination blocks `into` (allocated
+        from this pool by the caller; `dest_blocks(descriptor)` of them). `wait_s` bounds how long
+        `poll` waits for it. Raises only before it takes the blocks (bad arguments, no room to
+        stage, closed): from then on they are the receiver's until `poll` hands them back, or it
+        frees (or quarantines) them when the transfer fails or is abandoned."""
+        tid = descriptor.transfer_id
         if not wait_s >= 0:
-            raise ValueError(f"transfer {descriptor.transfer_id}: wait_s must be >= 0, got {wait_s!r}")
+            raise ValueError(f"transfer {tid}: wait_s must be >= 0, got {wait_s!r}")
         remote = descriptor.kv_layout
         check_compatible(remote, self.layout)  # fail before moving any bytes
-        lengths = remote.transfer_lengths(descriptor.num_tokens)
-        transfer = self._begin(descriptor.transfer_id, self.staging_blocks(descriptor))
+        if into is None or len(into) != self.dest_blocks(descriptor):
+            raise ValueError(f"transfer {tid}: {descriptor.num_tokens} tokens need "
+                             f"{self.dest_blocks(descriptor)} destination blocks, got "
+                             f"{None if into is None else len(into)}")
+        transfer = self._begin(tid, list(into), self.staging_blocks(descriptor))
         transfer.descriptor, transfer.verify_checksums, transfer.wait_s = descriptor, verify_checksums, wait_s
         transfer.deadline = self._clock() + wait_s
         try:
-            segments = self._segments(descriptor, transfer.block_ids, lengths)
+            segments = self._segments(descriptor, transfer, remote.transfer_lengths(descriptor.num_tokens))
             transfer.read = self.transport.submit_read(descriptor.remote_session, segments)
-        except BaseException as exc:
-            self._end(transfer, TransferState.FAILED, exc)
-            raise
+        except Exception as exc:  # noqa: BLE001 - the blocks are taken: poll reports it
+            transfer.failure = exc
 
     def poll(self, transfer_id: str) -> FetchResult | None:
         """The fetched KV, or None while the read runs and its wait has not run out. Raises
         KVMissError past the wait, KVTransferError when Mooncake failed, KVIntegrityError on a
         checksum mismatch; the transfer is over after any of them (or a result)."""
         transfer = self._transfers[transfer_id]
+        if transfer.failure is not None:
+            self._end(transfer, TransferState.FAILED, transfer.failure)
+            raise transfer.failure
         state = transfer.read.poll()
         if state is ReadState.IN_FLIGHT:
             if self._clock() < transfer.deadline:
@@ -379,7 +422,8 @@ class KVReceiver:
         """The request is gone (aborted): end its transfer; unknown ids are ignored."""
         transfer = self._transfers.get(transfer_id)
         if transfer is not None:
-            transfer.read.poll()  # a read that just ended frees its blocks now, not later
+            if transfer.read is not None:
+                transfer.read.poll()  # a read that just ended frees its blocks now, not later
             self._end(transfer, TransferState.ABANDONED, reason)
 
     def reclaim(self) -> int:
@@ -405,26 +449,45 @@ class KVReceiver:
     # ---- the blocking path (tools and tests) --------------------------------------------------
     def fetch(self, descriptor: KVDescriptor, verify_checksums: bool = True,
               wait_s: float = math.inf) -> FetchResult:
-        """start + poll until done, sleeping between polls (no spinning). Does not acknowledge:
-        the caller tells the sender (release) once the KV is safely in use."""
-        self.start(descriptor, wait_s, verify_checksums)
+        """start + poll until done, sleeping between polls (no spinning), into blocks allocated
+        here; returns the KV as a tensor and frees the blocks. Does not acknowledge: the caller
+        tells the sender (release) once the KV is safely in use."""
+        with self._lock:
+            blocks = self.pool.allocate(self.dest_blocks(descriptor))
+        try:
+            self.start(descriptor, wait_s, verify_checksums, into=blocks)
+        except BaseException:
+            with self._lock:
+                self.pool.free(blocks)  # start raised before taking them
+            raise
         while (result := self.poll(descriptor.transfer_id)) is None:
             time.sleep(_FETCH_POLL_S)
-        return result
+        try:
+            kv = unpack_blocks(self.pool.gather(result.blocks), self.layout, descriptor.num_tokens)
+        finally:
+            with self._lock:
+                self.pool.free(result.blocks)
+        return dataclasses.replace(result, blocks=[], kv_canonical=kv)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _begin(self, transfer_id: str, num_blocks: int) -> Transfer:
+    def _begin(self, transfer_id: str, dest: list[int], num_staging: int) -> Transfer:
+        """Register the transfer; from here it holds `dest` (taken last: nothing here raises
+        after it)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVReceiver is closed")
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id} is already being fetched")
-            transfer = Transfer(transfer_id, self.pool.allocate(num_blocks), TransferState.TRANSFERRING)
+            staging = self.pool.allocate(num_staging) if num_staging else []
+            transfer = Transfer(transfer_id, dest + staging, TransferState.TRANSFERRING,
+                                dest=dest, staging=staging)
             self._transfers[transfer_id] = transfer
             return transfer
 
     def _end(self, transfer: Transfer, state: TransferState, reason: object = "") -> None:
-        """Final state; free the staging blocks, or quarantine them while the read runs."""
+        """Final state. Done: the destination blocks go back to the caller (with the result),
+        the staging blocks to the pool. Otherwise all its blocks go back to the pool, or into
+        quarantine while the read may still write them."""
         transfer.move(state, f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException)
                       else str(reason))
         if state is not TransferState.DONE:
@@ -433,7 +496,10 @@ class KVReceiver:
             transfer.read.withdraw()  # a read still queued for submission never runs
         with self._lock:
             del self._transfers[transfer.transfer_id]
-            if transfer.read is None or transfer.read.settled:
+            if state is TransferState.DONE:
+                if transfer.staging:
+                    self.pool.free(transfer.staging)
+            elif transfer.read is None or transfer.read.settled:
                 self.pool.free(transfer.block_ids)
             else:
                 self._quarantine.append(transfer)
@@ -452,23 +518,31 @@ class KVReceiver:
         descriptor = transfer.descriptor
         remote = descriptor.kv_layout
         lengths = remote.transfer_lengths(descriptor.num_tokens)
-        staged_bytes = len(lengths) * remote.block_bytes
-        raw = self.pool.gather(transfer.block_ids).reshape(-1)[:staged_bytes]  # view; freed after
-        staged = raw.view(len(lengths), remote.block_bytes)
-        if transfer.verify_checksums:
-            self._verify(descriptor, staged, lengths)
-        if remote != self.layout:
-            local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
-            kv = unpack_blocks(local_blocks, self.layout, descriptor.num_tokens)
+        if not transfer.staging:  # read in place: the destination blocks hold the KV already
+            if transfer.verify_checksums:
+                self._verify(descriptor, [self.pool.block_view(b) for b in transfer.dest], lengths)
         else:
-            kv = unpack_blocks(staged, remote, descriptor.num_tokens)
+            staged_bytes = len(lengths) * remote.block_bytes
+            raw = self.pool.gather(transfer.staging).reshape(-1)[:staged_bytes]  # view; freed after
+            staged = raw.view(len(lengths), remote.block_bytes)
+            if transfer.verify_checksums:
+                self._verify(descriptor, list(staged), lengths)
+            local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
+            for block, data in zip(transfer.dest, local_blocks):
+                self.pool.block_view(block).copy_(data)
         transfer_ms = (time.perf_counter() - transfer.started) * 1e3
-        return FetchResult(kv, sum(lengths), transfer_ms, transfer.read.num_segments)
+        return FetchResult(list(transfer.dest), sum(lengths), transfer_ms, transfer.read.num_segments,
+                           converted=bool(transfer.staging))
 
-    def _segments(self, descriptor: KVDescriptor, local_ids: list[int],
+    def _segments(self, descriptor: KVDescriptor, transfer: Transfer,
                   lengths: list[int]) -> list[Segment]:
-        """Map remote block j's first lengths[j] bytes to staged offset j*remote_block_bytes,
-        splitting where a staged range crosses a local block boundary."""
+        """Equal layouts: remote block j's first lengths[j] bytes to destination block j.
+        Otherwise to staged offset j*remote_block_bytes, split where a staged range crosses a
+        local block boundary."""
+        if not transfer.staging:
+            return coalesce([(self.pool.block_address(transfer.dest[j]), descriptor.remote_address(j),
+                              length) for j, length in enumerate(lengths)])
+        local_ids = transfer.staging
         local_bb, remote_bb = self.layout.block_bytes, descriptor.block_bytes
         segments: list[Segment] = []
         for j, length in enumerate(lengths):
@@ -481,9 +555,9 @@ class KVReceiver:
         return coalesce(segments)
 
     @staticmethod
-    def _verify(descriptor: KVDescriptor, staged: torch.Tensor, lengths: list[int]) -> None:
+    def _verify(descriptor: KVDescriptor, blocks: list[torch.Tensor], lengths: list[int]) -> None:
         for j, (length, expected) in enumerate(zip(lengths, descriptor.block_checksums)):
-            got = checksum(staged[j, :length])
+            got = checksum(blocks[j][:length])
             if got != expected:
                 raise KVIntegrityError(
                     f"transfer {descriptor.transfer_id}: block {j} (remote block "
@@ -495,9 +569,15 @@ class KVReceiver:
         """transfers / used_blocks: held for live requests (zero between requests);
         kv_quarantined_blocks: held for reads Mooncake has not ended (no request's state)."""
         with self._lock:
-            quarantined = sum(len(t.block_ids) for t in self._quarantine)
-            return {"transfers": len(self._transfers), "used_blocks": self.pool.num_used - quarantined,
-                    "kv_quarantined_blocks": quarantined}
+            return {"transfers": len(self._transfers),
+                    "used_blocks": sum(len(t.block_ids) for t in self._transfers.values()),
+                    "kv_quarantined_blocks": sum(len(t.block_ids) for t in self._quarantine)}
+
+    @property
+    def blocks_held(self) -> int:
+        """Pool blocks the receiver holds now (live transfers and quarantine)."""
+        with self._lock:
+            return sum(len(t.block_ids) for t in (*self._transfers.values(), *self._quarantine))
 
     def close(self) -> None:
         with self._lock:

@@ -86,6 +86,11 @@ class BlockPool:
         self._check_ids([i])
         return self.base_address + i * self.block_bytes
 
+    def typed_blocks(self) -> torch.Tensor:
+        """The whole pool as `[num_blocks, block_bytes / itemsize]` of the layout's dtype (a view:
+        an engine's paged cache lives in it)."""
+        return self._blocks.view(self.layout.torch_dtype)
+
     def block_view(self, i: int) -> torch.Tensor:
         """Mutable uint8 view of block i (no copy)."""
         self._check_ids([i])

@@ -165,11 +165,7 @@ class _ThinkerEngine(StageEngine):
         self._stats = BatchStats()
         self.cache: PagedKVCache | None = None
         if self.decodes:
-            text = runner.text_config
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            self.cache = PagedKVCache(text.num_hidden_layers, text.num_key_value_heads, head_dim,
-                                      self.block_size, args.kv_pool_blocks,
-                                      next(runner.thinker.parameters()).dtype)
+            self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks)
             self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer)
         log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d%s",
                  self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
@@ -233,8 +229,12 @@ class _ThinkerEngine(StageEngine):
     def debug_state_counts(self) -> dict[str, int]:
         counts = {"thinker.requests": len(self._requests)}
         if self.cache is not None:
-            counts["thinker.kv_blocks_in_use"] = self.cache.num_used
+            counts["thinker.kv_blocks_in_use"] = self.cache.num_used - self._blocks_lent()
         return counts
+
+    def _blocks_lent(self) -> int:
+        """Cache blocks another owner holds now (the decode leg's KV reads)."""
+        return 0
 
     # ---- one step ----------------------------------------------------------------------------
     def batch_stats(self) -> dict[str, int]:
@@ -471,7 +471,7 @@ class HfDecodeEngine(_ThinkerEngine):
         self.kv_miss_window_s = handoff.kv_miss_window_s
         self.engine_id = _engine_id(stage_config, "decode")
         host, protocol = _kv_settings(stage_config)
-        # A read abandoned on a frozen peer holds its staging blocks until Mooncake gives up on
+        # A read abandoned on a frozen peer holds its blocks until Mooncake gives up on
         # it: make that the handoff deadline rather than Mooncake's 30 s.
         self.transport = MooncakeTransport(host=host, protocol=protocol,
                                            progress_timeout_s=handoff.kv_handoff_deadline_s)
@@ -479,7 +479,8 @@ class HfDecodeEngine(_ThinkerEngine):
         self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, "decode", self.fingerprint)
         self.peers = PeerFingerprints(self.fingerprint)
-        self.receiver = KVReceiver(self.layout, stage_config.engine_args.kv_pool_blocks, self.transport)
+        # The KV lands where it is used: the receiver reads into blocks of the paged cache.
+        self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport)
 
     def describe(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
@@ -502,10 +503,12 @@ class HfDecodeEngine(_ThinkerEngine):
                                  f"prefill stage, got {kv_params.get(key)!r:.80}")
         self._wait_s(request.request_id, kv_params)
         staging = self.receiver.staging_blocks(descriptor)
-        if staging > self.receiver.pool.num_blocks:
+        needed = staging + self.cache.blocks_for(request.prompt_len + request.params.max_tokens)
+        if staging and needed > self.cache.num_blocks:
             raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} "
-                             f"stages into {staging} KV blocks, stage {self.stage_id} has "
-                             f"{self.receiver.pool.num_blocks}; raise engine_args.kv_pool_blocks")
+                             f"stages into {staging} KV blocks besides the request's own, "
+                             f"{needed} in all; stage {self.stage_id} has {self.cache.num_blocks}; "
+                             "raise engine_args.kv_pool_blocks")
         request.kv = descriptor
 
     def _wait_s(self, request_id: str, kv_params: dict[str, Any]) -> float:
@@ -526,7 +529,12 @@ class HfDecodeEngine(_ThinkerEngine):
             return self._prefill_here(request)
         kv_params = request.params.kv_transfer_params
         self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
-        self.receiver.start(request.kv, self._wait_s(request.request_id, kv_params))
+        # The prompt's blocks go to the receiver for the read and come back with the result;
+        # the request keeps the blocks its output will fill.
+        prompt_blocks = self.receiver.dest_blocks(request.kv)
+        self.receiver.start(request.kv, self._wait_s(request.request_id, kv_params),
+                            into=request.blocks[:prompt_blocks])
+        request.blocks = request.blocks[prompt_blocks:]
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
         self._fetching.append(request.request_id)
@@ -554,7 +562,7 @@ class HfDecodeEngine(_ThinkerEngine):
     def _fetched(self, request: ThinkerRequest, fetched) -> list[StepOutput]:
         self._fetching.remove(request.request_id)
         request.phase = Phase.RUNNING
-        self.cache.write(request.blocks, 0, fetched.kv)
+        request.blocks = fetched.blocks + request.blocks  # the KV is in them already
         kv_params = request.params.kv_transfer_params
         request.rope_deltas = int(kv_params["rope_deltas"])
         request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
@@ -562,12 +570,17 @@ class HfDecodeEngine(_ThinkerEngine):
         return self._first_token(request, int(kv_params["first_token"]))
 
     def _can_start(self, request: ThinkerRequest) -> bool:
-        # Staging blocks in quarantine come back only when Mooncake ends their reads: wait.
-        return request.prefills_here or self.receiver.can_start(request.kv)
+        # Blocks in quarantine come back only when Mooncake ends their reads: wait. A read in
+        # place needs only the request's own blocks; one whose layout differs stages too.
+        if request.prefills_here:
+            return True
+        staging = self.receiver.staging_blocks(request.kv)
+        return staging == 0 or staging + self.cache.blocks_for(
+            request.prompt_len + request.params.max_tokens) <= self.cache.num_free
 
     def _release(self, request: ThinkerRequest) -> None:
         if request.phase is Phase.FETCHING:
-            # Mooncake may still write the staging blocks: the receiver quarantines them.
+            # Mooncake may still write the prompt's blocks: the receiver quarantines them.
             self.receiver.abandon(request.kv.transfer_id, f"request {request.request_id} left")
 
     def step_delay_s(self) -> float:
@@ -592,6 +605,9 @@ class HfDecodeEngine(_ThinkerEngine):
 
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.receiver.debug_state_counts()}
+
+    def _blocks_lent(self) -> int:
+        return self.receiver.blocks_held
 
     def close(self) -> None:
         self.receiver.close()
