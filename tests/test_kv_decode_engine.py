@@ -71,7 +71,8 @@ def clean(decode, prefill):
     yield
     assert decode.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
                                            "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
-    assert prefill.debug_state_counts() == {"thinker.requests": 0, "leases": 0, "used_blocks": 0}
+    assert prefill.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
+                                            "leases": 0, "used_blocks": 0}
 
 
 def _prompts(tokenizer, texts=TEXTS):
@@ -187,12 +188,33 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
         assert _same_output(mine, ref), TEXTS[i]
         assert mine.prompt_embeds is None and mine.num_cached_prompt_tokens == len(prompt.prompt_token_ids)
         assert mine.metrics["kv_bytes_transferred"] > 0
+        assert mine.metrics["kv_path"] == "shm"  # both engines here: the same-host path
     for _, transfer_id in handed:
         assert prefill.release_kv(transfer_id)
     assert decode.peers.is_verified(prefill.engine_id)
-    # The reads landed in the paged cache itself: one registered pool, no staging pool beside it.
-    assert decode.receiver.pool is decode.cache.pool
+    # The prefill leg published blocks of its paged cache as they were, and the reads landed in
+    # the decode leg's paged cache: one registered pool a side, no staging pool beside it.
+    assert prefill.sender.pool is prefill.cache.pool and decode.receiver.pool is decode.cache.pool
+    assert prefill.transport.registered_bytes == prefill.cache.pool.nbytes
     assert decode.transport.registered_bytes == decode.cache.pool.nbytes
+
+
+def test_the_mooncake_path_on_one_host_equals_colocated_too(runner, prefill, colocated,
+                                                            tiny_tokenizer, clean):
+    """kv_same_host 'off' on the decode stage: the same handoff over Mooncake tcp, equal outputs."""
+    tcp = HfDecodeEngine(_pd_stage(1, kv_same_host="off"), runner)
+    try:
+        prompt = _prompts(tiny_tokenizer)[1]
+        params, transfer_id = _handoff(prefill, "tcp0", prompt, _params(1))
+        outputs = _run(tcp, [("tcp0", prompt, params)], pause=True)
+        mine, error = outputs["tcp0"][0], outputs["tcp0"][1]
+        assert error is None and mine.metrics["kv_path"] == "tcp"
+        assert _same_output(mine, colocated.generate("c-tcp", prompt, _params(1)))
+        assert prefill.release_kv(transfer_id)
+        assert tcp.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
+                                            "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
+    finally:
+        tcp.close()
 
 
 def test_corrupted_kv_is_refused_with_integrity_error(decode, prefill, tiny_tokenizer, clean):

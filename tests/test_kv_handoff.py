@@ -1,5 +1,6 @@
 """The KV handoff over real Mooncake (loopback TCP): two TransferEngines in this process, plus one
 sender in a spawned child process."""
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ from omni_pd.kv import (BlockLayout, IllegalTransition, KVDescriptor, KVIntegrit
                         KVSender, KVTransferError, MooncakeTransport, PoolExhausted, TransferState)
 from omni_pd.kv.handoff import Lease, Transfer  # noqa: E402
 from omni_pd.kv.layout import unpack_blocks  # noqa: E402
+from omni_pd.kv.pool import BlockPool  # noqa: E402
 
 LAYOUT = BlockLayout.default_for(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
 
@@ -301,3 +303,86 @@ def test_a_read_lands_in_the_blocks_handed_over_and_they_come_back(sender, recei
     assert receiver.blocks_held == 0 and receiver.pool.num_used == 6  # the caller's again
     receiver.pool.free(spare)
     sender.release("t-into")
+
+
+def test_publish_blocks_leases_the_blocks_as_they_are(sender, receiver):
+    """The prefill engine's path: KV already in blocks of the pool is published without a copy;
+    the lease holds the blocks from then on (a bad count is refused before it takes them)."""
+    kv = make_kv(20, seed=6)
+    blocks = sender.pool.allocate(2)
+    sender.pool.write(blocks, kv)
+    with pytest.raises(ValueError, match="20 tokens are 2 blocks, got 1"):
+        sender.publish_blocks("t-blocks", blocks[:1], 20)
+    assert sender.debug_state_counts() == {"leases": 0, "used_blocks": 0}
+    desc = sender.publish_blocks("t-blocks", blocks, 20)
+    assert desc.remote_block_ids == tuple(blocks) and sender.blocks_held == 2
+    assert torch.equal(receiver.fetch(desc).kv_canonical, kv)
+    assert sender.release("t-blocks") and sender.pool.num_used == 0  # the lease freed them
+
+
+# -- the same-host path ----------------------------------------------------------------------------
+
+@pytest.fixture
+def shared_sender(clock):
+    transport = MooncakeTransport()
+    s = KVSender("prefill-shm", LAYOUT, BlockPool(LAYOUT, 32, shared=True), transport,
+                 lease_timeout_s=30.0, clock=clock)
+    yield s
+    assert s.debug_state_counts() == {"leases": 0, "used_blocks": 0}
+    s.close()
+    assert transport.registered_bytes == 0
+
+
+def test_same_host_kv_moves_through_shared_memory_and_says_so(shared_sender, transports, caplog):
+    kv = make_kv(37, seed=8)
+    desc = KVDescriptor.from_params(shared_sender.publish("t-shm", kv).to_params())
+    assert desc.shm_path.startswith("/proc/") and desc.host_id
+    receivers = {mode: KVReceiver(LAYOUT, 16, transports[1] if mode == "auto" else MooncakeTransport(),
+                                  same_host=mode) for mode in ("auto", "off")}
+    try:
+        with caplog.at_level(logging.INFO, logger="omni_pd.kv.handoff"):
+            shm = receivers["auto"].fetch(desc)
+            again = receivers["auto"].fetch(desc)
+        assert shm.path == again.path == "shm" and shm.num_segments == 0
+        assert torch.equal(shm.kv_canonical, kv) and torch.equal(again.kv_canonical, kv)
+        said = [r.getMessage() for r in caplog.records if "moves through shared memory" in r.getMessage()]
+        assert len(said) == 1 and desc.shm_path in said[0]  # once per peer
+        tcp = receivers["off"].fetch(desc)  # the negative control: the same KV over Mooncake
+        assert tcp.path == "tcp" and tcp.num_segments >= 1 and torch.equal(tcp.kv_canonical, kv)
+    finally:
+        shared_sender.release("t-shm")
+        for receiver in receivers.values():
+            receiver.close()
+
+
+def test_same_host_path_checks_integrity(shared_sender, receiver):
+    shared_sender.inject_fault_once(1, 5, after_checksum=True)
+    desc = shared_sender.publish("t-shm-fault", make_kv(40, seed=9))
+    try:
+        with pytest.raises(KVIntegrityError, match="block 1"):
+            receiver.fetch(desc)
+        assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
+    finally:
+        shared_sender.release("t-shm-fault")
+
+
+def test_same_host_falls_back_or_refuses_with_the_reason(shared_sender, sender, transports, caplog):
+    other_host = dataclasses.replace(shared_sender.publish("t-far", make_kv(10)), host_id="another-boot")
+    plain = sender.publish("t-plain", make_kv(10))
+    insist = KVReceiver(LAYOUT, 16, MooncakeTransport(), same_host="shm")
+    auto = KVReceiver(LAYOUT, 16, MooncakeTransport())
+    try:
+        with caplog.at_level(logging.INFO, logger="omni_pd.kv.handoff"):
+            assert auto.fetch(other_host).path == "tcp"
+        assert any("runs on another host" in r.getMessage() for r in caplog.records)
+        for desc, why in ((other_host, "runs on another host"), (plain, "not shared memory")):
+            with pytest.raises(KVTransferError, match=f"kv_same_host is 'shm'.*{why}"):
+                insist.fetch(desc)
+            assert insist.pool.num_used == 0  # refused before it took any block
+        with pytest.raises(ValueError, match="kv_same_host must be one of"):
+            KVReceiver(LAYOUT, 4, transports[1], same_host="maybe")
+    finally:
+        shared_sender.release("t-far")
+        sender.release("t-plain")
+        insist.close()
+        auto.close()

@@ -219,3 +219,47 @@ def test_abandoned_state_is_final():
     with pytest.raises(IllegalTransition):
         transfer.move(TransferState.DONE)
 
+
+
+# -- integrity checked while the read flies --------------------------------------------------------
+
+@pytest.mark.parametrize("bad_block", [0, 1])
+def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block):
+    """With one entry per block, block 0 is checked at the poll that sees its entry land, while
+    block 1's entry still flies; a corrupted block fails the transfer as soon as it is checked
+    (its blocks quarantined if Mooncake still writes them)."""
+    import dataclasses
+
+    import torch
+
+    from omni_pd.kv import handoff
+    from omni_pd.kv.handoff import checksum
+    receiver, transport, _clock = setup
+    monkeypatch.setattr(handoff, "MAX_ENTRY_BYTES", LAYOUT.block_bytes)
+    into = receiver.pool.allocate(2)
+    for block in into:
+        receiver.pool.block_view(block).zero_()  # what a fake read "lands": zeros
+    lengths = LAYOUT.transfer_lengths(6)
+    sums = [checksum(torch.zeros(n, dtype=torch.uint8)) for n in lengths]
+    sums[bad_block] = "corrupt"
+    receiver.start(dataclasses.replace(_descriptor(), block_checksums=tuple(sums)), wait_s=math.inf,
+                   into=into)
+    read = transport.reads[0][0]
+    _settle(read)
+    assert len(transport.reads[0][1]) == 2  # the cap cut the adjacent blocks into two entries
+    first, second = (batch for _, batch in transport.engine.submitted)
+    transport.engine.status[first] = 1  # block 0 lands; block 1 still flies
+    if bad_block == 0:
+        with pytest.raises(handoff.KVIntegrityError, match="block 0"):
+            receiver.poll("t1")
+        assert receiver.debug_state_counts()["kv_quarantined_blocks"] == 2  # entry 2 may still write
+        transport.engine.status[second] = 1
+        assert receiver.reclaim() == 2
+        return
+    assert receiver.poll("t1") is None
+    assert receiver._transfers["t1"].unverified == {1}  # block 0 checked before the read ended
+    transport.engine.status[second] = 1
+    with pytest.raises(handoff.KVIntegrityError, match="block 1"):
+        receiver.poll("t1")
+    assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
+    assert receiver.pool.num_used == 0

@@ -47,6 +47,11 @@ class KVConnectorExtraConfig(BaseModel):
     kv_breaker_threshold: int = Field(default=3, ge=1)
     kv_breaker_cooldown_s: float = Field(default=5.0, gt=0)
     kv_fallback: Literal["local_prefill", "error"] = "local_prefill"
+    # How KV moves when both stages of the pair run on one host (each stage reads its own): "auto"
+    # shares the prefill's cache through shared memory and the decode side copies out of it when
+    # it can map it (else Mooncake, said once in the log); "shm" insists (a request whose KV
+    # cannot move so fails); "off" is Mooncake only.
+    kv_same_host: Literal["auto", "shm", "off"] = "auto"
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
         "kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
         "kv_breaker_cooldown_s", "kv_fallback")

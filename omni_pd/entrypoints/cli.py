@@ -90,7 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"({stages})")
         if "kv_bytes_transferred" in m:
             print(f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
-                  f"prompt tokens in {m['kv_transfer_ms']:.2f} ms")
+                  f"prompt tokens in {m['kv_transfer_ms']:.2f} ms ({m.get('kv_path', 'tcp')})")
     return 0
 
 
@@ -180,6 +180,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_bench_handoff(args: argparse.Namespace) -> int:
+    from ..bench.handoff import run
+    return run(args)
+
+
 def _cmd_vllm_shim(args: argparse.Namespace) -> int:
     from . import vllm_omni_shim as shim
     try:
@@ -252,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "config) at several concurrency levels; table, JSON, PNG")
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_cmd_bench_serve)
+    from ..bench.handoff import add_arguments as add_bench_handoff_arguments
+    bench_handoff = bench_sub.add_parser("handoff", help="time the P/D KV handoff against one raw "
+                                         "Mooncake read and an in-process copy of the same bytes")
+    add_bench_handoff_arguments(bench_handoff)
+    bench_handoff.set_defaults(func=_cmd_bench_handoff)
 
     shim = sub.add_parser("vllm-shim", help="make `vllm serve MODEL --omni` run omni-pd's server "
                           "where vllm-omni is not installed (opt-in)")

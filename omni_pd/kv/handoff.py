@@ -14,6 +14,17 @@ block straight into a destination block of its pool, which is the decode engine'
 (`KVReceiver(layout, cache.pool, ...)`); the engine hands the request's blocks over for the read
 and gets them back, filled and verified, with the result. Only when the layouts differ does a
 read land in staging blocks first, converted into the destination blocks in one pass.
+
+Same host: when the prefill's pool is shared memory (`BlockPool(shared=True)`) and the decode
+side can map it (`shm.PeerPools`: same host, same user, the prefill process alive), the receiver
+copies each block straight out of the mapping into its destination block and checksums it while
+it is hot in cache: one copy, no Mooncake. `same_host` chooses: "auto" (that when possible, else
+Mooncake, said once per peer), "shm" (that or the transfer fails), "off" (Mooncake always).
+
+Integrity without a second pass: a read is cut into Mooncake entries of at most
+`MAX_ENTRY_BYTES` (adjacent blocks coalesce up to it), and each block's checksum is verified as
+soon as the entries covering it have landed, at the poll that sees them, while later entries are
+still on the wire; only the last entries' blocks are checked after the read ends.
 """
 from __future__ import annotations
 
@@ -32,9 +43,17 @@ import xxhash
 from .errors import KVIntegrityError, KVMissError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
-from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce
+from .errors import KVTransferError
+from .shm import PeerPools, host_id
+from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups
 
 log = logging.getLogger(__name__)
+
+SAME_HOST_CHOICES = ("auto", "shm", "off")
+# Largest Mooncake entry a KV read is cut into: big enough that per-entry costs vanish (one
+# entry per 16 MiB: 24 for a 4k-token prompt of the 30B thinker), small enough that the checksums
+# of landed entries overlap the rest of the read.
+MAX_ENTRY_BYTES = 16 * 2**20
 
 
 class TransferState(enum.Enum):
@@ -95,6 +114,11 @@ class Transfer(_Tracked):
     dest: list[int] = field(default_factory=list)
     staging: list[int] = field(default_factory=list)
     failure: BaseException | None = None  # raised at the next poll (it happened after start took the blocks)
+    path: str = "tcp"  # how the bytes move: Mooncake ("tcp", or its rdma) or "shm" (same host)
+    lengths: list[int] = field(default_factory=list)  # bytes moved per remote block
+    blocks_of_entry: list[list[int]] = field(default_factory=list)  # remote block indices per entry
+    unlanded: list[int] = field(default_factory=list)  # per remote block: its entries still in flight
+    unverified: set[int] = field(default_factory=set)  # remote block indices not checked yet
 
 
 def checksum(data: torch.Tensor) -> str:
@@ -126,9 +150,13 @@ class KVDescriptor:
     num_tokens: int
     kv_layout: BlockLayout
     block_checksums: tuple[str, ...]
+    # The same-host path: where the prefill's shared pool can be mapped, and on which host.
+    shm_path: str | None = None
+    host_id: str | None = None
 
     KEYS = ("transfer_id", "remote_engine_id", "remote_session", "remote_block_ids",
             "remote_base_address", "block_bytes", "num_tokens", "kv_layout", "block_checksums")
+    OPTIONAL_KEYS = ("shm_path", "host_id")
 
     def __post_init__(self) -> None:
         tid = self.transfer_id
@@ -156,7 +184,8 @@ class KVDescriptor:
                 "remote_block_ids": list(self.remote_block_ids),
                 "remote_base_address": self.remote_base_address, "block_bytes": self.block_bytes,
                 "num_tokens": self.num_tokens, "kv_layout": self.kv_layout.to_dict(),
-                "block_checksums": list(self.block_checksums)}
+                "block_checksums": list(self.block_checksums),
+                **({"shm_path": self.shm_path, "host_id": self.host_id} if self.shm_path else {})}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "KVDescriptor":
@@ -184,21 +213,37 @@ class KVDescriptor:
                    remote_base_address=_need(params, "remote_base_address", int, tid),
                    block_bytes=_need(params, "block_bytes", int, tid),
                    num_tokens=_need(params, "num_tokens", int, tid),
-                   kv_layout=layout, block_checksums=tuple(sums))
+                   kv_layout=layout, block_checksums=tuple(sums),
+                   **{key: _need(params, key, str, tid) for key in cls.OPTIONAL_KEYS if key in params})
+
+
+def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
+                     side: str) -> BlockPool:
+    """The engine's pool (its paged cache's), or a new one of `pool` blocks; registered once."""
+    if isinstance(pool, BlockPool):
+        if pool.layout != layout:
+            raise ValueError(f"the {side}'s pool has layout {pool.layout}, not {layout}")
+    else:
+        pool = BlockPool(layout, pool)
+    transport.register(pool.base_address, pool.nbytes)
+    return pool
 
 
 # -- prefill side ----------------------------------------------------------------------------
 
 class KVSender:
-    def __init__(self, engine_id: str, layout: BlockLayout, pool_blocks: int,
+    """Publishes blocks of a registered pool under leases. `pool`: the prefill engine's paged
+    cache pool (its blocks are published as they are, `publish_blocks`), or a block count for a
+    pool of the sender's own (tools and tests, through `publish`, which copies a KV tensor in)."""
+
+    def __init__(self, engine_id: str, layout: BlockLayout, pool: int | BlockPool,
                  transport: MooncakeTransport, lease_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
         if lease_timeout_s <= 0:
             raise ValueError(f"kv_lease_timeout_s: expected a positive number, got {lease_timeout_s!r}")
         self.engine_id, self.layout, self.transport = engine_id, layout, transport
         self.lease_timeout_s, self._clock = lease_timeout_s, clock
-        self.pool = BlockPool(layout, pool_blocks)
-        transport.register(self.pool.base_address, self.pool.nbytes)
+        self.pool = _registered_pool(layout, pool, transport, "sender")
         self._leases: dict[str, Lease] = {}
         self._fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()  # publish / release / expire may come from different threads
@@ -215,31 +260,50 @@ class KVSender:
             self._fault = (block_index, byte_offset, after_checksum)
 
     def publish(self, transfer_id: str, kv_canonical: torch.Tensor) -> KVDescriptor:
-        """Copy the KV into leased pool blocks and describe them for the decode side."""
+        """Copy the KV into pool blocks allocated here and publish them (tools and tests)."""
         check_canonical(kv_canonical, self.layout)
         num_tokens = int(kv_canonical.shape[3])
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"KVSender {self.engine_id} is closed")
-            if transfer_id in self._leases:
-                raise ValueError(f"transfer {transfer_id} is already published by {self.engine_id}")
-            lengths = self.layout.transfer_lengths(num_tokens)
-            block_ids = self.pool.allocate(len(lengths))
+            self._check_new(transfer_id)
+            block_ids = self.pool.allocate(self.layout.num_blocks_for(num_tokens))
             try:
                 self.pool.write(block_ids, kv_canonical)
-                self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
-                sums = tuple(checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
-                self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
-                descriptor = KVDescriptor(
-                    transfer_id=transfer_id, remote_engine_id=self.engine_id,
-                    remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
-                    remote_base_address=self.pool.base_address, block_bytes=self.layout.block_bytes,
-                    num_tokens=num_tokens, kv_layout=self.layout, block_checksums=sums)
+                return self._lease(transfer_id, block_ids, num_tokens)
             except BaseException:
                 self.pool.free(block_ids)
                 raise
-            self._leases[transfer_id] = Lease(transfer_id, block_ids, TransferState.PUBLISHED,
-                                              deadline=self._clock() + self.lease_timeout_s)
+
+    def publish_blocks(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
+        """Publish blocks of the pool as they are (the prefill engine's paged cache, holding
+        `num_tokens` tokens of KV) and describe them for the decode side. Raises only before it
+        takes them; from its return the lease holds them, freed on release, expiry or close."""
+        if len(block_ids) != self.layout.num_blocks_for(num_tokens):
+            raise ValueError(f"transfer {transfer_id}: {num_tokens} tokens are "
+                             f"{self.layout.num_blocks_for(num_tokens)} blocks, got {len(block_ids)}")
+        with self._lock:
+            self._check_new(transfer_id)
+            return self._lease(transfer_id, list(block_ids), num_tokens)
+
+    def _check_new(self, transfer_id: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"KVSender {self.engine_id} is closed")
+        if transfer_id in self._leases:
+            raise ValueError(f"transfer {transfer_id} is already published by {self.engine_id}")
+
+    def _lease(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
+        """Checksum the blocks' transferred bytes and hold them under a lease (lock held)."""
+        lengths = self.layout.transfer_lengths(num_tokens)
+        self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
+        sums = tuple(checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
+        self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
+        descriptor = KVDescriptor(
+            transfer_id=transfer_id, remote_engine_id=self.engine_id,
+            remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
+            remote_base_address=self.pool.base_address, block_bytes=self.layout.block_bytes,
+            num_tokens=num_tokens, kv_layout=self.layout, block_checksums=sums,
+            shm_path=self.pool.shm_path, host_id=host_id() if self.pool.shm_path else None)
+        self._leases[transfer_id] = Lease(transfer_id, block_ids, TransferState.PUBLISHED,
+                                          deadline=self._clock() + self.lease_timeout_s)
         return descriptor
 
     def _apply_fault(self, transfer_id: str, block_ids: list[int], lengths: list[int],
@@ -283,7 +347,16 @@ class KVSender:
 
     def debug_state_counts(self) -> dict[str, int]:
         with self._lock:
-            return {"leases": len(self._leases), "used_blocks": self.pool.num_used}
+            return {"leases": len(self._leases), "used_blocks": self._held()}
+
+    @property
+    def blocks_held(self) -> int:
+        """Pool blocks the leases hold now."""
+        with self._lock:
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(len(lease.block_ids) for lease in self._leases.values())
 
     def close(self) -> None:
         with self._lock:
@@ -316,6 +389,7 @@ class FetchResult:
     num_segments: int
     converted: bool = False
     kv_canonical: torch.Tensor | None = None
+    path: str = "tcp"
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -334,15 +408,13 @@ class KVReceiver:
     block count for a pool of the receiver's own (tools and tests, through `fetch`)."""
 
     def __init__(self, layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
-                 clock: Callable[[], float] = time.monotonic):
-        self.layout, self.transport, self._clock = layout, transport, clock
-        if isinstance(pool, BlockPool):
-            if pool.layout != layout:
-                raise ValueError(f"the receiver's pool has layout {pool.layout}, not {layout}")
-            self.pool = pool
-        else:
-            self.pool = BlockPool(layout, pool)
-        transport.register(self.pool.base_address, self.pool.nbytes)
+                 clock: Callable[[], float] = time.monotonic, same_host: str = "auto"):
+        if same_host not in SAME_HOST_CHOICES:
+            raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
+        self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
+        self._peers = PeerPools()
+        self._paths_said: set[str] = set()  # peers whose path was logged
+        self.pool = _registered_pool(layout, pool, transport, "receiver")
         self._transfers: dict[str, Transfer] = {}
         self._quarantine: list[Transfer] = []  # ended transfers whose read Mooncake still runs
         self._lock = threading.Lock()  # bookkeeping only; nothing here waits on the peer
@@ -382,11 +454,22 @@ class KVReceiver:
             raise ValueError(f"transfer {tid}: {descriptor.num_tokens} tokens need "
                              f"{self.dest_blocks(descriptor)} destination blocks, got "
                              f"{None if into is None else len(into)}")
+        peer_pool = self._same_host_pool(descriptor)
         transfer = self._begin(tid, list(into), self.staging_blocks(descriptor))
         transfer.descriptor, transfer.verify_checksums, transfer.wait_s = descriptor, verify_checksums, wait_s
         transfer.deadline = self._clock() + wait_s
+        transfer.lengths = remote.transfer_lengths(descriptor.num_tokens)
+        if peer_pool is not None:
+            transfer.path = "shm"
+            try:
+                self._copy_shared(transfer, peer_pool)
+            except Exception as exc:  # noqa: BLE001 - the blocks are taken: poll reports it
+                transfer.failure = exc
+            return
         try:
-            segments = self._segments(descriptor, transfer, remote.transfer_lengths(descriptor.num_tokens))
+            segments = self._segments(descriptor, transfer, transfer.lengths)
+            if verify_checksums:
+                transfer.unverified = set(range(len(transfer.lengths)))
             transfer.read = self.transport.submit_read(descriptor.remote_session, segments)
         except Exception as exc:  # noqa: BLE001 - the blocks are taken: poll reports it
             transfer.failure = exc
@@ -399,7 +482,17 @@ class KVReceiver:
         if transfer.failure is not None:
             self._end(transfer, TransferState.FAILED, transfer.failure)
             raise transfer.failure
+        if transfer.path == "shm":  # copied and verified by start
+            result = FetchResult(list(transfer.dest), sum(transfer.lengths),
+                                 (time.perf_counter() - transfer.started) * 1e3, 0, path="shm")
+            self._end(transfer, TransferState.DONE)
+            return result
         state = transfer.read.poll()
+        try:
+            self._verify_landed(transfer)
+        except KVIntegrityError as exc:
+            self._end(transfer, TransferState.FAILED, exc)
+            raise
         if state is ReadState.IN_FLIGHT:
             if self._clock() < transfer.deadline:
                 return None
@@ -514,19 +607,89 @@ class KVReceiver:
             f"worker ({len(transfer.block_ids)} staging blocks stay out of use while Mooncake may "
             "still write them)")
 
+    def _same_host_pool(self, descriptor: KVDescriptor) -> torch.Tensor | None:
+        """The prefill peer's shared pool, mapped, when the same-host path applies; None: read
+        over Mooncake. The choice is logged once per peer."""
+        if self.same_host == "off":
+            return None
+        why = None
+        if not descriptor.shm_path:
+            why = "its pool is not shared memory (its kv_same_host is 'off')"
+        elif descriptor.host_id != host_id():
+            why = "it runs on another host"
+        elif descriptor.kv_layout != self.layout:
+            why = "its block layout differs from this engine's (converted through staging)"
+        else:
+            highest = max(descriptor.remote_block_ids) + 1
+            try:
+                pool = self._peers.get(descriptor.remote_session, descriptor.shm_path,
+                                       highest * descriptor.block_bytes)
+            except OSError as exc:
+                why = f"its pool cannot be mapped from here ({exc})"
+        peer = descriptor.remote_session
+        if why is not None:
+            if self.same_host == "shm":
+                raise KVTransferError(
+                    f"transfer {descriptor.transfer_id}: kv_same_host is 'shm' but the KV of prefill "
+                    f"peer {peer} cannot move through shared memory: {why}; run both stages on one "
+                    "host as one user (and kv_same_host not 'off' on the prefill stage), or set "
+                    "kv_same_host to 'auto'")
+            if peer not in self._paths_said:
+                self._paths_said.add(peer)
+                log.info("KV from prefill peer %s moves over Mooncake %s: %s", peer,
+                         self.transport.protocol, why)
+            return None
+        if peer not in self._paths_said:
+            self._paths_said.add(peer)
+            log.info("KV from prefill peer %s moves through shared memory (same host: %s)", peer,
+                     descriptor.shm_path)
+        return pool
+
+    def _copy_shared(self, transfer: Transfer, peer_pool: torch.Tensor) -> None:
+        """Copy each remote block's transferred bytes from the mapped peer pool into its
+        destination block, checksumming it right after, while it is still in cache."""
+        descriptor = transfer.descriptor
+        bb = descriptor.block_bytes
+        for j, (remote, length) in enumerate(zip(descriptor.remote_block_ids, transfer.lengths)):
+            dest = self.pool.block_view(transfer.dest[j])[:length]
+            dest.copy_(peer_pool[remote * bb:remote * bb + length])
+            if transfer.verify_checksums:
+                self._verify(descriptor, {j: dest}, transfer.lengths)
+        transfer.unverified = set()
+
+    def _staged(self, transfer: Transfer) -> torch.Tensor:
+        """The staging blocks as the remote blocks landed there, back to back (a view)."""
+        remote = transfer.descriptor.kv_layout
+        count = remote.num_blocks_for(transfer.descriptor.num_tokens)
+        raw = self.pool.gather(transfer.staging).reshape(-1)[:count * remote.block_bytes]
+        return raw.view(count, remote.block_bytes)
+
+    def _verify_landed(self, transfer: Transfer) -> None:
+        """Check the blocks whose entries have all landed (later entries may still fly)."""
+        ready: list[int] = []
+        for entry in transfer.read.take_landed():
+            for j in transfer.blocks_of_entry[entry] if 0 <= entry < len(transfer.blocks_of_entry) else ():
+                transfer.unlanded[j] -= 1
+                if transfer.unlanded[j] == 0 and j in transfer.unverified:
+                    ready.append(j)
+        if ready:
+            self._verify_blocks(transfer, ready)
+
+    def _verify_blocks(self, transfer: Transfer, blocks: list[int]) -> None:
+        staged = self._staged(transfer) if transfer.staging else None
+        views = {j: staged[j] if staged is not None else self.pool.block_view(transfer.dest[j])
+                 for j in blocks}
+        self._verify(transfer.descriptor, views, transfer.lengths)
+        transfer.unverified.difference_update(blocks)
+
     def _assemble(self, transfer: Transfer) -> FetchResult:
         descriptor = transfer.descriptor
         remote = descriptor.kv_layout
-        lengths = remote.transfer_lengths(descriptor.num_tokens)
-        if not transfer.staging:  # read in place: the destination blocks hold the KV already
-            if transfer.verify_checksums:
-                self._verify(descriptor, [self.pool.block_view(b) for b in transfer.dest], lengths)
-        else:
-            staged_bytes = len(lengths) * remote.block_bytes
-            raw = self.pool.gather(transfer.staging).reshape(-1)[:staged_bytes]  # view; freed after
-            staged = raw.view(len(lengths), remote.block_bytes)
-            if transfer.verify_checksums:
-                self._verify(descriptor, list(staged), lengths)
+        lengths = transfer.lengths
+        if transfer.unverified:  # the last entries' blocks, or all when nothing reported early
+            self._verify_blocks(transfer, sorted(transfer.unverified))
+        if transfer.staging:
+            staged = self._staged(transfer)
             local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
             for block, data in zip(transfer.dest, local_blocks):
                 self.pool.block_view(block).copy_(data)
@@ -539,25 +702,36 @@ class KVReceiver:
         """Equal layouts: remote block j's first lengths[j] bytes to destination block j.
         Otherwise to staged offset j*remote_block_bytes, split where a staged range crosses a
         local block boundary."""
+        pieces: list[Segment] = []
+        block_of_piece: list[int] = []
         if not transfer.staging:
-            return coalesce([(self.pool.block_address(transfer.dest[j]), descriptor.remote_address(j),
-                              length) for j, length in enumerate(lengths)])
-        local_ids = transfer.staging
-        local_bb, remote_bb = self.layout.block_bytes, descriptor.block_bytes
-        segments: list[Segment] = []
-        for j, length in enumerate(lengths):
-            remote_addr, offset, left = descriptor.remote_address(j), j * remote_bb, length
-            while left:
-                block, within = divmod(offset, local_bb)
-                piece = min(left, local_bb - within)
-                segments.append((self.pool.block_address(local_ids[block]) + within, remote_addr, piece))
-                remote_addr, offset, left = remote_addr + piece, offset + piece, left - piece
-        return coalesce(segments)
+            for j, length in enumerate(lengths):
+                pieces.append((self.pool.block_address(transfer.dest[j]), descriptor.remote_address(j), length))
+                block_of_piece.append(j)
+        else:
+            local_ids = transfer.staging
+            local_bb, remote_bb = self.layout.block_bytes, descriptor.block_bytes
+            for j, length in enumerate(lengths):
+                remote_addr, offset, left = descriptor.remote_address(j), j * remote_bb, length
+                while left:
+                    block, within = divmod(offset, local_bb)
+                    piece = min(left, local_bb - within)
+                    pieces.append((self.pool.block_address(local_ids[block]) + within, remote_addr, piece))
+                    block_of_piece.append(j)
+                    remote_addr, offset, left = remote_addr + piece, offset + piece, left - piece
+        entries, groups = coalesce_groups(pieces, MAX_ENTRY_BYTES)
+        transfer.blocks_of_entry = [sorted({block_of_piece[k] for k in group}) for group in groups]
+        transfer.unlanded = [0] * len(lengths)
+        for blocks in transfer.blocks_of_entry:
+            for j in blocks:
+                transfer.unlanded[j] += 1
+        return entries
 
     @staticmethod
-    def _verify(descriptor: KVDescriptor, blocks: list[torch.Tensor], lengths: list[int]) -> None:
-        for j, (length, expected) in enumerate(zip(lengths, descriptor.block_checksums)):
-            got = checksum(blocks[j][:length])
+    def _verify(descriptor: KVDescriptor, blocks: dict[int, torch.Tensor], lengths: list[int]) -> None:
+        for j, view in blocks.items():
+            expected = descriptor.block_checksums[j]
+            got = checksum(view[:lengths[j]])
             if got != expected:
                 raise KVIntegrityError(
                     f"transfer {descriptor.transfer_id}: block {j} (remote block "
@@ -591,3 +765,4 @@ class KVReceiver:
                 _KEPT_ALIVE.append(self.pool)
             self._closed = True
             self.transport.unregister(self.pool.base_address)
+            self._peers.close()

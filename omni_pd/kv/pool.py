@@ -4,9 +4,15 @@ One buffer means one Mooncake registration, and block i lives at ``base_address 
 so a descriptor needs only the base address and block ids. Allocation prefers the lowest-addressed
 run of consecutive free blocks, so a request's blocks are usually adjacent and its transfer
 coalesces into one segment.
+
+A `shared` pool lives in an anonymous shared-memory file (`memfd_create`) that another process of
+the same user on the same host maps through ``/proc/<pid>/fd/<fd>`` (`shm_path`): the same-host
+KV path. It has no name in /dev/shm, so nothing is left behind when the process dies.
 """
 from __future__ import annotations
 
+import mmap
+import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -19,16 +25,26 @@ _ALIGN = 64
 
 
 class BlockPool:
-    def __init__(self, layout: BlockLayout, num_blocks: int):
+    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"kv_pool_blocks: expected a positive integer, got {num_blocks!r}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_bytes = layout.block_bytes
         self.nbytes = num_blocks * self.block_bytes
-        # torch.empty: untouched pages cost nothing; every block is fully written before it is read.
-        self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8)
-        offset = (-self._storage.data_ptr()) % _ALIGN
+        self.shm_path: str | None = None
+        if shared:
+            # Page-aligned; untouched pages cost nothing, as with torch.empty.
+            self._fd = os.memfd_create("omni-pd-kv-pool", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, self.nbytes)
+            self._map = mmap.mmap(self._fd, self.nbytes)
+            self._storage = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.shm_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+            offset = 0
+        else:
+            # torch.empty: untouched pages cost nothing; every block is fully written before it is read.
+            self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8)
+            offset = (-self._storage.data_ptr()) % _ALIGN
         self._blocks = self._storage[offset:offset + self.nbytes].view(num_blocks, self.block_bytes)
         self.base_address = self._blocks.data_ptr()
         self._free = np.ones(num_blocks, dtype=bool)

@@ -221,15 +221,28 @@ def restrict_listeners(new_listeners: list[tuple[int, int]], allowed: Destinatio
 
 def coalesce(segments: Sequence[Segment]) -> list[Segment]:
     """Merge entries whose local and remote ranges both continue the previous entry."""
+    return coalesce_groups(segments)[0]
+
+
+def coalesce_groups(segments: Sequence[Segment], max_bytes: int | None = None
+                    ) -> tuple[list[Segment], list[list[int]]]:
+    """Merge entries whose local and remote ranges both continue the previous entry, into
+    entries of at most `max_bytes` (None: no bound; a longer input entry stays whole). Returns
+    the entries and, per entry, the indices of the input segments it holds."""
     merged: list[list[int]] = []
-    for local, remote, length in segments:
+    groups: list[list[int]] = []
+    for index, (local, remote, length) in enumerate(segments):
         if length <= 0:
             continue
-        if merged and merged[-1][0] + merged[-1][2] == local and merged[-1][1] + merged[-1][2] == remote:
-            merged[-1][2] += length
+        last = merged[-1] if merged else None
+        if (last is not None and last[0] + last[2] == local and last[1] + last[2] == remote
+                and (max_bytes is None or last[2] + length <= max_bytes)):
+            last[2] += length
+            groups[-1].append(index)
         else:
             merged.append([local, remote, length])
-    return [(a, b, c) for a, b, c in merged]
+            groups.append([index])
+    return [(a, b, c) for a, b, c in merged], groups
 
 
 class ReadState(enum.Enum):
@@ -254,6 +267,8 @@ class AsyncRead:
     nbytes: int
     _engine: Any = field(repr=False)
     _pending: list[int] = field(default_factory=list)  # the submitter's until it is "submitted"
+    _entry_of: dict[int, int] = field(default_factory=dict)  # batch id -> its entry's index
+    _landed: list[int] = field(default_factory=list)  # entries completed since take_landed()
     error: str = ""  # why the read failed; empty while it has not
     _stage: str = "queued"  # -> "submitting" -> "submitted", or "queued" -> "withdrawn"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -298,12 +313,20 @@ class AsyncRead:
             rc = self._engine.transfer_check_status(batch_id)
             if rc == _RUNNING:
                 still.append(batch_id)
-            elif rc != _COMPLETED and not self.error:
+            elif rc == _COMPLETED:
+                self._landed.append(self._entry_of.get(batch_id, -1))
+            elif not self.error:
                 self.error = f"Mooncake reported status {rc} for a batch"
         self._pending = still
         if self.error:
             return ReadState.FAILED
         return ReadState.IN_FLIGHT if still else ReadState.DONE
+
+    def take_landed(self) -> list[int]:
+        """Indices of the entries that completed since the last call (seen by `poll`): their
+        bytes are in local memory while the others still fly."""
+        landed, self._landed = self._landed, []
+        return landed
 
 
 def _valid_batch_id(batch_id: int) -> bool:
@@ -337,12 +360,13 @@ class _Submitter:
                 read._end_submit()
 
     def _submit(self, read: AsyncRead, entries: list[Segment]) -> None:
-        for local, remote, length in entries:
+        for index, (local, remote, length) in enumerate(entries):
             batch_id = self._engine.batch_transfer_async_read(read.remote_session, [local], [remote],
                                                               [length])
             if not _valid_batch_id(batch_id):
                 read.error = "Mooncake refused to submit the read"
                 return
+            read._entry_of[batch_id] = index
             read._pending.append(batch_id)
 
 
@@ -430,10 +454,12 @@ class MooncakeTransport:
         return len(entries)
 
     def submit_read(self, remote_session: str, segments: Sequence[Segment]) -> AsyncRead:
-        """Start pulling remote bytes into local registered memory; never blocks on the peer.
-        A refused submit (dead peer, bad address) shows as a failed read at the first poll; the
-        batches submitted before it still count as in flight until they end."""
-        entries = coalesce(segments)
+        """Start pulling remote bytes into local registered memory, one Mooncake batch per entry
+        of `segments` (as given: the caller coalesces, and `AsyncRead.take_landed` names
+        entries by their index); never blocks on the peer. A refused submit (dead peer, bad
+        address) shows as a failed read at the first poll; the batches submitted before it
+        still count as in flight until they end."""
+        entries = list(segments)
         read = AsyncRead(remote_session, len(entries), sum(e[2] for e in entries), self._engine)
         with self._submitter_lock:
             if self._submitter is None:

@@ -691,7 +691,7 @@ class AsyncOmni:
             "prompt_tokens": len(thinker.prompt_token_ids),
             "completion_tokens": len(thinker.token_ids),
         }
-        for key in ("kv_bytes_transferred", "kv_transfer_ms"):
+        for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path"):
             if key in thinker.metrics:
                 metrics[key] = thinker.metrics[key]
         if self.pd_pair:

@@ -21,14 +21,16 @@ from ...kv.pool import BlockPool
 
 
 class PagedKVCache:
-    def __init__(self, layout: BlockLayout, num_blocks: int):
+    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False):
+        """`shared`: the pool in shared memory a decode process on this host can map (the
+        prefill leg's, for the same-host KV path)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
             raise ValueError(f"the paged cache stores fused token-major blocks, not {layout.kv_split} "
                              f"{layout.order}")
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
-        self.pool = BlockPool(layout, num_blocks)
+        self.pool = BlockPool(layout, num_blocks, shared=shared)
         self.data = self.pool.typed_blocks().view(num_blocks, layout.block_size, layout.num_layers,
                                                   2, layout.num_kv_heads, layout.head_dim)
 

@@ -126,7 +126,7 @@ class ThinkerRequest:
     prompt_hidden: torch.Tensor | None = None
     output_embeds: list[torch.Tensor] = field(default_factory=list)
     output_hidden: list[torch.Tensor] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -163,13 +163,16 @@ class _ThinkerEngine(StageEngine):
         self._fetching: list[str] = []
         self._running: list[str] = []
         self._stats = BatchStats()
-        self.cache: PagedKVCache | None = None
+        # Every thinker engine keeps its KV in a paged cache: the prefill leg publishes blocks of
+        # it, the decode leg reads remote KV into it.
+        self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks,
+                                  shared=self.shares_cache(stage_config))
+        self.layout = self.cache.layout
         if self.decodes:
-            self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks)
             self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer)
-        log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d%s",
-                 self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
-                 f", {args.kv_pool_blocks} KV blocks of {self.block_size} tokens" if self.cache else "")
+        log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
+                 "of %d tokens", self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
+                 args.kv_pool_blocks, self.block_size)
 
     # ---- the request lifecycle ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
@@ -185,14 +188,18 @@ class _ThinkerEngine(StageEngine):
                              f"stage {self.stage_id}'s max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
                              "the prompt")
-        if self.cache is not None:
-            needed = self.cache.blocks_for(request.prompt_len + params.max_tokens)
-            if needed > self.cache.num_blocks:
-                raise ValueError(f"request {request_id}: prompt plus max_tokens need {needed} KV "
-                                 f"blocks, stage {self.stage_id} has {self.cache.num_blocks}; raise "
-                                 "engine_args.kv_pool_blocks or lower max_tokens")
+        needed = self.cache.blocks_for(request.prompt_len + params.max_tokens)
+        if needed > self.cache.num_blocks:
+            raise ValueError(f"request {request_id}: prompt plus max_tokens need {needed} KV "
+                             f"blocks, stage {self.stage_id} has {self.cache.num_blocks}; raise "
+                             "engine_args.kv_pool_blocks or lower max_tokens")
         self._requests[request_id] = request
         self._waiting.append(request_id)
+
+    @staticmethod
+    def shares_cache(stage_config) -> bool:
+        """Whether the paged cache lives in shared memory (the prefill leg's, same-host path)."""
+        return False
 
     def _check(self, request: ThinkerRequest) -> None:
         """Role-specific validation (kv_transfer_params); may set `request.kv`."""
@@ -227,10 +234,8 @@ class _ThinkerEngine(StageEngine):
         return list(self._requests)
 
     def debug_state_counts(self) -> dict[str, int]:
-        counts = {"thinker.requests": len(self._requests)}
-        if self.cache is not None:
-            counts["thinker.kv_blocks_in_use"] = self.cache.num_used - self._blocks_lent()
-        return counts
+        return {"thinker.requests": len(self._requests),
+                "thinker.kv_blocks_in_use": self.cache.num_used - self._blocks_lent()}
 
     def _blocks_lent(self) -> int:
         """Cache blocks another owner holds now (the decode leg's KV reads)."""
@@ -282,10 +287,9 @@ class _ThinkerEngine(StageEngine):
             cost = request.prompt_len if request.prefills_here else 1
             if cost > budget or not self._can_start(request):
                 break  # oldest first: a long prompt is not overtaken
-            if self.cache is not None:
-                if self.cache.blocks_for(request.prompt_len + request.params.max_tokens) > self.cache.num_free:
-                    break
-                request.blocks = self.cache.allocate(request.prompt_len + request.params.max_tokens)
+            if self.cache.blocks_for(request.prompt_len + request.params.max_tokens) > self.cache.num_free:
+                break
+            request.blocks = self.cache.allocate(request.prompt_len + request.params.max_tokens)
             self._waiting.popleft()
             request.phase = Phase.RUNNING  # until its start says otherwise (fetching)
             budget -= cost
@@ -389,16 +393,20 @@ class HfPrefillEngine(_ThinkerEngine):
     decodes = False
     control_calls = _ThinkerEngine.control_calls | {"release_kv", "inject_kv_fault"}
 
+    @staticmethod
+    def shares_cache(stage_config) -> bool:
+        return _handoff_settings(stage_config).kv_same_host != "off"
+
     def __init__(self, stage_config, runner: ThinkerRunner):
         super().__init__(stage_config, runner)
         args = stage_config.engine_args
         self.engine_id = _engine_id(stage_config, "prefill")
         host, protocol = _kv_settings(stage_config)
         self.transport = MooncakeTransport(host=host, protocol=protocol)
-        self.layout = thinker_layout(runner.thinker, self.block_size)
         self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, "prefill", self.fingerprint)
-        self.sender = KVSender(self.engine_id, self.layout, args.kv_pool_blocks, self.transport,
+        # The paged cache is what is published: registered once, its blocks leased as they are.
+        self.sender = KVSender(self.engine_id, self.layout, self.cache.pool, self.transport,
                                args.kv_lease_timeout_s)
 
     def describe(self) -> dict[str, Any]:
@@ -415,7 +423,11 @@ class HfPrefillEngine(_ThinkerEngine):
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         transfer_id = request.params.kv_transfer_params["transfer_id"]
         pre = self.runner.prefill(request.prompt, request.params)
-        descriptor = self.sender.publish(transfer_id, cache_to_canonical(pre.cache))
+        self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache))
+        prompt_blocks = self.cache.blocks_for(request.prompt_len)
+        descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
+                                                request.prompt_len)
+        request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
         out_params = {
             **descriptor.to_params(),
             "do_remote_prefill": True,
@@ -451,6 +463,9 @@ class HfPrefillEngine(_ThinkerEngine):
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.sender.debug_state_counts()}
 
+    def _blocks_lent(self) -> int:
+        return self.sender.blocks_held
+
     def close(self) -> None:
         self.sender.close()
 
@@ -475,12 +490,12 @@ class HfDecodeEngine(_ThinkerEngine):
         # it: make that the handoff deadline rather than Mooncake's 30 s.
         self.transport = MooncakeTransport(host=host, protocol=protocol,
                                            progress_timeout_s=handoff.kv_handoff_deadline_s)
-        self.layout = thinker_layout(runner.thinker, self.block_size)
         self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, "decode", self.fingerprint)
         self.peers = PeerFingerprints(self.fingerprint)
         # The KV lands where it is used: the receiver reads into blocks of the paged cache.
-        self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport)
+        self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport,
+                                   same_host=handoff.kv_same_host)
 
     def describe(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
@@ -566,7 +581,7 @@ class HfDecodeEngine(_ThinkerEngine):
         kv_params = request.params.kv_transfer_params
         request.rope_deltas = int(kv_params["rope_deltas"])
         request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
-                               kv_bytes_transferred=fetched.bytes_transferred)
+                               kv_bytes_transferred=fetched.bytes_transferred, kv_path=fetched.path)
         return self._first_token(request, int(kv_params["first_token"]))
 
     def _can_start(self, request: ThinkerRequest) -> bool:

@@ -1,0 +1,237 @@
+"""`omni-pd bench handoff`: the P/D KV handoff against what the wire and memory allow, in one run.
+
+For each KV geometry and prompt length, over each path (`tcp`: Mooncake on loopback; `shm`: the
+same-host path, the prefill's pool in shared memory that the decode side maps), it times:
+  memcpy_ms   an in-process copy of the same bytes (the floor no transport beats)
+  wire_ms     one raw Mooncake read of the same bytes between two registered buffers
+  handoff_ms  the handoff as the engines run it, from publish to decode-ready: the prefill side
+              leases blocks of its paged cache as they are (checksums included), the decode side
+              reads them into blocks of its own paged cache and verifies them
+and reports handoff_over_wire and handoff_over_memcpy, plus publish_ms / fetch_ms (the two sides)
+and entries (Mooncake transfer entries the read took). Medians over `--repeats`. The handoff is
+checked to move the bytes unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+
+from ..kv import BlockLayout, BlockPool, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
+from .report import run_metadata  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+GEOMETRIES = {
+    "tiny": Geometry("tiny-qwen3-omni thinker", 4, 2, 16, "float32"),
+    "30b": Geometry("Qwen3-Omni-30B-A3B thinker", 48, 4, 128, "bfloat16"),
+}
+PATHS = ("tcp", "shm")
+DEFAULT_TOKENS = (256, 1024, 4096)
+QUICK_TOKENS = (256,)
+KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "publish_ms",
+        "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
+# How the bench polls a read: the decode engine's fast poll interval while a read is young.
+_POLL_S = 0.0002
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometries", default="tiny,30b",
+                        help=f"comma-separated KV geometries: {', '.join(GEOMETRIES)} (default: all)")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated prompt lengths (default: 256,1024,4096; --quick: 256)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per measurement, median reported (default 5; --quick: 2)")
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI mode: 256 tokens, 2 repeats (explicit options still win)")
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, reset: Callable[[], Any] | None = None) -> float:
+    """Median wall time of fn over `repeats` runs after one warm-up (a peer's first contact
+    handshakes); `reset` runs untimed after each."""
+    times = []
+    for index in range(repeats + 1):
+        began = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - began) * 1e3
+        if index:
+            times.append(elapsed)
+        if reset is not None:
+            reset()
+    return statistics.median(times)
+
+
+class _Pair:
+    """A prefill and a decode side, each with its paged-cache pool registered with its own
+    Mooncake engine, as the P/D engines run. `path` "shm": the prefill's pool is shared memory and
+    the decode side insists on mapping it; "tcp": plain pools, Mooncake only."""
+
+    def __init__(self, layout: BlockLayout, blocks: int, path: str):
+        self.path = path
+        self.sender_transport, self.receiver_transport = MooncakeTransport(), MooncakeTransport()
+        pool = BlockPool(layout, blocks, shared=path == "shm")
+        self.sender = KVSender("bench-prefill", layout, pool, self.sender_transport, lease_timeout_s=600)
+        self.receiver = KVReceiver(layout, blocks, self.receiver_transport,
+                                   same_host="shm" if path == "shm" else "off")
+        self.layout = layout
+
+    def measure(self, tokens: int, repeats: int) -> dict[str, Any]:
+        layout, sender, receiver = self.layout, self.sender, self.receiver
+        kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim).to(
+            layout.torch_dtype)
+        dest = receiver.pool.allocate(layout.num_blocks_for(tokens))  # the decode's cache blocks
+        state: dict[str, Any] = {"n": 0}
+
+        def prefill() -> None:
+            """The prefill's KV in blocks of its cache (untimed: the prefill's own work)."""
+            state["source"] = sender.pool.allocate(layout.num_blocks_for(tokens))
+            sender.pool.write(state["source"], kv)
+
+        def publish() -> None:
+            state["n"] += 1
+            state["tid"] = f"bench-{tokens}-{state['n']}"
+            state["descriptor"] = sender.publish_blocks(state["tid"], state["source"], tokens)
+
+        def fetch() -> None:
+            receiver.start(state["descriptor"], into=dest)
+            while (result := receiver.poll(state["tid"])) is None:
+                time.sleep(_POLL_S)
+            if result.path != self.path:
+                raise AssertionError(f"the {self.path} path moved the KV by {result.path}")
+            state["entries"] = result.num_segments
+
+        def handoff() -> None:
+            publish()
+            fetch()
+
+        def release() -> None:
+            """The decode side's ack frees the leased blocks; the next run prefills anew."""
+            sender.release(state["tid"])
+            prefill()
+
+        prefill()
+        try:
+            handoff_ms = _median_ms(handoff, repeats, release)
+            publish()
+            got = receiver.pool.gather(dest).reshape(-1)[:tokens * layout.bytes_per_token]
+            sent = sender.pool.gather(state["source"]).reshape(-1)[:tokens * layout.bytes_per_token]
+            release()
+            if not torch.equal(got, sent):
+                raise AssertionError("the handoff changed the KV bytes")
+            publish_ms = _median_ms(publish, repeats, release)
+            publish()
+            fetch_ms = _median_ms(fetch, repeats)
+            release()
+        finally:
+            sender.pool.free(state["source"])
+            receiver.pool.free(dest)
+        return {"handoff_ms": handoff_ms, "publish_ms": publish_ms, "fetch_ms": fetch_ms,
+                "entries": state["entries"]}
+
+    def wire_ms(self, nbytes: int, repeats: int) -> float:
+        src = torch.zeros(nbytes, dtype=torch.uint8)
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        self.sender_transport.register(src.data_ptr(), nbytes)
+        self.receiver_transport.register(dst.data_ptr(), nbytes)
+        try:
+            return _median_ms(lambda: self.receiver_transport.read(
+                self.sender_transport.session_id, [(dst.data_ptr(), src.data_ptr(), nbytes)]), repeats)
+        finally:
+            self.sender_transport.unregister(src.data_ptr())
+            self.receiver_transport.unregister(dst.data_ptr())
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+def memcpy_ms(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    return _median_ms(lambda: dst.copy_(src), repeats)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    names = [g.strip() for g in args.geometries.split(",") if g.strip()]
+    unknown = [g for g in names if g not in GEOMETRIES]
+    if unknown or not names:
+        print(f"error: --geometries: unknown {unknown or names}; choose from {list(GEOMETRIES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        tokens = (tuple(int(t) for t in args.tokens.split(",")) if args.tokens
+                  else QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    except ValueError:
+        print(f"error: --tokens: expected comma-separated integers, got {args.tokens!r}", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (2 if args.quick else 5)
+    if min(tokens) < 1 or repeats < 1 or args.block_size < 1:
+        print("error: --tokens, --repeats and --block-size must be positive", file=sys.stderr)
+        return 2
+    results = []
+    with tqdm(total=len(names) * len(tokens), desc="bench handoff", unit="case", file=sys.stderr) as bar:
+        for name in names:
+            g = GEOMETRIES[name]
+            layout = BlockLayout.default_for(g.layers, g.kv_heads, g.head_dim, g.dtype,
+                                             block_size=args.block_size)
+            pairs = [_Pair(layout, layout.num_blocks_for(max(tokens)) + 1, path) for path in PATHS]
+            try:
+                for count in tokens:
+                    nbytes = count * layout.bytes_per_token
+                    # The baselines once per size, in the same run: both paths are held to them.
+                    base = {"memcpy_ms": memcpy_ms(nbytes, repeats), "wire_ms": pairs[0].wire_ms(nbytes, repeats)}
+                    for pair in pairs:
+                        row = {"geometry": g.name, "tokens": count, "path": pair.path, "bytes": nbytes,
+                               **base, **pair.measure(count, repeats)}
+                        row["handoff_over_wire"] = row["handoff_ms"] / row["wire_ms"]
+                        row["handoff_over_memcpy"] = row["handoff_ms"] / row["memcpy_ms"]
+                        results.append({k: row[k] for k in KEYS})
+                    bar.update()
+            finally:
+                for pair in pairs:
+                    pair.close()
+    _print_table(results)
+    if args.json_path:
+        report = {**run_metadata(sys.argv, repeats=repeats, block_size=args.block_size),
+                  "results": results}
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def _print_table(results: list[dict[str, Any]]) -> None:
+    columns = [("geometry", "geometry", "{}"), ("tokens", "tokens", "{}"), ("path", "path", "{}"),
+               ("MiB", "bytes", "{:.2f}"), ("entries", "entries", "{}"), ("memcpy ms", "memcpy_ms", "{:.2f}"),
+               ("wire ms", "wire_ms", "{:.2f}"), ("publish ms", "publish_ms", "{:.2f}"),
+               ("fetch ms", "fetch_ms", "{:.2f}"), ("handoff ms", "handoff_ms", "{:.2f}"),
+               ("/wire", "handoff_over_wire", "{:.2f}"), ("/memcpy", "handoff_over_memcpy", "{:.2f}")]
+    rows = [[fmt.format(r[key] / 2**20 if key == "bytes" else r[key]) for _, key, fmt in columns]
+            for r in results]
+    widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _, _) in enumerate(columns)]
+    print("  ".join(title.ljust(w) if i < 3 else title.rjust(w)
+                    for i, ((title, _, _), w) in enumerate(zip(columns, widths))))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
