@@ -65,6 +65,11 @@ def test_json_has_every_key_for_every_config_and_level(quick_run):
         assert r["req_per_s_vs_c1"] > 0, where
         if r["config"] != CONFIGS[0]:
             assert r[f"req_per_s_vs_{CONFIGS[0]}"] > 0, where
+        # The P/D server's handoffs, read from its /metrics around the level; none colocated.
+        if r["config"] == "qwen3_omni_tiny_pd":
+            assert r["kv_handoff_ms_mean"] > 0 and isinstance(r["pd_ttft_overhead_ms"], float), where
+        else:
+            assert r["kv_handoff_ms_mean"] is None and "pd_ttft_overhead_ms" not in r, where
     for config in CONFIGS:
         lowest = min((r for r in results if r["config"] == config), key=lambda r: r["concurrency"])
         assert lowest["req_per_s_vs_c1"] == pytest.approx(1.0)

@@ -125,3 +125,20 @@ def test_config_overrides_make_a_labelled_copy(tmp_path):
     assert _labels([plain_label, plain_label]) == ["qwen3_omni_tiny_pd", "qwen3_omni_tiny_pd-2"]
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)
+
+
+def test_pd_ttft_overhead_is_ttft_beyond_colocated_minus_the_handoff():
+    colocated = {**_row("col", 1, 4.0, 200.0), "ttft_ms_p50": 10.0, "kv_handoff_ms_mean": None}
+    pd = {**_row("pd", 1, 4.0, 210.0), "ttft_ms_p50": 14.5, "kv_handoff_ms_mean": 1.5}
+    pd_no_base = {**_row("pd", 4, 6.0, 300.0), "ttft_ms_p50": 20.0, "kv_handoff_ms_mean": 2.0}
+    add_ratios([colocated, pd, pd_no_base])
+    assert pd["pd_ttft_overhead_ms"] == pytest.approx(3.0)
+    assert "pd_ttft_overhead_ms" not in pd_no_base  # no colocated row at that level
+    assert "pd_ttft_overhead_ms" not in colocated
+
+
+def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
+    from omni_pd.bench.serve import _mean_handoff_ms
+    assert _mean_handoff_ms((0.010, 4), (0.016, 7)) == pytest.approx(2.0)
+    assert _mean_handoff_ms((0.010, 4), (0.010, 4)) is None  # colocated: no handoff observed
+    assert _mean_handoff_ms(None, (1.0, 3)) is None

@@ -285,8 +285,12 @@ def _kvcfg(data: dict, index: int) -> dict:
         (lambda d: [_kvcfg(d, i).update(kv_connector_extra_config={}, kv_port=14579) for i in (0, 1)], "stage_args[1].engine_args.kv_transfer_config.kv_port", 1, "different"),
         (lambda d: d["stage_args"][1]["engine_args"].update(tensor_parallel_size=2), "stage_args[1].engine_args.tensor_parallel_size", 1, "1"),
         (lambda d: d["stage_args"][1].update(engine_input_source=[]), "stage_args[1].engine_input_source", 1, "containing 0"),
+        (lambda d: (_kvcfg(d, 0)["kv_connector_extra_config"].update(kv_same_host="off"),
+                    _kvcfg(d, 1)["kv_connector_extra_config"].update(kv_same_host="shm")),
+         "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.kv_same_host", 1, "not shared memory"),
     ],
-    ids=["prefill-role", "decode-role", "connector", "missing-kv", "engine-id", "bootstrap-port", "kv-port", "tp", "not-fed"],
+    ids=["prefill-role", "decode-role", "connector", "missing-kv", "engine-id", "bootstrap-port", "kv-port", "tp",
+         "not-fed", "same-host"],
 )
 def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None:
     data = pd_config()

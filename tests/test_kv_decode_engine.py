@@ -61,7 +61,10 @@ def prefill(runner):
 
 @pytest.fixture(scope="module")
 def decode(runner):
-    engine = HfDecodeEngine(_pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S), runner)
+    # Mooncake tcp (kv_same_host off): the path whose reads span steps; the same-host path has
+    # a test of its own below.
+    engine = HfDecodeEngine(_pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S,
+                                      kv_same_host="off"), runner)
     yield engine
     engine.close()
 
@@ -188,7 +191,7 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
         assert _same_output(mine, ref), TEXTS[i]
         assert mine.prompt_embeds is None and mine.num_cached_prompt_tokens == len(prompt.prompt_token_ids)
         assert mine.metrics["kv_bytes_transferred"] > 0
-        assert mine.metrics["kv_path"] == "shm"  # both engines here: the same-host path
+        assert mine.metrics["kv_path"] == "tcp"
     for _, transfer_id in handed:
         assert prefill.release_kv(transfer_id)
     assert decode.peers.is_verified(prefill.engine_id)
@@ -199,22 +202,31 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
     assert decode.transport.registered_bytes == decode.cache.pool.nbytes
 
 
-def test_the_mooncake_path_on_one_host_equals_colocated_too(runner, prefill, colocated,
-                                                            tiny_tokenizer, clean):
-    """kv_same_host 'off' on the decode stage: the same handoff over Mooncake tcp, equal outputs."""
-    tcp = HfDecodeEngine(_pd_stage(1, kv_same_host="off"), runner)
+def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
+        runner, prefill, colocated, tiny_tokenizer, clean):
+    """kv_same_host 'auto' (the default) with both engines on this host: the KV is copied out of
+    the prefill's shared cache while the request is admitted, so its first token leaves in that
+    same step; the outputs equal the colocated engine's."""
+    shm = HfDecodeEngine(_pd_stage(1), runner)
     try:
         prompt = _prompts(tiny_tokenizer)[1]
-        params, transfer_id = _handoff(prefill, "tcp0", prompt, _params(1))
-        outputs = _run(tcp, [("tcp0", prompt, params)], pause=True)
-        mine, error = outputs["tcp0"][0], outputs["tcp0"][1]
-        assert error is None and mine.metrics["kv_path"] == "tcp"
-        assert _same_output(mine, colocated.generate("c-tcp", prompt, _params(1)))
+        params, transfer_id = _handoff(prefill, "shm0", prompt, _params(1))
+        shm.add_request("shm0", prompt, params, stream=True)
+        first = shm.step()
+        assert [out.new_token_ids for out in first] == [[params.kv_transfer_params["first_token"]]]
+        outputs = {}
+        while shm.has_unfinished_requests():  # the rest of it
+            for out in shm.step():
+                if out.finished:
+                    outputs["shm0"] = (out.output, out.error)
+        mine, error = outputs["shm0"]
+        assert error is None and mine.metrics["kv_path"] == "shm"
+        assert _same_output(mine, colocated.generate("c-shm", prompt, _params(1)))
         assert prefill.release_kv(transfer_id)
-        assert tcp.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
+        assert shm.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
                                             "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     finally:
-        tcp.close()
+        shm.close()
 
 
 def test_corrupted_kv_is_refused_with_integrity_error(decode, prefill, tiny_tokenizer, clean):

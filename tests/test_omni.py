@@ -115,3 +115,21 @@ def test_a_prepared_prompt_is_built_once(omni, monkeypatch):
     assert built == [] and out.prompt_token_ids == prepared.thinker_prompt.prompt_token_ids
     omni._call(engine.generate("Hi there", modalities=("text",)))  # control: a plain prompt is built
     assert len(built) == 1
+
+
+def test_pd_streams_the_prefill_legs_first_token_before_the_handoff():
+    """P/D: the first token leaves when the prefill leg has it, before the decode leg starts (the
+    KV handoff is not on the time to first token); the decode leg's stream, which starts with the
+    same token, adds the rest, and the deltas add up to the whole answer, token for token as
+    colocated."""
+    params = [SamplingParams(temperature=0, max_tokens=12), None, None]
+    pd_params = [params[0], params[0], None, None]
+    with Omni(stage_configs_path=TINY_CONFIG) as colocated:
+        want = list(colocated.stream("Stream to me.", params, modalities=["text"]))[-1].output
+    with Omni(stage_configs_path=STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml") as pd:
+        events = list(pd.stream("Stream to me.", pd_params, modalities=["text"]))
+        finished = events[-1].output
+        text = [e.text for e in events if isinstance(e, TextDelta)]
+        assert "".join(text) == finished.text == want.text and finished.token_ids == want.token_ids
+        assert finished.metrics["ttft_ms"] <= finished.metrics["timeline"]["stages"]["1"]["start_ms"]
+        assert all(v == 0 for v in pd.debug_state_counts().values())

@@ -87,8 +87,12 @@ def format_table(results: list[dict]) -> str:
         ("e2e p50", "e2e_ms_p50", 1), ("e2e p99", "e2e_ms_p99", 1),
         ("req/s vs c1", "req_per_s_vs_c1", 2), ("e2e p50 vs c1", "e2e_p50_vs_c1", 2),
     ]
+    if any(row.get("kv_handoff_ms_mean") is not None for row in results):
+        columns.append(("handoff ms", "kv_handoff_ms_mean", 2))
     if len(configs) >= 2:
         columns.append((f"req/s vs {configs[0]}", vs_config_key(configs[0]), 2))
+    if any(row.get("pd_ttft_overhead_ms") is not None for row in results):
+        columns.append(("P/D ttft overhead ms", "pd_ttft_overhead_ms", 1))
     cells = [[title for title, _, _ in columns]]
     for row in results:
         cells.append([_fmt(row.get(key), digits) for _, key, digits in columns])

@@ -126,6 +126,31 @@ def _server_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
+async def _handoff_totals(base_url: str) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the server's KV handoff histogram, from GET /metrics; None
+    when it cannot be read (an older server, a proxy)."""
+    import httpx
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            text = (await http.get(f"{base_url.rstrip('/')}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("omni_pd_kv_handoff_seconds_sum", "omni_pd_kv_handoff_seconds_count"):
+            values[name] = float(value)
+    if len(values) != 2:
+        return None
+    return values["omni_pd_kv_handoff_seconds_sum"], values["omni_pd_kv_handoff_seconds_count"]
+
+
+def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None  # no P/D handoff in this level (a colocated server)
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+
+
 async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
                         args: argparse.Namespace, num_requests: int,
                         errors: dict[str, list[str]]) -> tuple[str, list[dict]]:
@@ -152,6 +177,7 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
                 if not warm.ok:
                     print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}",
                           file=sys.stderr)
+            handoffs_before = await _handoff_totals(base_url)
             with tqdm(total=n, desc=f"{label} c={concurrency}", unit="req", file=sys.stderr,
                       dynamic_ncols=True) as bar:
                 failed = 0
@@ -169,7 +195,9 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
             if failures:
                 errors[f"{label} c={concurrency}"] = failures
             rows.append({"config": label, "concurrency": concurrency,
-                         **summarize_level(records, wall_s)})
+                         **summarize_level(records, wall_s),
+                         "kv_handoff_ms_mean": _mean_handoff_ms(handoffs_before,
+                                                                await _handoff_totals(base_url))})
     finally:
         await client.close()
     return model, rows

@@ -95,6 +95,10 @@ def add_ratios(results: list[dict]) -> list[dict]:
                                        (its concurrency is in `ratio_baseline_concurrency`)
       req_per_s_vs_<first config>      for every other config, against the first config (the first
                                        in `results`) at the same concurrency
+      pd_ttft_overhead_ms              for a config with KV handoffs (`kv_handoff_ms_mean`) beside a
+                                       first config without: its TTFT p50 minus the first config's
+                                       at the same concurrency, minus the mean handoff (what P/D
+                                       orchestration adds to TTFT beyond moving the KV)
     Returns `results`."""
     configs = list(dict.fromkeys(row["config"] for row in results))
     lowest: dict[str, dict] = {}
@@ -115,4 +119,8 @@ def add_ratios(results: list[dict]) -> list[dict]:
             if row["config"] != first:
                 other = by_level.get(row["concurrency"])
                 row[key] = ratio(row["req_per_s"], other["req_per_s"] if other else None)
+                handoff = row.get("kv_handoff_ms_mean")
+                if (handoff is not None and other is not None and other.get("kv_handoff_ms_mean") is None
+                        and row.get("ttft_ms_p50") is not None and other.get("ttft_ms_p50") is not None):
+                    row["pd_ttft_overhead_ms"] = row["ttft_ms_p50"] - other["ttft_ms_p50"] - handoff
     return results

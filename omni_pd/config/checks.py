@@ -303,6 +303,13 @@ def _check_pair(
                       "an engine_id different from the prefill stage's (or omit it)",
                       f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own"))
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
+    if (pkv.kv_connector_extra_config.kv_same_host == "off"
+            and dkv.kv_connector_extra_config.kv_same_host == "shm"):
+        add(ctx.issue(ds, f"{dbase}.kv_connector_extra_config.kv_same_host", "shm",
+                      "'auto' or 'off', or kv_same_host not 'off' on the prefill stage",
+                      f"the decode stage insists on the same-host path but prefill stage "
+                      f"{ps.stage_id} sets kv_same_host 'off' (its cache is not shared memory): "
+                      "every request's handoff would fail"))
     if pkv.bootstrap_port is not None and pkv.bootstrap_port == dkv.bootstrap_port:
         port_key = ("kv_connector_extra_config.mooncake_bootstrap_port"
                     if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None else "kv_port")

@@ -393,7 +393,7 @@ class AsyncOmni:
                 raise RequestAborted(f"request {state.request_id} was aborted")
             try:
                 if self.pd_pair and group == [self.pd_pair.prefill_stage_id]:
-                    await self._prefill_leg(state, thinker_prompt, deadline)
+                    await self._prefill_leg(state, thinker_prompt, deadline, on_text)
                     continue
                 for stage_id in group:  # restarting or silent stages: wait, within the deadline
                     await self.clients[stage_id].wait_usable(deadline - time.monotonic())
@@ -411,10 +411,12 @@ class AsyncOmni:
 
     # ---- the P/D handoff ---------------------------------------------------------------------
     async def _prefill_leg(self, state: RequestState, thinker_prompt: ThinkerPrompt,
-                           deadline: float) -> None:
+                           deadline: float, on_text: Callable[[str], None] | None = None) -> None:
         """Run the prefill leg within the miss window, or decide that the decode leg computes the
         prompt itself (the breaker is open, the prefill worker is down or silent, or the leg
-        failed); with kv_fallback 'error' that decision is a HandoffFailed instead."""
+        failed); with kv_fallback 'error' that decision is a HandoffFailed instead. A streamed
+        request's first token leaves as soon as the prefill leg has it: the KV handoff is not on
+        its time to first token (the decode leg's stream starts with the same token, skipped)."""
         pair, policy = self.pd_pair, self.handoff
         client = self.clients[pair.prefill_stage_id]
         why = client.unavailable()
@@ -434,6 +436,14 @@ class AsyncOmni:
             self._handoff_failed(state, str(exc) if not isinstance(exc, StageTimeout) else (
                 f"{client.name} did not publish the KV within the miss window "
                 f"(kv_miss_window_s {policy.miss_window_s:g} s)"))
+            return
+        first = state.outputs[pair.prefill_stage_id].token_ids[:1]
+        if first:
+            state.first_token_at = state.elapsed_ms()  # the request's first token exists now
+        if on_text is not None and first:
+            # The decode leg (or its local-prefill fallback) starts from this same token.
+            self._text_stream(state, state.params[pair.decode_stage_id], on_text)(first)
+            state.tokens_streamed_early = len(first)
 
     def _handoff_failed(self, state: RequestState, why: str) -> None:
         self.handoff_failures += 1
@@ -467,7 +477,8 @@ class AsyncOmni:
         finally:
             state.active_stages.discard(stage_id)
         state.stage_finished(stage_id, began, output)
-        if stage_id == self.text_stage_id and "first_token_ms" in output.metrics:
+        if (stage_id == self.text_stage_id and "first_token_ms" in output.metrics
+                and state.first_token_at is None):
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
         return output
 
@@ -641,12 +652,25 @@ class AsyncOmni:
 
     def _text_stream(self, state: RequestState, params: SamplingParams,
                      on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
-        detok = IncrementalDetokenizer(self.tokenizer, params, self.pipeline.eos_token_ids)
+        """The token ids -> text deltas callback for a text stage's stream. One detokenizer per
+        request: a stage that streams after the prefill leg's first token went out (the decode
+        leg, or its fallback) skips the tokens already streamed."""
+        if state.text_stream is None:
+            detok = IncrementalDetokenizer(self.tokenizer, params, self.pipeline.eos_token_ids)
 
-        def on_tokens(token_ids: list[int]) -> None:  # on the event loop
-            delta = detok.add(token_ids)
-            if delta:
-                on_text(delta)
+            def stream(token_ids: list[int]) -> None:  # on the event loop
+                delta = detok.add(token_ids)
+                if delta:
+                    on_text(delta)
+            state.text_stream = stream
+            return stream
+        skip = state.tokens_streamed_early
+
+        def on_tokens(token_ids: list[int]) -> None:
+            nonlocal skip
+            dropped, skip = min(skip, len(token_ids)), max(skip - len(token_ids), 0)
+            if len(token_ids) > dropped:
+                state.text_stream(token_ids[dropped:])
         return on_tokens
 
     def _release_kv(self, state: RequestState) -> None:

@@ -28,6 +28,10 @@ class RequestState:
     # `started`: the request's timeline, reported in its metrics.
     stage_spans: dict[int, list[float]] = field(default_factory=dict)
     audio_chunk_ms: list[float] = field(default_factory=list)
+    # The request's one text stream to the client (token ids in, text deltas out), and how many
+    # of the text stage's first tokens it has had already (P/D: the prefill leg's first token).
+    text_stream: Any = None
+    tokens_streamed_early: int = 0
 
     def stage_started(self, stage_id: int) -> None:
         self.stage_spans[stage_id] = [self.elapsed_ms()]

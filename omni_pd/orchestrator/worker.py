@@ -172,6 +172,10 @@ def serve(engine, conn, alive: Callable[[], bool]) -> None:
             # A busy engine steps back to back, unless every request it holds waits on I/O (a KV
             # read): then it waits a little for messages rather than spin a core.
             wait_s = engine.step_delay_s() if busy else IDLE_POLL_S
+            if 0 < wait_s < 0.001:
+                # poll() waits in whole milliseconds: a 0.2 ms wait would last 1 ms.
+                time.sleep(wait_s)
+                wait_s = 0
             try:
                 if conn.poll(wait_s):
                     while True:  # everything that is waiting, then one step

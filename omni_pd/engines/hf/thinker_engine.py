@@ -556,7 +556,9 @@ class HfDecodeEngine(_ThinkerEngine):
         log.debug("request %s: reading %d prompt tokens of KV as transfer %s from %s",
                   request.request_id, request.prompt_len, request.kv.transfer_id,
                   request.kv.remote_session)
-        return []
+        # A same-host copy is complete already: the first token leaves in this step.
+        fetched = self.receiver.poll(request.kv.transfer_id)
+        return self._fetched(request, fetched) if fetched is not None else []
 
     def _progress(self) -> list[StepOutput]:
         self.receiver.reclaim()
