@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "publish_ms",
-        "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
+KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "sender_checksum_ms",
+        "publish_ms", "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
 
 
 def test_quick_run_writes_every_key_for_every_case_and_path(tmp_path):
@@ -30,6 +30,7 @@ def test_quick_run_writes_every_key_for_every_case_and_path(tmp_path):
         assert r["bytes"] == 256 * per_token
         for key in ("memcpy_ms", "wire_ms", "publish_ms", "fetch_ms", "handoff_ms"):
             assert r[key] > 0, (key, r)
+        assert r["sender_checksum_ms"] >= 0
         assert abs(r["handoff_over_wire"] - r["handoff_ms"] / r["wire_ms"]) < 1e-9
         assert abs(r["handoff_over_memcpy"] - r["handoff_ms"] / r["memcpy_ms"]) < 1e-9
         assert r["geometry"] in proc.stdout

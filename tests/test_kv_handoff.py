@@ -386,3 +386,27 @@ def test_same_host_falls_back_or_refuses_with_the_reason(shared_sender, sender, 
         sender.release("t-plain")
         insist.close()
         auto.close()
+
+
+def test_the_cache_checksums_blocks_as_it_writes_them_as_the_sender_would(transports):
+    """The prefill engine's fused write + checksum gives the sender's own checksums (so the
+    decode side verifies against them), and they see a flipped byte."""
+    from omni_pd.engines.hf.paged_cache import PagedKVCache
+    cache = PagedKVCache(LAYOUT, 8)
+    sender = KVSender("prefill-fused", LAYOUT, cache.pool, transports[0], lease_timeout_s=30.0)
+    try:
+        kv = make_kv(37, seed=10)
+        blocks = cache.allocate(37)
+        sums = cache.write(blocks, 0, kv, checksums=True)
+        theirs = sender.publish_blocks("t-own", blocks, 37)  # checksummed by the sender itself
+        assert list(theirs.block_checksums) == sums and len(sums) == 3
+        sender.release("t-own")
+        blocks = cache.allocate(37)
+        cache.write(blocks, 0, kv)
+        cache.pool.block_view(blocks[2])[7] ^= 0xFF
+        assert sender.publish_blocks("t-flip", blocks, 37).block_checksums[2] != sums[2]
+        sender.release("t-flip")
+        with pytest.raises(ValueError, match="from position 0"):
+            cache.write(cache.allocate(4), 2, kv[:, :, :, :2], checksums=True)
+    finally:
+        sender.close()

@@ -4,12 +4,12 @@ For each KV geometry and prompt length, over each path (`tcp`: Mooncake on loopb
 same-host path, the prefill's pool in shared memory that the decode side maps), it times:
   memcpy_ms   an in-process copy of the same bytes (the floor no transport beats)
   wire_ms     one raw Mooncake read of the same bytes between two registered buffers
-  handoff_ms  the handoff as the engines run it, from publish to decode-ready: the prefill side
-              leases blocks of its paged cache as they are (checksums included), the decode side
-              reads them into blocks of its own paged cache and verifies them
-and reports handoff_over_wire and handoff_over_memcpy, plus publish_ms / fetch_ms (the two sides)
-and entries (Mooncake transfer entries the read took). Medians over `--repeats`. The handoff is
-checked to move the bytes unchanged.
+  handoff_ms  the handoff as the engines run it, all of it: the prefill side's checksums (taken
+              block by block as its cache is written: sender_checksum_ms, what they add to that
+              write), publishing the cache blocks as they are, and the decode side reading them
+              into blocks of its own paged cache and verifying them (publish_ms + fetch_ms)
+and reports handoff_over_wire and handoff_over_memcpy, and entries (Mooncake transfer entries
+the read took). Medians over `--repeats`. The handoff is checked to move the bytes unchanged.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from ..kv import BlockLayout, BlockPool, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
+from ..engines.hf.paged_cache import PagedKVCache  # noqa: E402
+from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
 from .report import run_metadata  # noqa: E402
 
 
@@ -47,8 +48,8 @@ GEOMETRIES = {
 PATHS = ("tcp", "shm")
 DEFAULT_TOKENS = (256, 1024, 4096)
 QUICK_TOKENS = (256,)
-KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "publish_ms",
-        "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
+KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "sender_checksum_ms",
+        "publish_ms", "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
 # How the bench polls a read: the decode engine's fast poll interval while a read is young.
 _POLL_S = 0.0002
 
@@ -89,8 +90,9 @@ class _Pair:
     def __init__(self, layout: BlockLayout, blocks: int, path: str):
         self.path = path
         self.sender_transport, self.receiver_transport = MooncakeTransport(), MooncakeTransport()
-        pool = BlockPool(layout, blocks, shared=path == "shm")
-        self.sender = KVSender("bench-prefill", layout, pool, self.sender_transport, lease_timeout_s=600)
+        self.cache = PagedKVCache(layout, blocks, shared=path == "shm")  # the prefill engine's
+        self.sender = KVSender("bench-prefill", layout, self.cache.pool, self.sender_transport,
+                               lease_timeout_s=600)
         self.receiver = KVReceiver(layout, blocks, self.receiver_transport,
                                    same_host="shm" if path == "shm" else "off")
         self.layout = layout
@@ -103,14 +105,16 @@ class _Pair:
         state: dict[str, Any] = {"n": 0}
 
         def prefill() -> None:
-            """The prefill's KV in blocks of its cache (untimed: the prefill's own work)."""
-            state["source"] = sender.pool.allocate(layout.num_blocks_for(tokens))
-            sender.pool.write(state["source"], kv)
+            """The prefill's KV written into blocks of its cache, checksummed as written (the
+            cache write is the prefill's own work; what the checksums add is timed apart)."""
+            state["source"] = self.cache.allocate(tokens)
+            state["sums"] = self.cache.write(state["source"], 0, kv, checksums=True)
 
         def publish() -> None:
             state["n"] += 1
             state["tid"] = f"bench-{tokens}-{state['n']}"
-            state["descriptor"] = sender.publish_blocks(state["tid"], state["source"], tokens)
+            state["descriptor"] = sender.publish_blocks(state["tid"], state["source"], tokens,
+                                                        checksums=state["sums"])
 
         def fetch() -> None:
             receiver.start(state["descriptor"], into=dest)
@@ -131,7 +135,10 @@ class _Pair:
 
         prefill()
         try:
-            handoff_ms = _median_ms(handoff, repeats, release)
+            blocks = state["source"]
+            checksum_ms = max(0.0, _median_ms(lambda: self.cache.write(blocks, 0, kv, checksums=True), repeats)
+                              - _median_ms(lambda: self.cache.write(blocks, 0, kv), repeats))
+            handoff_ms = checksum_ms + _median_ms(handoff, repeats, release)
             publish()
             got = receiver.pool.gather(dest).reshape(-1)[:tokens * layout.bytes_per_token]
             sent = sender.pool.gather(state["source"]).reshape(-1)[:tokens * layout.bytes_per_token]
@@ -143,10 +150,10 @@ class _Pair:
             fetch_ms = _median_ms(fetch, repeats)
             release()
         finally:
-            sender.pool.free(state["source"])
+            self.cache.release(state["source"])
             receiver.pool.free(dest)
-        return {"handoff_ms": handoff_ms, "publish_ms": publish_ms, "fetch_ms": fetch_ms,
-                "entries": state["entries"]}
+        return {"handoff_ms": handoff_ms, "sender_checksum_ms": checksum_ms, "publish_ms": publish_ms,
+                "fetch_ms": fetch_ms, "entries": state["entries"]}
 
     def wire_ms(self, nbytes: int, repeats: int) -> float:
         src = torch.zeros(nbytes, dtype=torch.uint8)
@@ -224,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(results: list[dict[str, Any]]) -> None:
     columns = [("geometry", "geometry", "{}"), ("tokens", "tokens", "{}"), ("path", "path", "{}"),
                ("MiB", "bytes", "{:.2f}"), ("entries", "entries", "{}"), ("memcpy ms", "memcpy_ms", "{:.2f}"),
-               ("wire ms", "wire_ms", "{:.2f}"), ("publish ms", "publish_ms", "{:.2f}"),
+               ("wire ms", "wire_ms", "{:.2f}"), ("checksum ms", "sender_checksum_ms", "{:.2f}"),
+               ("publish ms", "publish_ms", "{:.2f}"),
                ("fetch ms", "fetch_ms", "{:.2f}"), ("handoff ms", "handoff_ms", "{:.2f}"),
                ("/wire", "handoff_over_wire", "{:.2f}"), ("/memcpy", "handoff_over_memcpy", "{:.2f}")]
     rows = [[fmt.format(r[key] / 2**20 if key == "bytes" else r[key]) for _, key, fmt in columns]

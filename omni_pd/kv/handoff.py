@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -273,16 +273,22 @@ class KVSender:
                 self.pool.free(block_ids)
                 raise
 
-    def publish_blocks(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
+    def publish_blocks(self, transfer_id: str, block_ids: list[int], num_tokens: int,
+                       checksums: Sequence[str] | None = None) -> KVDescriptor:
         """Publish blocks of the pool as they are (the prefill engine's paged cache, holding
-        `num_tokens` tokens of KV) and describe them for the decode side. Raises only before it
-        takes them; from its return the lease holds them, freed on release, expiry or close."""
+        `num_tokens` tokens of KV) and describe them for the decode side. `checksums`: the
+        blocks' checksums, taken by the writer as it wrote each block (while it was in cache);
+        None: computed here. Raises only before it takes the blocks; from its return the lease
+        holds them, freed on release, expiry or close."""
         if len(block_ids) != self.layout.num_blocks_for(num_tokens):
             raise ValueError(f"transfer {transfer_id}: {num_tokens} tokens are "
                              f"{self.layout.num_blocks_for(num_tokens)} blocks, got {len(block_ids)}")
+        if checksums is not None and len(checksums) != len(block_ids):
+            raise ValueError(f"transfer {transfer_id}: {len(checksums)} checksums for "
+                             f"{len(block_ids)} blocks")
         with self._lock:
             self._check_new(transfer_id)
-            return self._lease(transfer_id, list(block_ids), num_tokens)
+            return self._lease(transfer_id, list(block_ids), num_tokens, checksums)
 
     def _check_new(self, transfer_id: str) -> None:
         if self._closed:
@@ -290,11 +296,16 @@ class KVSender:
         if transfer_id in self._leases:
             raise ValueError(f"transfer {transfer_id} is already published by {self.engine_id}")
 
-    def _lease(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> KVDescriptor:
-        """Checksum the blocks' transferred bytes and hold them under a lease (lock held)."""
+    def _lease(self, transfer_id: str, block_ids: list[int], num_tokens: int,
+               checksums: Sequence[str] | None = None) -> KVDescriptor:
+        """Checksum the blocks' transferred bytes (unless given) and hold them under a lease
+        (lock held)."""
         lengths = self.layout.transfer_lengths(num_tokens)
+        if self._fault is not None and not self._fault[2]:
+            checksums = None  # the test hook's flip must come before the checksums: take them anew
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
-        sums = tuple(checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
+        sums = tuple(checksums) if checksums is not None else tuple(
+            checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
         descriptor = KVDescriptor(
             transfer_id=transfer_id, remote_engine_id=self.engine_id,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...kv.errors import PoolExhausted
+from ...kv.handoff import checksum
 from ...kv.layout import BlockLayout
 from ...kv.pool import BlockPool
 
@@ -56,17 +57,27 @@ class PagedKVCache:
         if blocks:
             self.pool.free(blocks)
 
-    def write(self, blocks: list[int], start: int, kv: torch.Tensor) -> None:
+    def write(self, blocks: list[int], start: int, kv: torch.Tensor,
+              checksums: bool = False) -> list[str] | None:
         """Store canonical KV `[layers, 2, kv_heads, tokens, head_dim]` at positions
-        `start .. start + tokens` of a request."""
+        `start .. start + tokens` of a request. `checksums` (a prompt written from position 0,
+        for the KV handoff): also return each written block's checksum over its filled bytes,
+        taken right after the block is written, while it is still in cache."""
+        if checksums and start != 0:
+            raise ValueError("block checksums cover a prompt written from position 0")
         tokens = kv.shape[3]
         by_token = kv.permute(3, 0, 1, 2, 4)  # [tokens, layers, 2, kv_heads, head_dim]
+        sums: list[str] = []
         done = 0
         while done < tokens:
             block, offset = divmod(start + done, self.block_size)
             count = min(self.block_size - offset, tokens - done)
             self.data[blocks[block], offset:offset + count] = by_token[done:done + count]
+            if checksums:
+                filled = (offset + count) * self.layout.bytes_per_token
+                sums.append(checksum(self.pool.block_view(blocks[block])[:filled]))
             done += count
+        return sums if checksums else None
 
     def read(self, blocks: list[int], length: int) -> torch.Tensor:
         """Positions `0 .. length` of a request as canonical KV `[layers, 2, kv_heads, length, hd]`."""

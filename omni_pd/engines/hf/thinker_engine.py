@@ -423,10 +423,11 @@ class HfPrefillEngine(_ThinkerEngine):
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         transfer_id = request.params.kv_transfer_params["transfer_id"]
         pre = self.runner.prefill(request.prompt, request.params)
-        self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache))
+        # Checksummed block by block as written (each still in cache): no second pass at publish.
+        sums = self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache), checksums=True)
         prompt_blocks = self.cache.blocks_for(request.prompt_len)
         descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
-                                                request.prompt_len)
+                                                request.prompt_len, checksums=sums)
         request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
         out_params = {
             **descriptor.to_params(),
