@@ -52,8 +52,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     count = rows.shape[0]
     padded = max(ROW_TILE, -(-count // ROW_TILE) * ROW_TILE)
     if padded != count:
-        rows = torch.cat([rows, rows.new_zeros((padded - count, rows.shape[1]))])
-    out = torch.cat([F.linear(rows[i:i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)])
+        rows = F.pad(rows, (0, 0, 0, padded - count))  # zero rows
+    if padded == ROW_TILE:  # one tile (every decode step of up to 16 requests): no concatenation
+        out = F.linear(rows, weight, bias)
+    else:
+        out = torch.cat([F.linear(rows[i:i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)])
     return out[:count].reshape(*shape[:-1], weight.shape[0])
 
 
