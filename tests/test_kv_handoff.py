@@ -162,6 +162,31 @@ def test_fault_outside_the_transferred_bytes_is_rejected(sender):
     assert sender.debug_state_counts() == {"leases": 0, "used_blocks": 0}
 
 
+def test_converted_fetch_into_scattered_staging_blocks_checks_every_block(sender, transports):
+    """Layouts differ and the receiver's free blocks are scattered: each remote block lands in
+    pieces across non-adjacent staging blocks and is checked there, piece by piece (no gather
+    of the whole staging area); a corrupted remote block is still caught on that path."""
+    other = BlockLayout(block_size=5, num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                        kv_split="fused", order="head_major")
+    hetero = KVReceiver(other, 64, transports[1])
+    held = hetero.pool.allocate(64)
+    hetero.pool.free(held[::2])  # only every other block is free: no two free blocks adjoin
+    try:
+        kv = make_kv(40, seed=5)
+        desc = KVDescriptor.from_params(sender.publish("t-scattered-staging", kv).to_params())
+        result = hetero.fetch(desc)
+        assert torch.equal(result.kv_canonical, kv.to(torch.float16)) and result.converted
+        assert result.blocks == sorted(result.blocks) and all(b % 2 == 0 for b in result.blocks)
+        sender.pool.block_view(desc.remote_block_ids[2])[5000] ^= 0xFF
+        with pytest.raises(KVIntegrityError, match=r"t-scattered-staging: block 2 "):
+            hetero.fetch(desc)
+        assert hetero.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
+    finally:
+        sender.release("t-scattered-staging")
+        hetero.pool.free(held[1::2])
+        hetero.close()
+
+
 def test_memory_changed_after_publish_raises_integrity_error(sender, receiver):
     desc = sender.publish("t-corrupt", make_kv(40, seed=3))
     sender.pool.block_view(desc.remote_block_ids[1])[100] ^= 0xFF

@@ -686,10 +686,23 @@ class KVReceiver:
         if ready:
             self._verify_blocks(transfer, ready)
 
+    def _staged_block(self, transfer: Transfer, j: int) -> torch.Tensor:
+        """Remote block j's transferred bytes where they landed in the staging blocks: a view
+        when they lie in one staging block, else its pieces joined (that block's bytes only,
+        never a gather of the whole staging area at every poll)."""
+        local_bb = self.layout.block_bytes
+        offset, left = j * transfer.descriptor.block_bytes, transfer.lengths[j]
+        pieces = []
+        while left:
+            block, within = divmod(offset, local_bb)
+            piece = min(left, local_bb - within)
+            pieces.append(self.pool.block_view(transfer.staging[block])[within:within + piece])
+            offset, left = offset + piece, left - piece
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def _verify_blocks(self, transfer: Transfer, blocks: list[int]) -> None:
-        staged = self._staged(transfer) if transfer.staging else None
-        views = {j: staged[j] if staged is not None else self.pool.block_view(transfer.dest[j])
-                 for j in blocks}
+        views = {j: self._staged_block(transfer, j) if transfer.staging
+                 else self.pool.block_view(transfer.dest[j]) for j in blocks}
         self._verify(transfer.descriptor, views, transfer.lengths)
         transfer.unverified.difference_update(blocks)
 
