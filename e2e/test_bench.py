@@ -40,7 +40,8 @@ def test_json_has_every_key_for_every_config_and_level(quick_run):
     proc, json_path, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(json_path.read_text())
-    assert report["max_tokens"] == 24 and report["num_requests"] >= 1
+    assert report["max_tokens"] == 24 and report["concurrency"] == list(LEVELS)
+    assert report["num_requests"] == [max(4, c) for c in LEVELS]  # --quick: 4 a level
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["python"]
     assert "bench serve" in report["command"] and report["date"]
     results = report["results"]

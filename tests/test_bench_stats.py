@@ -142,3 +142,12 @@ def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
     assert _mean_handoff_ms((0.010, 4), (0.016, 7)) == pytest.approx(2.0)
     assert _mean_handoff_ms((0.010, 4), (0.010, 4)) is None  # colocated: no handoff observed
     assert _mean_handoff_ms(None, (1.0, 3)) is None
+
+
+def test_requests_per_level_default_is_several_waves_of_the_concurrency():
+    from omni_pd.bench.serve import DEFAULT_NUM_REQUESTS, WAVES, requests_per_level
+    # Unset: WAVES x the concurrency, so a level is not one burst; never fewer than the floor.
+    assert [requests_per_level(None, c) for c in (1, 4, 8, 16)] == \
+        [DEFAULT_NUM_REQUESTS, DEFAULT_NUM_REQUESTS, WAVES * 8, WAVES * 16]
+    # Given: taken as it is, but never fewer than the requests in flight.
+    assert requests_per_level(10, 4) == 10 and requests_per_level(2, 8) == 8

@@ -5,7 +5,11 @@ each concurrency level sends one uncounted warm-up request, then `--num-requests
 text+audio chat completions with exactly `concurrency` in flight. It prints a table, and writes a
 JSON file (`--json`) and a PNG (`--plot`).
 
-    omni-pd bench serve [--configs A.yaml,B.yaml] [--concurrency 1,4,8,16] [--num-requests 16]
+By default a level measures `WAVES` times its concurrency in requests (at least 16): with only as
+many requests as clients, a level is one burst that starts together and drains together, and its
+req/s measures the ramp as much as the load (run to run it moved by 15% at concurrency 16).
+
+    omni-pd bench serve [--configs A.yaml,B.yaml] [--concurrency 1,4,8,16] [--num-requests N]
                         [--json out.json] [--plot out.png] [--quick]
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ REPO_ROOT = STAGE_CONFIGS_DIR.parent
 DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
 DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
+WAVES = 4  # default requests per level: WAVES x concurrency, at least DEFAULT_NUM_REQUESTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_CONCURRENCY}; --quick: {QUICK_CONCURRENCY})")
     parser.add_argument("--num-requests", type=int, default=None,
                         help=f"measured requests per level, at least the concurrency (default: "
-                             f"{DEFAULT_NUM_REQUESTS}; --quick: {QUICK_NUM_REQUESTS})")
+                             f"{WAVES} x the concurrency, at least {DEFAULT_NUM_REQUESTS}; --quick: "
+                             f"{QUICK_NUM_REQUESTS})")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument("--warmup", type=int, default=1,
                         help="uncounted requests sent before each level (default 1)")
@@ -152,7 +158,7 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
 
 
 async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
-                        args: argparse.Namespace, num_requests: int,
+                        args: argparse.Namespace, num_requests: int | None,
                         errors: dict[str, list[str]]) -> tuple[str, list[dict]]:
     """Every level against one server; returns the model name used and one row per level."""
     import openai
@@ -171,7 +177,7 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
             listed = await client.models.list()
             model = listed.data[0].id
         for concurrency in levels:
-            n = max(num_requests, concurrency)
+            n = requests_per_level(num_requests, concurrency)
             for i in range(args.warmup):
                 warm = await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
                 if not warm.ok:
@@ -203,6 +209,14 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
     return model, rows
 
 
+def requests_per_level(num_requests: int | None, concurrency: int) -> int:
+    """Measured requests at one level: `num_requests` when given (at least the concurrency),
+    else WAVES x the concurrency, at least DEFAULT_NUM_REQUESTS."""
+    if num_requests is None:
+        return max(DEFAULT_NUM_REQUESTS, WAVES * concurrency)
+    return max(num_requests, concurrency)
+
+
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="omni-pd-bench-") as scratch:  # overridden configs
         return _run(args, Path(scratch))
@@ -225,8 +239,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     levels = _int_list(args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
                        "--concurrency")
     num_requests = (args.num_requests if args.num_requests is not None else
-                    QUICK_NUM_REQUESTS if args.quick else DEFAULT_NUM_REQUESTS)
-    if num_requests < 1 or args.max_tokens < 1 or args.warmup < 0:
+                    QUICK_NUM_REQUESTS if args.quick else None)  # None: by concurrency
+    if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
         raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
     server_env = _server_env(args.server_env)
 
@@ -285,7 +299,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     cores = cpu_count()
     meta = run_metadata(
         ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
-        num_requests=num_requests, concurrency=levels, warmup_requests=args.warmup,
+        num_requests=[requests_per_level(num_requests, c) for c in levels], concurrency=levels, warmup_requests=args.warmup,
         quick=bool(args.quick), model=model_used, base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
         request_timeout_s=args.request_timeout, server_env=server_env, failures=failures)
