@@ -299,7 +299,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     cores = cpu_count()
     meta = run_metadata(
         ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
-        num_requests=[requests_per_level(num_requests, c) for c in levels], concurrency=levels, warmup_requests=args.warmup,
+        num_requests=[requests_per_level(num_requests, c) for c in levels], concurrency=levels,
+        warmup_requests=args.warmup,
         quick=bool(args.quick), model=model_used, base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
         request_timeout_s=args.request_timeout, server_env=server_env, failures=failures)

@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import xxhash
@@ -686,18 +686,24 @@ class KVReceiver:
         if ready:
             self._verify_blocks(transfer, ready)
 
+    def _staging_spans(self, transfer: Transfer, j: int, length: int) -> Iterator[tuple[int, int, int]]:
+        """Where remote block j's first `length` bytes go in the staging blocks (staged offset
+        j * remote block bytes, split at local block boundaries): (block id, offset within it,
+        bytes), in order."""
+        local_bb = self.layout.block_bytes
+        offset, left = j * transfer.descriptor.block_bytes, length
+        while left:
+            block, within = divmod(offset, local_bb)
+            piece = min(left, local_bb - within)
+            yield transfer.staging[block], within, piece
+            offset, left = offset + piece, left - piece
+
     def _staged_block(self, transfer: Transfer, j: int) -> torch.Tensor:
         """Remote block j's transferred bytes where they landed in the staging blocks: a view
         when they lie in one staging block, else its pieces joined (that block's bytes only,
         never a gather of the whole staging area at every poll)."""
-        local_bb = self.layout.block_bytes
-        offset, left = j * transfer.descriptor.block_bytes, transfer.lengths[j]
-        pieces = []
-        while left:
-            block, within = divmod(offset, local_bb)
-            piece = min(left, local_bb - within)
-            pieces.append(self.pool.block_view(transfer.staging[block])[within:within + piece])
-            offset, left = offset + piece, left - piece
+        pieces = [self.pool.block_view(block)[within:within + piece]
+                  for block, within, piece in self._staging_spans(transfer, j, transfer.lengths[j])]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _verify_blocks(self, transfer: Transfer, blocks: list[int]) -> None:
@@ -733,16 +739,12 @@ class KVReceiver:
                 pieces.append((self.pool.block_address(transfer.dest[j]), descriptor.remote_address(j), length))
                 block_of_piece.append(j)
         else:
-            local_ids = transfer.staging
-            local_bb, remote_bb = self.layout.block_bytes, descriptor.block_bytes
             for j, length in enumerate(lengths):
-                remote_addr, offset, left = descriptor.remote_address(j), j * remote_bb, length
-                while left:
-                    block, within = divmod(offset, local_bb)
-                    piece = min(left, local_bb - within)
-                    pieces.append((self.pool.block_address(local_ids[block]) + within, remote_addr, piece))
+                remote_addr = descriptor.remote_address(j)
+                for block, within, piece in self._staging_spans(transfer, j, length):
+                    pieces.append((self.pool.block_address(block) + within, remote_addr, piece))
                     block_of_piece.append(j)
-                    remote_addr, offset, left = remote_addr + piece, offset + piece, left - piece
+                    remote_addr += piece
         entries, groups = coalesce_groups(pieces, MAX_ENTRY_BYTES)
         transfer.blocks_of_entry = [sorted({block_of_piece[k] for k in group}) for group in groups]
         transfer.unlanded = [0] * len(lengths)
