@@ -15,6 +15,14 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
+# code2wav's decoder runs on C kernels that omni-pd compiles with the system C compiler.
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+  echo "setup: installing gcc (omni-pd builds its code2wav kernels with it)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
@@ -51,3 +59,7 @@ if [ "$with_vllm" = "1" ]; then
     echo "$vwant" > "$vstamp"
   fi
 fi
+
+# Build the C kernels now (cached per source and CPU under ~/.cache/omni-pd; well under a second)
+# so that a first request does not wait on the compiler.
+.venv/bin/python -m omni_pd.engines.hf.native_build >/dev/null

@@ -1,5 +1,8 @@
 """code2wav decoded in chunks equals the whole-utterance decode bit for bit, and the receptive
-field derived from the config is what makes it so."""
+field derived from the config is what makes it so; with the decoder on omni-pd's C kernels
+(native, the default) and on torch ops alike."""
+import ctypes
+
 import pytest
 import torch
 
@@ -10,9 +13,9 @@ from omni_pd.engines.types import AudioOutput, Code2WavPrompt
 from omni_pd.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def exact(tiny_model):
-    return ExactCode2Wav(tiny_model.code2wav)
+@pytest.fixture(scope="module", params=["native", "torch"])
+def exact(tiny_model, request):
+    return ExactCode2Wav(tiny_model.code2wav, request.param)
 
 
 def _codes(tiny_model, frames: int, seed: int) -> torch.Tensor:
@@ -149,10 +152,11 @@ def _drain(engine) -> list:
     return outputs
 
 
-@pytest.mark.parametrize("left_context", [None, 10])
-def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left_context):
+@pytest.mark.parametrize("left_context,kernels", [(None, "native"), (10, "native"), (None, "torch")])
+def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left_context, kernels):
     engine = HfCode2WavEngine(2, tiny_model, initial_chunk_frames=3, chunk_frames=10,
-                              left_context_frames=left_context)
+                              left_context_frames=left_context, kernels=kernels)
+    assert engine.describe()["code2wav_kernels"] == kernels
     codes = _codes(tiny_model, 47, 4)
     params = SamplingParams()
     engine.add_request("whole", Code2WavPrompt("whole", codes), params)
@@ -197,3 +201,87 @@ def test_engine_refuses_bad_frames(tiny_model):
     engine.append_input("a", codes, final=True)
     with pytest.raises(ValueError, match="after the last ones"):
         engine.append_input("a", codes, final=True)
+
+
+# -- the C kernels --------------------------------------------------------------------------------
+
+def _native_call(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 dilation: int, steps: int) -> torch.Tensor:
+    """One C kernel call on the first `steps` columns of x (padded as the decoder pads)."""
+    from omni_pd.engines.hf import code2wav_native as native
+    lib = native._library()
+    width = native._width(steps)
+    if kind == "snake":
+        buf = torch.zeros((x.shape[0], width))
+        buf[:, :steps] = x[:, :steps]
+        out = torch.empty_like(buf)
+        lib.omni_c2w_snake(buf.data_ptr(), width, out.data_ptr(), width, weight.data_ptr(),
+                           bias.data_ptr(), x.shape[0], width)
+        return out[:, :steps]
+    c_out, c_in, kernel = weight.shape
+    halo = (kernel - 1) * dilation
+    padded = torch.zeros((c_in, halo + width))
+    padded[:, :halo + steps] = x[:, :halo + steps]
+    out = torch.empty((c_out, width))
+    lib.omni_c2w_conv(padded.data_ptr(), padded.stride(0), out.data_ptr(), width,
+                      weight.data_ptr(), bias.data_ptr(), None, 0, c_in, c_out, kernel, dilation, width)
+    return out[:, :steps]
+
+
+def test_native_kernels_give_a_column_the_same_bits_at_any_length_or_offset(tiny_model):
+    """The premise of the native decoder's exactness, for every convolution shape code2wav's
+    decoder has (and SnakeBeta): a column's result depends on its inputs only."""
+    from omni_pd.engines.hf.code2wav_native import NativeDecoder
+    decoder = NativeDecoder(tiny_model.code2wav)
+    specs = {decoder.first, decoder.last}
+    for block in decoder.blocks:
+        specs.add(block.transposed.conv)
+        for unit in block.units:
+            specs.update((unit.conv1, unit.conv2))
+    generator = torch.Generator().manual_seed(2)
+    for spec in sorted(specs, key=lambda s: (s.c_in, s.weight.shape[0], s.kernel, s.dilation)):
+        x = torch.randn(spec.c_in, spec.halo + 3000, generator=generator)
+        full = _native_call("conv", x, spec.weight, spec.bias, spec.dilation, 3000)
+        for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 2999)]:
+            part = _native_call("conv", x[:, start:], spec.weight, spec.bias, spec.dilation, count)
+            assert torch.equal(part, full[:, start:start + count]), (spec.weight.shape, start, count)
+    snake = decoder.blocks[-1].snake
+    x = torch.randn(snake.alpha.numel(), 3000, generator=generator) * 4
+    full = _native_call("snake", x, snake.alpha, snake.inverse, 1, 3000)
+    reference = x + snake.inverse.unsqueeze(1) * torch.sin(x * snake.alpha.unsqueeze(1)) ** 2
+    assert (full - reference).abs().max() < 1e-5
+    for start, count in [(0, 1), (5, 17), (33, 2000)]:
+        assert torch.equal(_native_call("snake", x[:, start:], snake.alpha, snake.inverse, 1, count),
+                           full[:, start:start + count])
+
+
+def test_native_decoder_is_the_torch_decoder_to_the_last_bits(tiny_model):
+    codes = _codes(tiny_model, 60, 7)
+    native = ExactCode2Wav(tiny_model.code2wav, "native").decode(codes)
+    torch_ops = ExactCode2Wav(tiny_model.code2wav, "torch").decode(codes)
+    assert native.shape == torch_ops.shape
+    assert (native - torch_ops).abs().max() <= 1e-5 * torch_ops.abs().max()
+
+
+def test_unknown_kernels_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="code2wav_kernels must be one of native, torch, not 'fast'"):
+        ExactCode2Wav(tiny_model.code2wav, "fast")
+
+
+def test_native_build_without_a_compiler_names_the_way_out(monkeypatch, tmp_path):
+    from omni_pd.engines.hf import native_build
+    monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(native_build.NativeBuildError, match="no C compiler found.*code2wav_kernels: torch"):
+        native_build.build("code2wav")
+
+
+def test_native_build_is_cached_per_source_and_loads(monkeypatch, tmp_path):
+    from omni_pd.engines.hf import native_build
+    monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))
+    path = native_build.build("code2wav")
+    assert path.parent == tmp_path / "kernels" and path.is_file()
+    assert native_build.build("code2wav") == path  # the second call finds it
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial builds left behind
+    assert hasattr(ctypes.CDLL(str(path)), "omni_c2w_conv")

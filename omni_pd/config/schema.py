@@ -122,6 +122,9 @@ class _TypedEngineArgs(_Model):
     initial_codec_chunk_frames: int = Field(default=4, ge=1)
     codec_chunk_frames: int = Field(default=25, ge=1)
     codec_left_context_frames: int | None = Field(default=None, ge=1)
+    # hf code2wav: the convolutional decoder on omni-pd's C kernels (built with the system C
+    # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
+    code2wav_kernels: Literal["native", "torch"] = "native"
     # vllm-omni keys omni-pd reads
     model_stage: str
     model_arch: str | None = None

@@ -18,8 +18,8 @@ SAMPLE_RATE = 24_000
 
 
 class Code2WavRunner:
-    def __init__(self, code2wav: torch.nn.Module):
-        self.exact = ExactCode2Wav(code2wav)
+    def __init__(self, code2wav: torch.nn.Module, kernels: str = "native"):
+        self.exact = ExactCode2Wav(code2wav, kernels)
         self.geometry = self.exact.geometry
 
     @torch.no_grad()

@@ -59,9 +59,9 @@ class HfCode2WavEngine(StageEngine):
     control_calls = StageEngine.control_calls | {"set_left_context_frames", "inject_chunk_fault"}
 
     def __init__(self, stage_id: int, model, initial_chunk_frames: int = 4, chunk_frames: int = 25,
-                 left_context_frames: int | None = None):
+                 left_context_frames: int | None = None, kernels: str = "native"):
         self.stage_id = stage_id
-        self.runner = Code2WavRunner(model.code2wav)
+        self.runner = Code2WavRunner(model.code2wav, kernels)
         self.num_quantizers = model.config.code2wav_config.num_quantizers
         geometry = self.runner.geometry
         self.initial_chunk_frames = int(initial_chunk_frames)
@@ -83,7 +83,8 @@ class HfCode2WavEngine(StageEngine):
         return {"engine": "hf-code2wav", "initial_codec_chunk_frames": self.initial_chunk_frames,
                 "codec_chunk_frames": self.chunk_frames,
                 "codec_left_context_frames": self.left_context_frames,
-                "decoder_receptive_field_frames": self.runner.geometry.decoder_frames}
+                "decoder_receptive_field_frames": self.runner.geometry.decoder_frames,
+                "code2wav_kernels": self.runner.exact.kernels}
 
     def set_left_context_frames(self, frames: int | None) -> int | None:
         """Test hook: a left context below the receptive field, for end-to-end negative controls

@@ -57,4 +57,5 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     return HfCode2WavEngine(stage_config.stage_id, model,
                             initial_chunk_frames=args.initial_codec_chunk_frames,
                             chunk_frames=args.codec_chunk_frames,
-                            left_context_frames=args.codec_left_context_frames)
+                            left_context_frames=args.codec_left_context_frames,
+                            kernels=args.code2wav_kernels)

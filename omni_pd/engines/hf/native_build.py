@@ -1,0 +1,95 @@
+"""Build and load omni-pd's C kernels (omni_pd/engines/hf/native/*.c) with the system compiler.
+
+A kernel is compiled once per source, compiler flags and CPU into a cache folder
+(`$OMNI_PD_CACHE_DIR`, else `~/.cache/omni-pd`), and loaded with ctypes; no torch headers, so a
+build takes well under a second. `scripts/setup.sh` builds them ahead (`python -m
+omni_pd.engines.hf.native_build`); a process that finds no build makes one, written to a temporary
+file and renamed into place, so workers starting together do not trip over each other.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import xxhash
+
+SOURCES = Path(__file__).resolve().parent / "native"
+# -march=native: the build is for this CPU (the cache key includes it). Contraction off: every
+# lane's arithmetic is plain IEEE, which the kernels' length invariance rests on.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OMNI_PD_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "omni-pd"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise NativeBuildError("no C compiler found (tried $CC, cc, gcc, clang): install one (Debian/"
+                           "Ubuntu: `apt-get install gcc`; scripts/setup.sh does), or set the "
+                           "code2wav stage's engine_args.code2wav_kernels: torch")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(wanted))) or platform.machine()
+
+
+def library_path(name: str) -> Path:
+    source = SOURCES / f"{name}.c"
+    digest = xxhash.xxh3_64()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+                 platform.machine().encode()):
+        digest.update(part)
+    return cache_dir() / "kernels" / f"{name}-{digest.hexdigest()}.so"
+
+
+def build(name: str) -> Path:
+    """The compiled library for kernel `name`, building it if this machine has none yet."""
+    path = library_path(name)
+    if path.is_file():
+        return path
+    compiler = _compiler()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    command = [compiler, *FLAGS, str(SOURCES / f"{name}.c"), "-o", partial]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeBuildError(f"building the {name} kernels failed ({' '.join(command)}):\n"
+                                   f"{done.stderr.strip()}\nfix the compiler setup, or set the "
+                                   "code2wav stage's engine_args.code2wav_kernels: torch")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path
+
+
+def load(name: str) -> ctypes.CDLL:
+    return ctypes.CDLL(str(build(name)))
+
+
+if __name__ == "__main__":
+    for source in sorted(SOURCES.glob("*.c")):
+        print(build(source.stem))
+    sys.exit(0)
