@@ -21,6 +21,7 @@ class TalkerRunner:
         self.talker = talker
         self.thinker_embedding = thinker_embedding  # only for the tts_bos/eos/pad embeddings
         self.config = config  # the top-level Qwen3OmniMoeConfig
+        self._specials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         tcfg = config.talker_config
         self.codec_eos = tcfg.codec_eos_token_id
         vocab = tcfg.text_config.vocab_size
@@ -45,18 +46,23 @@ class TalkerRunner:
                          mlp.linear_fc2.weight, mlp.linear_fc2.bias)
 
     def _assistant_start(self, prompt: TalkerPrompt) -> int:
-        cfg, ids = self.config, prompt.prompt_token_ids
-        starts = [i for i in range(len(ids) - 1)
-                  if ids[i] == cfg.im_start_token_id and ids[i + 1] == cfg.assistant_token_id]
+        # The ids read once: a transformers config attribute costs microseconds per access.
+        ids, im_start, assistant = prompt.prompt_token_ids, self.config.im_start_token_id, self.config.assistant_token_id
+        starts = [i for i in range(len(ids) - 1) if ids[i] == im_start and ids[i + 1] == assistant]
         if not starts:
             raise ValueError(f"request {prompt.request_id}: the prompt has no "
                              "'<|im_start|>assistant' turn; build it with add_generation_prompt")
         return starts[-1]
 
     def _tts_specials(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.config
-        special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
-        return self.talker.text_projection(self.thinker_embedding(special)).chunk(3, dim=1)
+        """The projected tts_bos / tts_eos / tts_pad rows: fixed by the weights, so computed
+        once (a streamed talker needs them for every thinker delta)."""
+        if self._specials is None:
+            cfg = self.config
+            special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]])
+            with torch.no_grad():
+                self._specials = self.talker.text_projection(self.thinker_embedding(special)).chunk(3, dim=1)
+        return self._specials
 
     @torch.no_grad()
     def build_inputs(self, prompt: TalkerPrompt) -> dict[str, torch.Tensor]:
@@ -84,10 +90,11 @@ class TalkerRunner:
 
         # User turns: a position belongs to the role named right after the latest <|im_start|>.
         user_positions, latest_start = [], 0
+        im_start, user = cfg.im_start_token_id, cfg.user_token_id  # read once, not per token
         for index, token in enumerate(prompt.prompt_token_ids):
-            if token == cfg.im_start_token_id:
+            if token == im_start:
                 latest_start = index
-            if prompt.prompt_token_ids[min(latest_start + 1, prompt_len - 1)] == cfg.user_token_id:
+            if prompt.prompt_token_ids[min(latest_start + 1, prompt_len - 1)] == user:
                 user_positions.append(index)
         width = tcfg.text_config.hidden_size
         user_part = torch.empty((len(user_positions), width), dtype=embeds.dtype)
@@ -135,7 +142,8 @@ class TalkerRunner:
         first = self._assistant_start(prompt) + 4  # the thinker row of trailing row 0
         token_rows = max(prompt.thinker_embeds.shape[0] - first, 0)
         tokens = prompt.output_token_ids
-        eos = next((i for i, t in enumerate(tokens) if t == cfg.im_end_token_id), None)
+        im_end = cfg.im_end_token_id
+        eos = next((i for i, t in enumerate(tokens) if t == im_end), None)
         if final:
             end = token_rows + 1  # + tts_eos
             eos = len(tokens) if eos is None else eos

@@ -106,16 +106,26 @@ class TalkerRequestState:
         return new
 
 
-def process_code0_scores(logits: torch.Tensor, generated: list[int], penalty: float,
+def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penalties: list[float],
                          suppress_mask: torch.Tensor) -> torch.Tensor:
-    """transformers' logits processors for the talker: repetition penalty over the generated ids
-    (the prompt is embeddings only, so only they count), then suppress_tokens."""
+    """transformers' logits processors for the talker, for a batch of rows ([B, vocab]): the
+    repetition penalty of each row over its generated ids (the prompt is embeddings only, so
+    only they count), then suppress_tokens. Elementwise per (row, id), so a row's scores do not
+    depend on the others; one gather and one scatter for the whole batch."""
     scores = logits.float()
-    if penalty != 1.0 and generated:
-        ids = torch.tensor(generated, dtype=torch.long)
-        picked = scores.gather(0, ids)
-        picked = torch.where(picked < 0, picked * penalty, picked / penalty)
-        scores = scores.scatter(0, ids, picked)
+    rows: list[int] = []
+    ids: list[int] = []
+    factors: list[float] = []
+    for row, (seen, penalty) in enumerate(zip(generated, penalties)):
+        if penalty != 1.0 and seen:
+            rows.extend([row] * len(seen))
+            ids.extend(seen)
+            factors.extend([penalty] * len(seen))
+    if rows:
+        where = (torch.tensor(rows), torch.tensor(ids))
+        penalty = torch.tensor(factors, dtype=scores.dtype)
+        picked = scores[where]
+        scores = scores.index_put(where, torch.where(picked < 0, picked * penalty, picked / penalty))
     return scores.masked_fill(suppress_mask, float("-inf"))
 
 
@@ -290,9 +300,8 @@ class BatchedTalker:
             if state.trace is not None:
                 state.trace["code0_logits"].append(row.detach().clone())
                 state.trace["hidden"].append(state.hidden.detach().clone())
-        scores = torch.stack([process_code0_scores(row, s.code0s, s.params.repetition_penalty,
-                                                   self.suppress_mask)
-                              for s, row in zip(states, logits)])
+        scores = process_code0_scores(logits, [s.code0s for s in states],
+                                      [s.params.repetition_penalty for s in states], self.suppress_mask)
         specs = [RowSampling(s.params.greedy, s.params.temperature, max(s.params.top_k, 0),
                              s.params.top_p, s.seed, s.step * self.num_code_groups) for s in states]
         for state, code0 in zip(states, self._sample(states, scores, specs, "talker sampling")):
