@@ -162,18 +162,29 @@ class NativeDecoder:
         wav = self._conv(self.last, x, steps, carry, self.last_snake)
         return wav[0, :steps].clamp(min=-1, max=1)
 
+    @staticmethod
+    def _padded(key, x: torch.Tensor, channels: int, halo: int, width: int,
+                carry: dict | None) -> torch.Tensor:
+        """A layer's input buffer [channels, halo + width], its first `halo` columns the carried
+        input tail of the previous chunk (zeros before the utterance's first frame)."""
+        padded = x.new_empty((channels, halo + width))
+        previous = carry.get(key) if carry is not None else None
+        if previous is None:
+            padded[:, :halo] = 0
+        else:
+            padded[:, :halo] = previous
+        return padded
+
+    @staticmethod
+    def _keep_tail(key, padded: torch.Tensor, steps: int, halo: int, carry: dict | None) -> None:
+        if carry is not None and halo:
+            carry[key] = padded[:, steps:steps + halo].clone()  # the last `halo` inputs
+
     def _conv(self, spec: _Conv, x: torch.Tensor, steps: int, carry: dict | None,
-              snake: _Snake | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`spec` over `snake(x)` (or x), its left padding the carried input tail of the
-        previous chunk (zeros before the utterance's first frame); + `residual`."""
+              snake: _Snake | None = None) -> torch.Tensor:
+        """`spec` over `snake(x)` (or x), left-padded as `_padded` says."""
         width, halo = _width(steps), spec.halo
-        padded = x.new_empty((spec.c_in, halo + width))
-        previous = carry.get(spec.key) if carry is not None else None
-        if halo:
-            if previous is None:
-                padded[:, :halo] = 0
-            else:
-                padded[:, :halo] = previous
+        padded = self._padded(spec.key, x, spec.c_in, halo, width, carry)
         body = padded[:, halo:]
         if snake is None:
             body.copy_(x[:, :width])
@@ -181,13 +192,10 @@ class NativeDecoder:
             self.lib.omni_c2w_snake(x.data_ptr(), x.stride(0), body.data_ptr(), padded.stride(0),
                                     snake.alpha.data_ptr(), snake.inverse.data_ptr(), spec.c_in, width)
         body[:, steps:] = 0
-        if carry is not None and halo:
-            carry[spec.key] = padded[:, steps:steps + halo].clone()  # the last `halo` inputs
+        self._keep_tail(spec.key, padded, steps, halo, carry)
         out = x.new_empty((spec.weight.shape[0], width))
-        res = residual.data_ptr() if residual is not None else None
         self.lib.omni_c2w_conv(padded.data_ptr(), padded.stride(0), out.data_ptr(), out.stride(0),
-                               spec.weight.data_ptr(), spec.bias.data_ptr(), res,
-                               residual.stride(0) if residual is not None else 0,
+                               spec.weight.data_ptr(), spec.bias.data_ptr(), None, 0,
                                spec.c_in, spec.weight.shape[0], spec.kernel, spec.dilation, width)
         return out
 
@@ -196,12 +204,7 @@ class NativeDecoder:
         values as its layers one by one through `_conv`)."""
         conv1, conv2 = unit.conv1, unit.conv2
         width, halo, channels = _width(steps), conv1.halo, conv1.c_in
-        padded = x.new_empty((channels, halo + width))
-        previous = carry.get(conv1.key) if carry is not None else None
-        if previous is None:
-            padded[:, :halo] = 0
-        else:
-            padded[:, :halo] = previous
+        padded = self._padded(conv1.key, x, channels, halo, width, carry)
         out = x.new_empty((channels, width))
         scratch = x.new_empty((channels, ALIGN))
         self.lib.omni_c2w_residual_unit(
@@ -210,8 +213,7 @@ class NativeDecoder:
             unit.snake1.inverse.data_ptr(), conv1.weight.data_ptr(), conv1.bias.data_ptr(),
             conv1.kernel, conv1.dilation, unit.snake2.alpha.data_ptr(), unit.snake2.inverse.data_ptr(),
             conv2.weight.data_ptr(), conv2.bias.data_ptr(), channels, width)
-        if carry is not None:
-            carry[conv1.key] = padded[:, steps:steps + halo].clone()  # the last `halo` inputs
+        self._keep_tail(conv1.key, padded, steps, halo, carry)
         return out
 
     def _transposed(self, block: _Block, x: torch.Tensor, steps: int, carry: dict | None
