@@ -302,8 +302,9 @@ def test_a_worker_killed_mid_stream_ends_the_stream_naming_it_and_comes_back(
     params = [SamplingParams(temperature=0, max_tokens=400, seed=42), None, None]
     if stage_id == DECODE:  # a long answer, so the kill lands mid-generation
         future = _stream(pd, "Go on and on.", kill_on_first, params, modalities=("text",))
-    else:
-        future = _stream(pd, PROMPTS[6], kill_on_first)
+    else:  # the talker runs to its max_tokens, so it is still at work at the first audio
+        talker = pd.engine.stages[TALKER].default_sampling_params.replace(ignore_eos=True)
+        future = _stream(pd, PROMPTS[6], kill_on_first, [None, talker, None])
     events, error = future.result(60)
     ended = time.monotonic() - killed[0]
     assert isinstance(error, StageError), error

@@ -252,6 +252,13 @@ def _stage_of(omni, model_stage: str) -> int:
     return next(s.stage_id for s in omni.config.stages if s.model_stage == model_stage)
 
 
+def _long_speech(omni):
+    """Sampling params (one per logical stage) under which the talker runs to its max_tokens:
+    random weights sample a codec EOS at an arbitrary step, often within the first chunk."""
+    talker = omni.engine.stages[_stage_of(omni, "talker")].default_sampling_params
+    return [None, talker.replace(ignore_eos=True), None]
+
+
 @pytest.mark.parametrize("which", ["colocated", "pd"])
 def test_streamed_stages_equal_whole_stages(request, which):
     """The shipped configs stream thinker -> talker -> code2wav; the same requests with streaming
@@ -261,31 +268,39 @@ def test_streamed_stages_equal_whole_stages(request, which):
     assert streamed_omni.config.async_chunk and not whole_omni.config.async_chunk
     prompts = [_prompts(streamed_omni)[case] for case in CASES]
     streamed, whole = streamed_omni.generate(prompts), whole_omni.generate(prompts)
+    # Plus one answer whose speech surely spans several chunks.
+    long_params = _long_speech(streamed_omni)
+    streamed += streamed_omni.generate([prompts[1]], long_params)
+    whole += whole_omni.generate([prompts[1]], long_params)
     talker, code2wav = _stage_of(streamed_omni, "talker"), _stage_of(streamed_omni, "code2wav")
     thinker = _thinker_decoding_stage(streamed_omni)
-    for case, a, b in zip(CASES, whole, streamed):
+    first_chunk = streamed_omni.config.stage(code2wav).engine_args.initial_codec_chunk_frames
+    for case, a, b in zip(CASES + ["long speech"], whole, streamed):
         assert differences(whole_omni, a, streamed_omni, b) == [], case
         stages = b.metrics["timeline"]["stages"]
         # Really streamed: the talker started on the thinker's second token (in P/D, the decode
-        # leg's), code2wav ran while the talker did, and the audio left in chunks.
+        # leg's), code2wav ran while the talker did, and audio longer than the first chunk left
+        # in chunks.
         if len(b.token_ids) > 2:
             assert stages[str(talker)]["start_ms"] < stages[str(thinker)]["end_ms"], case
         assert stages[str(code2wav)]["start_ms"] < stages[str(talker)]["end_ms"]
-        assert len(b.metrics["timeline"]["audio_chunks_ms"]) > 1, case
+        if _codes(streamed_omni, b).shape[1] > first_chunk:
+            assert len(b.metrics["timeline"]["audio_chunks_ms"]) > 1, case
         assert b.metrics["ttfa_ms"] < b.metrics["e2e_ms"]
         assert a.metrics["timeline"]["audio_chunks_ms"] == []  # whole: one piece at the end
+    assert _codes(streamed_omni, streamed[-1]).shape[1] > 2 * first_chunk
 
 
 def test_negative_control_too_little_codec_context_is_noticed(colocated, colocated_whole):
     """With code2wav re-decoding a left context below its receptive field instead of carrying its
     state, streamed audio stops equalling the whole-utterance audio (while the codes still
     match): the comparison above can fail."""
-    prompt = _prompts(colocated)["over_one_block"]
-    want = colocated_whole.generate([prompt])[0]
+    prompt, params = _prompts(colocated)["over_one_block"], _long_speech(colocated)
+    want = colocated_whole.generate([prompt], params)[0]
     code2wav = _stage_of(colocated, "code2wav")
     previous = colocated.control(code2wav, "set_left_context_frames", frames=2)
     try:
-        got = colocated.generate([prompt])[0]
+        got = colocated.generate([prompt], params)[0]
     finally:
         colocated.control(code2wav, "set_left_context_frames", frames=previous)
     assert previous is None  # the shipped default: carried state

@@ -65,18 +65,25 @@ def prompts(tiny_model, tiny_tokenizer):
     return [_prompt(tiny_model, tiny_tokenizer, i) for i in range(len(MESSAGES))]
 
 
+@pytest.fixture(scope="module", params=["native", "torch"])
+def kernels(request):
+    """Both attention paths: the C kernel (one call per layer for the whole batch) and torch's
+    attention per sequence."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def alone(tiny_model, prompts):
+def alone(tiny_model, prompts, kernels):
     """Each request on a fresh engine of its own: codes and the raw logits of every step."""
     results = {}
     for prompt, params in zip(prompts, PARAMS):
-        engine = _engine(tiny_model, max_num_seqs=8, max_num_batched_tokens=256)
+        engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=256)
         results.update(_run(engine, [[(prompt, params)]])[0])
     return results
 
 
-def _engine(model, **limits):
-    engine = HfTalkerEngine(2, model, **limits)
+def _engine(model, kernels, **limits):
+    engine = HfTalkerEngine(2, model, attention_kernels=kernels, **limits)
     engine.core.trace = True  # each request state records its raw logits, step by step
     return engine
 
@@ -133,37 +140,37 @@ def test_alone_runs_produce_frames(alone, tiny_model):
     assert ends == {True, False}
 
 
-def test_batched_all_at_once_matches_alone(tiny_model, prompts, alone):
-    engine = _engine(tiny_model, max_num_seqs=16, max_num_batched_tokens=1024)
+def test_batched_all_at_once_matches_alone(tiny_model, prompts, alone, kernels):
+    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
     got, widest = _run(engine, [list(zip(prompts, PARAMS))])
     assert widest == len(prompts)
     _assert_same(got, alone)
 
 
-def test_staggered_and_limited_batches_match_alone(tiny_model, prompts, alone):
+def test_staggered_and_limited_batches_match_alone(tiny_model, prompts, alone, kernels):
     pairs = list(zip(prompts, PARAMS))
     longest = max(len(p.prompt_token_ids) for p in prompts) + 9
     # Fewer seats than requests, and a token budget that admits about two prompts per step.
-    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=2 * longest)
+    engine = _engine(tiny_model, kernels, max_num_seqs=4, max_num_batched_tokens=2 * longest)
     got, widest = _run(engine, [pairs[:3], pairs[3:]], steps_between=4)
     assert widest == 4
     _assert_same(got, alone)
     # Reversed arrival order, one request added per step.
-    engine = _engine(tiny_model, max_num_seqs=5, max_num_batched_tokens=1024)
+    engine = _engine(tiny_model, kernels, max_num_seqs=5, max_num_batched_tokens=1024)
     got, widest = _run(engine, [[pair] for pair in reversed(pairs)], steps_between=1)
     assert widest == 5
     _assert_same(got, alone)
 
 
-def test_kv_cache_growth_does_not_change_results(tiny_model, prompts, alone, monkeypatch):
+def test_kv_cache_growth_does_not_change_results(tiny_model, prompts, alone, kernels, monkeypatch):
     """Each request's KV cache grows on demand; growing one position at a time changes nothing."""
     monkeypatch.setattr(talker_batch, "_MIN_CACHE_GROWTH", 1)
-    engine = _engine(tiny_model, max_num_seqs=16, max_num_batched_tokens=1024)
+    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
     got, _ = _run(engine, [list(zip(prompts, PARAMS))])
     _assert_same(got, alone)
 
 
-def test_a_perturbed_input_is_noticed(tiny_model, tiny_tokenizer, prompts, alone):
+def test_a_perturbed_input_is_noticed(tiny_model, tiny_tokenizer, prompts, alone, kernels):
     """Negative control: the same comparison sees a 1e-4 change of one thinker embedding (it
     moves every logit of that request, bitwise; whether a code flips depends on the margins)."""
     assistant = max(i for i, t in enumerate(prompts[2].prompt_token_ids)
@@ -171,14 +178,14 @@ def test_a_perturbed_input_is_noticed(tiny_model, tiny_tokenizer, prompts, alone
     perturbed = _prompt(tiny_model, tiny_tokenizer, 2, perturb_at=assistant + 1)
     batch = list(zip(prompts, PARAMS))
     batch[2] = (perturbed, PARAMS[2])
-    engine = _engine(tiny_model, max_num_seqs=16, max_num_batched_tokens=1024)
+    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
     got, _ = _run(engine, [batch])
     assert not _same(got["req-2"], alone["req-2"])
     _assert_same({k: v for k, v in got.items() if k != "req-2"},
                  {k: v for k, v in alone.items() if k != "req-2"})
 
 
-def test_plain_linear_would_break_invariance(tiny_model, prompts, alone, monkeypatch):
+def test_plain_linear_would_break_invariance(tiny_model, prompts, alone, kernels, monkeypatch):
     """Negative control: with `F.linear` on the whole batch instead of fixed row tiles, a
     request's numbers depend on its batch (CPU GEMM takes other kernels for other row counts)."""
     rows = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
@@ -188,19 +195,20 @@ def test_plain_linear_would_break_invariance(tiny_model, prompts, alone, monkeyp
         pytest.skip("this CPU's GEMM happens to be row-count invariant for these shapes")
     monkeypatch.setattr(bi, "linear", lambda x, w, b=None: torch.nn.functional.linear(x, w, b))
     pairs = list(zip(prompts, PARAMS))
-    got, _ = _run(_engine(tiny_model, max_num_seqs=16, max_num_batched_tokens=1024), [pairs])
+    got, _ = _run(_engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024), [pairs])
     solo = {}
     for pair in pairs:
-        solo.update(_run(_engine(tiny_model, max_num_seqs=16, max_num_batched_tokens=1024), [[pair]])[0])
+        solo.update(_run(_engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024), [[pair]])[0])
     assert not all(_same(got[rid], solo[rid]) for rid in solo)
 
 
-def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts):
+def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts, kernels):
     """Feed transformers' talker and code predictor the codes the engine produced, and compare
     the logits step by step (allclose: transformers runs other kernels, grouped_mm experts)."""
     talker = tiny_model.talker
     runner = TalkerRunner(talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
-    core = BatchedTalker(talker, tiny_model.config.talker_config, runner.suppressed, trace=True)
+    core = BatchedTalker(talker, tiny_model.config.talker_config, runner.suppressed, trace=True,
+                         kernels=kernels)
     prompt, params = prompts[0], SamplingParams(temperature=0, max_tokens=24)
     inputs = runner.build_inputs(prompt)
     state = core.new_state(prompt.request_id, inputs, params)
@@ -248,6 +256,19 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts)
                          attention_mask=torch.ones((1, cache.get_seq_length() + 1), dtype=torch.long),
                          generation_step=out.generation_step, output_hidden_states=True)
         assert torch.allclose(state.trace["code0_logits"][len(frames)], out.logits[0, -1], **close)
+
+
+def test_ignore_eos_runs_the_talker_to_max_tokens(tiny_model, prompts, alone, kernels):
+    """A codec EOS has no frame, so ignore_eos keeps the talker from sampling it: the request
+    runs to max_tokens. Without it (the alone runs) some of these requests stop early."""
+    pairs = list(zip(prompts, PARAMS))
+    early = [(p, params) for p, params in pairs if alone[p.request_id][0].shape[1] + 1 < params.max_tokens]
+    assert early
+    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
+    got, _ = _run(engine, [[(p, params.replace(ignore_eos=True)) for p, params in early]])
+    for prompt, params in early:
+        codes, _ = got[prompt.request_id]
+        assert codes.shape[1] == params.max_tokens - 1  # the last code0 is cut: no frame
 
 
 def test_eos_and_max_tokens_frame_bookkeeping(tiny_model, prompts, alone):

@@ -6,7 +6,7 @@ import torch
 
 from omni_pd.engines.types import TalkerInputDelta, TalkerPrompt
 from test_talker_batch import PARAMS, _engine, _same  # noqa: F401 - shared fixtures below
-from test_talker_batch import _one_thread, alone, prompts  # noqa: F401
+from test_talker_batch import _one_thread, alone, kernels, prompts  # noqa: F401
 
 
 def _opening(prompt: TalkerPrompt, tokens: int) -> TalkerPrompt:
@@ -50,26 +50,26 @@ def _run_streamed(engine, prompt, params, steps_per_token: int, final_after: int
 
 
 @pytest.mark.parametrize("index", range(6))
-def test_streamed_talker_equals_the_whole_talker(tiny_model, prompts, alone, index):  # noqa: F811
-    engine = _engine(tiny_model, max_num_seqs=8, max_num_batched_tokens=256)
+def test_streamed_talker_equals_the_whole_talker(tiny_model, prompts, alone, kernels, index):  # noqa: F811
+    engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=256)
     codes, waits = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=1)
     want_codes, _ = alone[prompts[index].request_id]
     assert torch.equal(codes, want_codes)
     assert engine.debug_state_counts() == {"talker.requests": 0}
 
 
-def test_talker_waits_for_the_thinker_instead_of_guessing(tiny_model, prompts, alone):  # noqa: F811
+def test_talker_waits_for_the_thinker_instead_of_guessing(tiny_model, prompts, alone, kernels):  # noqa: F811
     """Given tokens slower than it can use them, the talker runs out of trailing rows and stops
     stepping that request (no step without its row) until the next token comes."""
     index = 2  # the longest output
-    engine = _engine(tiny_model, max_num_seqs=8, max_num_batched_tokens=256)
+    engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=256)
     codes, waits = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=5)
     assert waits >= len(prompts[index].output_token_ids) - 3
     assert torch.equal(codes, alone[prompts[index].request_id][0])
 
 
-def test_negative_control_ending_the_text_early_changes_the_codes(tiny_model, prompts, alone):  # noqa: F811
+def test_negative_control_ending_the_text_early_changes_the_codes(tiny_model, prompts, alone, kernels):  # noqa: F811
     index = 2
-    engine = _engine(tiny_model, max_num_seqs=8, max_num_batched_tokens=256)
+    engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=256)
     codes, _ = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=1, final_after=4)
     assert not torch.equal(codes, alone[prompts[index].request_id][0])

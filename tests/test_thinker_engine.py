@@ -75,13 +75,15 @@ def _same(a, b) -> bool:
             and torch.equal(a.output_hidden, b.output_hidden))
 
 
-def test_batched_requests_equal_their_solo_runs(runner, tiny_tokenizer):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_batched_requests_equal_their_solo_runs(runner, tiny_tokenizer, kernels):
     prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
-    engine = _engine(runner)
+    engine = _engine(runner, attention_kernels=kernels)
     solo = [engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
     together, deltas = _run_together(engine, prompts, params)
     assert engine.batch_stats()["max_decode_batch"] == len(prompts)
-    staggered, _ = _run_together(_engine(runner, max_num_seqs=3), prompts, params, stagger=2)
+    staggered, _ = _run_together(_engine(runner, max_num_seqs=3, attention_kernels=kernels), prompts,
+                                 params, stagger=2)
     for i in range(len(prompts)):
         assert _same(solo[i], together[i]) and _same(solo[i], staggered[i]), TEXTS[i]
         assert deltas[i] == together[i].token_ids  # streamed deltas add up to the output
@@ -145,7 +147,8 @@ def test_abort_frees_the_request_and_the_others_finish_unchanged(runner, tiny_to
     assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
 
 
-def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_tokenizer, kernels):
     """Teacher-forced: each step's logits and hidden states match transformers' own forward on
     the same cache (not bit for bit: other kernels)."""
     prompt = _prompts(tiny_tokenizer)[1]
@@ -155,7 +158,7 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     n = len(prompt.prompt_token_ids)
     blocks = cache.allocate(n + 8)
     cache.write(blocks, 0, cache_to_canonical(pre.cache))
-    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer, kernels)
     token = pre.first_token
     for step in range(6):
         ours = decoder.step([DecodeRow(token, n + step, 0, blocks)], cache)

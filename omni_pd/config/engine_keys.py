@@ -136,7 +136,7 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset({
     "load_format", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s", "kv_transfer_config",
     "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames",
-    "code2wav_kernels",
+    "code2wav_kernels", "attention_kernels",
 })
 
 _WHY_UNUSED: dict[str, str] = {

@@ -125,6 +125,9 @@ class _TypedEngineArgs(_Model):
     # hf code2wav: the convolutional decoder on omni-pd's C kernels (built with the system C
     # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
     code2wav_kernels: Literal["native", "torch"] = "native"
+    # hf thinker and talker: a decode step's attention for all sequences in one call of
+    # omni-pd's C kernel, or one torch attention call per sequence; both batch-invariant.
+    attention_kernels: Literal["native", "torch"] = "native"
     # vllm-omni keys omni-pd reads
     model_stage: str
     model_arch: str | None = None

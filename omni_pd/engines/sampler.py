@@ -6,15 +6,26 @@ whose first token was sampled by a prefill engine in another process and still m
 """
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
 import torch
+import xxhash
 
 from ..sampling import SamplingParams
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + step) % (2**63))
+
+
+def step_uniform(seed: int, key: int) -> float:
+    """A uniform number in [0, 1) for draw `key` of a request seeded `seed`: a hash of the pair
+    (xxh3-64), so a draw depends on (seed, key) only, like `step_generator`, at a microsecond
+    a draw rather than a torch generator's ~10 (a batched talker makes four draws per row per
+    step). 24 bits: every value is exact in float32."""
+    word = xxhash.xxh3_64_intdigest(struct.pack("<qq", int(seed) % (2**63), int(key)))
+    return (word >> 40) / float(1 << 24)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[int], penalty: float) -> torch.Tensor:

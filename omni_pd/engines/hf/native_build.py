@@ -25,6 +25,13 @@ SOURCES = Path(__file__).resolve().parent / "native"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
 
 
+# What a deployer sets to run without a kernel (torch ops instead), named in build errors.
+FALLBACK = {
+    "code2wav": "the code2wav stage's engine_args.code2wav_kernels: torch",
+    "attention": "the thinker and talker stages' engine_args.attention_kernels: torch",
+}
+
+
 class NativeBuildError(RuntimeError):
     pass
 
@@ -34,13 +41,13 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "omni-pd"
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise NativeBuildError("no C compiler found (tried $CC, cc, gcc, clang): install one (Debian/"
-                           "Ubuntu: `apt-get install gcc`; scripts/setup.sh does), or set the "
-                           "code2wav stage's engine_args.code2wav_kernels: torch")
+def _compiler(name: str) -> str:
+    for compiler in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if compiler and shutil.which(compiler):
+            return compiler
+    raise NativeBuildError(f"no C compiler found for the {name} kernels (tried $CC, cc, gcc, "
+                           "clang): install one (Debian/Ubuntu: `apt-get install gcc`; "
+                           f"scripts/setup.sh does), or set {FALLBACK[name]}")
 
 
 def _cpu_id() -> str:
@@ -67,7 +74,7 @@ def build(name: str) -> Path:
     path = library_path(name)
     if path.is_file():
         return path
-    compiler = _compiler()
+    compiler = _compiler(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -76,8 +83,8 @@ def build(name: str) -> Path:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise NativeBuildError(f"building the {name} kernels failed ({' '.join(command)}):\n"
-                                   f"{done.stderr.strip()}\nfix the compiler setup, or set the "
-                                   "code2wav stage's engine_args.code2wav_kernels: torch")
+                                   f"{done.stderr.strip()}\nfix the compiler setup, or set "
+                                   f"{FALLBACK[name]}")
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

@@ -52,7 +52,8 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     if model_stage == "talker":
         from .talker_engine import HfTalkerEngine
         return HfTalkerEngine(stage_config.stage_id, model, max_num_seqs=stage_config.max_num_seqs,
-                              max_num_batched_tokens=stage_config.max_num_batched_tokens)
+                              max_num_batched_tokens=stage_config.max_num_batched_tokens,
+                              attention_kernels=args.attention_kernels)
     from .code2wav_engine import HfCode2WavEngine
     return HfCode2WavEngine(stage_config.stage_id, model,
                             initial_chunk_frames=args.initial_codec_chunk_frames,

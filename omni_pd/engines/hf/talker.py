@@ -174,7 +174,8 @@ class TalkerRunner:
             do_sample=not params.greedy,
             eos_token_id=self.codec_eos,
             repetition_penalty=params.repetition_penalty,
-            suppress_tokens=self.suppressed,
+            # ignore_eos: never sample the codec EOS (it has no frame), run to max_tokens
+            suppress_tokens=self.suppressed + ([self.codec_eos] if params.ignore_eos else []),
             output_hidden_states=True,
             return_dict_in_generate=True,
         )

@@ -7,12 +7,14 @@ codes are bit-identical whether it runs alone or among any others:
 
 * every linear layer and the MoE go through `batch_invariant` (fixed row tiles, experts summed in
   a fixed order), so a row's result never depends on how many rows share the matrix;
-* attention is computed per sequence, over exactly that sequence's cached positions, with torch's
-  `scaled_dot_product_attention` (never one padded batch);
+* attention is computed per sequence, over exactly that sequence's cached positions: a decode
+  step's in one C kernel call per layer that computes each sequence alone
+  (`attention_native`, the default), or with torch's `scaled_dot_product_attention` per
+  sequence (`kernels="torch"`); never one padded batch;
 * a prompt's prefill is a forward of its own (never shares a pass with anything);
-* sampling draws from a per-request generator, `step_generator(seed, step * num_code_groups +
-  group)`, so a draw depends on the request's seed and position only, never on the batch or on
-  the global RNG.
+* sampling draws one uniform number per row, `step_uniform(seed, step * num_code_groups + group)`
+  (a hash of the request's seed and position), so a draw depends on the request's seed and
+  position only, never on the batch or on the global RNG.
 
 Everything one request owns lives in one `TalkerRequestState` (its talker inputs, its KV cache,
 its codes, its step index): dropping the object frees the request.
@@ -35,8 +37,9 @@ import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from ...sampling import SamplingParams
-from ..sampler import step_generator
+from ..sampler import step_uniform
 from . import batch_invariant as bi
+from .attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
 
 # What transformers' talker passes to the code predictor's generate when sampling.
 CODE_PREDICTOR_TOP_K = 50
@@ -54,7 +57,7 @@ class TalkerRequestState:
     prompt_embeds: torch.Tensor  # [prompt_len, hidden]: the talker's prefill input
     trailing: torch.Tensor  # [T, hidden]: trailing_text_hidden, one row per decode step
     tts_pad: torch.Tensor  # [hidden]
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [1, kv_heads, capacity, hd]
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [capacity, kv_heads, hd]
     values: list[torch.Tensor] = field(default_factory=list)
     length: int = 0  # positions cached
     code0s: list[int] = field(default_factory=list)  # every sampled code0, EOS included
@@ -107,11 +110,13 @@ class TalkerRequestState:
 
 
 def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penalties: list[float],
-                         suppress_mask: torch.Tensor) -> torch.Tensor:
+                         suppress_mask: torch.Tensor, no_eos: list[bool] | None = None,
+                         eos: int | None = None) -> torch.Tensor:
     """transformers' logits processors for the talker, for a batch of rows ([B, vocab]): the
     repetition penalty of each row over its generated ids (the prompt is embeddings only, so
-    only they count), then suppress_tokens. Elementwise per (row, id), so a row's scores do not
-    depend on the others; one gather and one scatter for the whole batch."""
+    only they count), then suppress_tokens, and the codec EOS for the rows in `no_eos`.
+    Elementwise per (row, id), so a row's scores do not depend on the others; one gather and
+    one scatter for the whole batch."""
     scores = logits.float()
     rows: list[int] = []
     ids: list[int] = []
@@ -126,13 +131,16 @@ def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penal
         penalty = torch.tensor(factors, dtype=scores.dtype)
         picked = scores[where]
         scores = scores.index_put(where, torch.where(picked < 0, picked * penalty, picked / penalty))
-    return scores.masked_fill(suppress_mask, float("-inf"))
+    scores = scores.masked_fill(suppress_mask, float("-inf"))
+    if no_eos is not None and any(no_eos):
+        scores[torch.tensor(no_eos), eos] = float("-inf")
+    return scores
 
 
 @dataclass(frozen=True)
 class RowSampling:
     """How one row of a batch is sampled: greedy, or transformers' warpers (temperature, top-k,
-    top-p, in that order) and a draw from the request's generator for `key`."""
+    top-p, in that order) and a draw keyed by the request's seed and `key`."""
 
     greedy: bool
     temperature: float
@@ -146,7 +154,7 @@ def sample_rows(scores: torch.Tensor, rows: list[RowSampling]) -> list[int]:
     """One pick per row of `scores` ([B, vocab]). The warpers run on all sampled rows at once;
     each is a per-row operation (elementwise, or a sort / top-k / softmax / cumsum along the
     row), so a row's result is the same in a batch of one or of many. Only the draw itself is
-    per row, from that request's own generator."""
+    per row: a uniform number from that request's seed and the draw's key."""
     picks = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if greedy:
@@ -171,10 +179,10 @@ def sample_rows(scores: torch.Tensor, rows: list[RowSampling]) -> list[int]:
         remove &= torch.tensor([[r.top_p < 1.0] for r in specs])
         x = x.masked_fill(remove.scatter(1, order, remove), float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    # Inverse-CDF draws: one uniform number per row from the request's own generator, then one
-    # row-wise search for all rows (a multinomial call per row was a fifth of a talker step).
-    uniform = torch.stack([torch.rand((), generator=step_generator(r.seed, r.key), dtype=probs.dtype)
-                           for r in specs])
+    # Inverse-CDF draws: one uniform number per row, a hash of the request's seed and the draw's
+    # key, then one row-wise search for all rows (a multinomial call per row was a fifth of a
+    # talker step; a torch generator per row, a tenth).
+    uniform = torch.tensor([step_uniform(r.seed, r.key) for r in specs], dtype=probs.dtype)
     cdf = probs.cumsum(dim=-1)
     chosen = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
     # First index whose cumulative mass exceeds the draw: never a zero-probability token, except
@@ -189,7 +197,7 @@ class BatchedTalker:
     """The talker and its code predictor, run for many requests per step."""
 
     def __init__(self, talker: torch.nn.Module, talker_config, suppressed: list[int],
-                 trace: bool = False):
+                 trace: bool = False, kernels: str = "native"):
         self.talker = talker
         self.model = talker.model  # Qwen3OmniMoeTalkerModel
         self.predictor = talker.code_predictor
@@ -213,6 +221,10 @@ class BatchedTalker:
         temperature = getattr(self.predictor.generation_config, "temperature", None)
         self.cp_temperature = 1.0 if temperature is None else float(temperature)
         self.trace = trace
+        self.kernels = check_kernels(kernels)
+        # Each request's cache is one "block" as long as the cache, token-major.
+        self._geometry = CacheGeometry(block=1 << 40, block_stride=0,
+                                       pos_stride=self.kv_heads * self.head_dim, head_stride=self.head_dim)
 
     # -- request state --------------------------------------------------------------------------
 
@@ -230,7 +242,7 @@ class BatchedTalker:
 
     def _reserve(self, state: TalkerRequestState, needed: int) -> None:
         """Make room for `needed` positions in the request's own KV cache."""
-        capacity = state.keys[0].shape[2] if state.keys else 0
+        capacity = state.keys[0].shape[0] if state.keys else 0
         if needed <= capacity:
             return
         limit = state.prompt_len + state.params.max_tokens
@@ -239,9 +251,9 @@ class BatchedTalker:
         dtype = state.prompt_embeds.dtype
         for layer in range(len(self.model.layers)):
             for cache in (state.keys, state.values):
-                grown = torch.zeros((1, self.kv_heads, new_capacity, self.head_dim), dtype=dtype)
+                grown = torch.zeros((new_capacity, self.kv_heads, self.head_dim), dtype=dtype)
                 if layer < len(cache):
-                    grown[:, :, :state.length] = cache[layer][:, :, :state.length]
+                    grown[:state.length] = cache[layer][:state.length]
                     cache[layer] = grown
                 else:
                     cache.append(grown)
@@ -269,28 +281,25 @@ class BatchedTalker:
             if state.finished or state.hidden is None:
                 raise RuntimeError(f"request {state.request_id} cannot decode "
                                    f"(finished={state.finished}, prefilled={state.hidden is not None})")
-        residuals, codec_embeds = self._predict_residuals(states)
-        inputs, alive = [], []
-        for state, codes, parts in zip(states, residuals, codec_embeds):
-            if state.error is not None:
-                continue
-            frame_index = len(state.frames)
-            state.frames.append([state.code0s[-1]] + codes)
-            # As transformers: cat the G code embeddings, sum them, then add the text row.
-            embed = torch.stack(parts).unsqueeze(0).sum(1)[0]
-            if frame_index < state.trailing.shape[0]:
-                embed = embed + state.trailing[frame_index]
-            else:
-                embed = embed + state.tts_pad
-            inputs.append(embed)
-            alive.append(state)
+        residuals, frame_embeds = self._predict_residuals(states)
+        # The text row each fed-back frame gets: trailing_text_hidden at the frame's index, or
+        # tts_pad past its end.
+        text_rows = [s.trailing[len(s.frames)] if len(s.frames) < s.trailing.shape[0] else s.tts_pad
+                     for s in states]
+        alive = [i for i, state in enumerate(states) if state.error is None]
         if not alive:
             return
-        hidden = self._talker_forward(torch.stack(inputs), alive, [1] * len(alive))
+        for i in alive:
+            states[i].frames.append([states[i].code0s[-1]] + residuals[i])
+        inputs = frame_embeds + torch.stack(text_rows)  # elementwise: per row
+        if len(alive) < len(states):
+            inputs = inputs[alive]
+        live = [states[i] for i in alive]
+        hidden = self._talker_forward(inputs, live, [1] * len(live))
         logits = bi.linear_module(self.talker.codec_head, hidden)
-        for row, state in enumerate(alive):
-            state.hidden = hidden[row].clone()
-        self._take_code0s(alive, logits)
+        for row, state in enumerate(live):
+            state.hidden = hidden[row]  # a view: each step's hidden is a fresh tensor
+        self._take_code0s(live, logits)
 
     # -- sampling -------------------------------------------------------------------------------
 
@@ -300,8 +309,11 @@ class BatchedTalker:
             if state.trace is not None:
                 state.trace["code0_logits"].append(row.detach().clone())
                 state.trace["hidden"].append(state.hidden.detach().clone())
+        # ignore_eos: an EOS code0 has no frame to decode, so rather than go on past it (vLLM's
+        # meaning for text), the talker never samples it and runs to max_tokens.
         scores = process_code0_scores(logits, [s.code0s for s in states],
-                                      [s.params.repetition_penalty for s in states], self.suppress_mask)
+                                      [s.params.repetition_penalty for s in states], self.suppress_mask,
+                                      [s.params.ignore_eos for s in states], self.codec_eos)
         specs = [RowSampling(s.params.greedy, s.params.temperature, max(s.params.top_k, 0),
                              s.params.top_p, s.seed, s.step * self.num_code_groups) for s in states]
         for state, code0 in zip(states, self._sample(states, scores, specs, "talker sampling")):
@@ -359,41 +371,52 @@ class BatchedTalker:
         # Text-only talker input: the three multimodal rotary rows are all the plain position.
         rope_positions = positions.view(1, 1, -1).expand(3, 1, -1)
         cos, sin = self.model.rotary_emb(x.unsqueeze(0), rope_positions)  # [1, rows, hd]
+        rows = None
+        if self.kernels == "native" and all(count == 1 for count in counts):
+            rows = DecodeRows([[0]] * len(states), [s.length + 1 for s in states])
         for index, layer in enumerate(self.model.layers):
             x = x + self._talker_attention(layer.self_attn, layer.input_layernorm(x), cos, sin,
-                                           states, counts, index)
+                                           states, counts, index, rows)
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
         for state, count in zip(states, counts):
             state.length += count
         return self.model.norm(x)
 
     def _talker_attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          states: list[TalkerRequestState], counts: list[int],
-                          layer: int) -> torch.Tensor:
-        q, k, v = _projections(attn, x, self.head_dim, cos, sin)
+                          states: list[TalkerRequestState], counts: list[int], layer: int,
+                          rows: DecodeRows | None) -> torch.Tensor:
+        q, k, v = _projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
+        if rows is not None:  # a decode step on the kernel: one new row per sequence
+            k_bases = torch.tensor([s.keys[layer].data_ptr() for s in states], dtype=torch.long)
+            v_bases = torch.tensor([s.values[layer].data_ptr() for s in states], dtype=torch.long)
+            out = decode_attention(_row_major(q), _row_major(k), _row_major(v), rows, k_bases,
+                                   v_bases, self._geometry, attn.scaling)
+            return bi.linear_module(attn.o_proj, out.reshape(out.shape[0], -1))
         outputs, start = [], 0
         for state, count in zip(states, counts):
             begin, end = state.length, state.length + count
             keys, values = state.keys[layer], state.values[layer]
-            keys[:, :, begin:end] = k[:, :, start:start + count]
-            values[:, :, begin:end] = v[:, :, start:start + count]
-            outputs.append(_attend(q[:, :, start:start + count], keys[:, :, :end],
-                                   values[:, :, :end], attn.scaling, begin))
+            keys[begin:end] = k[0, :, start:start + count].transpose(0, 1)
+            values[begin:end] = v[0, :, start:start + count].transpose(0, 1)
+            outputs.append(_attend(q[:, :, start:start + count], _head_major(keys[:end]),
+                                   _head_major(values[:end]), attn.scaling, begin))
             start += count
         return bi.linear_module(attn.o_proj, torch.cat(outputs))
 
     # -- the code predictor ---------------------------------------------------------------------
 
     def _predict_residuals(self, states: list[TalkerRequestState]
-                           ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+                           ) -> tuple[list[list[int]], torch.Tensor]:
         """Codes 1..G-1 of every state's pending frame, batched: every request has the same
-        predictor length at a given group. Returns the codes and, per state, the G code
-        embeddings (talker codec embedding of code0, then the predictor's per group)."""
+        predictor length at a given group. Returns the codes and the frames' summed code
+        embeddings ([B, hidden]: the talker's codec embedding of code0 plus the predictor's
+        embedding of each later group, added in group order, elementwise, as transformers sums
+        the G concatenated embeddings)."""
         batch, groups = len(states), self.num_code_groups
         cp = self.predictor.model
         code0 = torch.tensor([s.code0s[-1] for s in states], dtype=torch.long)
         first = self.model.codec_embedding(code0)  # [B, hidden]
-        parts: list[list[torch.Tensor]] = [[first[b]] for b in range(batch)]
+        total = first
         codes: list[list[int]] = [[] for _ in range(batch)]
         hidden = torch.stack([s.hidden for s in states])  # [B, hidden]
         # Prefill [past_hidden, code0 embedding] (2 rows per request), then one row per group.
@@ -415,10 +438,10 @@ class BatchedTalker:
                     state.trace["cp_logits"][-1].append(logits[b].detach().clone())
             picks = self._take_residuals(states, group, logits)
             x = cp.codec_embedding[group - 1](torch.tensor(picks, dtype=torch.long))  # [B, hidden]
+            total = total + x
             for b in range(batch):
                 codes[b].append(picks[b])
-                parts[b].append(x[b])
-        return codes, parts
+        return codes, total
 
     def _predictor_forward(self, x: torch.Tensor, batch: int, width: int, start: int,
                            caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -442,6 +465,16 @@ class BatchedTalker:
             x = x + bi.linear_module(attn.o_proj, out.transpose(1, 2).reshape(batch * width, -1))
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return cp.norm(x)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """[1, heads, rows, hd] -> contiguous [rows, heads, hd]."""
+    return t[0].transpose(0, 1).contiguous()
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A cache prefix [positions, kv_heads, hd] as attention reads it: [1, kv_heads, positions, hd]."""
+    return cache.transpose(0, 1).unsqueeze(0)
 
 
 def _per_request(t: torch.Tensor, batch: int, width: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ class HfTalkerEngine(StageEngine):
 
     control_calls = StageEngine.control_calls | {"set_batch_invariant"}
 
-    def __init__(self, stage_id: int, model, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, stage_id: int, model, max_num_seqs: int, max_num_batched_tokens: int,
+                 attention_kernels: str = "native"):
         if int(max_num_seqs) < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if int(max_num_batched_tokens) < 1:
@@ -43,7 +44,8 @@ class HfTalkerEngine(StageEngine):
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
-        self.core = BatchedTalker(model.talker, model.config.talker_config, self.runner.suppressed)
+        self.core = BatchedTalker(model.talker, model.config.talker_config, self.runner.suppressed,
+                                  kernels=attention_kernels)
         self.num_code_groups = model.config.talker_config.num_code_groups
         self.waiting: OrderedDict[str, TalkerRequestState] = OrderedDict()
         self.running: OrderedDict[str, TalkerRequestState] = OrderedDict()
@@ -123,7 +125,8 @@ class HfTalkerEngine(StageEngine):
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "hf-talker-batched", "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens}
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "attention_kernels": self.core.kernels}
 
     # -- the step loop --------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ One forward pass advances every running request by one token. It computes what t
 thinker text model computes (same modules and weights: RMSNorm, q/k norm, the interleaved
 multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE go through
 `batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
-sequence's cached positions, so a request's logits are bit-identical whether it decodes alone or
+sequence's cached positions (all sequences of a layer in one call of the C kernel in
+`attention_native`, by default; or one torch `scaled_dot_product_attention` each), so a request's logits are bit-identical whether it decodes alone or
 with 63 others. Prompts are prefilled one at a time by transformers' own forward (a request's
 prefill never shares a pass), then their KV is copied into the request's blocks.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from . import batch_invariant as bi
+from .attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
 from .paged_cache import PagedKVCache
 
 
@@ -38,7 +40,7 @@ class DecodeStepResult:
 
 
 class BatchedThinkerDecoder:
-    def __init__(self, thinker: torch.nn.Module, accept_hidden_layer: int):
+    def __init__(self, thinker: torch.nn.Module, accept_hidden_layer: int, kernels: str = "native"):
         self.thinker = thinker
         self.text = thinker.model
         config = thinker.config.text_config
@@ -50,6 +52,7 @@ class BatchedThinkerDecoder:
             raise ValueError(f"accept_hidden_layer {accept_hidden_layer} must name a layer below "
                              f"{self.num_layers}")
         self.accept_hidden_layer = accept_hidden_layer
+        self.kernels = check_kernels(kernels)
 
     @torch.no_grad()
     def step(self, rows: list[DecodeRow], cache: PagedKVCache) -> DecodeStepResult:
@@ -62,8 +65,12 @@ class BatchedThinkerDecoder:
         # Text-only positions: the three multimodal rotary rows are all position + rope_deltas.
         rope_positions = (positions + deltas).view(1, count, 1).expand(3, count, 1)
         cos, sin = self.text.rotary_emb(h.unsqueeze(1), rope_positions)  # [B, 1, head_dim]
+        native = None
+        if self.kernels == "native":
+            native = DecodeRows([r.blocks for r in rows], [r.position + 1 for r in rows])
         for index, layer in enumerate(self.text.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index, cache)
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index,
+                                    cache, native)
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
             if index + 1 == self.accept_hidden_layer:
                 accept = h
@@ -73,12 +80,20 @@ class BatchedThinkerDecoder:
         return DecodeStepResult(logits=logits, embeds=embeds, hidden=accept)
 
     def _attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   rows: list[DecodeRow], layer: int, cache: PagedKVCache) -> torch.Tensor:
+                   rows: list[DecodeRow], layer: int, cache: PagedKVCache,
+                   native: DecodeRows | None) -> torch.Tensor:
         count, hd = x.shape[0], self.head_dim
         q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
         k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
         v = bi.linear_module(attn.v_proj, x).view(count, -1, hd)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
+        if native is not None:
+            k_base, v_base, geometry = _paged(cache, layer)
+            out = decode_attention(q[:, :, 0].contiguous(), k[:, :, 0].contiguous(), v.contiguous(),
+                                   native, torch.full((count,), k_base, dtype=torch.long),
+                                   torch.full((count,), v_base, dtype=torch.long), geometry,
+                                   attn.scaling)
+            return bi.linear_module(attn.o_proj, out.reshape(count, -1))
         outputs = []
         for b, row in enumerate(rows):
             cache.write_token(layer, row.blocks, row.position, k[b, :, 0], v[b])
@@ -88,3 +103,17 @@ class BatchedThinkerDecoder:
                 enable_gqa=True))
         out = torch.cat(outputs).transpose(1, 2).reshape(count, -1)
         return bi.linear_module(attn.o_proj, out)
+
+
+def _paged(cache: PagedKVCache, layer: int) -> tuple[int, int, CacheGeometry]:
+    """Addresses of layer `layer`'s K and V at block 0, position 0, and the cache's strides, for
+    the native kernel: blocks are [block_size, layers, 2, kv_heads, hd], float32."""
+    data = cache.data
+    if data.dtype != torch.float32 or not data.is_contiguous():
+        raise ValueError("the native decode attention reads a contiguous float32 paged cache")
+    _, block_size, _, _, kv_heads, hd = data.shape
+    k_base = data[0, 0, layer, 0].data_ptr()
+    v_base = data[0, 0, layer, 1].data_ptr()
+    geometry = CacheGeometry(block=block_size, block_stride=data.stride(0),
+                             pos_stride=data.stride(1), head_stride=data.stride(4))
+    return k_base, v_base, geometry

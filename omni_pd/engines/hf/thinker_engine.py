@@ -169,7 +169,8 @@ class _ThinkerEngine(StageEngine):
                                   shared=self.shares_cache(stage_config))
         self.layout = self.cache.layout
         if self.decodes:
-            self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer)
+            self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
+                                                 args.attention_kernels)
         log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
                  "of %d tokens", self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
                  args.kv_pool_blocks, self.block_size)
