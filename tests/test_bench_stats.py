@@ -127,6 +127,22 @@ def test_config_overrides_make_a_labelled_copy(tmp_path):
         _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)
 
 
+def test_ignore_eos_sets_every_stage_of_the_copy(tmp_path):
+    import yaml
+
+    from omni_pd.bench.serve import _resolve_config
+    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path, ignore_eos=True)
+    stages = yaml.safe_load(path.read_text())["stage_args"]
+    assert label == "qwen3_omni_tiny" and len(stages) == 3
+    assert all(stage["default_sampling_params"]["ignore_eos"] is True for stage in stages)
+    # the talker keeps its own sampling settings beside it
+    assert stages[1]["default_sampling_params"]["max_tokens"] == 64
+    # without the flag the shipped file is served as it is: no ignore_eos anywhere
+    _, plain = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+    assert not any("ignore_eos" in (s.get("default_sampling_params") or {})
+                   for s in yaml.safe_load(plain.read_text())["stage_args"])
+
+
 def test_pd_ttft_overhead_is_ttft_beyond_colocated_minus_the_handoff():
     colocated = {**_row("col", 1, 4.0, 200.0), "ttft_ms_p50": 10.0, "kv_handoff_ms_mean": None}
     pd = {**_row("pd", 1, 4.0, 210.0), "ttft_ms_p50": 14.5, "kv_handoff_ms_mean": 1.5}

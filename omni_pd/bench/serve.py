@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{WAVES} x the concurrency, at least {DEFAULT_NUM_REQUESTS}; --quick: "
                              f"{QUICK_NUM_REQUESTS})")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="set ignore_eos in every stage's default_sampling_params of the served "
+                             "configs (vLLM's benchmark flag): every request then runs each stage to "
+                             "its max_tokens, so its work does not depend on when random weights "
+                             "happen to sample an EOS (the talker never samples its codec EOS)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="uncounted requests sent before each level (default 1)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -89,9 +94,10 @@ def _int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
-def _resolve_config(text: str, scratch: Path) -> tuple[str, Path]:
+def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
     """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
-    `...pd.yaml@async_chunk=false`): the label and the file to serve."""
+    `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
+    ignore_eos in every stage's default sampling params."""
     import yaml
 
     name, *overrides = text.split("@")
@@ -99,7 +105,7 @@ def _resolve_config(text: str, scratch: Path) -> tuple[str, Path]:
     found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
     if found is None:
         raise SystemExit(f"error: stage config {name!r} not found (here or under {REPO_ROOT})")
-    if not overrides:
+    if not overrides and not ignore_eos:
         return found.stem, found
     data = yaml.safe_load(found.read_text())
     for override in overrides:
@@ -107,6 +113,13 @@ def _resolve_config(text: str, scratch: Path) -> tuple[str, Path]:
         if not sep or not key:
             raise SystemExit(f"error: a config override is KEY=VALUE, got {override!r} in {text!r}")
         data[key] = yaml.safe_load(value)
+    if ignore_eos:
+        stages = data.get("stage_args") if isinstance(data, dict) else None
+        if not isinstance(stages, list):
+            raise SystemExit(f"error: --ignore-eos sets each stage's default_sampling_params, but "
+                             f"{found} has no stage_args list")
+        for stage in stages:
+            stage.setdefault("default_sampling_params", {})["ignore_eos"] = True
     label = "@".join([found.stem, *overrides])
     copy = scratch / f"{label}.yaml"
     copy.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -236,6 +249,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.base_url and args.configs:
         raise SystemExit("error: --configs and --base-url exclude each other")
+    if args.base_url and args.ignore_eos:
+        raise SystemExit("error: --ignore-eos changes the configs bench starts servers with; for "
+                         "--base-url, set ignore_eos in that server's stage YAML instead")
     levels = _int_list(args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
                        "--concurrency")
     num_requests = (args.num_requests if args.num_requests is not None else
@@ -249,7 +265,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         targets: list[tuple[str, Path | None]] = [(args.label or urlparse(args.base_url).netloc
                                                    or args.base_url, None)]
     else:
-        resolved = [_resolve_config(p, scratch) for p in
+        resolved = [_resolve_config(p, scratch, args.ignore_eos) for p in
                     (args.configs.split(",") if args.configs else [str(p) for p in DEFAULT_CONFIGS])
                     if p.strip()]
         targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
