@@ -151,46 +151,50 @@ class RowSampling:
 
 
 def sample_rows(scores: torch.Tensor, rows: list[RowSampling]) -> list[int]:
-    """One pick per row of `scores` ([B, vocab]). The warpers run on all sampled rows at once;
-    each is a per-row operation (elementwise, or a sort / top-k / softmax / cumsum along the
-    row), so a row's result is the same in a batch of one or of many. Only the draw itself is
-    per row: a uniform number from that request's seed and the draw's key."""
+    """One pick per row of `scores` ([B, vocab]). Greedy rows take the argmax. Sampled rows are
+    warped and drawn on their top-k candidates only (the whole vocabulary where top-k is off):
+    temperature, then top-k, then top-p (a candidate stays while the mass of the better ones is
+    below top_p, at least one), then an inverse-CDF draw with the row's uniform number. Rows are
+    grouped by candidate count and every op works along a row (top-k, softmax, cumsum, search),
+    so a row's pick is the same in a batch of one or of many."""
     picks = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if greedy:
         for i, pick in zip(greedy, torch.argmax(scores[greedy], dim=-1).tolist()):
             picks[i] = pick
-    sampled = [i for i, r in enumerate(rows) if not r.greedy]
-    if not sampled:
-        return picks
-    specs = [rows[i] for i in sampled]
-    x = scores[sampled] / torch.tensor([[r.temperature] for r in specs], dtype=scores.dtype)
-    if any(r.top_k > 0 for r in specs):
-        width = min(max(r.top_k for r in specs), x.shape[1])
-        kth = torch.topk(x, width, dim=-1).values.gather(
-            1, torch.tensor([[min(max(r.top_k, 1), width) - 1] for r in specs]))
-        kth = kth.masked_fill(torch.tensor([[r.top_k <= 0] for r in specs]), float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))
+    vocab = scores.shape[1]
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if not r.greedy:
+            groups.setdefault(min(r.top_k, vocab) if r.top_k > 0 else vocab, []).append(i)
+    for width, members in groups.items():
+        for i, pick in zip(members, _draw(scores[members], [rows[i] for i in members], width)):
+            picks[i] = pick
+    return picks
+
+
+def _draw(scores: torch.Tensor, specs: list[RowSampling], width: int) -> list[int]:
+    """Draws for rows that all keep `width` candidates."""
+    temperatures = [r.temperature for r in specs]
+    if any(t != 1.0 for t in temperatures):
+        scores = scores / torch.tensor(temperatures, dtype=scores.dtype).unsqueeze(1)
+    values, candidates = torch.topk(scores, width, dim=-1)  # best first
+    probs = torch.softmax(values, dim=-1)
     if any(r.top_p < 1.0 for r in specs):
-        ascending, order = torch.sort(x, dim=-1)
-        threshold = torch.tensor([[1.0 - r.top_p] for r in specs], dtype=x.dtype)
-        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= threshold
-        remove[:, -1] = False
-        remove &= torch.tensor([[r.top_p < 1.0] for r in specs])
-        x = x.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    # Inverse-CDF draws: one uniform number per row, a hash of the request's seed and the draw's
-    # key, then one row-wise search for all rows (a multinomial call per row was a fifth of a
-    # talker step; a torch generator per row, a tenth).
+        before = probs.cumsum(dim=-1) - probs
+        drop = before >= torch.tensor([r.top_p for r in specs], dtype=probs.dtype).unsqueeze(1)
+        drop[:, 0] = False
+        probs = torch.softmax(values.masked_fill(drop, float("-inf")), dim=-1)
+    # One uniform number per row, a hash of the request's seed and the draw's key, then one
+    # row-wise search for all rows (a multinomial call per row was a fifth of a talker step; a
+    # torch generator per row, a tenth).
     uniform = torch.tensor([step_uniform(r.seed, r.key) for r in specs], dtype=probs.dtype)
     cdf = probs.cumsum(dim=-1)
-    chosen = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    # First index whose cumulative mass exceeds the draw: never a zero-probability token, except
-    # past the end when rounding makes draw == total; then the last token with mass.
-    last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    for i, pick in zip(sampled, torch.minimum(chosen, last).tolist()):
-        picks[i] = pick
-    return picks
+    chosen = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True)
+    # The candidates with mass are a prefix (best first, the dropped ones last); past it only
+    # when rounding makes the draw equal the total: then the last candidate with mass.
+    chosen = torch.minimum(chosen, (probs > 0).sum(dim=-1, keepdim=True) - 1)
+    return candidates.gather(1, chosen).squeeze(1).tolist()
 
 
 class BatchedTalker:
