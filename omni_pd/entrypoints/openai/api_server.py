@@ -344,7 +344,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         created = int(time.time())
         if body.stream:
             return StreamingResponse(
-                _stream(omni, state, request, prepared, params, completion_id, created, http_request,
+                _stream(omni, state, request, prepared, params, completion_id, created,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage)),
                 media_type="text/event-stream")
         state.metrics.in_flight.inc()
@@ -428,8 +428,7 @@ def _sse(payload: dict) -> str:
 
 async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedRequest,
                   prepared: PreparedPrompt, params,
-                  completion_id: str, created: int, http_request: Request, include_usage: bool
-                  ) -> AsyncIterator[str]:
+                  completion_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
@@ -446,9 +445,11 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                          modalities=request.modalities)
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}))
+        # A client that goes is noticed by starlette's StreamingResponse, which listens for the
+        # disconnect while this generator runs and cancels it; `finally` then closes `events`,
+        # which aborts the request everywhere. (Polling `is_disconnected()` per event as well
+        # cost a tenth of the server process's CPU under load.)
         async for event in events:
-            if await http_request.is_disconnected():
-                break  # closing `events` below aborts the request everywhere
             if isinstance(event, TextDelta):
                 untranscribed += event.text
                 yield _sse(chunk({"content": event.text}))
