@@ -323,12 +323,18 @@ class _ThinkerEngine(StageEngine):
     def _decode(self, batch: list[ThinkerRequest]) -> list[StepOutput]:
         rows = [DecodeRow(r.tokens[-1], r.position, r.rope_deltas, r.blocks) for r in batch]
         result = self.decoder.step(rows, self.cache)
+        # Plain greedy rows: one argmax for all of them (what sample_next_token computes for
+        # each, row by row); the rest sample one by one.
+        plain = [b for b, r in enumerate(batch) if r.params.greedy and r.params.repetition_penalty == 1.0]
+        greedy = dict(zip(plain, torch.argmax(result.logits[plain].float(), dim=-1).tolist())) if plain else {}
         outputs = []
         for b, request in enumerate(batch):
             request.output_embeds.append(result.embeds[b].clone())
             request.output_hidden.append(result.hidden[b].clone())
-            token = sample_next_token(result.logits[b], request.params, step=len(request.tokens),
-                                      seen_token_ids=request.prompt.prompt_token_ids + request.tokens)
+            token = greedy.get(b)
+            if token is None:
+                token = sample_next_token(result.logits[b], request.params, step=len(request.tokens),
+                                          seen_token_ids=request.prompt.prompt_token_ids + request.tokens)
             request.tokens.append(token)
             reason = self.runner.finish_reason(request.tokens, request.params)
             if reason is not None:
