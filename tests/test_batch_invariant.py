@@ -41,3 +41,20 @@ def test_negative_control_plain_linear_depends_on_the_batch():
         with bi.disabled():
             assert torch.equal(bi.linear(batch[:1], weight), F.linear(batch[:1], weight))
     assert any(differs)
+
+
+def test_one_sequence_is_plain_linear_on_its_own_thread_only():
+    """A prefill's pass runs plain F.linear; an in-process stage's engine on another thread keeps
+    its tiles meanwhile (the switch is per thread)."""
+    import threading
+
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    other: dict[str, bool] = {}
+    with bi.one_sequence():
+        assert torch.equal(bi.linear(x, weight), torch.nn.functional.linear(x, weight))
+        thread = threading.Thread(target=lambda: other.update(alone=getattr(bi._pass, "alone", False)))
+        thread.start()
+        thread.join()
+    assert other == {"alone": False}
+    assert getattr(bi._pass, "alone", False) is False  # restored on leaving

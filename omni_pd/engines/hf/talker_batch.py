@@ -11,7 +11,8 @@ codes are bit-identical whether it runs alone or among any others:
   step's in one C kernel call per layer that computes each sequence alone
   (`attention_native`, the default), or with torch's `scaled_dot_product_attention` per
   sequence (`kernels="torch"`); never one padded batch;
-* a prompt's prefill is a forward of its own (never shares a pass with anything);
+* a prompt's prefill is a forward of its own (never shares a pass with anything), so it runs on
+  plain `F.linear` (`batch_invariant.one_sequence`): its row counts are the request's own;
 * sampling draws one uniform number per row, `step_uniform(seed, step * num_code_groups + group)`
   (a hash of the request's seed and position), so a draw depends on the request's seed and
   position only, never on the batch or on the global RNG.
@@ -269,7 +270,8 @@ class BatchedTalker:
         """The request's prompt, alone: fills its KV cache and samples its first code0."""
         if state.length:
             raise RuntimeError(f"request {state.request_id} is already prefilled")
-        hidden = self._talker_forward(state.prompt_embeds, [state], [state.prompt_len])
+        with bi.one_sequence():  # alone: its row count is the request's own
+            hidden = self._talker_forward(state.prompt_embeds, [state], [state.prompt_len])
         state.hidden = hidden[-1].clone()
         logits = bi.linear_module(self.talker.codec_head, hidden[-1:])[0]
         self._take_code0s([state], logits.unsqueeze(0))
