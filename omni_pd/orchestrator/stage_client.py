@@ -77,19 +77,24 @@ class _Waiter:
     def deliver(self, message: Any) -> None:  # on the event loop
         if self.future.done():
             return
-        if isinstance(message, msg.TokenDelta):
-            if self.on_tokens is not None:
-                self.on_tokens(message.token_ids)
-        elif isinstance(message, msg.ChunkOutput):
-            if self.on_chunk is not None:
-                try:
+        if isinstance(message, (msg.TokenDelta, msg.ChunkOutput)):
+            try:
+                if isinstance(message, msg.TokenDelta):
+                    if self.on_tokens is not None:
+                        self.on_tokens(message.token_ids)
+                elif self.on_chunk is not None:
                     self.on_chunk(message.data)
-                except Exception as exc:  # noqa: BLE001 - the consumer failed: so does the request
-                    self.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - the consumer failed: so does the request
+                self.future.set_exception(exc)
         elif isinstance(message, msg.GenerateResult):
             self.future.set_result(message.output)
         elif isinstance(message, StageError):
             self.future.set_exception(message)
+
+
+def _deliver_all(deliveries: list[tuple[_Waiter, Any]]) -> None:  # on the event loop
+    for waiter, message in deliveries:
+        waiter.deliver(message)
 
 
 class StageClient:
@@ -364,11 +369,26 @@ class StageClient:
                 worker.process.join(5)
 
     def _dispatch(self, message: Any) -> None:
+        """Route one message from the worker (a step's messages all at once): one wake-up of
+        each waiting event loop per message, with every delivery of the step for it in order
+        (a wake-up per request cost a self-pipe write each, ~15 per talker step under load)."""
+        deliveries: list[tuple[_Waiter, Any]] = []
+        self._collect(message, deliveries)
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[_Waiter, Any]]] = {}
+        for waiter, item in deliveries:
+            loops.setdefault(waiter.loop, []).append((waiter, item))
+        for loop, items in loops.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # that event loop is closed: nobody waits any more
+                pass
+
+    def _collect(self, message: Any, deliveries: list[tuple[_Waiter, Any]]) -> None:
         if isinstance(message, msg.Heartbeat):
             return
         if isinstance(message, msg.StepMessages):
             for each in message.messages:
-                self._dispatch(each)
+                self._collect(each, deliveries)
             return
         if isinstance(message, msg.ControlResult):
             with self._lock:
@@ -390,10 +410,7 @@ class StageClient:
             error = StageError(f"{self.name} failed request {request_id}: {message.message}")
             error.kind = _failure_kind(message.message)  # type: ignore[attr-defined]
             message = error
-        try:
-            waiter.loop.call_soon_threadsafe(waiter.deliver, message)
-        except RuntimeError:  # that event loop is closed: nobody waits any more
-            pass
+        deliveries.append((waiter, message))
 
     def _fail_all(self, error: StageError) -> None:
         with self._lock:
