@@ -173,9 +173,11 @@ def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left
                 assert isinstance(out.chunk, AudioOutput)
                 chunks.append(out.chunk.audio)
             if out.finished:
-                final = out.output.audio
+                final = out.output
     assert len(chunks) >= 5
-    assert torch.equal(torch.cat(chunks), whole) and torch.equal(final, whole)
+    assert torch.equal(torch.cat(chunks), whole)
+    # The samples left as chunks: the final output does not carry them again.
+    assert final.samples_in_chunks and final.audio.numel() == 0 and final.metrics["chunks"] == len(chunks)
     assert engine.debug_state_counts() == {"code2wav.requests": 0}
     with pytest.raises(ValueError, match="holds no request"):
         engine.append_input("s", empty, final=True)

@@ -95,3 +95,7 @@ class AudioOutput:
     audio: torch.Tensor  # [samples], float32
     sample_rate: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # The final output of a streamed request: its samples all left as chunks, so `audio` is
+    # empty here and the receiver joins the chunks (the whole waveform again doubled what a
+    # streamed request sent from code2wav).
+    samples_in_chunks: bool = False

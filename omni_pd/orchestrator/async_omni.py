@@ -15,6 +15,7 @@ that cannot use the prefill side gets: the decode engine computes the prompt its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -532,6 +533,7 @@ class AsyncOmni:
                     pump(target)
                 elif isinstance(chunk, AudioOutput):
                     state.audio_chunk_ms.append(state.elapsed_ms())
+                    state.audio_pieces.append(chunk.audio)
                     if on_audio is not None:
                         on_audio(chunk.audio, chunk.sample_rate)
             return on_chunk
@@ -545,6 +547,10 @@ class AsyncOmni:
                 began = time.perf_counter()
                 output = await self.clients[sid].result(request_id, waiters[sid],
                                                         deadline - time.monotonic())
+                if isinstance(output, AudioOutput) and output.samples_in_chunks:
+                    pieces, state.audio_pieces = state.audio_pieces, []
+                    output = dataclasses.replace(output, samples_in_chunks=False, audio=(
+                        torch.cat(pieces) if pieces else output.audio))
                 state.stage_finished(sid, began, output)
             target = consumer(sid)
             if target is not None:  # the source is done: its consumer gets its last input

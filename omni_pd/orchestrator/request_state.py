@@ -28,6 +28,7 @@ class RequestState:
     # `started`: the request's timeline, reported in its metrics.
     stage_spans: dict[int, list[float]] = field(default_factory=dict)
     audio_chunk_ms: list[float] = field(default_factory=list)
+    audio_pieces: list[Any] = field(default_factory=list)  # streamed audio, joined at the end
     # The request's one text stream to the client (token ids in, text deltas out), and how many
     # of the text stage's first tokens it has had already (P/D: the prefill leg's first token).
     text_stream: Any = None

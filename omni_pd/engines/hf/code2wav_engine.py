@@ -186,8 +186,12 @@ class HfCode2WavEngine(StageEngine):
         if not (u.final and u.decoded == u.frames):
             return [StepOutput(u.request_id, chunk=chunk)]
         del self._utterances[u.request_id]
-        audio = torch.cat(u.pieces) if u.pieces else torch.zeros(0)
         metrics = {"code2wav_ms": (time.perf_counter() - u.began) * 1e3, "chunks": len(u.pieces)}
-        output = AudioOutput(request_id=u.request_id, audio=audio, sample_rate=SAMPLE_RATE,
-                             metrics=metrics)
+        if u.stream:  # every sample has left in a chunk already
+            output = AudioOutput(request_id=u.request_id, audio=torch.zeros(0), sample_rate=SAMPLE_RATE,
+                                 metrics=metrics, samples_in_chunks=True)
+        else:
+            audio = torch.cat(u.pieces) if u.pieces else torch.zeros(0)
+            output = AudioOutput(request_id=u.request_id, audio=audio, sample_rate=SAMPLE_RATE,
+                                 metrics=metrics)
         return [StepOutput(u.request_id, chunk=chunk, finished=True, output=output)]
