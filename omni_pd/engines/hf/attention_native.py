@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_build import load
-
-KERNELS = ("native", "torch")
+from .native_build import check_choice, load
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _lib: ctypes.CDLL | None = None
@@ -32,10 +30,9 @@ def _library() -> ctypes.CDLL:
     return _lib
 
 
-def check_kernels(kernels: str, key: str = "attention_kernels") -> str:
-    if kernels not in KERNELS:
-        raise ValueError(f"{key} must be one of {', '.join(KERNELS)}, not {kernels!r}")
-    if kernels == "native":
+def check_kernels(kernels: str) -> str:
+    """The `attention_kernels` value, checked; `native` is built (or loaded) here."""
+    if check_choice(kernels, "attention_kernels") == "native":
         _library()  # build (or load) now: a missing compiler fails the stage at start
     return kernels
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .native_build import check_choice
+
 MIN_ROWS = 16
 
 
@@ -132,9 +134,6 @@ class Code2WavStream:
     hidden_tail: torch.Tensor | None = None  # [<= left context, hidden]
 
 
-KERNELS = ("native", "torch")
-
-
 class ExactCode2Wav:
     """code2wav with length-invariant kernels: whole utterances, or chunks of a stream.
 
@@ -143,8 +142,7 @@ class ExactCode2Wav:
     way chunks add up to the whole decode exactly; the two differ in the last bits."""
 
     def __init__(self, module: torch.nn.Module, kernels: str = "native"):
-        if kernels not in KERNELS:
-            raise ValueError(f"code2wav_kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+        check_choice(kernels, "code2wav_kernels")
         self.m = module
         self.config = module.config
         self.geometry = geometry(self.config)

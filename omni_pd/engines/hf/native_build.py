@@ -32,8 +32,19 @@ FALLBACK = {
 }
 
 
+# The values of a stage's `*_kernels` key: omni-pd's C kernels, or the same layers on torch ops.
+KERNELS = ("native", "torch")
+
+
 class NativeBuildError(RuntimeError):
     pass
+
+
+def check_choice(kernels: str, key: str) -> str:
+    """`kernels` if it names one of KERNELS, else the error naming the key and its values."""
+    if kernels not in KERNELS:
+        raise ValueError(f"{key} must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    return kernels
 
 
 def cache_dir() -> Path:

@@ -111,8 +111,7 @@ class TalkerRequestState:
 
 
 def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penalties: list[float],
-                         suppress_mask: torch.Tensor, no_eos: list[bool] | None = None,
-                         eos: int | None = None) -> torch.Tensor:
+                         suppress_mask: torch.Tensor, no_eos: list[bool], eos: int) -> torch.Tensor:
     """transformers' logits processors for the talker, for a batch of rows ([B, vocab]): the
     repetition penalty of each row over its generated ids (the prompt is embeddings only, so
     only they count), then suppress_tokens, and the codec EOS for the rows in `no_eos`.
@@ -133,7 +132,7 @@ def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penal
         picked = scores[where]
         scores = scores.index_put(where, torch.where(picked < 0, picked * penalty, picked / penalty))
     scores = scores.masked_fill(suppress_mask, float("-inf"))
-    if no_eos is not None and any(no_eos):
+    if any(no_eos):
         scores[torch.tensor(no_eos), eos] = float("-inf")
     return scores
 
