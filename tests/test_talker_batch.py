@@ -330,7 +330,44 @@ def test_add_request_validation(tiny_model, prompts):
     engine.add_request("dup", prompt, PARAMS[0])
     with pytest.raises(ValueError, match="dup"):
         engine.add_request("dup", prompt, PARAMS[0])
+    for sizes in ((0, 25), (4,), (4, 25, 1)):
+        with pytest.raises(ValueError, match="chunk_sizes"):
+            engine.add_request("sizes", prompt, PARAMS[0], stream=True, chunk_sizes=sizes)
     assert engine.debug_state_counts() == {"talker.requests": 1}
     engine.abort_request("dup")
     assert engine.debug_state_counts() == {"talker.requests": 0}
     assert not engine.has_unfinished_requests()
+
+
+def _chunks(engine, prompt, params, chunk_sizes):
+    """The frames of each chunk a streamed request sends, and its final codes."""
+    engine.add_request(prompt.request_id, prompt, params, stream=True, chunk_sizes=chunk_sizes)
+    chunks, codes = [], None
+    while codes is None:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.chunk is not None:
+                chunks.append(out.chunk)
+            if out.finished:
+                codes = out.output.codes
+    return chunks, codes
+
+
+@pytest.mark.parametrize("chunk_sizes", [(4, 25), (3, 7), (1, 1)])
+def test_streamed_frames_leave_in_the_chunks_asked_for(tiny_model, prompts, chunk_sizes):
+    """With chunk_sizes the talker sends its frames in code2wav's chunks (first, then later
+    sizes; the remainder with the last step), and they add up to the final codes."""
+    prompt, params = prompts[1], PARAMS[1].replace(ignore_eos=True, max_tokens=40)
+    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    chunks, codes = _chunks(engine, prompt, params, chunk_sizes)
+    first, later = chunk_sizes
+    frames = codes.shape[1]
+    expected = [first] + [later] * ((frames - first) // later)
+    if sum(expected) < frames:
+        expected.append(frames - sum(expected))
+    assert [len(c) for c in chunks] == expected
+    assert torch.tensor([f for c in chunks for f in c], dtype=codes.dtype).t().equal(codes)
+    # Without sizes, every step's frame is a chunk of its own (the control: sizes change it).
+    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    unsized, same = _chunks(engine, prompt, params, None)
+    assert [len(c) for c in unsized] == [1] * frames and torch.equal(same, codes)

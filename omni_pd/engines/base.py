@@ -76,11 +76,15 @@ class StageEngine(ABC):
 
     @abstractmethod
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
         """Queue a request built for this stage. Raises ValueError, with a message naming what to
         change, for a request this engine can never run. `stream` asks for token deltas (a text
         stage) or chunks (a stage whose only streamed output is chunks); `chunks` asks a text
-        stage for its chunks too (a downstream stage is fed while it runs)."""
+        stage for its chunks too (a downstream stage is fed while it runs). `chunk_sizes`
+        (first, later): the output units a chunk should gather before it leaves, because the
+        downstream stage takes them that way (the talker's frames, in code2wav's chunks); an
+        engine whose chunks are one token each (a thinker feeding a talker) has none to gather."""
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         """More input for a request whose prompt said more would follow (streaming between

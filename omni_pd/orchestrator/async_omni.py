@@ -500,6 +500,12 @@ class AsyncOmni:
             index = group.index(sid) + 1
             return group[index] if index < len(group) else None
 
+        def chunk_sizes(sid: int) -> tuple[int, int] | None:
+            """How the consumer of `sid` takes its input, when its stream processor says (the
+            group's first stage feeds a talker, which takes every token at once)."""
+            target = consumer(sid)
+            return getattr(feeders[target], "source_chunk_sizes", None) if target is not None else None
+
         def pump(sid: int) -> None:
             """Move what stage `sid`'s stream processor holds to that stage (synchronously, so
             nothing sent for the request can overtake its submission)."""
@@ -510,7 +516,8 @@ class AsyncOmni:
                     return
                 state.stage_started(sid)
                 waiters[sid] = self.clients[sid].submit(request_id, prompt, state.params[sid],
-                                                        on_chunk=forward(sid))
+                                                        on_chunk=forward(sid),
+                                                        chunk_sizes=chunk_sizes(sid))
                 opened[sid].set_result(None)
                 if prompt.final:
                     closed.add(sid)

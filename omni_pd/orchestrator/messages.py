@@ -44,6 +44,9 @@ class AddRequest:
     params: SamplingParams
     stream: bool = False  # send TokenDelta / ChunkOutput messages while generating
     chunks: bool = False  # a text stage sends ChunkOutputs too (a downstream stage is fed by them)
+    # Output units (talker frames) per ChunkOutput, first and later: what the downstream stage
+    # decodes per step. None: one ChunkOutput per step.
+    chunk_sizes: tuple[int, int] | None = None
 
 
 @dataclass

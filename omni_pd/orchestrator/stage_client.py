@@ -439,11 +439,13 @@ class StageClient:
 
     def submit(self, request_id: str, prompt: Any, params: SamplingParams,
                on_tokens: Callable[[list[int]], None] | None = None,
-               on_chunk: Callable[[Any], None] | None = None) -> "_Waiter":
+               on_chunk: Callable[[Any], None] | None = None,
+               chunk_sizes: tuple[int, int] | None = None) -> "_Waiter":
         """Send a request now (on the event loop's thread) and register who waits for it:
         anything sent for it afterwards (`append`, `abort`) reaches the worker after it. Await
         `result()` for its output. `on_tokens` gets streamed token deltas and `on_chunk` streamed
-        chunks, on the event loop; an exception from either fails the request."""
+        chunks, on the event loop; an exception from either fails the request. `chunk_sizes`:
+        see `StageEngine.add_request`."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, loop.create_future(), on_tokens, on_chunk)
         with self._lock:
@@ -453,7 +455,8 @@ class StageClient:
             try:
                 self._send_locked(msg.AddRequest(request_id, prompt, params,
                                                  stream=on_tokens is not None or on_chunk is not None,
-                                                 chunks=on_chunk is not None))
+                                                 chunks=on_chunk is not None,
+                                                 chunk_sizes=chunk_sizes))
             except BaseException:
                 del self._waiters[request_id]
                 raise

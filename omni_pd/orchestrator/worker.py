@@ -105,7 +105,7 @@ class _Loop:
         if isinstance(message, msg.AddRequest):
             try:
                 engine.add_request(message.request_id, message.prompt, message.params, message.stream,
-                                   message.chunks)
+                                   message.chunks, message.chunk_sizes)
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
                 self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))

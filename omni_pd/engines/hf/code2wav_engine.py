@@ -108,7 +108,8 @@ class HfCode2WavEngine(StageEngine):
         return codes.to(torch.long)
 
     def add_request(self, request_id: str, prompt: Code2WavPrompt, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
         if request_id in self._utterances:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         codes = self._check_codes(request_id, prompt.codes)

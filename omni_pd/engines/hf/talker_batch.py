@@ -68,8 +68,9 @@ class TalkerRequestState:
     finish_reason: str | None = None  # "stop" (codec EOS) | "length"
     error: str | None = None
     admitted_at: float | None = None
-    stream: bool = False  # send new frames after each step (streaming to code2wav)
+    stream: bool = False  # send new frames as they come (streaming to code2wav)
     frames_sent: int = 0
+    chunk_sizes: tuple[int, int] | None = None  # frames per chunk sent, first and later
     # A talker fed while its thinker runs: the thinker output so far (None once complete), and
     # whether `trailing` has every row (else a decode step waits for its row to arrive).
     thinker_so_far: Any = None

@@ -54,11 +54,16 @@ class HfTalkerEngine(StageEngine):
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False) -> None:
-        """Validate and queue. With `stream`, each step's new codec frames leave as that step's
-        chunk (for a code2wav fed while the talker runs); the final output has them all."""
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
+        """Validate and queue. With `stream`, new codec frames leave as chunks (for a code2wav fed
+        while the talker runs): `chunk_sizes` (first, later) frames at a time, the rest with the
+        last step; every step's frames when None. The final output has them all."""
         if request_id in self.waiting or request_id in self.running:
             raise ValueError(f"stage {self.stage_id}: request {request_id!r} is already queued")
+        if chunk_sizes is not None and (len(chunk_sizes) != 2 or min(chunk_sizes) < 1):
+            raise ValueError(f"request {request_id}: chunk_sizes must be two frame counts >= 1 "
+                             f"(first chunk, later chunks), got {chunk_sizes!r}")
         self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
         try:
             if prompt.final:
@@ -78,6 +83,7 @@ class HfTalkerEngine(StageEngine):
                 f"max_num_batched_tokens or shorten the conversation")
         state = self.core.new_state(request_id, inputs, params)
         state.stream = bool(stream or chunks)
+        state.chunk_sizes = tuple(chunk_sizes) if chunk_sizes is not None else None
         if not prompt.final:
             state.thinker_so_far, state.trailing_complete = prompt, False
         self.waiting[request_id] = state
@@ -144,7 +150,17 @@ class HfTalkerEngine(StageEngine):
         return admitted
 
     def _chunk(self, state: TalkerRequestState) -> Any:
-        return state.take_new_frames() if state.stream else None
+        """The frames to send now: none until a whole chunk is there (or the request is done).
+        One message per code2wav chunk instead of one per frame: the orchestrator handled 64
+        messages per request that only its stream processor's buffer saw."""
+        if not state.stream:
+            return None
+        if state.chunk_sizes is not None and not state.finished:
+            first, later = state.chunk_sizes
+            due = first if state.frames_sent == 0 else later
+            if len(state.frames) - state.frames_sent < due:
+                return None
+        return state.take_new_frames()
 
     def _finish(self, state: TalkerRequestState) -> StepOutput:
         self.running.pop(state.request_id, None)

@@ -177,7 +177,8 @@ class _ThinkerEngine(StageEngine):
 
     # ---- the request lifecycle ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         request = ThinkerRequest(request_id, prompt, params, stream or chunks, chunks=chunks)

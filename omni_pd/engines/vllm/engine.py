@@ -158,7 +158,8 @@ class VllmThinkerEngine(StageEngine):
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False) -> None:
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
         """`chunks` has no effect: a vLLM stage streams tokens only, so a talker fed by it starts
         when it has finished (its stream processor falls back to the whole output)."""
         if self.engine is None:

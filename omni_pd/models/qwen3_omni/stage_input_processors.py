@@ -136,6 +136,12 @@ class talker2code2wav_stream:  # noqa: N801 - named after the processor it strea
         self.ended = False  # the speech ended (a control code, or code2wav's position limit)
         self.closed = False
 
+    @property
+    def source_chunk_sizes(self) -> tuple[int, int]:
+        """The talker's frames per chunk (first, later) that fill code2wav's chunks as they come:
+        the talker sends them so, not one message per frame."""
+        return self.first_chunk, self.chunk
+
     def feed(self, frames: list[list[int]]) -> None:
         """A talker chunk: its new frames, each [code0, ..., code_{G-1}]."""
         _check_frames(self.request_id, frames, self.c2w)
