@@ -62,3 +62,20 @@ def test_the_api_key_guards_v1_only():
     assert http.post("/v1/x", content=b"{}", headers={"Authorization": "bearer k"}).status_code == 200
     assert http.get("/health").status_code == 200
     assert http.options("/v1/x").status_code == 200  # CORS preflights carry no credentials
+
+
+def test_short_text_is_prepared_on_the_loop_and_the_rest_in_a_thread():
+    """Short text only: prepared on the event loop (the thread hop costs more). Long text, audio
+    or a malformed part: in a thread, so the loop (and /health) never waits on tokenizing."""
+    from omni_pd.entrypoints.openai.api_server import INLINE_PREPARE_CHARS, _prepare_inline
+    from omni_pd.entrypoints.openai.protocol import ChatCompletionRequest
+
+    def body(*contents):
+        return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": c} for c in contents])
+    half = "a" * (INLINE_PREPARE_CHARS // 2)
+    assert _prepare_inline(body("hello", [{"type": "text", "text": "there"}], None))
+    assert _prepare_inline(body(half, half))
+    assert not _prepare_inline(body(half, half + "a"))
+    assert not _prepare_inline(body([{"type": "text", "text": "hi"},
+                                     {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]))
+    assert not _prepare_inline(body([{"type": "text", "text": 3}]))
