@@ -151,7 +151,7 @@ class HfTalkerEngine(StageEngine):
 
     def _chunk(self, state: TalkerRequestState) -> Any:
         """The frames to send now: none until a whole chunk is there (or the request is done).
-        One message per code2wav chunk instead of one per frame: the orchestrator handled 64
+        One message per code2wav chunk instead of one per frame: the orchestrator handled 63
         messages per request that only its stream processor's buffer saw."""
         if not state.stream:
             return None

@@ -200,8 +200,9 @@ def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str
              ) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request translated (its audio decoded), its prompt built and its length checked: CPU
     work that runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and
-    the server answered nothing meanwhile, /health included), unless `_prepare_inline`. Checked here so a streamed request
-    that cannot fit gets a 400 before its response starts; the built prompt goes to the stages."""
+    the server answered nothing meanwhile, /health included), unless `_prepare_inline`. Checked
+    here so a streamed request that cannot fit gets a 400 before its response starts; the built
+    prompt goes to the stages."""
     thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
     request = translate(body, thinker_defaults, served_model)
     max_tokens, context = request.thinker_params.max_tokens, omni.max_model_len
