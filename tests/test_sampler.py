@@ -1,6 +1,6 @@
 import torch
 
-from omni_pd.engines.sampler import sample_next_token
+from omni_pd.engines.sampler import sample_next_token, sample_next_tokens
 from omni_pd.sampling import SamplingParams
 
 
@@ -35,3 +35,24 @@ def test_top_p_keeps_only_the_nucleus():
     logits = torch.tensor([5.0, 4.9, -5.0, -5.0])
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
     assert {sample_next_token(logits, params, s, []) for s in range(60)} <= {0, 1}
+
+
+def test_a_batch_picks_what_each_row_picks_alone():
+    """sample_next_tokens: plain greedy rows share one argmax, the rest sample row by row; every
+    pick equals sample_next_token's for that row, and only rows that sample alone ask for their
+    seen ids. The penalised greedy row is the control: its pick is not the plain argmax."""
+    logits = torch.stack([_logits(seed) for seed in range(5)])
+    logits[3, 7] = logits[3].max() + 0.1  # row 3's argmax, which its penalty demotes
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=5, seed=4),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=0.8, top_p=0.7, seed=9)]
+    steps, seen = [3, 5, 0, 2, 7], {3: [7]}
+    asked = []
+
+    def seen_ids(b):
+        asked.append(b)
+        return seen.get(b, [])
+    picks = sample_next_tokens(logits, params, steps, seen_ids)
+    assert picks == [sample_next_token(logits[b], params[b], steps[b], seen.get(b, [])) for b in range(5)]
+    assert sorted(asked) == [1, 3, 4]
+    assert picks[3] != int(logits[3].argmax())

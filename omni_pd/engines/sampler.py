@@ -7,7 +7,7 @@ whose first token was sampled by a prefill engine in another process and still m
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import xxhash
@@ -59,3 +59,19 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, step: int,
         probs = probs / probs.sum()
     seed = params.seed if params.seed is not None else 0
     return int(torch.multinomial(probs, 1, generator=step_generator(seed, step)).item())
+
+
+def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+                       seen_token_ids: Callable[[int], Sequence[int]]) -> list[int]:
+    """`sample_next_token` for each row of `logits` ([B, vocab]); `seen_token_ids(b)` gives row
+    b's ids for the repetition penalty, asked for only where a row samples on its own. Greedy rows
+    without a penalty are a plain argmax: one for all of them, the same picks as row by row."""
+    picks: list[int | None] = [None] * len(params)
+    plain = [b for b, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
+    if plain:
+        for b, token in zip(plain, torch.argmax(logits[plain].float(), dim=-1).tolist()):
+            picks[b] = token
+    for b, p in enumerate(params):
+        if picks[b] is None:
+            picks[b] = sample_next_token(logits[b], p, steps[b], seen_token_ids(b))
+    return picks  # type: ignore[return-value]

@@ -6,8 +6,9 @@ multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE g
 `batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
 sequence's cached positions (all sequences of a layer in one call of the C kernel in
 `attention_native`, by default; or one torch `scaled_dot_product_attention` each), so a
-request's logits are bit-identical whether it decodes alone or with 63 others. Prompts are prefilled one at a time by transformers' own forward (a request's
-prefill never shares a pass), then their KV is copied into the request's blocks.
+request's logits are bit-identical whether it decodes alone or with 63 others. Prompts are
+prefilled one at a time by transformers' own forward (a request's prefill never shares a pass),
+then their KV is copied into the request's blocks.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from ...config.schema import KVConnectorExtraConfig
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint, weights_digest
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
-from ..sampler import sample_next_token
+from ..sampler import sample_next_tokens
 from ..types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from . import batch_invariant as bi
 from .paged_cache import PagedKVCache
@@ -324,18 +324,13 @@ class _ThinkerEngine(StageEngine):
     def _decode(self, batch: list[ThinkerRequest]) -> list[StepOutput]:
         rows = [DecodeRow(r.tokens[-1], r.position, r.rope_deltas, r.blocks) for r in batch]
         result = self.decoder.step(rows, self.cache)
-        # Plain greedy rows: one argmax for all of them (what sample_next_token computes for
-        # each, row by row); the rest sample one by one.
-        plain = [b for b, r in enumerate(batch) if r.params.greedy and r.params.repetition_penalty == 1.0]
-        greedy = dict(zip(plain, torch.argmax(result.logits[plain].float(), dim=-1).tolist())) if plain else {}
+        tokens = sample_next_tokens(
+            result.logits, [r.params for r in batch], [len(r.tokens) for r in batch],
+            lambda b: batch[b].prompt.prompt_token_ids + batch[b].tokens)
         outputs = []
-        for b, request in enumerate(batch):
+        for b, (request, token) in enumerate(zip(batch, tokens)):
             request.output_embeds.append(result.embeds[b].clone())
             request.output_hidden.append(result.hidden[b].clone())
-            token = greedy.get(b)
-            if token is None:
-                token = sample_next_token(result.logits[b], request.params, step=len(request.tokens),
-                                          seen_token_ids=request.prompt.prompt_token_ids + request.tokens)
             request.tokens.append(token)
             reason = self.runner.finish_reason(request.tokens, request.params)
             if reason is not None:
