@@ -26,6 +26,7 @@ import torch
 
 from ..engines.base import StepOutput
 from . import messages as msg
+from .heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # how long an idle worker waits for a message before housekeeping
@@ -52,6 +53,7 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
     parent = os.getppid()
     engine = _build(stage_config, model, conn)
     if engine is not None:
+        freeze_startup_heap(f"stage {stage_config.stage_id} worker")
         serve(engine, conn, alive=lambda: os.getppid() == parent)
     # The engine is closed and the pipe too: skip the interpreter's slow teardown of the model
     # (seconds on a busy machine), which only delays the orchestrator's shutdown.

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
 from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PreparedPrompt,
                                         PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
+from ...orchestrator.heap import freeze_startup_heap
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
@@ -239,6 +240,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             omni = await asyncio.to_thread(make_omni)
             state.omni = omni  # no await until the gain is set: no request sees it unset
             state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
+            freeze_startup_heap("server")
             log.info("serving %s: every stage is up", served_model)
             log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
                      state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
