@@ -113,3 +113,130 @@ void omni_c2w_residual_unit(const float *x, long ldx, float *padded, long ldp, f
         omni_c2w_conv(y, tile, out + t, ldo, w2, b2, x + t, ldx, c, c, 1, 1, tile);
     }
 }
+
+/* ---- the whole decoder in one call ---------------------------------------------------------
+ *
+ * The layers above, chained for one chunk (or a whole utterance) with no return to Python in
+ * between: the same calls, on the same buffers' contents, as code2wav_native.py used to make one
+ * layer at a time, so the bits are those of the layer-by-layer path. Each layer's input starts
+ * with its left padding: `halo` columns from the stream's carry (the previous chunk's last
+ * inputs) or zeros, which the layer's last inputs then replace. */
+#include <stdlib.h>
+
+enum { C2W_CONV = 0, C2W_TRANSPOSED = 1, C2W_UNIT = 2, C2W_SNAKE_CONV = 3 };
+
+typedef struct {
+    int kind;
+    int c_in;       /* input channels */
+    int rows;       /* the convolution's output rows (outputs rounded up to 4) */
+    int c_out;      /* output channels after the layer (transposed: before interleaving / stride) */
+    int kernel, dilation, stride;
+    long carry;     /* offset of this layer's [c_in, halo] tail in the carry buffer */
+    const float *w, *b, *alpha, *inv;       /* conv (unit: conv1) and the snake before it */
+    const float *w2, *b2, *alpha2, *inv2;   /* unit: conv2 and the snake before it */
+} c2w_layer;
+
+static long round_up(long n, long to) { return (n + to - 1) / to * to; }
+
+/* A [c, halo + width] input buffer, its first halo columns the carried tail or zeros. */
+static float *padded_input(const float *carry, int c, long halo, long width) {
+    long ld = halo + width;
+    float *p = malloc(sizeof(float) * ((size_t)c * (size_t)ld + 1));
+    if (!p) return NULL;
+    for (int i = 0; i < c; i++) {
+        if (carry) memcpy(p + i * ld, carry + i * halo, sizeof(float) * halo);
+        else memset(p + i * ld, 0, sizeof(float) * halo);
+    }
+    return p;
+}
+
+/* The last halo inputs (columns steps .. steps + halo of the padded buffer) into the carry. */
+static void keep_tail(float *carry, const float *p, int c, long halo, long width, long steps) {
+    if (!carry) return;
+    long ld = halo + width;
+    for (int i = 0; i < c; i++) memcpy(carry + i * halo, p + i * ld + steps, sizeof(float) * halo);
+}
+
+/* The decoder over x, time-major [steps, c0] (the upsampler's output). carry: the stream's
+ * tails (NULL: zeros, nothing kept), started: the stream has decoded before (its first input
+ * was trimmed then). Writes the samples, clamped to [-1, 1], to out, which holds at least
+ * steps * (product of the strides); returns how many, or -1 when memory ran out. */
+long omni_c2w_decode(const c2w_layer *layers, int count, const float *x, int c0, long steps,
+                     float *carry, int started, float *out) {
+    long width = round_up(steps, 2 * LANES);
+    float *cur = calloc((size_t)c0 * (size_t)width, sizeof(float));
+    if (!cur) return -1;
+    for (long t = 0; t < steps; t++)
+        for (int c = 0; c < c0; c++) cur[c * width + t] = x[t * c0 + c];
+    long samples = -1;
+    for (int l = 0; l < count; l++) {
+        const c2w_layer *L = &layers[l];
+        long halo = (long)(L->kernel - 1) * L->dilation;
+        float *tail = carry ? carry + L->carry : NULL;
+        float *p = padded_input(tail, L->c_in, halo, width);
+        float *y = NULL, *next = NULL;
+        if (!p) goto fail;
+        long ldp = halo + width;
+        if (L->kind == C2W_UNIT) {
+            float *scratch = malloc(sizeof(float) * (size_t)L->c_in * 2 * LANES);
+            next = malloc(sizeof(float) * ((size_t)L->c_in * (size_t)width + 1));
+            if (!scratch || !next) { free(scratch); free(next); free(p); goto fail; }
+            omni_c2w_residual_unit(cur, width, p, ldp, next, width, scratch, L->alpha, L->inv,
+                                   L->w, L->b, L->kernel, L->dilation, L->alpha2, L->inv2,
+                                   L->w2, L->b2, L->c_in, width);
+            free(scratch);
+            keep_tail(tail, p, L->c_in, halo, width, steps);
+            free(p);
+            free(cur);
+            cur = next;
+            continue;
+        }
+        /* the input after the halo: the previous output (or its snake), zeros past `steps` */
+        if (L->alpha) omni_c2w_snake(cur, width, p + halo, ldp, L->alpha, L->inv, L->c_in, width);
+        for (int i = 0; i < L->c_in; i++) {
+            float *body = p + i * ldp + halo;
+            if (!L->alpha) memcpy(body, cur + i * width, sizeof(float) * width);
+            memset(body + steps, 0, sizeof(float) * (width - steps));
+        }
+        keep_tail(tail, p, L->c_in, halo, width, steps);
+        y = malloc(sizeof(float) * ((size_t)L->rows * (size_t)width + 1));
+        if (!y) { free(p); goto fail; }
+        omni_c2w_conv(p, ldp, y, width, L->w, L->b, 0, 0, L->c_in, L->rows, L->kernel, L->dilation, width);
+        free(p);
+        free(cur);
+        cur = NULL;
+        if (L->kind == C2W_CONV) {
+            cur = y;
+        } else if (L->kind == C2W_TRANSPOSED) {
+            /* row o * stride + j, column t is sample t * stride + j of channel o; the stream's
+             * very first input makes no sample of its own */
+            long first = started ? 0 : 1, s = L->stride;
+            long n = steps > first ? (steps - first) * s : 0;
+            long w2 = round_up(n, 2 * LANES);
+            next = calloc((size_t)L->c_out * (size_t)w2 + 1, sizeof(float));
+            if (!next) { free(y); goto fail; }
+            for (int o = 0; o < L->c_out; o++)
+                for (long j = 0; j < s; j++) {
+                    const float *row = y + (o * s + j) * width;
+                    float *dst = next + o * w2;
+                    for (long t = first; t < steps; t++) dst[(t - first) * s + j] = row[t];
+                }
+            free(y);
+            cur = next;
+            steps = n;
+            width = w2;
+        } else { /* C2W_SNAKE_CONV: the last layer, one output channel */
+            for (long t = 0; t < steps; t++) {
+                float v = y[t];
+                out[t] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+            }
+            samples = steps;
+            free(y);
+        }
+    }
+    free(cur);
+    return samples;
+fail:
+    free(cur);
+    return -1;
+}
