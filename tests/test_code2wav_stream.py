@@ -56,8 +56,9 @@ def test_geometry_bounds_what_a_frame_really_reaches(tiny_model, exact):
     assert frame + geo.attention_frames < last_frame_reached <= frame + geo.receptive_field_frames
 
 
-def test_exact_decode_is_transformers_code2wav_to_the_last_bits(tiny_model, exact):
-    codes = _codes(tiny_model, 50, 1)
+@pytest.mark.parametrize("frames", [50, 140])  # 140: past the pre-transformer's 72-frame window
+def test_exact_decode_is_transformers_code2wav_to_the_last_bits(tiny_model, exact, frames):
+    codes = _codes(tiny_model, frames, 1)
     with torch.no_grad():
         ref = tiny_model.code2wav(codes.unsqueeze(0)).reshape(-1)
     ours = exact.decode(codes)
@@ -82,6 +83,19 @@ def test_chunks_that_lose_the_carried_state_are_detected(tiny_model, exact):
     codes = _codes(tiny_model, 120, 2)
     dropped = _chunked(exact, codes, 4, 25, None, forget_at=29)
     assert dropped.numel() > 0 and not torch.equal(dropped, exact.decode(codes))
+
+
+def test_chunks_that_lose_the_carried_keys_and_values_are_detected(tiny_model, exact):
+    """Negative control for the pre-transformer's carried window: a chunk that starts from an
+    empty window (as if the utterance began there) misses the whole decode."""
+    codes = _codes(tiny_model, 60, 2)
+    stream = Code2WavStream()
+    first = exact.decode_chunk(stream, codes[:, :30])
+    stream.past = None
+    second = exact.decode_chunk(stream, codes[:, 30:])
+    whole = exact.decode(codes)
+    assert torch.equal(first, whole[:first.numel()])
+    assert not torch.equal(second, whole[first.numel():])
 
 
 def test_too_little_left_context_is_detected(tiny_model, exact):

@@ -27,6 +27,7 @@ chunks add up to the whole decode exactly (tests/test_code2wav_stream.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from .native_build import check_choice
 
+log = logging.getLogger(__name__)
 MIN_ROWS = 16
 
 
@@ -129,7 +131,8 @@ class Code2WavStream:
     outputs for the frames the decoder re-runs (`hidden_tail`)."""
 
     frames: int = 0  # frames decoded so far
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # torch kernels: per layer (keys, values); native: one [layers, 2, window - 1, width] buffer
+    past: list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor | None = None
     carry: dict = field(default_factory=dict)  # decoder module -> its input tail
     hidden_tail: torch.Tensor | None = None  # [<= left context, hidden]
 
@@ -137,9 +140,10 @@ class Code2WavStream:
 class ExactCode2Wav:
     """code2wav with length-invariant kernels: whole utterances, or chunks of a stream.
 
-    `kernels`: "native" runs the convolutional decoder on omni-pd's C kernels
-    (code2wav_native.py, about 2x faster per utterance), "torch" on the torch ops below. Either
-    way chunks add up to the whole decode exactly; the two differ in the last bits."""
+    `kernels`: "native" runs the embedding, pre-transformer, upsampler and convolutional decoder
+    on omni-pd's C loops (code2wav_native.py, about 2.5x faster per streamed utterance), "torch"
+    on the torch ops below. Either way chunks add up to the whole decode exactly; the two differ
+    in the last bits."""
 
     def __init__(self, module: torch.nn.Module, kernels: str = "native"):
         check_choice(kernels, "code2wav_kernels")
@@ -149,17 +153,27 @@ class ExactCode2Wav:
         self.window = self.config.sliding_window
         self.kernels = kernels
         self._snake_factors: dict = {}  # SnakeBeta module -> (exp(alpha), 1 / (exp(beta) + eps))
-        self._native = None
+        self._native = self._front = self._upsampler = None
         if kernels == "native":
-            from .code2wav_native import NativeDecoder
+            from .code2wav_native import NativeDecoder, NativeTransformer, NativeUpsampler
             self._native = NativeDecoder(module)
+            # The embedding, pre-transformer and upsampler cost a few torch ops per layer, fixed
+            # per chunk (~0.4 ms of a streamed chunk's ~2.5): one C loop each instead.
+            if (why := NativeTransformer.supports(module)) is None:
+                self._front = NativeTransformer(module)
+            else:
+                log.info("code2wav: the pre-transformer runs on torch ops (the C loop has no %s)", why)
+            if (why := NativeUpsampler.supports(module)) is None:
+                self._upsampler = NativeUpsampler(module)
+            else:
+                log.info("code2wav: the upsampler runs on torch ops (the C loop has no %s)", why)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The waveform [samples] of a whole utterance's codes [num_quantizers, T]."""
         if codes.shape[-1] == 0:
             return torch.zeros(0)
-        hidden, _ = self._transformer(self._embed(codes), 0, None)
+        hidden, _ = self._pre_transformer(codes, 0, None)
         return self._decoder(hidden)
 
     @torch.no_grad()
@@ -177,7 +191,7 @@ class ExactCode2Wav:
         if count == 0:
             return torch.zeros(0)
         start = stream.frames
-        hidden, stream.past = self._transformer(self._embed(codes), start, stream.past)
+        hidden, stream.past = self._pre_transformer(codes, start, stream.past)
         if left_context is None:
             stream.frames += count
             return self._decoder(hidden, stream.carry)
@@ -192,6 +206,13 @@ class ExactCode2Wav:
 
     # -- stages ----------------------------------------------------------------------------------
 
+    def _pre_transformer(self, codes: torch.Tensor, start: int, past):
+        """Embedding and pre-transformer of frames from `start` on, continuing from `past` (the
+        stream's carried keys and values, in the form the kernels in use keep them)."""
+        if self._front is not None:
+            return self._front(codes, start, past)
+        return self._transformer(self._embed(codes), start, past)
+
     def _embed(self, codes: torch.Tensor) -> torch.Tensor:
         m = self.m
         return m.code_embedding(codes.unsqueeze(0) + m.code_offset).mean(1)[0]  # [T, hidden]
@@ -200,10 +221,13 @@ class ExactCode2Wav:
         """Upsampling and the convolutional decoder; `carry` (a stream's) holds each
         convolution's input tail from the previous chunk, None: zeros before the first frame."""
         m = self.m
-        x = hidden  # time-major [T, C] through the upsampling
-        for transposed, convnext in m.upsample:
-            x = self._upsample(transposed.conv, x)
-            x = self._convnext(convnext, x, carry)
+        if self._upsampler is not None:
+            x = self._upsampler(hidden, carry)
+        else:
+            x = hidden  # time-major [T, C] through the upsampling
+            for transposed, convnext in m.upsample:
+                x = self._upsample(transposed.conv, x)
+                x = self._convnext(convnext, x, carry)
         if self._native is not None:
             return self._native(x, carry)
         x = x.t().contiguous()  # channel-major [C, T] through the decoder: time is the long side

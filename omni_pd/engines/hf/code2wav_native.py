@@ -213,3 +213,191 @@ class NativeDecoder:
         if count < 0:
             raise MemoryError(f"code2wav's native decoder could not allocate buffers for {steps} steps")
         return out[:count]
+
+
+# -- before the decoder: the pre-transformer and the upsampler -----------------------------------
+
+_F = ctypes.c_float
+
+
+class _TLayer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("in_norm", "wq", "wk", "wv", "wo", "attn_scale",
+                                        "post_norm", "wg", "wu", "wd", "mlp_scale")]
+
+
+class _TParams(ctypes.Structure):
+    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("inter", _I), ("window", _I), ("quantizers", _I), ("eps", _F), ("scaling", _F),
+                ("rope_scaling", _F), ("embed", _P), ("offsets", _P), ("inv_freq", _P),
+                ("final_norm", _P), ("layer", _P)]
+
+
+class _UpBlock(ctypes.Structure):
+    _fields_ = [("c", _I), ("stride", _I), ("inter", _I), ("kernel", _I), ("eps", _F)] + [
+        (name, _P) for name in ("up_w", "up_b", "dw_w", "dw_b", "ln_w", "ln_b", "pw1", "pw1_b",
+                                "pw2", "pw2_b", "gamma")]
+
+
+def _front_library() -> ctypes.CDLL:
+    lib = _library()
+    lib.omni_c2w_transformer.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]
+    lib.omni_c2w_transformer.restype = _L
+    lib.omni_c2w_upsample.argtypes = [_P, _I, _P, _L, _P, _P]
+    lib.omni_c2w_upsample.restype = _L
+    return lib
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+class NativeTransformer:
+    """code2wav's embedding and pre-transformer (`module.pre_transformer`) on the C loop:
+    per frame, over exactly its sliding window of keys (carried between chunks in one buffer,
+    [layers, 2, window - 1, kv_heads * head_dim])."""
+
+    def __init__(self, module: torch.nn.Module):
+        config = module.config
+        model = module.pre_transformer
+        layers = list(model.layers[: config.num_hidden_layers])
+        attn = layers[0].self_attn
+        self.hidden = config.hidden_size
+        self.kv_width = attn.k_proj.out_features
+        self.carried = config.sliding_window - 1
+        self.num_layers = len(layers)
+        self._keep: list[torch.Tensor] = []  # every tensor the C side points into
+
+        def ptr(t: torch.Tensor) -> int:
+            t = _f32(t)
+            self._keep.append(t)
+            return t.data_ptr()
+
+        table = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            table.append(_TLayer(ptr(layer.input_layernorm.weight), ptr(a.q_proj.weight.t()),
+                                 ptr(a.k_proj.weight.t()), ptr(a.v_proj.weight.t()),
+                                 ptr(a.o_proj.weight.t()), ptr(layer.self_attn_layer_scale.scale),
+                                 ptr(layer.post_attention_layernorm.weight), ptr(m.gate_proj.weight.t()),
+                                 ptr(m.up_proj.weight.t()), ptr(m.down_proj.weight.t()),
+                                 ptr(layer.mlp_layer_scale.scale)))
+        self._layers = (_TLayer * len(table))(*table)
+        offsets = module.code_offset.detach().reshape(-1).to(torch.long).contiguous()
+        self._keep.append(offsets)
+        rotary = model.rotary_emb
+        self.params = _TParams(
+            self.num_layers, self.hidden, config.num_attention_heads, config.num_key_value_heads,
+            attn.head_dim, layers[0].mlp.gate_proj.out_features, config.sliding_window,
+            offsets.numel(), layers[0].input_layernorm.variance_epsilon, attn.scaling,
+            float(rotary.attention_scaling), ptr(module.code_embedding.weight), offsets.data_ptr(),
+            ptr(rotary.inv_freq), ptr(model.norm.weight), ctypes.addressof(self._layers))
+        self.lib = _front_library()
+
+    @staticmethod
+    def supports(module: torch.nn.Module) -> str | None:
+        """Why this module's pre-transformer cannot run here (None: it can)."""
+        config = module.config
+        model = module.pre_transformer
+        layer = model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        widths = (config.hidden_size, attn.q_proj.out_features, attn.k_proj.out_features,
+                  mlp.gate_proj.out_features)
+        if any(w % 16 for w in widths):
+            return f"widths {widths} are not multiples of 16"
+        if any(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                            mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "projections with biases"
+        if not all(isinstance(n, torch.nn.Identity) for n in (attn.q_norm, attn.k_norm)):
+            return "q/k norms"
+        if getattr(model.rotary_emb, "rope_type", "default") != "default":
+            return f"rope type {model.rotary_emb.rope_type}"
+        if model.norm.variance_epsilon != layer.input_layernorm.variance_epsilon:
+            return "norms with different epsilons"
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"activation {type(mlp.act_fn).__name__}"
+        return None
+
+    def __call__(self, codes: torch.Tensor, start: int, kv: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [n, hidden] of frames start .. start + n - 1 (codes [quantizers, n]),
+        and the key/value buffer for the next chunk (`kv` updated, or a new one at start 0)."""
+        codes = codes.to(torch.long).contiguous()
+        steps = codes.shape[1]
+        if kv is None:
+            kv = torch.zeros((self.num_layers, 2, self.carried, self.kv_width))
+        out = torch.empty((steps, self.hidden))
+        status = self.lib.omni_c2w_transformer(ctypes.byref(self.params), codes.data_ptr(),
+                                               codes.stride(0), steps, start, kv.data_ptr(),
+                                               min(start, self.carried), out.data_ptr())
+        if status < 0:
+            raise MemoryError(f"code2wav's native pre-transformer could not allocate buffers for {steps} frames")
+        return out, kv
+
+
+class NativeUpsampler:
+    """code2wav's upsampler (`module.upsample`: transposed conv with kernel == stride, then a
+    ConvNeXt block, per stage) on the C loop, time-major; a stream carries each ConvNeXt's
+    depthwise input tail (one buffer, kept in its carry dict under this object)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._keep: list[torch.Tensor] = []
+
+        def ptr(t: torch.Tensor) -> int:
+            t = _f32(t)
+            self._keep.append(t)
+            return t.data_ptr()
+
+        blocks = []
+        self.stride = 1
+        for transposed, convnext in module.upsample:
+            conv, dw = transposed.conv, convnext.dwconv.conv
+            c_in, c_out, kernel = conv.weight.shape
+            blocks.append(_UpBlock(c_out, kernel, convnext.pwconv1.out_features, dw.kernel_size[0],
+                                   convnext.norm.eps, ptr(conv.weight.permute(2, 0, 1)), ptr(conv.bias),
+                                   ptr(dw.weight.reshape(c_out, -1)), ptr(dw.bias),
+                                   ptr(convnext.norm.weight), ptr(convnext.norm.bias),
+                                   ptr(convnext.pwconv1.weight.t()), ptr(convnext.pwconv1.bias),
+                                   ptr(convnext.pwconv2.weight.t()), ptr(convnext.pwconv2.bias),
+                                   ptr(convnext.gamma)))
+            self.stride *= kernel
+        self.channels = blocks[0].c
+        self.carry_floats = sum((b.kernel - 1) * b.c for b in blocks)
+        self._blocks = (_UpBlock * len(blocks))(*blocks)
+        self.lib = _front_library()
+
+    @staticmethod
+    def supports(module: torch.nn.Module) -> str | None:
+        widths = set()
+        for transposed, convnext in module.upsample:
+            conv, dw = transposed.conv, convnext.dwconv.conv
+            c_in, c_out, kernel = conv.weight.shape
+            if kernel != conv.stride[0] or transposed.left_pad or transposed.right_pad:
+                return "a transposed convolution whose kernel is not its stride"
+            if dw.groups != c_out or dw.stride[0] != 1 or dw.dilation[0] != 1:
+                return "a ConvNeXt convolution that is not depthwise, stride 1, dilation 1"
+            if type(convnext.act).__name__ != "GELU" or getattr(convnext.act, "approximate", "none") != "none":
+                return f"ConvNeXt activation {convnext.act}"
+            widths.update((c_in, c_out, convnext.pwconv1.out_features))
+        if any(w % 16 for w in widths):
+            return f"widths {sorted(widths)} are not multiples of 16"
+        stages = [(t.conv.weight.shape[0], t.conv.weight.shape[1], c.pwconv1.out_features)
+                  for t, c in module.upsample]
+        if len(set(stages)) != 1 or stages[0][0] != stages[0][1]:
+            return "stages of different widths"
+        return None
+
+    def __call__(self, hidden: torch.Tensor, carry: dict | None) -> torch.Tensor:
+        """[steps * stride, channels] from hidden [steps, channels]; `carry` as the decoder's."""
+        hidden = hidden.detach().float().contiguous()
+        tails = None
+        if carry is not None:
+            tails = carry.get(self)
+            if tails is None:
+                tails = carry[self] = torch.zeros(self.carry_floats)
+        out = torch.empty((hidden.shape[0] * self.stride, self.channels))
+        rows = self.lib.omni_c2w_upsample(ctypes.addressof(self._blocks), len(self._blocks),
+                                          hidden.data_ptr(), hidden.shape[0],
+                                          None if tails is None else tails.data_ptr(), out.data_ptr())
+        if rows < 0:
+            raise MemoryError(f"code2wav's native upsampler could not allocate buffers for {hidden.shape[0]} steps")
+        return out[:rows]

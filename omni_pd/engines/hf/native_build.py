@@ -23,6 +23,7 @@ SOURCES = Path(__file__).resolve().parent / "native"
 # -march=native: the build is for this CPU (the cache key includes it). Contraction off: every
 # lane's arithmetic is plain IEEE, which the kernels' length invariance rests on.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+LIBS = ("-lm",)  # expf, erff, sinf, cosf
 
 
 # What a deployer sets to run without a kernel (torch ops instead), named in build errors.
@@ -74,7 +75,7 @@ def _cpu_id() -> str:
 def library_path(name: str) -> Path:
     source = SOURCES / f"{name}.c"
     digest = xxhash.xxh3_64()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+    for part in (source.read_bytes(), " ".join(FLAGS + LIBS).encode(), _cpu_id().encode(),
                  platform.machine().encode()):
         digest.update(part)
     return cache_dir() / "kernels" / f"{name}-{digest.hexdigest()}.so"
@@ -89,7 +90,7 @@ def build(name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    command = [compiler, *FLAGS, str(SOURCES / f"{name}.c"), "-o", partial]
+    command = [compiler, *FLAGS, str(SOURCES / f"{name}.c"), "-o", partial, *LIBS]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

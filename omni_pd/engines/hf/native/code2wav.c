@@ -240,3 +240,216 @@ fail:
     free(cur);
     return -1;
 }
+
+/* ---- before the decoder: the pre-transformer and the upsampler ------------------------------
+ *
+ * Time-major and per time step: every value of a frame (or an upsampled step) is computed from
+ * that step's inputs and its carried left context by the same loops whatever the call's length,
+ * so chunks add up to the whole utterance here as in the decoder. A linear layer is a sum over
+ * inputs in ascending order, vectorised across 16 outputs at a time (weights transposed to
+ * [in, out], `out` a multiple of 16). */
+#include <math.h>
+
+static void linear_t(const float *wt, const float *x, int in, int out, float *y) {
+    for (int o = 0; o < out; o += LANES) {
+        v16 acc = splat(0.0f);
+        for (int i = 0; i < in; i++) acc += x[i] * load(wt + (long)i * out + o);
+        store(y + o, acc);
+    }
+}
+
+static void rms_norm(const float *x, const float *w, int n, float eps, float *y) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    float r = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+typedef struct {
+    const float *in_norm, *wq, *wk, *wv, *wo, *attn_scale;  /* wq.. transposed [in, out] */
+    const float *post_norm, *wg, *wu, *wd, *mlp_scale;
+} c2w_tlayer;
+
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, inter, window, quantizers;
+    float eps, scaling, rope_scaling;
+    const float *embed;      /* [codebook rows, hidden] */
+    const long *offsets;     /* [quantizers]: each quantizer's first row */
+    const float *inv_freq;   /* [head_dim / 2] */
+    const float *final_norm;
+    const c2w_tlayer *layer;
+} c2w_transformer;
+
+/* rotate_half rotary embedding of one head vector at position pos */
+static void rotate(float *v, int d, long pos, const float *inv_freq, float scale) {
+    int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        float f = (float)pos * inv_freq[i];
+        float c = cosf(f) * scale, s = sinf(f) * scale;
+        float a = v[i], b = v[i + half];
+        v[i] = a * c + (-b) * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+/* The pre-transformer over frames start .. start + n - 1 of an utterance: codes [quantizers, n]
+ * (row stride ldc), out [n, hidden]. kv: each layer's rotated keys then values for the window -
+ * 1 frames before `start` ([layers][2][window - 1][kv_heads * head_dim], the newest last), of
+ * which the last `have` are real (the rest precede the utterance); updated in place for the next
+ * chunk. Returns 0, or -1 when memory ran out. */
+long omni_c2w_transformer(const c2w_transformer *P, const long *codes, long ldc, long n,
+                          long start, float *kv, long have, float *out) {
+    const int H = P->hidden, d = P->head_dim, kvd = P->kv_heads * d, qd = P->heads * d;
+    const long W = P->window - 1, total = have + n;
+    float *x = malloc(sizeof(float) * (size_t)(n * H + 1));
+    float *q = malloc(sizeof(float) * (size_t)(n * qd + 1));
+    float *keys = malloc(sizeof(float) * (size_t)(total * kvd + 1));
+    float *values = malloc(sizeof(float) * (size_t)(total * kvd + 1));
+    float *h = malloc(sizeof(float) * (size_t)(H + qd + 2 * P->inter + P->window + 16));
+    if (!x || !q || !keys || !values || !h) {
+        free(x); free(q); free(keys); free(values); free(h);
+        return -1;
+    }
+    float *attended = h + H, *gate = attended + qd, *up = gate + P->inter, *scores = up + P->inter;
+    for (long t = 0; t < n; t++) {  /* the mean of the quantizers' embeddings */
+        float *xt = x + t * H;
+        for (int i = 0; i < H; i++) xt[i] = 0.0f;
+        for (int k = 0; k < P->quantizers; k++) {
+            const float *e = P->embed + (codes[k * ldc + t] + P->offsets[k]) * H;
+            for (int i = 0; i < H; i++) xt[i] += e[i];
+        }
+        for (int i = 0; i < H; i++) xt[i] /= (float)P->quantizers;
+    }
+    for (int l = 0; l < P->layers; l++) {
+        const c2w_tlayer *L = &P->layer[l];
+        float *carried_k = kv + (long)l * 2 * W * kvd, *carried_v = carried_k + W * kvd;
+        memcpy(keys, carried_k + (W - have) * kvd, sizeof(float) * have * kvd);
+        memcpy(values, carried_v + (W - have) * kvd, sizeof(float) * have * kvd);
+        for (long t = 0; t < n; t++) {
+            float *kt = keys + (have + t) * kvd, *vt = values + (have + t) * kvd, *qt = q + t * qd;
+            rms_norm(x + t * H, L->in_norm, H, P->eps, h);
+            linear_t(L->wq, h, H, qd, qt);
+            linear_t(L->wk, h, H, kvd, kt);
+            linear_t(L->wv, h, H, kvd, vt);
+            for (int j = 0; j < P->heads; j++) rotate(qt + j * d, d, start + t, P->inv_freq, P->rope_scaling);
+            for (int j = 0; j < P->kv_heads; j++) rotate(kt + j * d, d, start + t, P->inv_freq, P->rope_scaling);
+        }
+        for (long t = 0; t < n; t++) {  /* each query over its window of keys */
+            long last = have + t, first = last - W < 0 ? 0 : last - W;
+            for (int j = 0; j < P->heads; j++) {
+                const float *qj = q + t * qd + j * d;
+                int g = j / (P->heads / P->kv_heads);
+                float top = -INFINITY, sum = 0.0f;
+                for (long s = first; s <= last; s++) {
+                    const float *ks = keys + s * kvd + g * d;
+                    float dot = 0.0f;
+                    for (int i = 0; i < d; i++) dot += qj[i] * ks[i];
+                    scores[s - first] = dot * P->scaling;
+                    if (scores[s - first] > top) top = scores[s - first];
+                }
+                for (long s = first; s <= last; s++) {
+                    scores[s - first] = expf(scores[s - first] - top);
+                    sum += scores[s - first];
+                }
+                float *a = attended + j * d;
+                for (int i = 0; i < d; i++) a[i] = 0.0f;
+                for (long s = first; s <= last; s++) {
+                    const float *vs = values + s * kvd + g * d;
+                    float p = scores[s - first] / sum;
+                    for (int i = 0; i < d; i++) a[i] += p * vs[i];
+                }
+            }
+            float *xt = x + t * H;
+            linear_t(L->wo, attended, qd, H, h);
+            for (int i = 0; i < H; i++) xt[i] += L->attn_scale[i] * h[i];
+        }
+        for (long t = 0; t < n; t++) {
+            float *xt = x + t * H;
+            rms_norm(xt, L->post_norm, H, P->eps, h);
+            linear_t(L->wg, h, H, P->inter, gate);
+            linear_t(L->wu, h, H, P->inter, up);
+            for (int i = 0; i < P->inter; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            linear_t(L->wd, gate, P->inter, H, h);
+            for (int i = 0; i < H; i++) xt[i] += L->mlp_scale[i] * h[i];
+        }
+        long keep = total < W ? total : W;  /* the newest frames stay, aligned to the end */
+        memcpy(carried_k + (W - keep) * kvd, keys + (total - keep) * kvd, sizeof(float) * keep * kvd);
+        memcpy(carried_v + (W - keep) * kvd, values + (total - keep) * kvd, sizeof(float) * keep * kvd);
+    }
+    for (long t = 0; t < n; t++) rms_norm(x + t * H, P->final_norm, H, P->eps, out + t * H);
+    free(x); free(q); free(keys); free(values); free(h);
+    return 0;
+}
+
+typedef struct {
+    int c, stride, inter, kernel;
+    float eps;
+    const float *up_w;   /* the transposed conv (kernel == stride) as [stride][c_in][c_out] */
+    const float *up_b;   /* [c_out] */
+    const float *dw_w;   /* the ConvNeXt's depthwise causal conv [c][kernel] */
+    const float *dw_b, *ln_w, *ln_b;
+    const float *pw1, *pw1_b, *pw2, *pw2_b, *gamma;  /* pw1 [c, inter], pw2 [inter, c] transposed */
+} c2w_upblock;
+
+/* The upsampler: per block a transposed conv (kernel == stride, no overlap) then a ConvNeXt
+ * block, time-major. x [steps, c]; carry: each block's depthwise input tail [kernel - 1, c]
+ * (NULL: zeros, nothing kept); out holds steps * (product of strides) rows. Returns the rows
+ * written, or -1 when memory ran out. */
+long omni_c2w_upsample(const c2w_upblock *B, int count, const float *x, long steps, float *carry,
+                       float *out) {
+    const int c = B[0].c;
+    long rows = steps;
+    for (int b = 0; b < count; b++) rows *= B[b].stride;
+    float *cur = malloc(sizeof(float) * (size_t)(rows * c + 1));
+    float *nxt = malloc(sizeof(float) * (size_t)(rows * c + 1));
+    float *padded = malloc(sizeof(float) * (size_t)((rows + 16) * c + 1));
+    float *h = malloc(sizeof(float) * (size_t)(c + B[0].inter + 16));
+    if (!cur || !nxt || !padded || !h) {
+        free(cur); free(nxt); free(padded); free(h);
+        return -1;
+    }
+    memcpy(cur, x, sizeof(float) * steps * c);
+    long n = steps;
+    for (int b = 0; b < count; b++) {
+        const c2w_upblock *U = &B[b];
+        const int s = U->stride, halo = U->kernel - 1;
+        for (long t = 0; t < n; t++)
+            for (int j = 0; j < s; j++) {
+                float *y = nxt + (t * s + j) * c;
+                linear_t(U->up_w + (long)j * c * c, cur + t * c, c, c, y);
+                for (int o = 0; o < c; o++) y[o] += U->up_b[o];
+            }
+        n *= s;
+        float *tail = carry ? carry + (long)b * halo * c : NULL;
+        if (tail) memcpy(padded, tail, sizeof(float) * halo * c);
+        else memset(padded, 0, sizeof(float) * halo * c);
+        memcpy(padded + halo * c, nxt, sizeof(float) * n * c);
+        if (tail) memcpy(tail, padded + n * c, sizeof(float) * halo * c);
+        for (long t = 0; t < n; t++) {
+            float *xt = nxt + t * c, *dw = cur + t * c;  /* cur is free now: the block's output */
+            for (int i = 0; i < c; i++) {
+                float v = padded[t * c + i] * U->dw_w[i * U->kernel];
+                for (int k = 1; k < U->kernel; k++) v += padded[(t + k) * c + i] * U->dw_w[i * U->kernel + k];
+                h[i] = v + U->dw_b[i];
+            }
+            float mean = 0.0f, var = 0.0f;
+            for (int i = 0; i < c; i++) mean += h[i];
+            mean /= (float)c;
+            for (int i = 0; i < c; i++) var += (h[i] - mean) * (h[i] - mean);
+            var /= (float)c;
+            float r = 1.0f / sqrtf(var + U->eps);
+            for (int i = 0; i < c; i++) h[i] = (h[i] - mean) * r * U->ln_w[i] + U->ln_b[i];
+            float *mid = h + c;
+            linear_t(U->pw1, h, c, U->inter, mid);
+            for (int i = 0; i < U->inter; i++) {
+                float v = mid[i] + U->pw1_b[i];
+                mid[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752440f));
+            }
+            linear_t(U->pw2, mid, U->inter, c, dw);
+            for (int i = 0; i < c; i++) dw[i] = xt[i] + U->gamma[i] * (dw[i] + U->pw2_b[i]);
+        }
+    }
+    memcpy(out, cur, sizeof(float) * n * c);
+    free(cur); free(nxt); free(padded); free(h);
+    return n;
+}
