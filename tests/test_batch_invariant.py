@@ -58,3 +58,24 @@ def test_one_sequence_is_plain_linear_on_its_own_thread_only():
         thread.join()
     assert other == {"alone": False}
     assert getattr(bi._pass, "alone", False) is False  # restored on leaving
+
+
+def test_experts_give_a_row_the_same_bits_whatever_the_other_rows_picked(tiny_model):
+    """Every expert runs on every row in a batched step, weighted 0 where not routed: a row's
+    output is the same alone and among rows routed elsewhere, and it is the routed sum (the
+    per-expert path prefills and the negative control use) up to the last bits."""
+    block = tiny_model.thinker.model.layers[0].mlp
+    width = block.experts.gate_up_proj.shape[-1]
+    row = _rows(1, width, 7)
+    with torch.no_grad():
+        weights, index = bi.route(block.gate, row)
+        alone = bi.experts(block.experts, row, index, weights)
+        for size in (2, 5, 16, 17, 33):
+            batch = _rows(size, width, 300 + size)
+            batch[size // 2] = row[0]
+            w, i = bi.route(block.gate, batch)
+            assert len(set(i.flatten().tolist())) > index.numel()  # others picked other experts
+            assert torch.equal(bi.experts(block.experts, batch, i, w)[size // 2], alone[0]), size
+        with bi.disabled():
+            routed = bi.experts(block.experts, row, index, weights)
+    assert torch.allclose(alone, routed, rtol=1e-5, atol=1e-7)
