@@ -108,7 +108,7 @@ def _run(engine, batches, steps_between=3):
             step()
     while engine.has_unfinished_requests():
         step()
-    assert engine.debug_state_counts() == {"talker.requests": 0}
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
     return {rid: (c, states[rid].trace) for rid, c in codes.items()}, widest
 
 
@@ -290,7 +290,7 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
     engine = HfTalkerEngine(2, tiny_model, max_num_seqs=3, max_num_batched_tokens=1024)
     for prompt, params in zip(prompts, PARAMS):
         engine.add_request(prompt.request_id, prompt, params)
-    assert engine.debug_state_counts() == {"talker.requests": len(prompts)}
+    assert engine.debug_state_counts() == {"talker.requests": len(prompts), "talker.unprojected_inputs": 0}
     outputs = {}
 
     def step():
@@ -306,11 +306,11 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
     for request_id in aborted:
         engine.abort_request(request_id)
     engine.abort_request("no-such-request")
-    assert engine.debug_state_counts() == {"talker.requests": len(prompts) - len(outputs) - 2}
+    assert engine.debug_state_counts() == {"talker.requests": len(prompts) - len(outputs) - 2, "talker.unprojected_inputs": 0}
     assert not aborted & set(engine.request_ids())
     while engine.has_unfinished_requests():
         step()
-    assert engine.debug_state_counts() == {"talker.requests": 0}
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
     assert engine.request_ids() == [] and not engine.running and not engine.waiting
     assert set(outputs) == set(alone) - aborted
     for request_id, codes in outputs.items():
@@ -333,9 +333,9 @@ def test_add_request_validation(tiny_model, prompts):
     for sizes in ((0, 25), (4,), (4, 25, 1)):
         with pytest.raises(ValueError, match="chunk_sizes"):
             engine.add_request("sizes", prompt, PARAMS[0], stream=True, chunk_sizes=sizes)
-    assert engine.debug_state_counts() == {"talker.requests": 1}
+    assert engine.debug_state_counts() == {"talker.requests": 1, "talker.unprojected_inputs": 0}
     engine.abort_request("dup")
-    assert engine.debug_state_counts() == {"talker.requests": 0}
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
     assert not engine.has_unfinished_requests()
 
 

@@ -55,7 +55,7 @@ def test_streamed_talker_equals_the_whole_talker(tiny_model, prompts, alone, ker
     codes, waits = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=1)
     want_codes, _ = alone[prompts[index].request_id]
     assert torch.equal(codes, want_codes)
-    assert engine.debug_state_counts() == {"talker.requests": 0}
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
 
 
 def test_talker_waits_for_the_thinker_instead_of_guessing(tiny_model, prompts, alone, kernels):  # noqa: F811
@@ -73,3 +73,25 @@ def test_negative_control_ending_the_text_early_changes_the_codes(tiny_model, pr
     engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=256)
     codes, _ = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=1, final_after=4)
     assert not torch.equal(codes, alone[prompts[index].request_id][0])
+
+
+def test_rows_projected_together_equal_rows_projected_per_request(tiny_model, prompts):  # noqa: F811
+    """A step projects every request's new thinker rows in one pass: each request's trailing rows
+    are the ones it gets alone. Control: plain F.linear over the same pass does not give every
+    row its solo bits (what the tiles in the projection prevent)."""
+    runner = _engine(tiny_model, "native", max_num_seqs=8, max_num_batched_tokens=256).runner
+    wanted = [(_opening(p, min(len(p.output_token_ids), 6 + i)), i % 3, False)
+              for i, p in enumerate(prompts)]
+    together = runner.trailing_rows_many(wanted)
+    alone_rows = [runner.trailing_rows(*item) for item in wanted]
+    assert sum(rows.shape[0] for rows in together) > len(wanted)
+    assert all(torch.equal(a, b) for a, b in zip(together, alone_rows))
+    mlp = runner.talker.text_projection
+
+    def plain(rows):
+        return torch.nn.functional.linear(mlp.act_fn(torch.nn.functional.linear(
+            rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)), mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+
+    raw = [item[0].thinker_embeds[runner._assistant_start(item[0]) + 4 + item[1]:][:1] for item in wanted]
+    one_pass = plain(torch.cat(raw))
+    assert not all(torch.equal(one_pass[i], plain(r)[0]) for i, r in enumerate(raw))

@@ -138,6 +138,41 @@ class TalkerRunner:
         talker pads past the end too). Until the thinker is done (`final`), only the rows that
         more thinker output cannot change are returned: fed-back token rows before any
         end-of-turn and before the generated-token count."""
+        return self.trailing_rows_many([(prompt, start, final)])[0]
+
+    def trailing_rows_many(self, wanted: list[tuple[TalkerPrompt, int, bool]]) -> list[torch.Tensor]:
+        """`trailing_rows` for several (prompt, start, final), their thinker rows projected in
+        one pass: the projection's fixed tiles give a row the same bits in any pass, and a
+        streamed talker step gets one new row per request, so one pass for all requests costs
+        what one request's did."""
+        plans = [self._trailing_plan(*item) for item in wanted]
+        raw = [plan[4] for plan in plans if plan is not None and plan[4] is not None]
+        projected = self._project_text(torch.cat(raw)) if raw else None
+        out, offset = [], 0
+        for (prompt, _, _), plan in zip(wanted, plans):
+            if plan is None:
+                width = self.config.talker_config.text_config.hidden_size
+                out.append(torch.zeros((0, width), dtype=prompt.thinker_embeds.dtype))
+                continue
+            start, end, token_rows, eos, rows = plan
+            pieces = []
+            if rows is not None:
+                pieces.append(projected[offset:offset + rows.shape[0]])
+                offset += rows.shape[0]
+            _, tts_eos, tts_pad = self._tts_specials()
+            if end > token_rows:
+                pieces.append(tts_eos[0])  # final only: the row after the last fed-back token
+            trailing = torch.cat(pieces)
+            if eos is not None:
+                column = torch.arange(start, end).view(-1, 1)
+                trailing = torch.where(column > eos, tts_pad[0], trailing)
+                trailing = torch.where(column == eos, tts_eos[0], trailing)
+            out.append(trailing.contiguous())
+        return out
+
+    def _trailing_plan(self, prompt: TalkerPrompt, start: int, final: bool):
+        """(start, end, token rows, end-of-turn index or None, thinker rows to project or None)
+        for `trailing_rows`, None when no row is due."""
         cfg = self.config
         first = self._assistant_start(prompt) + 4  # the thinker row of trailing row 0
         token_rows = max(prompt.thinker_embeds.shape[0] - first, 0)
@@ -149,21 +184,12 @@ class TalkerRunner:
             eos = len(tokens) if eos is None else eos
         else:
             end = min(token_rows, eos if eos is not None else len(tokens))
-        width = self.config.talker_config.text_config.hidden_size
         if end <= start:
-            return torch.zeros((0, width), dtype=prompt.thinker_embeds.dtype)
-        _, tts_eos, tts_pad = self._tts_specials()
-        rows = []
+            return None
+        rows = None
         if min(end, token_rows) > start:
-            rows.append(self._project_text(prompt.thinker_embeds[first + start:first + min(end, token_rows)]))
-        if end > token_rows:
-            rows.append(tts_eos[0])  # final only: the row after the last fed-back token
-        trailing = torch.cat(rows)
-        if eos is not None:
-            column = torch.arange(start, end).view(-1, 1)
-            trailing = torch.where(column > eos, tts_pad[0], trailing)
-            trailing = torch.where(column == eos, tts_eos[0], trailing)
-        return trailing.contiguous()
+            rows = prompt.thinker_embeds[first + start:first + min(end, token_rows)]
+        return start, end, token_rows, eos, rows
 
     @torch.no_grad()
     def generate(self, prompt: TalkerPrompt, params: SamplingParams) -> TalkerOutput:
