@@ -179,3 +179,39 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     cache.data[blocks[0], 0, 0, 0, 0, 0] -= 1.0
     same = decoder.step([DecodeRow(token, n + 6, 0, blocks)], cache).logits[0]
     assert not torch.allclose(moved, same, atol=1e-5, rtol=1e-4)
+
+
+def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_tokenizer):
+    """Text prompts prefilled in one pass: each prompt's KV, layer-0 rows, accept-layer rows and
+    last logits are transformers' own prefill's (not bit for bit: other kernels), and a text
+    prompt has no multimodal rotary offset (the pass uses none)."""
+    prompts = _prompts(tiny_tokenizer)[:4]
+    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for prompt, ours in zip(prompts, decoder.prefill([p.prompt_token_ids for p in prompts])):
+        theirs = runner.prefill(prompt, params)
+        assert theirs.rope_deltas == 0
+        assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
+        assert torch.equal(ours.embeds, theirs.prompt_embeds)
+        assert torch.allclose(ours.hidden, theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+        assert int(ours.logits.argmax()) == theirs.first_token
+
+
+def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_model, tiny_tokenizer):
+    prompts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)]
+    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    alone = [decoder.prefill([p])[0] for p in prompts]
+
+    def same(a, b):
+        return (torch.equal(a.kv, b.kv) and torch.equal(a.logits, b.logits)
+                and torch.equal(a.embeds, b.embeds) and torch.equal(a.hidden, b.hidden))
+
+    for order in (prompts, prompts[::-1], prompts[2:5]):
+        together = decoder.prefill(order)
+        for p, result in zip(order, together):
+            assert same(result, alone[prompts.index(p)])
+    # Negative control: plain F.linear over the pass's rows changes some prompt's bits.
+    with bi.disabled():
+        plain_alone = [decoder.prefill([p])[0] for p in prompts]
+        plain_together = decoder.prefill(prompts)
+    assert not all(same(a, b) for a, b in zip(plain_alone, plain_together))

@@ -6,9 +6,10 @@ multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE g
 `batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
 sequence's cached positions (all sequences of a layer in one call of the C kernel in
 `attention_native`, by default; or one torch `scaled_dot_product_attention` each), so a
-request's logits are bit-identical whether it decodes alone or with 63 others. Prompts are
-prefilled one at a time by transformers' own forward (a request's prefill never shares a pass),
-then their KV is copied into the request's blocks.
+request's logits are bit-identical whether it decodes alone or with 63 others. Text-only prompts
+admitted in the same step are prefilled together the same way (`prefill`); prompts with audio
+run alone through transformers' own forward (the audio encoder and multimodal rotary), and
+either way their KV is then copied into the request's blocks.
 """
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ class DecodeRow:
 
 
 @dataclass
+class PrefilledPrompt:
+    """One prompt's share of a batched prefill pass."""
+
+    logits: torch.Tensor  # [vocab]: the last prompt position's
+    kv: torch.Tensor  # [layers, 2, kv_heads, prompt_len, head_dim], as the paged cache writes it
+    embeds: torch.Tensor  # [prompt_len, hidden]: layer 0
+    hidden: torch.Tensor  # [prompt_len, hidden]: the talker's accept layer
+
+
+@dataclass
 class DecodeStepResult:
     logits: torch.Tensor  # [B, vocab]
     embeds: torch.Tensor  # [B, hidden]: layer 0 (the token's embedding) of each fed-in token
@@ -54,6 +65,51 @@ class BatchedThinkerDecoder:
                              f"{self.num_layers}")
         self.accept_hidden_layer = accept_hidden_layer
         self.kernels = check_kernels(kernels)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> list[PrefilledPrompt]:
+        """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
+        layer and the MoE on tiles over all their rows, attention causal within each prompt.
+        A prompt's results do not depend on the others in the pass (the same premise as the
+        decode step), so prompts arriving together cost one pass of fixed per-op overhead
+        instead of one each (8 at once on this CPU: ~16 ms one by one)."""
+        lengths = [len(ids) for ids in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        h = self.text.embed_tokens(ids)  # [N, hidden]
+        embeds, accept = h, None
+        # Text-only prompts: the three multimodal rotary rows are all the text position.
+        positions = torch.cat([torch.arange(n) for n in lengths]).view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = self.text.rotary_emb(h.unsqueeze(0), positions)  # [1, N, head_dim]
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        kv: list[list[torch.Tensor]] = [[] for _ in prompts]  # per prompt: per layer [2, kvh, n, hd]
+        for index, layer in enumerate(self.text.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            count, hd = x.shape[0], self.head_dim
+            q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).transpose(0, 1).unsqueeze(0)
+            k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).transpose(0, 1).unsqueeze(0)
+            v = bi.linear_module(attn.v_proj, x).view(count, -1, hd).transpose(0, 1).unsqueeze(0)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [1, heads, N, hd]
+            outs = []
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                kv[i].append(torch.stack([k[0, :, a:b], v[0, :, a:b]]))
+                out = F.scaled_dot_product_attention(
+                    q[:, :, a:b].contiguous(), k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous(),
+                    is_causal=True, scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1])
+                outs.append(out[0].transpose(0, 1).reshape(b - a, -1))
+            h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            if index + 1 == self.accept_hidden_layer:
+                accept = h
+        if self.accept_hidden_layer == 0:
+            accept = embeds
+        last = torch.tensor([b - 1 for b in bounds[1:]])
+        logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h[last]))
+        return [PrefilledPrompt(logits=logits[i], kv=torch.stack(kv[i]).contiguous(),
+                                embeds=embeds[a:b].clone(), hidden=accept[a:b].clone())
+                for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     @torch.no_grad()
     def step(self, rows: list[DecodeRow], cache: PagedKVCache) -> DecodeStepResult:

@@ -34,7 +34,7 @@ from ...config.schema import KVConnectorExtraConfig
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint, weights_digest
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
-from ..sampler import sample_next_tokens
+from ..sampler import sample_next_token, sample_next_tokens
 from ..types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from . import batch_invariant as bi
 from .paged_cache import PagedKVCache
@@ -107,6 +107,18 @@ class Phase(enum.Enum):
 
 
 @dataclass
+class Prefilled:
+    """A prompt's prefill, however it ran: its KV as the paged cache writes it, and the rest."""
+
+    kv: torch.Tensor  # [layers, 2, kv_heads, prompt_len, head_dim]
+    first_token: int
+    rope_deltas: int
+    prompt_embeds: torch.Tensor
+    prompt_hidden: torch.Tensor
+    prefill_ms: float
+
+
+@dataclass
 class ThinkerRequest:
     request_id: str
     prompt: ThinkerPrompt
@@ -124,6 +136,7 @@ class ThinkerRequest:
     rope_deltas: int = 0
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
+    prefilled: Prefilled | None = None  # from the step's batched prefill, until its start takes it
     output_embeds: list[torch.Tensor] = field(default_factory=list)
     output_hidden: list[torch.Tensor] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -168,9 +181,13 @@ class _ThinkerEngine(StageEngine):
         self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks,
                                   shared=self.shares_cache(stage_config))
         self.layout = self.cache.layout
-        if self.decodes:
-            self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
-                                                 args.attention_kernels)
+        # Batched passes: decode steps, and the prefill of text-only prompts (every role).
+        self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
+                                             args.attention_kernels)
+        config = runner.thinker.config
+        self._multimodal_ids = frozenset(getattr(config, name) for name in
+                                         ("audio_token_id", "image_token_id", "video_token_id")
+                                         if getattr(config, name, None) is not None)
         log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
                  "of %d tokens", self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
                  args.kv_pool_blocks, self.block_size)
@@ -259,6 +276,7 @@ class _ThinkerEngine(StageEngine):
         outputs = self._progress()
         admitted = self._admit(len(decoding))
         self._stats.record(len(admitted), len(decoding))
+        self._prefill_together([r for r in admitted if r.prefills_here and self._batchable(r)])
         for request in admitted:
             try:
                 outputs.extend(self._start(request))
@@ -301,10 +319,51 @@ class _ThinkerEngine(StageEngine):
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         raise NotImplementedError
 
+    def _batchable(self, request: ThinkerRequest) -> bool:
+        """Text only: the batched pass has no audio encoder and no multimodal rotary."""
+        return (request.prompt.input_features is None
+                and self._multimodal_ids.isdisjoint(request.prompt.prompt_token_ids))
+
+    def _prefill_together(self, requests: list[ThinkerRequest]) -> None:
+        """One batched pass for the text-only prompts admitted in this step; each request's
+        share waits on it until its start. If the pass fails, each prompt runs the same pass
+        alone at its start, so only the prompts that fail alone fail."""
+        if not requests:
+            return
+        began = time.perf_counter()
+        try:
+            results = self.decoder.prefill([r.prompt.prompt_token_ids for r in requests])
+        except Exception:  # noqa: BLE001 - retried per request at its start
+            log.debug("stage %d: batched prefill of %d prompts failed; each runs alone", self.stage_id,
+                      len(requests), exc_info=True)
+            return
+        elapsed = (time.perf_counter() - began) * 1e3
+        for request, result in zip(requests, results):
+            request.prefilled = self._take_first_token(request, result, elapsed)
+
+    def _take_first_token(self, request: ThinkerRequest, result, elapsed_ms: float) -> Prefilled:
+        first = sample_next_token(result.logits, request.params, step=0,
+                                  seen_token_ids=request.prompt.prompt_token_ids)
+        return Prefilled(result.kv, first, 0, result.embeds, result.hidden, elapsed_ms)
+
+    def _prefill(self, request: ThinkerRequest) -> Prefilled:
+        """The request's prefill: its share of the step's batched pass, or run now (alone
+        through the batched pass for text, through transformers' forward with audio)."""
+        pre, request.prefilled = request.prefilled, None
+        if pre is not None:
+            return pre
+        began = time.perf_counter()
+        if self._batchable(request):
+            [result] = self.decoder.prefill([request.prompt.prompt_token_ids])
+            return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
+        run = self.runner.prefill(request.prompt, request.params)
+        return Prefilled(cache_to_canonical(run.cache), run.first_token, run.rope_deltas,
+                         run.prompt_embeds, run.prompt_hidden, run.prefill_ms)
+
     def _prefill_here(self, request: ThinkerRequest) -> list[StepOutput]:
         """Prefill the prompt into the request's blocks and take its first token."""
-        pre = self.runner.prefill(request.prompt, request.params)
-        self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache))
+        pre = self._prefill(request)
+        self.cache.write(request.blocks, 0, pre.kv)
         request.rope_deltas = pre.rope_deltas
         request.prompt_embeds, request.prompt_hidden = pre.prompt_embeds, pre.prompt_hidden
         request.metrics["prefill_ms"] = pre.prefill_ms
@@ -425,9 +484,9 @@ class HfPrefillEngine(_ThinkerEngine):
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         transfer_id = request.params.kv_transfer_params["transfer_id"]
-        pre = self.runner.prefill(request.prompt, request.params)
+        pre = self._prefill(request)
         # Checksummed block by block as written (each still in cache): no second pass at publish.
-        sums = self.cache.write(request.blocks, 0, cache_to_canonical(pre.cache), checksums=True)
+        sums = self.cache.write(request.blocks, 0, pre.kv, checksums=True)
         prompt_blocks = self.cache.blocks_for(request.prompt_len)
         descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
                                                 request.prompt_len, checksums=sums)
