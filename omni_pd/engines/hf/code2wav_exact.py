@@ -141,7 +141,7 @@ class ExactCode2Wav:
     """code2wav with length-invariant kernels: whole utterances, or chunks of a stream.
 
     `kernels`: "native" runs the embedding, pre-transformer, upsampler and convolutional decoder
-    on omni-pd's C loops (code2wav_native.py, about 2.5x faster per streamed utterance), "torch"
+    on omni-pd's C loops (code2wav_native.py, about 3x faster per streamed utterance), "torch"
     on the torch ops below. Either way chunks add up to the whole decode exactly; the two differ
     in the last bits."""
 
