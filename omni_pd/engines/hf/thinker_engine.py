@@ -39,7 +39,7 @@ from ..types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from . import batch_invariant as bi
 from .paged_cache import PagedKVCache
 from .thinker import ThinkerRunner
-from .thinker_batch import BatchedThinkerDecoder, DecodeRow
+from .thinker_batch import BatchedThinkerDecoder, DecodeRow, PrefilledPrompt
 
 log = logging.getLogger(__name__)
 
@@ -339,9 +339,14 @@ class _ThinkerEngine(StageEngine):
             return
         elapsed = (time.perf_counter() - began) * 1e3
         for request, result in zip(requests, results):
-            request.prefilled = self._take_first_token(request, result, elapsed)
+            try:
+                request.prefilled = self._take_first_token(request, result, elapsed)
+            except Exception:  # noqa: BLE001 - its start prefills it again and fails it alone
+                log.debug("stage %d: request %s: first token failed", self.stage_id,
+                          request.request_id, exc_info=True)
 
-    def _take_first_token(self, request: ThinkerRequest, result, elapsed_ms: float) -> Prefilled:
+    def _take_first_token(self, request: ThinkerRequest, result: PrefilledPrompt,
+                          elapsed_ms: float) -> Prefilled:
         first = sample_next_token(result.logits, request.params, step=0,
                                   seen_token_ids=request.prompt.prompt_token_ids)
         return Prefilled(result.kv, first, 0, result.embeds, result.hidden, elapsed_ms)
