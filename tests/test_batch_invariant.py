@@ -43,27 +43,10 @@ def test_negative_control_plain_linear_depends_on_the_batch():
     assert any(differs)
 
 
-def test_one_sequence_is_plain_linear_on_its_own_thread_only():
-    """A prefill's pass runs plain F.linear; an in-process stage's engine on another thread keeps
-    its tiles meanwhile (the switch is per thread)."""
-    import threading
-
-    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
-    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-    other: dict[str, bool] = {}
-    with bi.one_sequence():
-        assert torch.equal(bi.linear(x, weight), torch.nn.functional.linear(x, weight))
-        thread = threading.Thread(target=lambda: other.update(alone=getattr(bi._pass, "alone", False)))
-        thread.start()
-        thread.join()
-    assert other == {"alone": False}
-    assert getattr(bi._pass, "alone", False) is False  # restored on leaving
-
-
 def test_experts_give_a_row_the_same_bits_whatever_the_other_rows_picked(tiny_model):
     """Every expert runs on every row in a batched step, weighted 0 where not routed: a row's
     output is the same alone and among rows routed elsewhere, and it is the routed sum (the
-    per-expert path prefills and the negative control use) up to the last bits."""
+    per-expert path the negative control uses) up to the last bits."""
     block = tiny_model.thinker.model.layers[0].mlp
     width = block.experts.gate_up_proj.shape[-1]
     row = _rows(1, width, 7)

@@ -214,8 +214,8 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts,
     state = core.new_state(prompt.request_id, inputs, params)
     # Decode together with another request, so the batched path is what gets checked.
     other = core.new_state("other", runner.build_inputs(prompts[1]), params)
-    core.prefill(state)
-    core.prefill(other)
+    core.prefill([state])
+    core.prefill([other])
     while not state.finished:
         core.decode([s for s in (state, other) if not s.finished])
     frames = state.frames

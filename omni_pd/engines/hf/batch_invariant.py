@@ -15,7 +15,6 @@ attention is computed per sequence by the engines.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
 import torch
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 
 ROW_TILE = 16
 _enabled = True
-_pass = threading.local()  # per thread: in-process stages run their engines on threads
 
 
 def set_enabled(enabled: bool) -> None:
@@ -45,21 +43,9 @@ def disabled() -> Iterator[None]:
         _enabled = previous
 
 
-@contextlib.contextmanager
-def one_sequence() -> Iterator[None]:
-    """Plain `F.linear` inside this block, on this thread: for a pass over one request's rows
-    alone (a prefill). Its row counts then depend on that request only, so its results cannot
-    depend on a batch, and one GEMM beats tiles (a 65-row talker prompt: 1.6 -> 1.0 ms)."""
-    previous, _pass.alone = getattr(_pass, "alone", False), True
-    try:
-        yield
-    finally:
-        _pass.alone = previous
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed on fixed tiles of `ROW_TILE` rows."""
-    if not _enabled or getattr(_pass, "alone", False):
+    if not _enabled:
         return F.linear(x, weight, bias)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
@@ -96,14 +82,14 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
     """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
 
-    Tiled (a batched decode step): every expert runs on every row, as one tiled product for all
+    Tiled (every batched pass): every expert runs on every row, as one tiled product for all
     experts' gate/up projections and one batched product per tile for their down projections,
     and each row adds its experts' outputs in ascending expert order, weighted by its routing
     weight, 0 for the experts it did not pick (adding a zero product leaves a sum as it is). A
     row's result then cannot depend on which experts the other rows picked, and a step costs a
     fixed dozen ops instead of ten per expert in use (a 16-request thinker step: 4 experts x 4
-    layers). Plain (a prefill, or the negative control): only the routed rows, per expert."""
-    if not _enabled or getattr(_pass, "alone", False):
+    layers). Untiled (the negative control): only the routed rows, per expert."""
+    if not _enabled:
         return _routed_experts(module, x, top_index, top_weights)
     count, width = x.shape
     num_experts, double, _ = module.gate_up_proj.shape

@@ -11,8 +11,8 @@ codes are bit-identical whether it runs alone or among any others:
   step's in one C kernel call per layer that computes each sequence alone
   (`attention_native`, the default), or with torch's `scaled_dot_product_attention` per
   sequence (`kernels="torch"`); never one padded batch;
-* a prompt's prefill is a forward of its own (never shares a pass with anything), so it runs on
-  plain `F.linear` (`batch_invariant.one_sequence`): its row counts are the request's own;
+* the prompts admitted in one step are prefilled in one pass on the same tiles, attention per
+  prompt, so a prompt's prefill is the same bits alone or with others;
 * sampling draws one uniform number per row, `step_uniform(seed, step * num_code_groups + group)`
   (a hash of the request's seed and position), so a draw depends on the request's seed and
   position only, never on the batch or on the global RNG.
@@ -266,15 +266,20 @@ class BatchedTalker:
     # -- steps ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, state: TalkerRequestState) -> None:
-        """The request's prompt, alone: fills its KV cache and samples its first code0."""
-        if state.length:
-            raise RuntimeError(f"request {state.request_id} is already prefilled")
-        with bi.one_sequence():  # alone: its row count is the request's own
-            hidden = self._talker_forward(state.prompt_embeds, [state], [state.prompt_len])
-        state.hidden = hidden[-1].clone()
-        logits = bi.linear_module(self.talker.codec_head, hidden[-1:])[0]
-        self._take_code0s([state], logits.unsqueeze(0))
+    def prefill(self, states: list[TalkerRequestState]) -> None:
+        """The requests' prompts in one pass: fills their KV caches and samples their first
+        code0s. Linear layers and the MoE run on the fixed tiles, attention per prompt, so a
+        prompt's results are the same bits in a pass of its own or with others (requests that
+        arrive together cost one pass: at 8, ~1 ms each one by one)."""
+        for state in states:
+            if state.length:
+                raise RuntimeError(f"request {state.request_id} is already prefilled")
+        counts = [state.prompt_len for state in states]
+        hidden = self._talker_forward(torch.cat([s.prompt_embeds for s in states]), states, counts)
+        last = hidden[torch.tensor(counts).cumsum(0) - 1]
+        for state, row in zip(states, last):
+            state.hidden = row.clone()
+        self._take_code0s(states, bi.linear_module(self.talker.codec_head, last))
 
     @torch.no_grad()
     def decode(self, states: list[TalkerRequestState]) -> None:

@@ -199,6 +199,32 @@ class HfTalkerEngine(StageEngine):
                 return None
         return state.take_new_frames()
 
+    def _prefill(self, admitted: list[TalkerRequestState], outputs: list[StepOutput]
+                 ) -> list[TalkerRequestState]:
+        """One pass for every admitted prompt; if it fails, each prompt alone (the same bits),
+        so only the prompts that fail alone fail. Returns the prefilled states."""
+        if not admitted:
+            return []
+        try:
+            self.core.prefill(admitted)
+            return admitted
+        except Exception:  # noqa: BLE001 - find the failing prompts one by one
+            log.debug("talker: prefill of %d prompts failed; each runs alone", len(admitted),
+                      exc_info=True)
+        prefilled = []
+        for state in admitted:
+            # Whatever the failed pass got to is redone: its rows are rewritten, its pick retaken.
+            state.length, state.hidden, state.code0s = 0, None, []
+            state.finished, state.finish_reason, state.error = False, None, None
+            try:
+                self.core.prefill([state])
+            except Exception as exc:  # noqa: BLE001 - confined to this request
+                log.exception("talker prefill failed for %s", state.request_id)
+                outputs.append(StepOutput.failed(state.request_id, f"talker prefill failed: {exc}"))
+                continue
+            prefilled.append(state)
+        return prefilled
+
     def _finish(self, state: TalkerRequestState) -> StepOutput:
         self.running.pop(state.request_id, None)
         self._stale.pop(state.request_id, None)
@@ -219,12 +245,7 @@ class HfTalkerEngine(StageEngine):
         self._stats.record(len(admitted), len(decoding))
         for state in admitted:
             state.admitted_at = time.perf_counter()
-            try:
-                self.core.prefill(state)
-            except Exception as exc:  # noqa: BLE001 - a prefill runs alone: fail just this one
-                log.exception("talker prefill failed for %s", state.request_id)
-                outputs.append(StepOutput.failed(state.request_id, f"talker prefill failed: {exc}"))
-                continue
+        for state in self._prefill(admitted, outputs):
             self.running[state.request_id] = state
             if state.finished:
                 outputs.append(self._finish(state))
