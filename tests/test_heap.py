@@ -14,3 +14,34 @@ def test_objects_alive_at_startup_leave_the_collectors_generations():
         assert gc.get_count()[0] < len(kept)  # what was young is now permanent
     finally:
         gc.unfreeze()  # the rest of the test session collects as usual
+
+
+def test_a_worker_freezes_before_it_says_ready(monkeypatch):
+    """The collection takes a few hundred ms in a real worker: done after Ready, the first
+    request waited for it (first audio 36 -> 460 ms on a fresh process)."""
+    from omni_pd.orchestrator import engine_factory, messages, worker
+
+    class Engine:
+        def describe(self):
+            return {}
+
+    class Conn:
+        frozen_at_ready = None
+
+        def send_bytes(self, data):
+            if isinstance(messages.loads(data), messages.Ready):
+                Conn.frozen_at_ready = gc.get_freeze_count()
+
+    class Stage:
+        stage_id = 7
+
+    monkeypatch.setattr(engine_factory, "build_engine", lambda stage, model: Engine())
+    gc.unfreeze()
+    try:
+        assert worker._build(Stage(), "m", Conn(), freeze=True) is not None
+        assert Conn.frozen_at_ready and Conn.frozen_at_ready > 0
+        gc.unfreeze()
+        worker._build(Stage(), "m", Conn(), freeze=False)  # control: an in-process stage's thread
+        assert Conn.frozen_at_ready == 0
+    finally:
+        gc.unfreeze()

@@ -51,9 +51,8 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
                         format=f"%(asctime)s %(levelname)s [stage{stage_config.stage_id}] %(name)s: %(message)s")
     apply_threads(*threads)
     parent = os.getppid()
-    engine = _build(stage_config, model, conn)
+    engine = _build(stage_config, model, conn, freeze=True)
     if engine is not None:
-        freeze_startup_heap(f"stage {stage_config.stage_id} worker")
         serve(engine, conn, alive=lambda: os.getppid() == parent)
     # The engine is closed and the pipe too: skip the interpreter's slow teardown of the model
     # (seconds on a busy machine), which only delays the orchestrator's shutdown.
@@ -62,7 +61,7 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
     os._exit(0)
 
 
-def _build(stage_config: Any, model: str, conn):
+def _build(stage_config: Any, model: str, conn, freeze: bool = False):
     try:
         from .engine_factory import build_engine
         engine = build_engine(stage_config, model)
@@ -70,6 +69,8 @@ def _build(stage_config: Any, model: str, conn):
         conn.send_bytes(msg.dumps(msg.StartupFailed(stage_config.stage_id, f"{type(exc).__name__}: {exc}")))
         conn.close()
         return None
+    if freeze:  # before Ready: the collection takes a few hundred ms that no request should wait
+        freeze_startup_heap(f"stage {stage_config.stage_id} worker")
     conn.send_bytes(msg.dumps(msg.Ready(stage_config.stage_id, os.getpid(), engine.describe())))
     return engine
 

@@ -238,9 +238,9 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
     async def start_stages() -> None:
         try:
             omni = await asyncio.to_thread(make_omni)
+            freeze_startup_heap("server")  # before any request is served: it blocks the loop
             state.omni = omni  # no await until the gain is set: no request sees it unset
             state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
-            freeze_startup_heap("server")
             log.info("serving %s: every stage is up", served_model)
             log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
                      state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
