@@ -17,6 +17,7 @@ to a convolution and ignored on output.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ def _width(steps: int) -> int:
     return -(-steps // ALIGN) * ALIGN
 
 
+@functools.cache
 def _library() -> ctypes.CDLL:
     lib = load("code2wav")
     # The layer kernels are called from omni_c2w_decode; declared for the tests, which check
@@ -238,6 +240,7 @@ class _UpBlock(ctypes.Structure):
                                 "pw2", "pw2_b", "gamma")]
 
 
+@functools.cache
 def _front_library() -> ctypes.CDLL:
     lib = _library()
     lib.omni_c2w_transformer.argtypes = [_P, _P, _L, _L, _L, _P, _L, _P]

@@ -1,14 +1,18 @@
-/* code2wav's convolutional decoder on CPU: SnakeBeta and causal convolutions, channel-major.
+/* code2wav on CPU: the convolutional decoder (SnakeBeta and causal convolutions, channel-major,
+ * chained per chunk by omni_c2w_decode) and, at the end of the file, the embedding,
+ * pre-transformer and upsampler before it (time-major loops).
  *
- * Built by omni_pd/engines/hf/native_build.py (gcc -O3 -march=native -ffp-contract=off) and
+ * Built by omni_pd/engines/hf/native_build.py (gcc -O3 -march=native -ffp-contract=off -lm) and
  * called through ctypes by code2wav_native.py.
  *
- * Every value is computed by whole vectors of 16 time steps, with no scalar tail: callers pass
- * lengths rounded up (16 for snake, 32 for conv) and buffers that wide. With contraction off,
- * each lane's result is fixed by IEEE arithmetic alone, so a sample gets the same bits whatever
- * the length of the call and wherever it sits in it: chunks of a stream add up to the whole
- * utterance exactly.
+ * In the decoder every value is computed by whole vectors of 16 time steps, with no scalar
+ * tail: callers pass lengths rounded up (16 for snake, 32 for conv) and buffers that wide. With
+ * contraction off, each lane's result is fixed by IEEE arithmetic alone, so a sample gets the
+ * same bits whatever the length of the call and wherever it sits in it: chunks of a stream add
+ * up to the whole utterance exactly.
  */
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -121,8 +125,6 @@ void omni_c2w_residual_unit(const float *x, long ldx, float *padded, long ldp, f
  * layer at a time, so the bits are those of the layer-by-layer path. Each layer's input starts
  * with its left padding: `halo` columns from the stream's carry (the previous chunk's last
  * inputs) or zeros, which the layer's last inputs then replace. */
-#include <stdlib.h>
-
 enum { C2W_CONV = 0, C2W_TRANSPOSED = 1, C2W_UNIT = 2, C2W_SNAKE_CONV = 3 };
 
 typedef struct {
@@ -248,8 +250,6 @@ fail:
  * so chunks add up to the whole utterance here as in the decoder. A linear layer is a sum over
  * inputs in ascending order, vectorised across 16 outputs at a time (weights transposed to
  * [in, out], `out` a multiple of 16). */
-#include <math.h>
-
 static void linear_t(const float *wt, const float *x, int in, int out, float *y) {
     for (int o = 0; o < out; o += LANES) {
         v16 acc = splat(0.0f);
