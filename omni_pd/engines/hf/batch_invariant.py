@@ -6,11 +6,12 @@ row in a matrix of 8 or more rows, and differs in the last bits; with random-wei
 flat, that flips tokens. So every linear layer here runs on tiles of exactly `ROW_TILE` rows (the
 last tile padded with zeros): a row's result then comes from the same kernel, the same shape and
 the same reduction order whatever the batch holds (tests/test_batch_invariant.py checks row
-position and neighbours). MoE experts are applied per expert to the rows routed to it, through the
-same tiled linear, and their contributions are summed per row in ascending expert order, exactly
-as transformers does, so a row's sum does not depend on which other rows picked which experts.
+position and neighbours). MoE experts run on every row of a pass through the same tiles, and each
+row sums its experts' contributions in ascending expert order, as transformers does (0 for the
+experts it did not pick), so a row's sum does not depend on which other rows picked which experts.
 Per-row ops (RMSNorm, rotary, activations, softmax/top-k over one row) are invariant already;
-attention is computed per sequence by the engines.
+attention is computed per sequence: `attend` (one sequence per call), or the engines' native
+decode kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 ROW_TILE = 16
 _enabled = True
@@ -135,3 +137,33 @@ def mlp(block, x: torch.Tensor) -> torch.Tensor:
     if hasattr(block, "experts"):
         return sparse_moe(block, x)
     return dense_mlp(block, x)
+
+
+# -- attention, one sequence per call ---------------------------------------------------------
+
+def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
+    [1, heads, rows, head_dim], as transformers' attention computes them."""
+    rows = x.shape[0]
+
+    def heads(module: torch.nn.Linear) -> torch.Tensor:
+        return linear_module(module, x).view(rows, -1, head_dim)
+
+    q = attn.q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
+    k = attn.k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
+    v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+           cached: int) -> torch.Tensor:
+    """One sequence's attention: q [1, heads, n, hd] for its last n positions over keys/values
+    [1, kv_heads, cached + n, hd]; returns [n, heads * hd]."""
+    count = q.shape[2]
+    if count > 1 and cached:
+        raise NotImplementedError("multi-row attention after cached positions (chunked prefill)")
+    out = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=count > 1,
+                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1).reshape(count, -1)

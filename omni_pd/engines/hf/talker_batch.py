@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from ...sampling import SamplingParams
 from ..sampler import step_uniform
@@ -396,7 +395,7 @@ class BatchedTalker:
     def _talker_attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           states: list[TalkerRequestState], counts: list[int], layer: int,
                           rows: DecodeRows | None) -> torch.Tensor:
-        q, k, v = _projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
+        q, k, v = bi.projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
         if rows is not None:  # a decode step on the kernel: one new row per sequence
             k_bases = torch.tensor([s.keys[layer].data_ptr() for s in states], dtype=torch.long)
             v_bases = torch.tensor([s.values[layer].data_ptr() for s in states], dtype=torch.long)
@@ -409,7 +408,7 @@ class BatchedTalker:
             keys, values = state.keys[layer], state.values[layer]
             keys[begin:end] = k[0, :, start:start + count].transpose(0, 1)
             values[begin:end] = v[0, :, start:start + count].transpose(0, 1)
-            outputs.append(_attend(q[:, :, start:start + count], _head_major(keys[:end]),
+            outputs.append(bi.attend(q[:, :, start:start + count], _head_major(keys[:end]),
                                    _head_major(values[:end]), attn.scaling, begin))
             start += count
         return bi.linear_module(attn.o_proj, torch.cat(outputs))
@@ -461,7 +460,7 @@ class BatchedTalker:
         cos, sin = cp.rotary_emb(x.unsqueeze(0), positions)
         for layer, (keys, values) in zip(cp.layers, caches):
             attn = layer.self_attn
-            q, k, v = _projections(attn, layer.input_layernorm(x), self.cp_head_dim, cos, sin)
+            q, k, v = bi.projections(attn, layer.input_layernorm(x), self.cp_head_dim, cos, sin)
             # Every request has the same predictor length here, so one attention call serves
             # the batch: scaled_dot_product_attention computes each batch entry on its own
             # (tests/test_talker_batch.py holds batched == solo to the bit).
@@ -491,32 +490,3 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor:
 def _per_request(t: torch.Tensor, batch: int, width: int) -> torch.Tensor:
     """[1, heads, batch * width, hd] (rows request-major) -> [batch, heads, width, hd]."""
     return t[0].unflatten(1, (batch, width)).transpose(0, 1)
-
-
-def _projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
-    [1, heads, rows, head_dim], as transformers' attention computes them."""
-    rows = x.shape[0]
-
-    def heads(module: torch.nn.Linear) -> torch.Tensor:
-        return bi.linear_module(module, x).view(rows, -1, head_dim)
-
-    q = attn.q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
-    k = attn.k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
-    v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-            cached: int) -> torch.Tensor:
-    """One sequence's attention: q [1, heads, n, hd] for its last n positions over keys/values
-    [1, kv_heads, cached + n, hd]; returns [n, heads * hd]."""
-    count = q.shape[2]
-    if count > 1 and cached:
-        raise NotImplementedError("multi-row attention after cached positions (chunked prefill)")
-    out = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=count > 1,
-                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
-    return out[0].transpose(0, 1).reshape(count, -1)
-

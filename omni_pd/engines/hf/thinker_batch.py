@@ -86,19 +86,12 @@ class BatchedThinkerDecoder:
         kv: list[list[torch.Tensor]] = [[] for _ in prompts]  # per prompt: per layer [2, kvh, n, hd]
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            count, hd = x.shape[0], self.head_dim
-            q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).transpose(0, 1).unsqueeze(0)
-            k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).transpose(0, 1).unsqueeze(0)
-            v = bi.linear_module(attn.v_proj, x).view(count, -1, hd).transpose(0, 1).unsqueeze(0)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [1, heads, N, hd]
+            q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
             outs = []
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 kv[i].append(torch.stack([k[0, :, a:b], v[0, :, a:b]]))
-                out = F.scaled_dot_product_attention(
-                    q[:, :, a:b].contiguous(), k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous(),
-                    is_causal=True, scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1])
-                outs.append(out[0].transpose(0, 1).reshape(b - a, -1))
+                outs.append(bi.attend(q[:, :, a:b], k[:, :, a:b].contiguous(),
+                                      v[:, :, a:b].contiguous(), attn.scaling, 0))
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
             if index + 1 == self.accept_hidden_layer:
