@@ -317,6 +317,37 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
         assert torch.equal(codes, alone[request_id][0]), request_id
 
 
+def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, alone, kernels,
+                                                          monkeypatch):
+    """The admitted prompts share one prefill pass; when it fails, each runs alone again from
+    the start (whatever the failed pass had done to its state forgotten), so only the prompt
+    that fails alone fails and the others give their solo codes."""
+    engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=1024)
+    bad = prompts[2].request_id
+    real = engine.core.prefill
+
+    def prefill(states):
+        real(states)  # the pass runs (KV written, first codes picked), then fails
+        if any(state.request_id == bad for state in states):
+            raise RuntimeError("injected prefill failure")
+
+    monkeypatch.setattr(engine.core, "prefill", prefill)
+    for prompt, params in zip(prompts, PARAMS):
+        engine.add_request(prompt.request_id, prompt, params)
+    codes, errors = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            elif out.finished:
+                codes[out.request_id] = out.output.codes
+    assert set(errors) == {bad} and "injected prefill failure" in errors[bad]
+    assert set(codes) == set(alone) - {bad}
+    for request_id, got in codes.items():
+        assert torch.equal(got, alone[request_id][0]), request_id
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
+
+
 def test_add_request_validation(tiny_model, prompts):
     engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=16)
     prompt = prompts[0]

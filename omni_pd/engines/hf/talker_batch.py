@@ -95,6 +95,12 @@ class TalkerRequestState:
             return torch.zeros((num_code_groups, 0), dtype=torch.long)
         return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
 
+    def forget_prefill(self) -> None:
+        """Back to before its prefill, so that it can run again (after a failed batched pass):
+        its cached rows are rewritten, its first pick taken again."""
+        self.length, self.hidden, self.code0s = 0, None, []
+        self.finished, self.finish_reason, self.error = False, None, None
+
     @property
     def ready_to_decode(self) -> bool:
         """Its next step's trailing row is known (or the trailing text is complete)."""

@@ -213,9 +213,7 @@ class HfTalkerEngine(StageEngine):
                       exc_info=True)
         prefilled = []
         for state in admitted:
-            # Whatever the failed pass got to is redone: its rows are rewritten, its pick retaken.
-            state.length, state.hidden, state.code0s = 0, None, []
-            state.finished, state.finish_reason, state.error = False, None, None
+            state.forget_prefill()  # whatever the failed pass got to is redone
             try:
                 self.core.prefill([state])
             except Exception as exc:  # noqa: BLE001 - confined to this request
