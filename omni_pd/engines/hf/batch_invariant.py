@@ -45,6 +45,11 @@ def disabled() -> Iterator[None]:
         _enabled = previous
 
 
+def _tiled_rows(count: int) -> int:
+    """Rows once `count` is padded with zero rows to whole tiles (at least one)."""
+    return max(ROW_TILE, -(-count // ROW_TILE) * ROW_TILE)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed on fixed tiles of `ROW_TILE` rows."""
     if not _enabled:
@@ -52,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
-    padded = max(ROW_TILE, -(-count // ROW_TILE) * ROW_TILE)
+    padded = _tiled_rows(count)
     if padded != count:
         rows = F.pad(rows, (0, 0, 0, padded - count))  # zero rows
     if padded == ROW_TILE:  # one tile (every decode step of up to 16 requests): no concatenation
@@ -99,7 +104,7 @@ def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch
     gate_up = linear(x, module.gate_up_proj.reshape(num_experts * double, width))
     gate_up = gate_up.view(count, num_experts, double)
     hidden = module.act_fn(gate_up[..., :inter]) * gate_up[..., inter:]  # [rows, E, I]
-    padded = max(ROW_TILE, -(-count // ROW_TILE) * ROW_TILE)
+    padded = _tiled_rows(count)
     hidden = F.pad(hidden.transpose(0, 1), (0, 0, 0, padded - count))  # [E, tiles of rows, I]
     down = module.down_proj.transpose(1, 2)  # [E, I, H]
     outputs = torch.cat([torch.bmm(hidden[:, i:i + ROW_TILE], down)

@@ -203,10 +203,7 @@ class NativeDecoder:
         input tail of every layer), None: zeros before the first frame, nothing kept."""
         hidden = hidden.detach().float().contiguous()
         steps, channels = hidden.shape
-        tails = carry.get(self) if carry is not None else None
-        started = tails is not None
-        if carry is not None and tails is None:
-            tails = carry[self] = torch.zeros(self.carry_floats)
+        tails, started = _carried(carry, self, self.carry_floats)
         out = torch.empty(steps * self.strides)
         count = self.lib.omni_c2w_decode(ctypes.addressof(self.layers), len(self.layers),
                                          hidden.data_ptr(), channels, steps,
@@ -250,8 +247,29 @@ def _front_library() -> ctypes.CDLL:
     return lib
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().float().contiguous()
+class _Pinned:
+    """The contiguous copies (float32 unless told) of the tensors a C table points into, kept
+    alive with it."""
+
+    def __init__(self) -> None:
+        self._tensors: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+        t = t.detach().to(dtype).contiguous()
+        self._tensors.append(t)
+        return t.data_ptr()
+
+
+def _carried(carry: dict | None, key: object, floats: int) -> tuple[torch.Tensor | None, bool]:
+    """`key`'s tail buffer in a stream's `carry` (zeros, made now, at the stream's first chunk)
+    and whether the stream had one already; (None, False) without a stream."""
+    if carry is None:
+        return None, False
+    tails = carry.get(key)
+    if tails is not None:
+        return tails, True
+    tails = carry[key] = torch.zeros(floats)
+    return tails, False
 
 
 class NativeTransformer:
@@ -268,13 +286,7 @@ class NativeTransformer:
         self.kv_width = attn.k_proj.out_features
         self.carried = config.sliding_window - 1
         self.num_layers = len(layers)
-        self._keep: list[torch.Tensor] = []  # every tensor the C side points into
-
-        def ptr(t: torch.Tensor) -> int:
-            t = _f32(t)
-            self._keep.append(t)
-            return t.data_ptr()
-
+        ptr = self._pinned = _Pinned()
         table = []
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
@@ -285,15 +297,14 @@ class NativeTransformer:
                                  ptr(m.up_proj.weight.t()), ptr(m.down_proj.weight.t()),
                                  ptr(layer.mlp_layer_scale.scale)))
         self._layers = (_TLayer * len(table))(*table)
-        offsets = module.code_offset.detach().reshape(-1).to(torch.long).contiguous()
-        self._keep.append(offsets)
         rotary = model.rotary_emb
         self.params = _TParams(
             self.num_layers, self.hidden, config.num_attention_heads, config.num_key_value_heads,
             attn.head_dim, layers[0].mlp.gate_proj.out_features, config.sliding_window,
-            offsets.numel(), layers[0].input_layernorm.variance_epsilon, attn.scaling,
-            float(rotary.attention_scaling), ptr(module.code_embedding.weight), offsets.data_ptr(),
-            ptr(rotary.inv_freq), ptr(model.norm.weight), ctypes.addressof(self._layers))
+            module.code_offset.numel(), layers[0].input_layernorm.variance_epsilon, attn.scaling,
+            float(rotary.attention_scaling), ptr(module.code_embedding.weight),
+            ptr(module.code_offset.reshape(-1), torch.long), ptr(rotary.inv_freq),
+            ptr(model.norm.weight), ctypes.addressof(self._layers))
         self.lib = _front_library()
 
     @staticmethod
@@ -343,12 +354,7 @@ class NativeUpsampler:
     depthwise input tail (one buffer, kept in its carry dict under this object)."""
 
     def __init__(self, module: torch.nn.Module):
-        self._keep: list[torch.Tensor] = []
-
-        def ptr(t: torch.Tensor) -> int:
-            t = _f32(t)
-            self._keep.append(t)
-            return t.data_ptr()
+        ptr = self._pinned = _Pinned()
 
         blocks = []
         self.stride = 1
@@ -392,11 +398,7 @@ class NativeUpsampler:
     def __call__(self, hidden: torch.Tensor, carry: dict | None) -> torch.Tensor:
         """[steps * stride, channels] from hidden [steps, channels]; `carry` as the decoder's."""
         hidden = hidden.detach().float().contiguous()
-        tails = None
-        if carry is not None:
-            tails = carry.get(self)
-            if tails is None:
-                tails = carry[self] = torch.zeros(self.carry_floats)
+        tails, _ = _carried(carry, self, self.carry_floats)
         out = torch.empty((hidden.shape[0] * self.stride, self.channels))
         rows = self.lib.omni_c2w_upsample(ctypes.addressof(self._blocks), len(self._blocks),
                                           hidden.data_ptr(), hidden.shape[0],

@@ -8,12 +8,25 @@ talker's own `generate`.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from ...sampling import SamplingParams
 from ..types import TalkerOutput, TalkerPrompt
 from . import batch_invariant as bi
+
+
+class _TrailingPlan(NamedTuple):
+    """Trailing rows start .. end - 1 of a prompt: the first `token_rows` from thinker rows
+    (`rows`, still to project; None when none is due), tts_eos after them, and the end-of-turn
+    token's index (`eos`, None before it is known)."""
+
+    start: int
+    end: int
+    token_rows: int
+    eos: int | None
+    rows: torch.Tensor | None
 
 
 class TalkerRunner:
@@ -146,7 +159,7 @@ class TalkerRunner:
         streamed talker step gets one new row per request, so one pass for all requests costs
         what one request's did."""
         plans = [self._trailing_plan(*item) for item in wanted]
-        raw = [plan[4] for plan in plans if plan is not None and plan[4] is not None]
+        raw = [plan.rows for plan in plans if plan is not None and plan.rows is not None]
         projected = self._project_text(torch.cat(raw)) if raw else None
         out, offset = [], 0
         for (prompt, _, _), plan in zip(wanted, plans):
@@ -170,9 +183,8 @@ class TalkerRunner:
             out.append(trailing.contiguous())
         return out
 
-    def _trailing_plan(self, prompt: TalkerPrompt, start: int, final: bool):
-        """(start, end, token rows, end-of-turn index or None, thinker rows to project or None)
-        for `trailing_rows`, None when no row is due."""
+    def _trailing_plan(self, prompt: TalkerPrompt, start: int, final: bool) -> _TrailingPlan | None:
+        """What `trailing_rows` builds, None when no row is due."""
         cfg = self.config
         first = self._assistant_start(prompt) + 4  # the thinker row of trailing row 0
         token_rows = max(prompt.thinker_embeds.shape[0] - first, 0)
@@ -189,7 +201,7 @@ class TalkerRunner:
         rows = None
         if min(end, token_rows) > start:
             rows = prompt.thinker_embeds[first + start:first + min(end, token_rows)]
-        return start, end, token_rows, eos, rows
+        return _TrailingPlan(start, end, token_rows, eos, rows)
 
     @torch.no_grad()
     def generate(self, prompt: TalkerPrompt, params: SamplingParams) -> TalkerOutput:
