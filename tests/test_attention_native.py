@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_pd.engines.hf import native_build
-from omni_pd.engines.hf.attention_native import (CacheGeometry, DecodeRows, check_kernels,
+from omni_pd.engines.hf.attention_native import (ATTENTION, CacheGeometry, DecodeRows, check_kernels,
                                                  decode_attention)
 
 HEADS, KV_HEADS, BLOCK = 4, 2, 8
@@ -140,4 +140,4 @@ def test_without_a_compiler_the_error_names_the_torch_path(monkeypatch, tmp_path
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(native_build.NativeBuildError,
                        match="no C compiler found for the attention kernels.*attention_kernels: torch"):
-        native_build.build("attention")
+        native_build.build(ATTENTION)

@@ -6,8 +6,8 @@ import ctypes
 import pytest
 import torch
 
-from omni_pd.engines.hf.code2wav_engine import HfCode2WavEngine
-from omni_pd.engines.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
+from omni_pd.models.qwen3_omni.hf.code2wav_engine import HfCode2WavEngine
+from omni_pd.models.qwen3_omni.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
                                                tiled_linear)
 from omni_pd.engines.types import AudioOutput, Code2WavPrompt
 from omni_pd.sampling import SamplingParams
@@ -224,7 +224,7 @@ def test_engine_refuses_bad_frames(tiny_model):
 def _native_call(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  dilation: int, steps: int) -> torch.Tensor:
     """One C kernel call on the first `steps` columns of x (padded as the decoder pads)."""
-    from omni_pd.engines.hf import code2wav_native as native
+    from omni_pd.models.qwen3_omni.hf import code2wav_native as native
     lib = native._library()
     width = native._width(steps)
     if kind == "snake":
@@ -247,7 +247,7 @@ def _native_call(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def test_native_kernels_give_a_column_the_same_bits_at_any_length_or_offset(tiny_model):
     """The premise of the native decoder's exactness, for every convolution shape code2wav's
     decoder has (and SnakeBeta): a column's result depends on its inputs only."""
-    from omni_pd.engines.hf.code2wav_native import NativeDecoder
+    from omni_pd.models.qwen3_omni.hf.code2wav_native import NativeDecoder
     decoder = NativeDecoder(tiny_model.code2wav)
     specs = {decoder.first, decoder.last}
     for block in decoder.blocks:
@@ -286,18 +286,20 @@ def test_unknown_kernels_are_refused(tiny_model):
 
 def test_native_build_without_a_compiler_names_the_way_out(monkeypatch, tmp_path):
     from omni_pd.engines.hf import native_build
+    from omni_pd.models.qwen3_omni.hf.code2wav_native import CODE2WAV
     monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(native_build.NativeBuildError, match="no C compiler found.*code2wav_kernels: torch"):
-        native_build.build("code2wav")
+        native_build.build(CODE2WAV)
 
 
 def test_native_build_is_cached_per_source_and_loads(monkeypatch, tmp_path):
     from omni_pd.engines.hf import native_build
+    from omni_pd.models.qwen3_omni.hf.code2wav_native import CODE2WAV
     monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))
-    path = native_build.build("code2wav")
+    path = native_build.build(CODE2WAV)
     assert path.parent == tmp_path / "kernels" and path.is_file()
-    assert native_build.build("code2wav") == path  # the second call finds it
+    assert native_build.build(CODE2WAV) == path  # the second call finds it
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial builds left behind
     assert hasattr(ctypes.CDLL(str(path)), "omni_c2w_conv")

@@ -17,8 +17,8 @@ import torch
 torch.set_num_threads(1)
 
 from omni_pd.config import load_pipeline_config  # noqa: E402
-from omni_pd.engines.hf.stage_engines import thinker_runner  # noqa: E402
-from omni_pd.engines.hf.thinker_engine import (FETCH_FAST_POLL_S, FETCH_POLL_S, HfDecodeEngine, HfPrefillEngine,  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_engine import (FETCH_FAST_POLL_S, FETCH_POLL_S, HfDecodeEngine, HfPrefillEngine,  # noqa: E402
                                                HfThinkerEngine, Phase)
 from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
 from omni_pd.kv import BlockLayout, KVSender, MooncakeTransport  # noqa: E402

@@ -2,9 +2,9 @@
 own single-process `Qwen3OmniMoeForConditionalGeneration.generate`."""
 import torch
 
-from omni_pd.engines.hf.code2wav import Code2WavRunner
-from omni_pd.engines.hf.talker import TalkerRunner
-from omni_pd.engines.hf.thinker import ThinkerRunner
+from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavRunner
+from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
+from omni_pd.models.qwen3_omni.hf.thinker import ThinkerRunner
 from omni_pd.engines.types import Code2WavPrompt, TalkerPrompt, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -44,7 +44,7 @@ def test_split_stages_equal_transformers_generate(tiny_model, tiny_tokenizer):
                                     SamplingParams(temperature=0, max_tokens=10), talker)
     ref_tokens, ref_audio = _reference(tiny_model, ids, 10, IM_END, talker)
     assert tokens == ref_tokens
-    # code2wav runs length-invariant kernels (engines/hf/code2wav_exact.py) so that streamed
+    # code2wav runs length-invariant kernels (models/qwen3_omni/hf/code2wav_exact.py) so that streamed
     # chunks equal the whole waveform exactly; against transformers' own kernels that costs the
     # last bits only.
     assert audio.shape == ref_audio.shape and audio.numel() > 0

@@ -12,10 +12,10 @@ import torch
 from transformers import DynamicCache
 
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf import talker_batch
-from omni_pd.engines.hf.talker import TalkerRunner
-from omni_pd.engines.hf.talker_batch import BatchedTalker
-from omni_pd.engines.hf.talker_engine import HfTalkerEngine
+from omni_pd.models.qwen3_omni.hf import talker_batch
+from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
+from omni_pd.models.qwen3_omni.hf.talker_batch import BatchedTalker
+from omni_pd.models.qwen3_omni.hf.talker_engine import HfTalkerEngine
 from omni_pd.engines.types import TalkerPrompt
 from omni_pd.sampling import SamplingParams
 

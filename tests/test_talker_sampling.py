@@ -3,7 +3,7 @@ temperature, top-k and top-p define, only ever picks an allowed token, gives a r
 alone or in any mixed batch, and depends on the request's seed and the draw's key."""
 import torch
 
-from omni_pd.engines.hf.talker_batch import RowSampling, sample_rows
+from omni_pd.models.qwen3_omni.hf.talker_batch import RowSampling, sample_rows
 
 
 def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, key=0, greedy=False):

@@ -11,9 +11,9 @@ torch.set_num_threads(1)  # as in a stage worker on this machine; two threads on
 from omni_pd.config import load_pipeline_config
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
-from omni_pd.engines.hf.stage_engines import thinker_runner
-from omni_pd.engines.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
-from omni_pd.engines.hf.thinker_engine import HfThinkerEngine, cache_to_canonical, thinker_layout
+from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
+from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
+from omni_pd.models.qwen3_omni.hf.thinker_engine import HfThinkerEngine, cache_to_canonical, thinker_layout
 from omni_pd.engines.types import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 

@@ -6,7 +6,7 @@ from ..engines.base import StageEngine
 
 def build_engine(stage, model: str) -> StageEngine:
     if stage.engine == "hf":
-        from ..engines.hf.stage_engines import build_hf_engine
+        from ..models.qwen3_omni.hf.stage_engines import build_hf_engine
         return build_hf_engine(stage, model)
     if stage.engine == "vllm":
         from ..engines.vllm.engine import build_vllm_engine

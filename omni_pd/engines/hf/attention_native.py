@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_build import check_choice, load
+from .native_build import SOURCES, NativeKernel, check_choice, load
+
+ATTENTION = NativeKernel("attention", SOURCES / "attention.c",
+                         "the autoregressive stages' engine_args.attention_kernels: torch")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _lib: ctypes.CDLL | None = None
@@ -22,7 +25,7 @@ _lib: ctypes.CDLL | None = None
 def _library() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        lib = load("attention")
+        lib = load(ATTENTION)
         lib.omni_attn_decode.argtypes = [_I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _P, _P,
                                          _L, _L, _L, _L, _P]
         lib.omni_attn_decode.restype = None

@@ -1,10 +1,13 @@
-"""Build and load omni-pd's C kernels (omni_pd/engines/hf/native/*.c) with the system compiler.
+"""Build and load C kernels with the system compiler.
 
-A kernel is compiled once per source, compiler flags and CPU into a cache folder
+A kernel (`NativeKernel`: a name, its C source, and the setting that runs without it) lives beside
+the code that calls it: the engines' decode attention in omni_pd/engines/hf/native/, a model's own
+kernels in its package. It is compiled once per source, compiler flags and CPU into a cache folder
 (`$OMNI_PD_CACHE_DIR`, else `~/.cache/omni-pd`), and loaded with ctypes; no torch headers, so a
-build takes well under a second. `scripts/setup.sh` builds them ahead (`python -m
-omni_pd.engines.hf.native_build`); a process that finds no build makes one, written to a temporary
-file and renamed into place, so workers starting together do not trip over each other.
+build takes well under a second. `scripts/setup.sh` builds every kernel ahead (`python -m
+omni_pd.engines.hf.native_build`: the engines' and those the registered models declare); a process
+that finds no build makes one, written to a temporary file and renamed into place, so workers
+starting together do not trip over each other.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import xxhash
 
 SOURCES = Path(__file__).resolve().parent / "native"
@@ -26,11 +31,12 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-
 LIBS = ("-lm",)  # expf, erff, sinf, cosf
 
 
-# What a deployer sets to run without a kernel (torch ops instead), named in build errors.
-FALLBACK = {
-    "code2wav": "the code2wav stage's engine_args.code2wav_kernels: torch",
-    "attention": "the thinker and talker stages' engine_args.attention_kernels: torch",
-}
+@dataclass(frozen=True)
+class NativeKernel:
+    name: str
+    source: Path  # the C file
+    # What a deployer sets to run without the kernel (torch ops instead), named in build errors.
+    fallback: str
 
 
 # The values of a stage's `*_kernels` key: omni-pd's C kernels, or the same layers on torch ops.
@@ -53,13 +59,13 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "omni-pd"
 
 
-def _compiler(name: str) -> str:
+def _compiler(kernel: NativeKernel) -> str:
     for compiler in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if compiler and shutil.which(compiler):
             return compiler
-    raise NativeBuildError(f"no C compiler found for the {name} kernels (tried $CC, cc, gcc, "
+    raise NativeBuildError(f"no C compiler found for the {kernel.name} kernels (tried $CC, cc, gcc, "
                            "clang): install one (Debian/Ubuntu: `apt-get install gcc`; "
-                           f"scripts/setup.sh does), or set {FALLBACK[name]}")
+                           f"scripts/setup.sh does), or set {kernel.fallback}")
 
 
 def _cpu_id() -> str:
@@ -72,31 +78,30 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(wanted))) or platform.machine()
 
 
-def library_path(name: str) -> Path:
-    source = SOURCES / f"{name}.c"
+def library_path(kernel: NativeKernel) -> Path:
     digest = xxhash.xxh3_64()
-    for part in (source.read_bytes(), " ".join(FLAGS + LIBS).encode(), _cpu_id().encode(),
+    for part in (kernel.source.read_bytes(), " ".join(FLAGS + LIBS).encode(), _cpu_id().encode(),
                  platform.machine().encode()):
         digest.update(part)
-    return cache_dir() / "kernels" / f"{name}-{digest.hexdigest()}.so"
+    return cache_dir() / "kernels" / f"{kernel.name}-{digest.hexdigest()}.so"
 
 
-def build(name: str) -> Path:
-    """The compiled library for kernel `name`, building it if this machine has none yet."""
-    path = library_path(name)
+def build(kernel: NativeKernel) -> Path:
+    """The compiled library for `kernel`, building it if this machine has none yet."""
+    path = library_path(kernel)
     if path.is_file():
         return path
-    compiler = _compiler(name)
+    compiler = _compiler(kernel)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    command = [compiler, *FLAGS, str(SOURCES / f"{name}.c"), "-o", partial, *LIBS]
+    command = [compiler, *FLAGS, str(kernel.source), "-o", partial, *LIBS]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise NativeBuildError(f"building the {name} kernels failed ({' '.join(command)}):\n"
-                                   f"{done.stderr.strip()}\nfix the compiler setup, or set "
-                                   f"{FALLBACK[name]}")
+            raise NativeBuildError(f"building the {kernel.name} kernels failed "
+                                   f"({' '.join(command)}):\n{done.stderr.strip()}\nfix the "
+                                   f"compiler setup, or set {kernel.fallback}")
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -104,11 +109,13 @@ def build(name: str) -> Path:
     return path
 
 
-def load(name: str) -> ctypes.CDLL:
-    return ctypes.CDLL(str(build(name)))
+def load(kernel: NativeKernel) -> ctypes.CDLL:
+    return ctypes.CDLL(str(build(kernel)))
 
 
 if __name__ == "__main__":
-    for source in sorted(SOURCES.glob("*.c")):
-        print(build(source.stem))
+    from .attention_native import ATTENTION
+    from ...models.qwen3_omni.hf.code2wav_native import CODE2WAV
+    for kernel in (ATTENTION, CODE2WAV):
+        print(build(kernel))
     sys.exit(0)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ...sampling import SamplingParams
-from ..sampler import sample_next_token
-from ..types import ThinkerPrompt
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.sampler import sample_next_token
+from omni_pd.engines.types import ThinkerPrompt
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from ...sampling import SamplingParams
-from ..types import TalkerOutput, TalkerPrompt
-from . import batch_invariant as bi
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.types import TalkerOutput, TalkerPrompt
+from omni_pd.engines.hf import batch_invariant as bi
 
 
 class _TrailingPlan(NamedTuple):

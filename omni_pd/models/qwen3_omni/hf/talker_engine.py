@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ...sampling import SamplingParams
-from ..base import BatchStats, StageEngine, StepOutput
-from ..types import TalkerInputDelta, TalkerOutput, TalkerPrompt
-from . import batch_invariant as bi
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
+from omni_pd.engines.types import TalkerInputDelta, TalkerOutput, TalkerPrompt
+from omni_pd.engines.hf import batch_invariant as bi
 from .talker import TalkerRunner
 from .talker_batch import BatchedTalker, TalkerRequestState
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..types import AudioOutput, Code2WavPrompt
+from omni_pd.engines.types import AudioOutput, Code2WavPrompt
 from .code2wav_exact import Code2WavStream, ExactCode2Wav
 
 SAMPLE_RATE = 24_000

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from ...models.qwen3_omni.factory import load_model, load_tokenizer, resolve_model
-from ...models.qwen3_omni.pipeline import thinker_eos_ids
-from ..base import StageEngine
+from ..factory import load_model, load_tokenizer, resolve_model
+from ..pipeline import thinker_eos_ids
+from omni_pd.engines.base import StageEngine
 from .thinker import ThinkerRunner
 
 log = logging.getLogger(__name__)

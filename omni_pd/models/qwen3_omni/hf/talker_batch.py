@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...sampling import SamplingParams
-from ..sampler import step_uniform
-from . import batch_invariant as bi
-from .attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.sampler import step_uniform
+from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
 
 # What transformers' talker passes to the code predictor's generate when sampling.
 CODE_PREDICTOR_TOP_K = 50

@@ -29,15 +29,15 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ...kv import BlockLayout, KVDescriptor, KVReceiver, KVSender, MooncakeTransport
-from ...config.schema import KVConnectorExtraConfig
-from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint, weights_digest
-from ...sampling import SamplingParams
-from ..base import BatchStats, StageEngine, StepOutput
-from ..sampler import sample_next_token, sample_next_tokens
-from ..types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
-from . import batch_invariant as bi
-from .paged_cache import PagedKVCache
+from omni_pd.kv import BlockLayout, KVDescriptor, KVReceiver, KVSender, MooncakeTransport
+from omni_pd.config.schema import KVConnectorExtraConfig
+from omni_pd.kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint, weights_digest
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
+from omni_pd.engines.sampler import sample_next_token, sample_next_tokens
+from omni_pd.engines.types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
+from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.paged_cache import PagedKVCache
 from .thinker import ThinkerRunner
 from .thinker_batch import BatchedThinkerDecoder, DecodeRow, PrefilledPrompt
 

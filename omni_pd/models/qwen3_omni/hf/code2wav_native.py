@@ -19,10 +19,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .native_build import load
+from omni_pd.engines.hf.native_build import NativeKernel, load
+
+CODE2WAV = NativeKernel("code2wav", Path(__file__).resolve().parent / "native" / "code2wav.c",
+                        "the code2wav stage's engine_args.code2wav_kernels: torch")
 
 ALIGN = 32  # the conv kernel's step: two vectors of 16 time steps
 
@@ -35,7 +39,7 @@ def _width(steps: int) -> int:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = load("code2wav")
+    lib = load(CODE2WAV)
     # The layer kernels are called from omni_c2w_decode; declared for the tests, which check
     # them one by one.
     lib.omni_c2w_snake.argtypes = [_P, _L, _P, _L, _P, _P, _I, _L]

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ...sampling import SamplingParams
-from ..base import StageEngine, StepOutput
-from ..types import AudioOutput, Code2WavPrompt
+from omni_pd.sampling import SamplingParams
+from omni_pd.engines.base import StageEngine, StepOutput
+from omni_pd.engines.types import AudioOutput, Code2WavPrompt
 from .code2wav import SAMPLE_RATE, Code2WavRunner
 from .code2wav_exact import Code2WavStream
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .native_build import check_choice
+from omni_pd.engines.hf.native_build import check_choice
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 16

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
-from . import batch_invariant as bi
-from .attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
-from .paged_cache import PagedKVCache
+from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
+from omni_pd.engines.hf.paged_cache import PagedKVCache
 
 
 @dataclass
