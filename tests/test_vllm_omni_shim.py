@@ -8,6 +8,7 @@ import pytest
 
 from omni_pd.entrypoints import vllm_omni_shim as shim
 from omni_pd.entrypoints.cli import main as cli_main
+from omni_pd.entrypoints.cli import run_vllm_command as cli_run_vllm_command
 
 
 def test_install_status_uninstall_round_trip(tmp_path, capsys):
@@ -15,8 +16,12 @@ def test_install_status_uninstall_round_trip(tmp_path, capsys):
     package = tmp_path / "vllm_omni"
     assert shim.is_shim(package)
     assert (package / "entrypoints" / "cli" / "main.py").read_text().count("run_vllm_command") == 2
-    assert "omni-pd's shim" in shim.status(tmp_path)
+    assert shim.status(tmp_path).endswith("omni-pd's shim")
+    main_py = package / "entrypoints" / "cli" / "main.py"
+    main_py.write_text(main_py.read_text().replace("entrypoints.cli", "entrypoints.vllm_omni_shim"))
+    assert "another omni-pd version" in shim.status(tmp_path)  # a shim an older omni-pd wrote
     assert cli_main(["vllm-shim", "install", "--target", str(tmp_path)]) == 0  # idempotent
+    assert shim.status(tmp_path).endswith("omni-pd's shim")
     assert cli_main(["vllm-shim", "uninstall", "--target", str(tmp_path)]) == 0
     assert not package.exists()
     assert "not installed" in shim.status(tmp_path)
@@ -70,7 +75,7 @@ def test_deploy_config_reaches_the_server(monkeypatch):
 
     monkeypatch.setattr("omni_pd.entrypoints.cli._cmd_serve", fake_serve)
     with pytest.raises(SystemExit) as exit_:
-        shim.run_vllm_command(["serve", "tiny-qwen3-omni", "--omni", "--deploy-config", "d.yaml"])
+        cli_run_vllm_command(["serve", "tiny-qwen3-omni", "--omni", "--deploy-config", "d.yaml"])
     assert exit_.value.code == 0
     assert seen == {"stage_configs_path": None, "deploy_config": "d.yaml"}
 
@@ -86,5 +91,5 @@ def test_arguments_it_cannot_honour_are_refused_by_name(argv, message, capsys):
     with pytest.raises(shim.ShimError, match=message.replace("-", r"\-")):
         shim.translate_vllm_argv(argv)
     with pytest.raises(SystemExit) as exit_:
-        shim.run_vllm_command(argv)
+        cli_run_vllm_command(argv)
     assert exit_.value.code == 2 and "error:" in capsys.readouterr().err

@@ -288,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_vllm_command(argv: list[str] | None = None) -> None:
+    """What `vllm ... --omni` runs once the shim is installed; exits with the server's status."""
+    from . import vllm_omni_shim as shim
+    try:
+        omni_pd_argv = shim.translate_vllm_argv(list(sys.argv[1:] if argv is None else argv))
+    except shim.ShimError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"vllm --omni: handing over to omni-pd ({' '.join(omni_pd_argv)})", file=sys.stderr)
+    sys.exit(main(omni_pd_argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,

@@ -5,7 +5,7 @@ vLLM's CLI (0.32) hands every command line holding `--omni` to
 `vllm_omni.entrypoints.cli.main:main` when a module named `vllm_omni` can be imported, and exits
 with an error otherwise. omni-pd does not claim that name by default: `omni-pd vllm-shim
 install` (opt-in) writes a four-file package `vllm_omni` into site-packages whose `main` calls
-`run_vllm_command()` below. It refuses to write where a real vllm-omni is importable (there
+`omni_pd.entrypoints.cli.run_vllm_command()`, which translates the command line here. It refuses to write where a real vllm-omni is importable (there
 `--omni` already has an owner), and `omni-pd vllm-shim uninstall` removes only a package that
 carries its marker file.
 """
@@ -32,7 +32,7 @@ SHIM_FILES = {
     "entrypoints/cli/__init__.py": _HEADER,
     "entrypoints/cli/main.py": _HEADER + (
         "\n\ndef main() -> None:\n"
-        "    from omni_pd.entrypoints.vllm_omni_shim import run_vllm_command\n"
+        "    from omni_pd.entrypoints.cli import run_vllm_command\n"
         "    run_vllm_command()\n"),
     MARKER: "This vllm_omni package was written by omni-pd; it is not vllm-omni.\n",
 }
@@ -96,8 +96,13 @@ def uninstall(target: Path | None = None) -> Path | None:
 def status(target: Path | None = None) -> str:
     package_dir = (Path(target) if target is not None else default_target()) / PACKAGE
     if package_dir.exists():
-        owner = "omni-pd's shim" if is_shim(package_dir) else "a package omni-pd did not write"
-        return f"{package_dir}: {owner}"
+        if not is_shim(package_dir):
+            return f"{package_dir}: a package omni-pd did not write"
+        if any(not (package_dir / name).is_file() or (package_dir / name).read_text() != text
+               for name, text in SHIM_FILES.items()):
+            return (f"{package_dir}: omni-pd's shim, written by another omni-pd version; run "
+                    "`omni-pd vllm-shim install` again")
+        return f"{package_dir}: omni-pd's shim"
     elsewhere = _importable_elsewhere(package_dir.parent)
     if elsewhere is not None:
         return f"not installed; vllm_omni is importable from {elsewhere} (not omni-pd's)"
@@ -150,15 +155,3 @@ def translate_vllm_argv(argv: list[str]) -> list[str]:
     if known.served_model_name:
         out += ["--served-model-name", known.served_model_name[0]]
     return out
-
-
-def run_vllm_command(argv: list[str] | None = None) -> None:
-    """What `vllm ... --omni` runs once the shim is installed; exits with the server's status."""
-    from .cli import main
-    try:
-        omni_pd_argv = translate_vllm_argv(list(sys.argv[1:] if argv is None else argv))
-    except ShimError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    print(f"vllm --omni: handing over to omni-pd ({' '.join(omni_pd_argv)})", file=sys.stderr)
-    sys.exit(main(omni_pd_argv))
