@@ -25,7 +25,7 @@ from omni_pd.config.deploy_yaml import (
     read_deploy_document,
 )
 from omni_pd.config.errors import ConfigError, ConfigIssue
-from omni_pd.config.loader import pipeline_config_from_dict
+from omni_pd.config.stage_args import pipeline_config_from_dict
 from omni_pd.config.pydantic_issues import suggest
 from omni_pd.config.schema import EngineArgsConfig, PipelineConfig, StageRuntime
 from omni_pd.config.topology import Topology, TopologyStage
