@@ -23,7 +23,7 @@ from vllm_required import require_vllm
 require_vllm()
 
 from omni_pd import Omni, SamplingParams  # noqa: E402
-from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
+from omni_pd.engines.types import TokenPrompt  # noqa: E402
 from omni_pd.orchestrator.stage_client import StageError  # noqa: E402
 from omni_pd.planning import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
 
@@ -85,10 +85,10 @@ def test_pd_equals_colocated(pd, reference):
 def _legs(omni, prompt_ids, prefill_params, decode_params_for, request_id, timeout_s=60):
     """Drive the prefill and decode workers directly (what AsyncOmni does per request)."""
     async def legs():
-        prefill = await omni.clients[0].generate(request_id, ThinkerPrompt(list(prompt_ids[0])),
+        prefill = await omni.clients[0].generate(request_id, TokenPrompt(list(prompt_ids[0])),
                                                  prefill_params, timeout_s, None)
         decode_params = decode_params_for(prefill.kv_transfer_params)
-        decode = await omni.clients[1].generate(request_id, ThinkerPrompt(list(prompt_ids[1])),
+        decode = await omni.clients[1].generate(request_id, TokenPrompt(list(prompt_ids[1])),
                                                 decode_params, timeout_s, None)
         return prefill, decode
     return asyncio.run_coroutine_threadsafe(legs(), omni._loop).result(timeout_s * 2 + 10)

@@ -62,4 +62,4 @@ fi
 
 # Build the C kernels now (cached per source and CPU under ~/.cache/omni-pd; well under a second)
 # so that a first request does not wait on the compiler.
-.venv/bin/python -m omni_pd.engines.hf.native_build >/dev/null
+.venv/bin/python -m omni_pd.engines.hf.build_kernels >/dev/null

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 from omni_pd import SamplingParams  # noqa: E402
 from omni_pd.config import load_pipeline_config  # noqa: E402
-from omni_pd.engines.types import ThinkerOutput, ThinkerPrompt  # noqa: E402
+from omni_pd.engines.types import TextOutput, TokenPrompt  # noqa: E402
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.models.qwen3_omni.tiny_config import TINY_MODEL_NAME  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -43,8 +44,8 @@ def solo(engine):
     """Each prompt run alone, through the base class's generate() (add_request + step)."""
     out = {}
     for key, ids in PROMPTS.items():
-        result = engine.generate(f"solo-{key}", ThinkerPrompt(list(ids)), GREEDY)
-        assert isinstance(result, ThinkerOutput)
+        result = engine.generate(f"solo-{key}", TokenPrompt(list(ids)), GREEDY)
+        assert isinstance(result, TextOutput)
         assert result.finish_reason == "length" and len(result.token_ids) == GREEDY.max_tokens
         assert result.prompt_token_ids == ids
         assert {"e2e_ms", "first_token_ms"} <= set(result.metrics)
@@ -81,7 +82,7 @@ def run(engine, max_steps: int = 500):
 
 def test_batched_equals_solo_and_streams(engine, solo):
     for key, ids in PROMPTS.items():
-        engine.add_request(f"batch-{key}", ThinkerPrompt(list(ids)), GREEDY, stream=True)
+        engine.add_request(f"batch-{key}", TokenPrompt(list(ids)), GREEDY, stream=True)
     assert sorted(engine.request_ids()) == sorted(f"batch-{k}" for k in PROMPTS)
     assert engine.debug_state_counts()["vllm.engine_requests"] == len(PROMPTS)
     finals, deltas, busy = run(engine)
@@ -101,7 +102,7 @@ def test_abort_one_others_finish(engine, solo):
     for key, ids in PROMPTS.items():
         # The one to abort would outlive the others: vLLM must really drop it.
         params = dataclasses.replace(GREEDY, max_tokens=400) if key == "b" else GREEDY
-        engine.add_request(f"abort-{key}", ThinkerPrompt(list(ids)), params, stream=True)
+        engine.add_request(f"abort-{key}", TokenPrompt(list(ids)), params, stream=True)
     seen_b = []
     for _ in range(3):
         seen_b += [o for o in engine.step() if o.request_id == "abort-b"]
@@ -123,17 +124,17 @@ def test_refused_requests(engine):
     with pytest.raises(ValueError, match="token ids only"):
         engine.add_request("audio", ThinkerPrompt([1, 2, 3], input_features=torch.zeros(1, 4, 8)),
                            GREEDY)
-    engine.add_request("dup", ThinkerPrompt([5, 6, 7]), GREEDY)
+    engine.add_request("dup", TokenPrompt([5, 6, 7]), GREEDY)
     with pytest.raises(ValueError, match="already running"):
-        engine.add_request("dup", ThinkerPrompt([5, 6, 7]), GREEDY)
+        engine.add_request("dup", TokenPrompt([5, 6, 7]), GREEDY)
     finals, _, _ = run(engine)
     assert list(finals) == ["dup"] and finals["dup"].error is None
     assert_idle(engine)
 
 
 def test_deadline_aborts_in_vllm(engine):
-    engine.add_request("late", ThinkerPrompt([9, 8, 7, 6]), dataclasses.replace(GREEDY, max_tokens=400))
-    engine.add_request("on-time", ThinkerPrompt([9, 8, 7, 6]), GREEDY)
+    engine.add_request("late", TokenPrompt([9, 8, 7, 6]), dataclasses.replace(GREEDY, max_tokens=400))
+    engine.add_request("on-time", TokenPrompt([9, 8, 7, 6]), GREEDY)
     engine._requests["late"].deadline = 0.0  # expired
     finals, _, _ = run(engine)
     assert finals["late"].error is not None and "TimeoutError" in finals["late"].error

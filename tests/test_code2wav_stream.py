@@ -9,7 +9,8 @@ import torch
 from omni_pd.models.qwen3_omni.hf.code2wav_engine import HfCode2WavEngine
 from omni_pd.models.qwen3_omni.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
                                                tiled_linear)
-from omni_pd.engines.types import AudioOutput, Code2WavPrompt
+from omni_pd.engines.types import AudioOutput
+from omni_pd.models.qwen3_omni.records import Code2WavPrompt
 from omni_pd.sampling import SamplingParams
 
 

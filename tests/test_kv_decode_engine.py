@@ -20,7 +20,7 @@ from omni_pd.config import load_pipeline_config  # noqa: E402
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner  # noqa: E402
 from omni_pd.models.qwen3_omni.hf.thinker_engine import (FETCH_FAST_POLL_S, FETCH_POLL_S, HfDecodeEngine, HfPrefillEngine,  # noqa: E402
                                                HfThinkerEngine, Phase)
-from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.kv import BlockLayout, KVSender, MooncakeTransport  # noqa: E402
 from omni_pd.kv.fingerprint import FINGERPRINT_KEY  # noqa: E402
 from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402

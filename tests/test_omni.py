@@ -112,7 +112,7 @@ def test_a_prepared_prompt_is_built_once(omni, monkeypatch):
     monkeypatch.setattr(engine, "pipeline", dataclasses.replace(
         engine.pipeline, build_prompt=lambda p: built.append(p) or original(p)))
     out = omni._call(engine.generate(prepared, modalities=("text",)))
-    assert built == [] and out.prompt_token_ids == prepared.thinker_prompt.prompt_token_ids
+    assert built == [] and out.prompt_token_ids == prepared.text_prompt.prompt_token_ids
     omni._call(engine.generate("Hi there", modalities=("text",)))  # control: a plain prompt is built
     assert len(built) == 1
 

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from omni_pd.audio_io import DUMMY_WEIGHTS_PCM16_GAIN, to_pcm16
 from omni_pd.entrypoints.openai.api_server import create_app
-from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.orchestrator.async_omni import AudioDelta, Finished, PreparedPrompt, TextDelta
 from omni_pd.orchestrator.outputs import OmniRequestOutput
 from omni_pd.sampling import SamplingParams

@@ -5,7 +5,7 @@ import torch
 from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavRunner
 from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
 from omni_pd.models.qwen3_omni.hf.thinker import ThinkerRunner
-from omni_pd.engines.types import Code2WavPrompt, TalkerPrompt, ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import Code2WavPrompt, TalkerPrompt, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
 IM_END = 261

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from omni_pd.engines.base import StageInputs
-from omni_pd.engines.types import TalkerOutput, ThinkerOutput
+from omni_pd.models.qwen3_omni.records import TalkerOutput, ThinkerOutput
 from omni_pd.models.qwen3_omni.stage_input_processors import (StageInputError, talker2code2wav,
                                                               thinker2talker)
 
@@ -95,7 +95,7 @@ def test_codes_are_bounded_with_a_warning(tiny_model, caplog):
 def _chunks(output, prompt_rows: bool):
     """The chunks a streaming thinker leg sends for `output`, one token per step: the first with
     token 0 (and the prompt rows when the leg prefilled), then one fed-back row and one token."""
-    from omni_pd.engines.types import ThinkerChunk
+    from omni_pd.models.qwen3_omni.records import ThinkerChunk
     empty = torch.zeros((0, WIDTH))
     yield ThinkerChunk([output.token_ids[0]], empty, output.output_start,
                        prompt_token_ids=list(output.prompt_token_ids),

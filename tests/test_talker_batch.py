@@ -16,7 +16,7 @@ from omni_pd.models.qwen3_omni.hf import talker_batch
 from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
 from omni_pd.models.qwen3_omni.hf.talker_batch import BatchedTalker
 from omni_pd.models.qwen3_omni.hf.talker_engine import HfTalkerEngine
-from omni_pd.engines.types import TalkerPrompt
+from omni_pd.models.qwen3_omni.records import TalkerPrompt
 from omni_pd.sampling import SamplingParams
 
 IM_END = 261

@@ -4,7 +4,7 @@ talker given the whole thinker output."""
 import pytest
 import torch
 
-from omni_pd.engines.types import TalkerInputDelta, TalkerPrompt
+from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerPrompt
 from test_talker_batch import PARAMS, _engine, _same  # noqa: F401 - shared fixtures below
 from test_talker_batch import _one_thread, alone, kernels, prompts  # noqa: F401
 

@@ -14,7 +14,7 @@ from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
 from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
 from omni_pd.models.qwen3_omni.hf.thinker_engine import HfThinkerEngine, cache_to_canonical, thinker_layout
-from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
 from omni_pd.paths import STAGE_CONFIGS_DIR

@@ -21,7 +21,7 @@ from vllm_required import TOKEN_PROMPTS, require_vllm
 require_vllm()
 
 from omni_pd import SamplingParams  # noqa: E402
-from omni_pd.engines.types import ThinkerPrompt  # noqa: E402
+from omni_pd.engines.types import TokenPrompt  # noqa: E402
 from omni_pd.models.qwen3_omni.tiny_config import TINY_MODEL_NAME  # noqa: E402
 from omni_pd.planning import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_pd_batched_equals_colocated(legs):
     prefill, decode = legs["prefill"], legs["decode"]
     colocated = prefill  # requests without kv_transfer_params run whole on it
     for key, ids in PROMPTS.items():
-        colocated.call("add", key, ThinkerPrompt(list(ids)), GREEDY, False)
+        colocated.call("add", key, TokenPrompt(list(ids)), GREEDY, False)
     finals, _, _ = colocated.call("run")
     reference = {key: out.token_ids for key, (err, out) in finals.items()}
     assert all(err is None for err, _ in finals.values()), finals
@@ -147,7 +147,7 @@ def test_pd_batched_equals_colocated(legs):
     prefills = {}
     for batch in (("a", "b"), ("c", "d")):
         for key in batch:
-            prefill.call("add", key, ThinkerPrompt(list(PROMPTS[key])),
+            prefill.call("add", key, TokenPrompt(list(PROMPTS[key])),
                          build_prefill_sampling_params(GREEDY, f"xfer-{key}"), False)
         finals, _, _ = prefill.call("run")
         assert sorted(finals) == sorted(batch)
@@ -161,7 +161,7 @@ def test_pd_batched_equals_colocated(legs):
     # All four decodes at once: the KV is pulled while only the drain thread steps the prefill.
     for key, ids in PROMPTS.items():
         params = build_decode_sampling_params(GREEDY, prefills[key].kv_transfer_params, f"xfer-{key}")
-        decode.call("add", key, ThinkerPrompt(list(ids)), params, True)
+        decode.call("add", key, TokenPrompt(list(ids)), params, True)
     finals, deltas, batch = decode.call("run")
     assert batch >= 2, "the decode step never served two requests at once"
     for key, ids in PROMPTS.items():
@@ -188,13 +188,13 @@ def test_abort_right_after_a_prefill_finishes(legs):
     prefill, decode = legs["prefill"], legs["decode"]
     colocated = prefill  # requests without kv_transfer_params run whole on it
     ids = PROMPTS["c"]
-    colocated.call("add", "ref", ThinkerPrompt(list(ids)), GREEDY, False)
+    colocated.call("add", "ref", TokenPrompt(list(ids)), GREEDY, False)
     finals, _, _ = colocated.call("run")
     err, want = finals["ref"]
     assert err is None, err
-    prefill.call("add", "A", ThinkerPrompt(list(ids)), build_prefill_sampling_params(GREEDY, "xfer-A"),
+    prefill.call("add", "A", TokenPrompt(list(ids)), build_prefill_sampling_params(GREEDY, "xfer-A"),
                  False)
-    prefill.call("add", "B", ThinkerPrompt(list(PROMPTS["d"])),
+    prefill.call("add", "B", TokenPrompt(list(PROMPTS["d"])),
                  dataclasses.replace(GREEDY, max_tokens=400), False)
     finals = prefill.call("run_until", "A")
     assert list(finals) == ["A"] and finals["A"][0] is None, finals
@@ -204,7 +204,7 @@ def test_abort_right_after_a_prefill_finishes(legs):
     assert time.monotonic() - began < 1.0
     prefill.call("abort", "B")  # the prefill worker is idle from here on
     params = build_decode_sampling_params(GREEDY, finals["A"][1].kv_transfer_params, "xfer-A")
-    decode.call("add", "A", ThinkerPrompt(list(ids)), params, False)
+    decode.call("add", "A", TokenPrompt(list(ids)), params, False)
     began = time.monotonic()
     finals, _, _ = decode.call("run")
     err, out = finals["A"]

@@ -10,7 +10,7 @@ import pytest
 
 from omni_pd.config import load_pipeline_config
 from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
-from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.orchestrator import messages as msg
 from omni_pd.orchestrator.stage_client import StageClient, StageError, StageTimeout
 from omni_pd.orchestrator.worker import serve

@@ -29,6 +29,7 @@ from omni_pd.config.stage_args import pipeline_config_from_dict
 from omni_pd.config.pydantic_issues import suggest
 from omni_pd.config.schema import EngineArgsConfig, PipelineConfig, StageRuntime
 from omni_pd.config.topology import Topology, TopologyStage
+from omni_pd import registry
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,7 @@ def load_deploy(path: str | Path, *, platform: str | None = None,
 
 
 def _pipelines() -> dict[str, Topology]:
-    from omni_pd.models.qwen3_omni import topology
-    return topology.PIPELINES
+    return registry.topologies()
 
 
 class _Converter:
@@ -217,14 +217,13 @@ class _Converter:
                                        f"{value!r} is not supported by omni-pd: {why}"))
 
     def _select_pipeline(self, stages: dict[int, dict[str, Any]]) -> Topology | None:
-        from omni_pd.models.qwen3_omni.topology import DEFAULT_PD_PIPELINE, DEFAULT_PIPELINE
-
+        default_plain, default_pd = registry.default_topologies()
         pipelines = _pipelines()
         marked = [(sid, key) for sid, stage in stages.items()
                   for key in ("is_prefill_only", "is_decode_only") if stage.get(key) is True]
         name = self.data.get("pipeline")
         if name is None:
-            name = DEFAULT_PD_PIPELINE if marked else DEFAULT_PIPELINE
+            name = default_pd if marked else default_plain
         elif not isinstance(name, str) or name not in pipelines:
             hint = suggest(str(name), pipelines)
             self._top("pipeline", name, ", ".join(pipelines), "unknown pipeline"
@@ -233,7 +232,7 @@ class _Converter:
         topo = pipelines[name]
         if marked and not topo.has_pd:
             sid, key = marked[0]
-            pd = pipelines[DEFAULT_PD_PIPELINE]
+            pd = pipelines[default_pd]
             self._stage(sid, key, True, f"pipeline: {pd.name} ({pd.describe()}), or remove {key}",
                         f"pipeline {topo.name} has no prefill/decode stages")
         why = ("" if "pipeline" in self.data else

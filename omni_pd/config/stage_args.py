@@ -1,11 +1,11 @@
-"""Load a stage YAML into a `PipelineConfig`, or raise one `ConfigError` listing every problem.
+"""Validate a `stage_args` document (vllm-omni's legacy format) into a `PipelineConfig`, or
+raise one `ConfigError` listing every problem.
 
 Stages are validated one by one so a typo in one stage does not hide problems in another; the
 cross-stage checks then run on the stages that validated.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 from pydantic import ValidationError
@@ -15,27 +15,6 @@ from omni_pd.config.checks import CheckContext, run_checks
 from omni_pd.config.errors import ConfigError, ConfigIssue
 from omni_pd.config.pydantic_issues import issues_from_validation_error
 from omni_pd.config.schema import PipelineConfig, PipelineRuntime, StageConfig
-from omni_pd.config.yaml_io import read_yaml_mapping
-
-
-def load_pipeline_config(
-    path: str | Path, *, check_imports: bool = True, platform: str | None = None
-) -> PipelineConfig:
-    """Read and validate a stage YAML: vllm-omni's legacy `stage_args` file, or a vllm-omni 0.30
-    deploy file (a top-level `stages` list, see `omni_pd.config.deploy`; `platform` picks its
-    `platforms:` section, default: the machine's). `check_imports=False` skips importing input
-    processors."""
-    file = str(path)
-    data = read_yaml_mapping(Path(path), file)
-    if is_deploy_document(data):
-        from omni_pd.config.deploy import load_deploy_config
-        return load_deploy_config(path, platform=platform, check_imports=check_imports)
-    return pipeline_config_from_dict(data, file=file, check_imports=check_imports)
-
-
-def is_deploy_document(data: Mapping[str, Any]) -> bool:
-    """A vllm-omni 0.30 deploy file (`stages`, `base_config`), not a legacy `stage_args` one."""
-    return "stage_args" not in data and ("stages" in data or "base_config" in data)
 
 
 def pipeline_config_from_dict(

@@ -1,4 +1,6 @@
-"""What flows between stages: typed records, one per request per stage."""
+"""What flows between stages, as far as the layers that know no model read it: a tokenised
+prompt, a text stage's output, an audio stage's output. A model package subclasses these with
+what its own stages exchange (omni_pd/models/<model>/records.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,85 +10,33 @@ import torch
 
 
 @dataclass
-class ThinkerPrompt:
-    """A tokenised prompt, with audio features when the prompt has audio parts."""
+class TokenPrompt:
+    """A tokenised prompt for a text stage; a model's subclass adds its multimodal inputs."""
 
     prompt_token_ids: list[int]
-    input_features: torch.Tensor | None = None  # [num_audios, num_mel_bins, frames]
-    feature_attention_mask: torch.Tensor | None = None  # [num_audios, frames]
+
+    def tokens_only(self) -> "TokenPrompt":
+        """The same prompt without its multimodal inputs: a decode leg whose prompt KV comes
+        from its prefill leg needs only the ids."""
+        return type(self)(prompt_token_ids=list(self.prompt_token_ids))
+
+    def has_multimodal_inputs(self) -> bool:
+        """Whether the prompt carries more than token ids (audio features, images)."""
+        return False
 
 
 @dataclass
-class ThinkerOutput:
-    """A thinker leg's result. Row i of `*_embeds` / `*_hidden` is absolute position
-    `start + i` of the sequence prompt + output tokens."""
+class TextOutput:
+    """A text stage's result (one leg's, in P/D)."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
-    # Layer 0 (the embedding output, audio features merged in) and the talker's accept layer.
-    prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden]
-    prompt_hidden: torch.Tensor | None = None
-    output_embeds: torch.Tensor | None = None  # [n, hidden], rows for fed-back output tokens
-    output_hidden: torch.Tensor | None = None
-    output_start: int = 0  # absolute position of output_embeds[0]
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a remote prefill
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class TalkerPrompt:
-    """Everything the talker needs from the thinker, already merged across P/D legs."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # the thinker's prompt
-    output_token_ids: list[int]  # the thinker's generated tokens
-    thinker_embeds: torch.Tensor  # [positions, hidden]: prompt then fed-back output tokens
-    # The accept layer's hidden states: the talker reads them at prompt positions only, so a
-    # streamed prompt (final=False) carries just those.
-    thinker_hidden: torch.Tensor
-    speaker: str = "ethan"
-    # False: the thinker is still running; more tokens and rows follow as TalkerInputDelta.
-    final: bool = True
-
-
-@dataclass
-class TalkerInputDelta:
-    """What a running thinker added since the talker's prompt or the previous delta."""
-
-    output_token_ids: list[int]
-    thinker_embeds: torch.Tensor  # [n, hidden]: the next fed-back rows
-
-
-@dataclass
-class ThinkerChunk:
-    """What a streamed thinker request produced in one step: new tokens and the rows of the
-    tokens it fed back. A leg that prefilled sends its prompt rows in its first chunk."""
-
-    token_ids: list[int]
-    embeds: torch.Tensor  # [n, hidden]: rows for absolute positions start .. start + n - 1
-    start: int
-    prompt_token_ids: list[int] | None = None  # first chunk only
-    prompt_embeds: torch.Tensor | None = None  # first chunk of a leg that prefilled
-    prompt_hidden: torch.Tensor | None = None
-
-
-@dataclass
-class TalkerOutput:
-    request_id: str
-    codes: torch.Tensor  # [num_code_groups, frames], int64
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class Code2WavPrompt:
-    request_id: str
-    codes: torch.Tensor  # [num_code_groups, frames]
-    # False: more frames follow through the engine's `append_input` (streaming from the talker).
-    final: bool = True
 
 
 @dataclass

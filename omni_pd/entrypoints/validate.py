@@ -8,7 +8,7 @@ from typing import TextIO
 from omni_pd.config import ConfigError, PipelineConfig, load_pipeline_config
 from omni_pd.config.deploy import DeployLoad, load_deploy
 from omni_pd.config.engine_keys import unused_by_hf
-from omni_pd.config.stage_args import is_deploy_document
+from omni_pd.config.loader import is_deploy_document
 from omni_pd.config.yaml_io import read_yaml_mapping
 from omni_pd.planning import find_pd_pair
 

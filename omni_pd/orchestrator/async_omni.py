@@ -26,12 +26,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
+from .. import registry
 from ..config import PipelineConfig, load_deploy_config, load_pipeline_config
 from ..config.devices import check_devices
 from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
-from ..engines.types import AudioOutput, ThinkerOutput, ThinkerPrompt
-from ..models.pipeline import DEFAULT_MODEL, ModelPipeline, load_model_pipeline
+from ..engines.types import AudioOutput, TextOutput, TokenPrompt
 from ..paths import default_stage_config
 from ..planning import (build_decode_sampling_params, build_prefill_sampling_params,
                         expand_sampling_params, find_pd_pair, new_transfer_id)
@@ -70,7 +70,7 @@ class HandoffFailed(StageUnavailable):
 
 
 class PromptTooLong(ValueError):
-    """Prompt plus max_tokens exceed the thinker's context."""
+    """Prompt plus max_tokens exceed the text stage's context."""
 
     @classmethod
     def of(cls, prompt_len: int, max_tokens: int, context: int, at_least: bool = False) -> "PromptTooLong":
@@ -81,12 +81,12 @@ class PromptTooLong(ValueError):
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A prompt normalized and built for the thinker (`AsyncOmni.prepare`): `generate` and
+    """A prompt normalized and built for the text stage (`AsyncOmni.prepare`): `generate` and
     `stream` take it as the prompt and skip building it again (the server builds it once, in the
     thread that checks its length)."""
 
     prompt: Any  # the model's normalized prompt (messages, speaker)
-    thinker_prompt: ThinkerPrompt
+    text_prompt: TokenPrompt
 
 
 @dataclass
@@ -108,12 +108,15 @@ class Finished:
 
 
 class AsyncOmni:
-    def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
+    def __init__(self, model: str | None = None, stage_configs_path: str | Path | None = None,
                  *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
         """`device`: "auto" refuses hf stages that ask for GPUs or tensor parallelism (the hf
-        engine runs on the CPU); "cpu" runs every hf stage on the CPU anyway."""
+        engine runs on the CPU); "cpu" runs every hf stage on the CPU anyway. `model`: an
+        embedded model's name or a checkpoint directory (omni_pd.registry finds the package that
+        serves it); None serves the default embedded model."""
+        model = model or registry.default_model()
         self.model = model
         if stage_configs_path is not None and deploy_config is not None:
             raise ValueError("pass stage_configs_path or deploy_config, not both")
@@ -147,8 +150,8 @@ class AsyncOmni:
             if stage.engine == "hf" and (unused := unused_by_hf(set(stage.engine_args.model_fields_set))):
                 log.info("stage %d (%s, hf engine) does not use %s", stage.stage_id,
                          stage.model_stage, "; ".join(f"{k} ({why})" for k, why in unused))
+        self.pipeline: registry.ModelPipeline = registry.load_pipeline(model)
         self.text_stage_id = self._final_stage("text")
-        self.pipeline: ModelPipeline = load_model_pipeline(model)
         self.model_config = self.pipeline.config
         self.tokenizer = self.pipeline.tokenizer
         self.max_model_len = (self.stages[self.text_stage_id].engine_args.max_model_len
@@ -188,7 +191,8 @@ class AsyncOmni:
                   if s.final_output and s.final_output_type == kind]
         if finals:
             return finals[-1]
-        return [s.stage_id for s in self.config.stages if s.model_stage == "thinker"][-1]
+        text_stage = self.pipeline.text_model_stage
+        return [s.stage_id for s in self.config.stages if s.model_stage == text_stage][-1]
 
     def _stages_for(self, modalities: frozenset[str]) -> list[int]:
         """The stages a request needs: up to the text stage for text alone, all for audio."""
@@ -282,7 +286,7 @@ class AsyncOmni:
                 for sid, p in params.items()}
 
     def prepare(self, prompt: Any) -> PreparedPrompt:
-        """Normalize and build a prompt for the thinker: CPU work (tokenizing, audio features)
+        """Normalize and build a prompt for the text stage: CPU work (tokenizing, audio features)
         for a thread, whose result `generate` / `stream` take as the prompt."""
         normalized = self.pipeline.normalize_prompt(prompt)
         return PreparedPrompt(normalized, self.pipeline.build_prompt(normalized))
@@ -322,7 +326,7 @@ class AsyncOmni:
         self._requests[state.request_id] = state
         try:
             return await self._run(state, self._stages_for(wanted), on_text, on_audio,
-                                   prepared.thinker_prompt if prepared else None)
+                                   prepared.text_prompt if prepared else None)
         finally:
             self._release_kv(state)  # sent now, its answer awaited in the background
             del self._requests[state.request_id]
@@ -379,13 +383,13 @@ class AsyncOmni:
     async def _run(self, state: RequestState, stage_ids: list[int],
                    on_text: Callable[[str], None] | None,
                    on_audio: Callable[[torch.Tensor, int], None] | None,
-                   thinker_prompt: ThinkerPrompt | None = None) -> OmniRequestOutput:
+                   text_prompt: TokenPrompt | None = None) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
-        if thinker_prompt is None:
+        if text_prompt is None:
             # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
             # serves every other request meanwhile.
-            thinker_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
-        prompt_len = len(thinker_prompt.prompt_token_ids)
+            text_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
+        prompt_len = len(text_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:
             raise PromptTooLong.of(prompt_len, max_tokens, self.max_model_len)
@@ -394,14 +398,14 @@ class AsyncOmni:
                 raise RequestAborted(f"request {state.request_id} was aborted")
             try:
                 if self.pd_pair and group == [self.pd_pair.prefill_stage_id]:
-                    await self._prefill_leg(state, thinker_prompt, deadline, on_text)
+                    await self._prefill_leg(state, text_prompt, deadline, on_text)
                     continue
                 for stage_id in group:  # restarting or silent stages: wait, within the deadline
                     await self.clients[stage_id].wait_usable(deadline - time.monotonic())
                 if len(group) == 1:
-                    await self._run_stage(state, group[0], thinker_prompt, deadline, on_text)
+                    await self._run_stage(state, group[0], text_prompt, deadline, on_text)
                 else:
-                    await self._run_streamed(state, group, thinker_prompt, deadline, on_text, on_audio)
+                    await self._run_streamed(state, group, text_prompt, deadline, on_text, on_audio)
             except StageError:
                 if state.aborted:
                     raise RequestAborted(f"request {state.request_id} was aborted") from None
@@ -411,7 +415,7 @@ class AsyncOmni:
         return self._finish(state)
 
     # ---- the P/D handoff ---------------------------------------------------------------------
-    async def _prefill_leg(self, state: RequestState, thinker_prompt: ThinkerPrompt,
+    async def _prefill_leg(self, state: RequestState, text_prompt: TokenPrompt,
                            deadline: float, on_text: Callable[[str], None] | None = None) -> None:
         """Run the prefill leg within the miss window, or decide that the decode leg computes the
         prompt itself (the breaker is open, the prefill worker is down or silent, or the leg
@@ -429,7 +433,7 @@ class AsyncOmni:
         now = time.monotonic()
         state.handoff_deadline = min(now + policy.deadline_s, deadline)
         try:
-            await self._run_stage(state, pair.prefill_stage_id, thinker_prompt,
+            await self._run_stage(state, pair.prefill_stage_id, text_prompt,
                                   min(now + policy.miss_window_s, state.handoff_deadline), None)
         except StageError as exc:
             if state.aborted:
@@ -466,14 +470,14 @@ class AsyncOmni:
         log.debug("request %s: the decode engine computes the prompt itself (%s)",
                   state.request_id, why)
 
-    async def _run_stage(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
+    async def _run_stage(self, state: RequestState, stage_id: int, text_prompt: TokenPrompt,
                          deadline: float, on_text: Callable[[str], None] | None,
                          on_chunk: Callable[[Any], None] | None = None) -> Any:
         began = time.perf_counter()
         state.active_stages.add(stage_id)
         state.stage_started(stage_id)
         try:
-            output = await self._stage_call(state, stage_id, thinker_prompt, deadline, on_text,
+            output = await self._stage_call(state, stage_id, text_prompt, deadline, on_text,
                                             on_chunk)
         finally:
             state.active_stages.discard(stage_id)
@@ -483,7 +487,7 @@ class AsyncOmni:
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
         return output
 
-    async def _run_streamed(self, state: RequestState, group: list[int], thinker_prompt: ThinkerPrompt,
+    async def _run_streamed(self, state: RequestState, group: list[int], text_prompt: TokenPrompt,
                             deadline: float, on_text: Callable[[str], None] | None,
                             on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
         """Run a group of stages at once. The first starts from its finished input; each later
@@ -547,7 +551,7 @@ class AsyncOmni:
 
         async def run(sid: int) -> None:
             if sid == group[0]:
-                output = await self._run_stage(state, sid, thinker_prompt, deadline, on_text,
+                output = await self._run_stage(state, sid, text_prompt, deadline, on_text,
                                                on_chunk=forward(sid))
             else:
                 await opened[sid]
@@ -597,18 +601,18 @@ class AsyncOmni:
                            upstream=state.outputs, model_config=self.model_config,
                            speaker=state.prompt.speaker, engine_args=stage.engine_args)
 
-    async def _stage_call(self, state: RequestState, stage_id: int, thinker_prompt: ThinkerPrompt,
+    async def _stage_call(self, state: RequestState, stage_id: int, text_prompt: TokenPrompt,
                           deadline: float, on_text: Callable[[str], None] | None,
                           on_chunk: Callable[[Any], None] | None = None) -> Any:
         stage = self.stages[stage_id]
         params = state.params[stage_id]
-        prompt: Any = thinker_prompt
+        prompt: Any = text_prompt
         pair = self.pd_pair
         if pair and stage_id == pair.prefill_stage_id:
             state.transfer_id = new_transfer_id(state.request_id)
             params = build_prefill_sampling_params(params, state.transfer_id)
         elif pair and stage_id == pair.decode_stage_id and not state.local_prefill:
-            return await self._remote_decode(state, thinker_prompt, deadline, on_text, on_chunk)
+            return await self._remote_decode(state, text_prompt, deadline, on_text, on_chunk)
         elif pair and stage_id == pair.decode_stage_id:
             pass  # the fallback: the decode engine computes the whole prompt, as colocated
         elif stage.engine_input_source:
@@ -620,7 +624,7 @@ class AsyncOmni:
         return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
                                                      on_tokens, on_chunk)
 
-    async def _remote_decode(self, state: RequestState, thinker_prompt: ThinkerPrompt,
+    async def _remote_decode(self, state: RequestState, text_prompt: TokenPrompt,
                              deadline: float, on_text: Callable[[str], None] | None,
                              on_chunk: Callable[[Any], None] | None) -> Any:
         """The decode leg with the prefill leg's KV. A failed handoff (a KV read that missed its
@@ -636,7 +640,7 @@ class AsyncOmni:
         params = params.replace(kv_transfer_params={**params.kv_transfer_params,
                                                     "kv_wait_s": max(wait_s, 0.0)})
         # The KV covers the prompt (audio included): the decode leg needs only the token ids.
-        prompt = ThinkerPrompt(prompt_token_ids=list(thinker_prompt.prompt_token_ids))
+        prompt = text_prompt.tokens_only()
         on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
         remaining = self._time_left(state, deadline, decode_id)
         try:
@@ -651,7 +655,7 @@ class AsyncOmni:
                 log.warning("the P/D pair cannot hand KV on: %s; requests fall back (kv_fallback "
                             "%s) until the stages are made compatible", exc, self.handoff.fallback)
             self._handoff_failed(state, str(exc))
-            return await self._stage_call(state, decode_id, thinker_prompt, deadline, on_text,
+            return await self._stage_call(state, decode_id, text_prompt, deadline, on_text,
                                           on_chunk)
         self.breaker.success()
         return output
@@ -718,21 +722,21 @@ class AsyncOmni:
         return stage.model_stage + role
 
     def _finish(self, state: RequestState) -> OmniRequestOutput:
-        thinker: ThinkerOutput = state.outputs[self.text_stage_id]
+        text: TextOutput = state.outputs[self.text_stage_id]
         audio_stage, audio = next(((k, o) for k, o in state.outputs.items()
                                    if isinstance(o, AudioOutput)), (None, None))
         metrics: dict[str, Any] = {
             "ttft_ms": state.first_token_at,
             "e2e_ms": state.elapsed_ms(),
             "stage_ms": {str(k): v for k, v in state.stage_ms.items()},
-            "prompt_tokens": len(thinker.prompt_token_ids),
-            "completion_tokens": len(thinker.token_ids),
+            "prompt_tokens": len(text.prompt_token_ids),
+            "completion_tokens": len(text.token_ids),
         }
         for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path"):
-            if key in thinker.metrics:
-                metrics[key] = thinker.metrics[key]
+            if key in text.metrics:
+                metrics[key] = text.metrics[key]
         if self.pd_pair:
-            metrics["num_cached_prompt_tokens"] = thinker.num_cached_prompt_tokens
+            metrics["num_cached_prompt_tokens"] = text.num_cached_prompt_tokens
             metrics["kv_fallback"] = state.local_prefill
         if audio is not None:
             # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
@@ -744,7 +748,7 @@ class AsyncOmni:
             "audio_chunks_ms": list(state.audio_chunk_ms),
         }
         return OmniRequestOutput(
-            request_id=state.request_id, prompt_token_ids=thinker.prompt_token_ids,
-            token_ids=thinker.token_ids, text=thinker.text, finish_reason=thinker.finish_reason,
+            request_id=state.request_id, prompt_token_ids=text.prompt_token_ids,
+            token_ids=text.token_ids, text=text.text, finish_reason=text.finish_reason,
             audio=audio.audio if audio else None, sample_rate=audio.sample_rate if audio else None,
             metrics=metrics, stage_outputs=dict(state.outputs) if self.keep_stage_outputs else None)

@@ -1,13 +1,14 @@
 """Build a stage's engine from its config (runs inside the stage's worker process)."""
 from __future__ import annotations
 
+from .. import registry
 from ..engines.base import StageEngine
 
 
 def build_engine(stage, model: str) -> StageEngine:
     if stage.engine == "hf":
-        from ..models.qwen3_omni.hf.stage_engines import build_hf_engine
-        return build_hf_engine(stage, model)
+        # hf engines are written per model: the model's package builds them.
+        return registry.engine_builder(model, "hf")(stage, model)
     if stage.engine == "vllm":
         from ..engines.vllm.engine import build_vllm_engine
         return build_vllm_engine(stage, model)

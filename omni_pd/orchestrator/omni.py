@@ -14,7 +14,6 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from ..models.pipeline import DEFAULT_MODEL
 from ..sampling import SamplingParams
 from .async_omni import (DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, AsyncOmni,
                          AudioDelta, Finished, TextDelta)
@@ -26,7 +25,7 @@ _END = object()  # the last item a stream's queue gets
 class Omni:
     """Offline multi-stage inference: `Omni(model=..., stage_configs_path=...).generate(prompts)`."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, stage_configs_path: str | Path | None = None,
+    def __init__(self, model: str | None = None, stage_configs_path: str | Path | None = None,
                  *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):

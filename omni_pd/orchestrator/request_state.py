@@ -5,14 +5,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models.qwen3_omni.prompt import OmniPrompt
 from ..sampling import SamplingParams
 
 
 @dataclass
 class RequestState:
     request_id: str
-    prompt: OmniPrompt
+    prompt: Any  # the model pipeline's prompt object (`ModelPipeline.normalize_prompt`)
     params: dict[int, SamplingParams]  # per stage id
     started: float = field(default_factory=time.perf_counter)
     outputs: dict[int, Any] = field(default_factory=dict)

@@ -20,7 +20,6 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 ROW_TILE = 16
 _enabled = True
@@ -127,8 +126,9 @@ def _routed_experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weight
 
 
 def sparse_moe(block, x: torch.Tensor) -> torch.Tensor:
-    """A Qwen3-Omni MoE block on [rows, hidden]: routed experts, plus the gated shared expert
-    when the block has one (the talker's)."""
+    """An MoE block in transformers' layout (`gate`, `experts`, optional `shared_expert` and
+    `shared_expert_gate`) on [rows, hidden]: routed experts, plus the gated shared expert when
+    the block has one."""
     weights, index = route(block.gate, x)
     out = experts(block.experts, x, index, weights)
     shared = getattr(block, "shared_expert", None)
@@ -146,6 +146,20 @@ def mlp(block, x: torch.Tensor) -> torch.Tensor:
 
 # -- attention, one sequence per call ---------------------------------------------------------
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding, half-split (the GPT-NeoX form transformers uses), with the
+    same operations in the same order as transformers, so the bits match its attention.
+    q, k: [batch, heads, rows, head_dim]; cos, sin: [batch, rows, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
@@ -158,7 +172,7 @@ def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     q = attn.q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
     k = attn.k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
     v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    q, k = rotary(q, k, cos, sin)
     return q, k, v
 
 

@@ -5,8 +5,7 @@ the code that calls it: the engines' decode attention in omni_pd/engines/hf/nati
 kernels in its package. It is compiled once per source, compiler flags and CPU into a cache folder
 (`$OMNI_PD_CACHE_DIR`, else `~/.cache/omni-pd`), and loaded with ctypes; no torch headers, so a
 build takes well under a second. `scripts/setup.sh` builds every kernel ahead (`python -m
-omni_pd.engines.hf.native_build`: the engines' and those the registered models declare); a process
-that finds no build makes one, written to a temporary file and renamed into place, so workers
+omni_pd.engines.hf.build_kernels`); a process that finds no build makes one, written to a temporary file and renamed into place, so workers
 starting together do not trip over each other.
 """
 from __future__ import annotations
@@ -16,7 +15,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -111,11 +109,3 @@ def build(kernel: NativeKernel) -> Path:
 
 def load(kernel: NativeKernel) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(kernel)))
-
-
-if __name__ == "__main__":
-    from .attention_native import ATTENTION
-    from ...models.qwen3_omni.hf.code2wav_native import CODE2WAV
-    for kernel in (ATTENTION, CODE2WAV):
-        print(build(kernel))
-    sys.exit(0)

@@ -2,7 +2,7 @@
 
 Runs inside the stage's worker process: an in-process `LLMEngine`
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the stage's `runtime.env` says otherwise), token ids in,
-`ThinkerOutput` out. `engine_args` minus omni-pd's own keys go to vLLM's `EngineArgs`,
+`TextOutput` out. `engine_args` minus omni-pd's own keys go to vLLM's `EngineArgs`,
 `kv_transfer_config` included, so a P/D pair is two of these engines over vLLM's
 MooncakeConnector with omni-pd's fixes (patches/) applied.
 
@@ -40,9 +40,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ... import registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
-from ..types import ThinkerOutput, ThinkerPrompt
+from ..types import TextOutput, TokenPrompt
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,9 @@ def free_port(host: str = "0.0.0.0") -> int:
 
 
 def resolve_vllm_model(name: str, seed: int | None) -> str:
-    from ...models.qwen3_text import TINY_TEXT_MODEL_NAME, ensure_tiny_text_model
-    if name == TINY_TEXT_MODEL_NAME:
-        return str(ensure_tiny_text_model())
-    return name  # a directory or a hub name: vLLM resolves it
+    """An embedded model written out by its package; else a directory or a hub name, which
+    vLLM resolves itself."""
+    return registry.checkpoint_dir(name)
 
 
 def to_vllm_sampling_params(params: SamplingParams):
@@ -157,14 +157,14 @@ class VllmThinkerEngine(StageEngine):
                  self.stage_id, name, self.startup_s, self.kv_role, self.bootstrap_port)
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: TokenPrompt, params: SamplingParams,
                     stream: bool = False, chunks: bool = False,
                     chunk_sizes: tuple[int, int] | None = None) -> None:
         """`chunks` has no effect: a vLLM stage streams tokens only, so a talker fed by it starts
         when it has finished (its stream processor falls back to the whole output)."""
         if self.engine is None:
             raise RuntimeError(f"stage {self.stage_id}: the vLLM engine is closed")
-        if getattr(prompt, "input_features", None) is not None:
+        if prompt.has_multimodal_inputs():
             raise ValueError(f"stage {self.stage_id}: the vLLM text engine takes token ids only, "
                              "not audio features")
         if request_id in self._requests:
@@ -282,7 +282,7 @@ class VllmThinkerEngine(StageEngine):
         return (f"TimeoutError: stage {self.stage_id}: request {state.request_id} took over "
                 f"{waited:.0f} s")
 
-    def _final_output(self, state: "_RequestState", final) -> ThinkerOutput:
+    def _final_output(self, state: "_RequestState", final) -> TextOutput:
         request_id, kv_in = state.request_id, state.kv_in
         if not final.outputs:
             raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a "
@@ -304,7 +304,7 @@ class VllmThinkerEngine(StageEngine):
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
-        return ThinkerOutput(
+        return TextOutput(
             request_id=request_id, prompt_token_ids=state.prompt_token_ids,
             token_ids=list(completion.token_ids), text=completion.text or "",
             finish_reason=completion.finish_reason,

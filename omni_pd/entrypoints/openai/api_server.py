@@ -217,7 +217,7 @@ def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str
             if lower_bound + max_tokens > context:
                 raise PromptTooLong.of(lower_bound, max_tokens, context, at_least=True)
     prepared = omni.prepare(request.prompt)
-    prompt_len = len(prepared.thinker_prompt.prompt_token_ids)
+    prompt_len = len(prepared.text_prompt.prompt_token_ids)
     if prompt_len + max_tokens > context:
         raise PromptTooLong.of(prompt_len, max_tokens, context)
     return request, prepared

@@ -1,7 +1,8 @@
-"""Qwen3-Omni-MoE as the orchestrator sees it (see omni_pd/models/pipeline.py)."""
+"""Qwen3-Omni-MoE as the orchestrator sees it (`omni_pd.registry.ModelPipeline`)."""
 from __future__ import annotations
 
-from ..pipeline import ModelPipeline
+from omni_pd.registry import ModelPipeline
+
 from .factory import load_config, load_tokenizer, resolve_model
 from .prompt import PromptBuilder, normalize_prompt
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 
-from ...engines.types import ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
 AUDIO_SAMPLE_RATE = 16_000
 

@@ -18,8 +18,8 @@ import logging
 import torch
 
 from ...engines.base import StageInputs
-from ...engines.types import (Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt,
-                              ThinkerChunk, ThinkerOutput)
+from .records import (Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt, ThinkerChunk,
+                      ThinkerOutput)
 
 log = logging.getLogger(__name__)
 

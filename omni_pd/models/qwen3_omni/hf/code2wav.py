@@ -11,7 +11,9 @@ import time
 
 import torch
 
-from omni_pd.engines.types import AudioOutput, Code2WavPrompt
+from omni_pd.engines.types import AudioOutput
+
+from omni_pd.models.qwen3_omni.records import Code2WavPrompt
 from .code2wav_exact import Code2WavStream, ExactCode2Wav
 
 SAMPLE_RATE = 24_000

@@ -29,7 +29,8 @@ import torch
 
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.base import StageEngine, StepOutput
-from omni_pd.engines.types import AudioOutput, Code2WavPrompt
+from omni_pd.engines.types import AudioOutput
+from omni_pd.models.qwen3_omni.records import Code2WavPrompt
 from .code2wav import SAMPLE_RATE, Code2WavRunner
 from .code2wav_exact import Code2WavStream
 

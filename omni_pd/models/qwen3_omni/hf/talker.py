@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from omni_pd.sampling import SamplingParams
-from omni_pd.engines.types import TalkerOutput, TalkerPrompt
+from omni_pd.models.qwen3_omni.records import TalkerOutput, TalkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
 
 

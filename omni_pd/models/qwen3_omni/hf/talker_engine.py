@@ -21,7 +21,7 @@ import torch
 
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
-from omni_pd.engines.types import TalkerInputDelta, TalkerOutput, TalkerPrompt
+from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerOutput, TalkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
 from .talker import TalkerRunner
 from .talker_batch import BatchedTalker, TalkerRequestState

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.sampler import sample_next_token
-from omni_pd.engines.types import ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
 
 @dataclass

@@ -35,7 +35,7 @@ from omni_pd.kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerp
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
 from omni_pd.engines.sampler import sample_next_token, sample_next_tokens
-from omni_pd.engines.types import ThinkerChunk, ThinkerOutput, ThinkerPrompt
+from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from .thinker import ThinkerRunner

@@ -1,0 +1,211 @@
+"""Which models omni-pd serves, and how the layers that know no model reach one.
+
+A model package (omni_pd/models/<model>/) describes itself in one `ModelSpec` and names it in
+the `omni_pd.models` entry-point group (pyproject.toml), the way vLLM finds out-of-tree models
+through its plugin entry points. The config loader, the engines and the orchestrator look a
+model up here, by an embedded model's name or by a checkpoint's `model_type`, and call what its
+spec names; none of them imports a model package. The entry points are read once per process,
+in every process that asks (stage workers are spawned and ask for themselves).
+
+This module sits at the bottom of the layers: it imports nothing else of omni-pd.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "omni_pd.models"
+
+
+@dataclass(frozen=True)
+class ModelPipeline:
+    """What the orchestrator knows of a model: a description it reads, not modules it imports.
+
+    How a user's input becomes the first stage's prompt, which tokens end the text, how long the
+    text stage's context is and which voices it speaks. The orchestrator routes requests along
+    the stage YAML's edges with that and nothing else; the stage input processors named in the
+    YAML carry the rest of the model knowledge."""
+
+    name: str
+    config: Any  # the model's top-level config (stage input processors read it)
+    tokenizer: Any
+    eos_token_ids: frozenset[int]  # tokens that end the text stage's output
+    context_len: int  # positions the text stage's model supports
+    voices: tuple[str, ...]
+    # A user's input (text, chat messages, token ids, ...) -> the model's prompt object, which
+    # has a `speaker`; raises ValueError naming what is wrong.
+    normalize_prompt: Callable[[Any], Any]
+    # That prompt object -> the first stage's prompt (an `engines.types.TokenPrompt`).
+    build_prompt: Callable[[Any], Any]
+    # The stage YAML's `model_stage` whose output is the request's text (the last such stage).
+    text_model_stage: str = "thinker"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model package gives the generic layers. Callables import their model code when
+    called, so that reading the registry stays cheap (no torch, no transformers)."""
+
+    name: str
+    # `model_type`s of the checkpoints it serves (a checkpoint directory's config.json says which).
+    model_types: tuple[str, ...] = ()
+    # Names of models built in code, served without a checkpoint directory.
+    embedded: tuple[str, ...] = ()
+    # The model (an embedded name or a checkpoint directory) -> its `ModelPipeline`; None for a
+    # model that only serves as a stage's checkpoint (a vLLM stage's stand-in).
+    load_pipeline: Callable[[str], ModelPipeline] | None = None
+    # Engine family (`engine_args.engine`) -> builder(stage_config, model) -> a StageEngine, for
+    # families whose engines are written per model (hf). vLLM's engine is generic.
+    engine_builders: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
+    # An embedded model's name -> a checkpoint directory written for engines that load from disk.
+    materialize: Callable[[str], str] | None = None
+    # vllm-omni 0.30 deploy files' `pipeline:` names -> config.topology.Topology.
+    topologies: Callable[[], Mapping[str, Any]] | None = None
+    # The `pipeline:` a deploy file gets when it names none: (plain, P/D).
+    default_topologies: tuple[str, str] | None = None
+    # The model's C kernels (engines.hf.native_build.NativeKernel), built ahead by the setup.
+    native_kernels: Callable[[], tuple[Any, ...]] | None = None
+    # Served when no model is given (Omni(), `omni-pd serve` without --model).
+    default: bool = False
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+_lock = threading.Lock()
+_specs: dict[str, ModelSpec] | None = None
+
+
+def _load_entry_points() -> dict[str, ModelSpec]:
+    found: dict[str, ModelSpec] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        spec = ep.load()
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"entry point {ep.name} = {ep.value} in group {ENTRY_POINT_GROUP!r} "
+                            f"is a {type(spec).__name__}, not an omni_pd.registry.ModelSpec")
+        found[spec.name] = spec
+    return found
+
+
+def specs() -> dict[str, ModelSpec]:
+    """Every registered model, by spec name."""
+    global _specs
+    with _lock:
+        if _specs is None:
+            _specs = _load_entry_points()
+            log.debug("registered models: %s", ", ".join(sorted(_specs)) or "none")
+        if not _specs:
+            raise ModelNotFound(
+                f"no model package is registered in the {ENTRY_POINT_GROUP!r} entry points: "
+                "install omni-pd (`pip install -e .`, which scripts/setup.sh runs) so that its "
+                "models are registered")
+        return _specs
+
+
+def register(spec: ModelSpec) -> None:
+    """Add a model in this process (tests, tools). Stage workers are spawned and read only the
+    entry points: a model that stage workers must build is registered there."""
+    specs()[spec.name] = spec
+
+
+def default_model() -> str:
+    """The embedded model served when none is given."""
+    chosen = [s for s in specs().values() if s.default and s.embedded]
+    if len(chosen) != 1:
+        raise ModelNotFound(f"expected one default model among the registered ones, found "
+                            f"{[s.name for s in chosen]}")
+    return chosen[0].embedded[0]
+
+
+def _checkpoint_model_type(model: str) -> str | None:
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"model {model!r}: {config} is not readable JSON ({exc}); write it "
+                            "again (`omni-pd make-tiny-model DIR` writes a valid one)") from exc
+
+
+def spec_for(model: str) -> ModelSpec:
+    """The spec that serves `model`: an embedded model's name, or a checkpoint directory whose
+    config.json has a registered `model_type`."""
+    registered = specs()
+    for spec in registered.values():
+        if model in spec.embedded:
+            return spec
+    model_type = _checkpoint_model_type(model)
+    for spec in registered.values():
+        if model_type is not None and model_type in spec.model_types:
+            return spec
+    embedded = sorted(name for spec in registered.values() for name in spec.embedded)
+    types = sorted(t for spec in registered.values() for t in spec.model_types)
+    if model_type is not None:
+        raise ModelNotFound(f"model {model!r}: its config.json has model_type {model_type!r}, "
+                            f"which no registered model serves (served: {', '.join(types)})")
+    if Path(model).expanduser().is_dir():
+        raise ModelNotFound(f"model directory {model} has no config.json; write one with "
+                            f"`omni-pd make-tiny-model {model}`")
+    raise ModelNotFound(f"model {model!r} is neither the embedded {' or '.join(embedded)} "
+                        "nor a local checkpoint directory (omni-pd never downloads from a model "
+                        "hub: pass a checkpoint directory)")
+
+
+def load_pipeline(model: str) -> ModelPipeline:
+    spec = spec_for(model)
+    if spec.load_pipeline is None:
+        raise ModelNotFound(f"model {model!r} ({spec.name}) serves only as a stage's checkpoint, "
+                            "not as a pipeline's model; give Omni / --model a pipeline's model")
+    return spec.load_pipeline(model)
+
+
+def engine_builder(model: str, engine: str) -> Callable[[Any, str], Any]:
+    spec = spec_for(model)
+    if engine not in spec.engine_builders:
+        raise ModelNotFound(f"model {model!r} ({spec.name}) has no {engine!r} engines; it has "
+                            f"{', '.join(sorted(spec.engine_builders)) or 'none'}")
+    return spec.engine_builders[engine]
+
+
+def checkpoint_dir(model: str) -> str:
+    """A directory an engine that loads from disk can read: an embedded model is written out by
+    its package; anything else is returned as given (a directory, or a name the engine
+    resolves itself)."""
+    for spec in specs().values():
+        if model in spec.embedded:
+            if spec.materialize is None:
+                raise ModelNotFound(f"embedded model {model!r} cannot be written to a directory "
+                                    f"({spec.name} has no materialize); pass a checkpoint directory")
+            return spec.materialize(model)
+    return model
+
+
+def topologies() -> dict[str, Any]:
+    """Every registered model's deploy-file pipelines, by `pipeline:` name."""
+    found: dict[str, Any] = {}
+    for spec in specs().values():
+        if spec.topologies is not None:
+            found.update(spec.topologies())
+    return found
+
+
+def default_topologies() -> tuple[str, str]:
+    """The default model's (plain, P/D) deploy pipelines."""
+    spec = spec_for(default_model())
+    if spec.default_topologies is None:
+        raise ModelNotFound(f"the default model ({spec.name}) names no default deploy pipelines")
+    return spec.default_topologies
+
+
+def native_kernels() -> tuple[Any, ...]:
+    return tuple(kernel for spec in specs().values() if spec.native_kernels is not None
+                 for kernel in spec.native_kernels())
