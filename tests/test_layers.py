@@ -1,0 +1,140 @@
+"""The layers of docs/architecture.md, checked on the source: which package may import which,
+that the layers that know no model hold no model code, and that no modules import each other in
+a circle. Imports inside functions count: a lazy import is still an arrow."""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "omni_pd"
+
+# Layer of each top-level part of omni_pd, lowest first. A module may import its own layer and
+# the layers below it, never one above. docs/architecture.md draws the same table.
+LAYERS: dict[str, int] = {
+    "registry": 0, "sampling": 0, "audio_io": 0, "paths": 0,
+    "config": 1, "kv": 1,
+    "planning": 2,
+    "engines": 3,
+    "models": 4,
+    "orchestrator": 5,
+    "entrypoints": 6, "bench": 6,
+    "__init__": 6,  # omni_pd itself: the public names (Omni, SamplingParams), a facade on top
+}
+# The layers that know no model (issue 25): no model package imported, no model's name in code.
+MODEL_FREE = ("engines", "kv", "orchestrator")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every omni_pd module `path` imports, at top level or inside functions."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("omni_pd"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not module.startswith("omni_pd"):
+                continue
+            for alias in node.names:  # `from omni_pd.x import y`: y is a module, or a name in x
+                submodule = f"{module}.{alias.name}"
+                found.add(submodule if _is_module(submodule) else module)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in _graph()}
+    assert parts <= set(LAYERS), f"give {sorted(parts - set(LAYERS))} a layer in LAYERS"
+
+
+def test_no_import_runs_back_up():
+    upward = sorted(f"{a} -> {b}" for a, deps in _graph().items() for b in deps
+                    if LAYERS[_part(b)] > LAYERS[_part(a)])
+    assert upward == []
+
+
+def test_no_import_circles():
+    graph = _graph()
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert circles == []
+
+
+@pytest.mark.parametrize("layer", MODEL_FREE)
+def test_model_free_layers_name_no_model(layer):
+    for path in (ROOT / layer).rglob("*"):
+        if path.suffix not in (".py", ".c"):
+            continue
+        text = path.read_text()
+        assert not re.search("qwen", text, re.IGNORECASE), f"{path} names a model"
+        if path.suffix == ".py":
+            assert not {m for m in _imports(path) if m.startswith("omni_pd.models")}, path
+
+
+def test_negative_control_the_checks_see_an_arrow_back_up_and_a_circle(tmp_path, monkeypatch):
+    """The graph reader finds a lazy import running up and a two-module circle when they exist."""
+    fake = tmp_path / "omni_pd"
+    for module, text in {
+        "__init__.py": "",
+        "engines/__init__.py": "",
+        "engines/a.py": "def f():\n    from ..models.m import x\n",
+        "models/__init__.py": "",
+        "models/m.py": "from omni_pd.models import n\nx = 1\n",
+        "models/n.py": "from . import m\n",
+    }.items():
+        (fake / module).parent.mkdir(parents=True, exist_ok=True)
+        (fake / module).write_text(module and text)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    graph = _graph()
+    assert "omni_pd.models.m" in graph["omni_pd.engines.a"]
+    with pytest.raises(AssertionError):
+        test_no_import_runs_back_up()
+    with pytest.raises(AssertionError):
+        test_no_import_circles()
+    with pytest.raises(AssertionError):
+        test_model_free_layers_name_no_model("engines")
