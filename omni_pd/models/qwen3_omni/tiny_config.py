@@ -1,5 +1,8 @@
 """The embedded tiny Qwen3-Omni-MoE: a ~1 M-parameter config that runs thinker -> talker -> code2wav
-on a CPU in about a second. Token ids are pinned to the tokenizer built in `tokenizer.py`.
+on a CPU in about a second. Token ids are pinned to the tokenizer built in `tokenizer.py`. The
+thinker's config also loads in vLLM (its CPU attention's head sizes, M-RoPE sections summing to
+head_dim / 2, and the keys of the real checkpoint that vLLM reads), so the hf and vLLM thinkers run
+the same weights.
 
 Config keys that transformers' modelling code reads but the config classes do not declare are set
 explicitly (`shared_expert_intermediate_size`, `spatial_merge_size`, `vision_start_token_id`).
@@ -58,17 +61,20 @@ def tiny_config_dict() -> dict[str, Any]:
         "hidden_size": THINKER_HIDDEN,
         "intermediate_size": 128,
         "num_hidden_layers": THINKER_LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        # head_dim 32: the smallest head size vLLM's CPU attention runs (2 heads x 32 keep the
+        # projections 64 wide, one KV head keeps a token's KV as large as 2 x 16 did).
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
         "max_position_embeddings": 4096,
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,  # vLLM reads it; the real checkpoint has it
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 1000000.0,
-            "mrope_section": [4, 2, 2],
+            "mrope_section": [6, 5, 5],  # sums to head_dim / 2, as vLLM's M-RoPE requires
             "mrope_interleaved": True,
             "interleaved": True,
         },
@@ -92,6 +98,9 @@ def tiny_config_dict() -> dict[str, Any]:
         "num_heads": 2,
         "out_hidden_size": THINKER_HIDDEN,
         "num_position_embeddings": 64,
+        # What the real checkpoint has and vLLM reads: 8 x 8 position embeddings of 16-pixel patches.
+        "image_size": 128,
+        "apply_vit_abs_pos_embed": True,
         "deepstack_visual_indexes": [0],
         "patch_size": 16,
         "spatial_merge_size": 2,
