@@ -64,8 +64,16 @@ class ModelSpec:
     # Engine family (`engine_args.engine`) -> builder(stage_config, model) -> a StageEngine, for
     # families whose engines are written per model (hf). vLLM's engine is generic.
     engine_builders: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
-    # An embedded model's name -> a checkpoint directory written for engines that load from disk.
-    materialize: Callable[[str], str] | None = None
+    # (An embedded model's name, weights seed) -> a checkpoint directory written for engines that
+    # load from disk; the seed is the one hf stages build the same model's dummy weights with.
+    materialize: Callable[[str, int], str] | None = None
+    # The model (name or directory) -> an engines.vllm.hooks.VllmModelHooks for its vLLM text
+    # stage, where it needs more than tokens out of vLLM; None: vLLM serves it as a text LLM.
+    vllm_hooks: Callable[[str], Any] | None = None
+    # vLLM architecture -> "module:Class" its hooks run: registered in vLLM's ModelRegistry by
+    # omni-pd's vLLM plugin in every vLLM process (a class that behaves as vLLM's own unless the
+    # engine asks for more).
+    vllm_model_classes: Mapping[str, str] = field(default_factory=dict)
     # vllm-omni 0.30 deploy files' `pipeline:` names -> config.topology.Topology.
     topologies: Callable[[], Mapping[str, Any]] | None = None
     # The `pipeline:` a deploy file gets when it names none: (plain, P/D).
@@ -176,16 +184,26 @@ def engine_builder(model: str, engine: str) -> Callable[[Any, str], Any]:
     return spec.engine_builders[engine]
 
 
-def checkpoint_dir(model: str) -> str:
+def vllm_hooks(model: str) -> Any | None:
+    """The hooks a vLLM stage running `model` needs; None for a plain text LLM, or a model no
+    registered package serves (a hub name vLLM resolves itself)."""
+    try:
+        spec = spec_for(model)
+    except ModelNotFound:
+        return None
+    return spec.vllm_hooks(model) if spec.vllm_hooks is not None else None
+
+
+def checkpoint_dir(model: str, seed: int = 0) -> str:
     """A directory an engine that loads from disk can read: an embedded model is written out by
-    its package; anything else is returned as given (a directory, or a name the engine
-    resolves itself)."""
+    its package, with weights seeded by `seed`; anything else is returned as given (a
+    directory, or a name the engine resolves itself)."""
     for spec in specs().values():
         if model in spec.embedded:
             if spec.materialize is None:
                 raise ModelNotFound(f"embedded model {model!r} cannot be written to a directory "
                                     f"({spec.name} has no materialize); pass a checkpoint directory")
-            return spec.materialize(model)
+            return spec.materialize(model, seed)
     return model
 
 
@@ -204,6 +222,10 @@ def default_topologies() -> tuple[str, str]:
     if spec.default_topologies is None:
         raise ModelNotFound(f"the default model ({spec.name}) names no default deploy pipelines")
     return spec.default_topologies
+
+
+def vllm_model_classes() -> dict[str, str]:
+    return {arch: cls for spec in specs().values() for arch, cls in spec.vllm_model_classes.items()}
 
 
 def native_kernels() -> tuple[Any, ...]:

@@ -1,4 +1,6 @@
-"""The in-process vLLM engine checks (tests/inproc_vllm_engine_step.py) in a fresh interpreter.
+"""The in-process vLLM engine checks in a fresh interpreter: the step loop
+(tests/inproc_vllm_engine_step.py) and Qwen3-Omni's thinker on vLLM against transformers
+(tests/inproc_vllm_omni_thinker.py).
 
 vLLM 0.32 registers kernel overrides through torch.library when an engine starts in-process;
 after other tests in the same pytest process have loaded transformers' kernel hooks, that
@@ -18,10 +20,11 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 
 
-def test_vllm_engine_step_checks_in_a_fresh_interpreter():
+@pytest.mark.parametrize("script", ["inproc_vllm_engine_step.py", "inproc_vllm_omni_thinker.py"])
+def test_vllm_engine_step_checks_in_a_fresh_interpreter(script):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=inproc_*.py",
-         str(HERE / "inproc_vllm_engine_step.py")],
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o",
+         "python_files=inproc_*.py", str(HERE / script)],
         capture_output=True, text=True, timeout=600, cwd=HERE.parent)
     print(result.stdout[-4000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-4000:]

@@ -120,7 +120,8 @@ class StageEngine(ABC):
         """Release what the engine holds (models, registered memory, sockets)."""
 
     def describe(self) -> dict[str, Any]:
-        """Facts the orchestrator logs and routes on (engine id, KV session, ...)."""
+        """Facts the orchestrator logs and routes on (engine id, KV session, ...;
+        `takes_multimodal_prompts`: False refuses prompts with audio or images up front)."""
         return {}
 
     def housekeeping(self) -> None:

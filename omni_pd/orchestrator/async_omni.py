@@ -289,7 +289,24 @@ class AsyncOmni:
         """Normalize and build a prompt for the text stage: CPU work (tokenizing, audio features)
         for a thread, whose result `generate` / `stream` take as the prompt."""
         normalized = self.pipeline.normalize_prompt(prompt)
-        return PreparedPrompt(normalized, self.pipeline.build_prompt(normalized))
+        prepared = PreparedPrompt(normalized, self.pipeline.build_prompt(normalized))
+        self._check_multimodal(prepared.text_prompt)
+        return prepared
+
+    def _check_multimodal(self, text_prompt: TokenPrompt) -> None:
+        """A prompt with audio (or images) is refused up front, as a bad request, when a stage
+        that may compute it cannot take it (its engine says so when it starts)."""
+        if not text_prompt.has_multimodal_inputs():
+            return
+        takers = [s.stage_id for s in self.config.stages if not s.engine_input_source]
+        if self.pd_pair:  # its decode leg prefills the prompt itself on the local fallback
+            takers.append(self.pd_pair.decode_stage_id)
+        for stage_id in takers:
+            if not self.clients[stage_id].info.get("takes_multimodal_prompts", True):
+                stage = self.stages[stage_id]
+                raise ValueError(f"stage {stage_id} ({self._stage_name(stage_id)}, engine "
+                                 f"{stage.engine}) takes text prompts only: remove the audio from "
+                                 "the prompt, or run that stage with engine: hf")
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
@@ -389,6 +406,7 @@ class AsyncOmni:
             # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
             # serves every other request meanwhile.
             text_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
+        self._check_multimodal(text_prompt)
         prompt_len = len(text_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:

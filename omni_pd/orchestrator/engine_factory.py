@@ -11,6 +11,9 @@ def build_engine(stage, model: str) -> StageEngine:
         return registry.engine_builder(model, "hf")(stage, model)
     if stage.engine == "vllm":
         from ..engines.vllm.engine import build_vllm_engine
-        return build_vllm_engine(stage, model)
+        # vLLM's engine is generic; a model that needs more than tokens out of it (an omni
+        # thinker's rows for its talker) adds hooks from its package.
+        served = stage.engine_args.model or model
+        return build_vllm_engine(stage, model, registry.vllm_hooks(served))
     raise NotImplementedError(f"stage {stage.stage_id}: engine {stage.engine!r} is not available in "
                               "this build; use engine: hf")

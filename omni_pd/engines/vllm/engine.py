@@ -37,13 +37,16 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ... import registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
+from .hooks import LegRole, VllmModelHooks
+from .rows import EXTENSION as ROWS_EXTENSION
+from .rows import RequestRows
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def free_port(host: str = "0.0.0.0") -> int:
 def resolve_vllm_model(name: str, seed: int | None) -> str:
     """An embedded model written out by its package; else a directory or a hub name, which
     vLLM resolves itself."""
-    return registry.checkpoint_dir(name)
+    return registry.checkpoint_dir(name, seed if seed is not None else 0)
 
 
 def to_vllm_sampling_params(params: SamplingParams):
@@ -101,17 +104,23 @@ class _RequestState:
     deadline: float  # time.monotonic() after which the request is aborted
     began: float  # time.perf_counter() at add_request
     stream: bool
+    role: LegRole
+    chunks: bool = False  # send the model's chunks too (a downstream stage runs alongside)
     seen: int = 0  # output tokens seen so far
     first_token_ms: float | None = None
     remote_tokens: int = 0  # prompt tokens the scheduler loads over the KV connector
+    rows: RequestRows = field(default_factory=RequestRows)  # the model's per-token rows
+    rows_streamed: int = 0  # position up to which rows left in chunks
+    chunks_sent: int = 0
 
 
 class VllmThinkerEngine(StageEngine):
     control_calls = frozenset({"debug_state_counts", "release_kv", "patch_status"})
 
-    def __init__(self, stage, model: str):
+    def __init__(self, stage, model: str, hooks: VllmModelHooks | None = None):
         self.stage_id = stage.stage_id
         self.engine = None
+        self.hooks = hooks or VllmModelHooks()
         self._requests: dict[str, _RequestState] = {}
         for key, value in {**ENV_DEFAULTS, **stage.runtime.env}.items():
             if key in stage.runtime.env:
@@ -139,7 +148,9 @@ class VllmThinkerEngine(StageEngine):
 
         from .plugin import register
         from .patches import results
-        register()  # the entry point does this too; explicit so a bare checkout works in-process
+        # The entry point does this too; explicit so a bare checkout works in-process. It also
+        # registers the registered models' vLLM classes (the hooks' model class among them).
+        register()
         if self.kv_connector == "MooncakeConnector":
             refused = [r.detail for r in results().values() if not r.ok]
             if refused:
@@ -150,8 +161,11 @@ class VllmThinkerEngine(StageEngine):
         from vllm.v1.engine.llm_engine import LLMEngine
         name = kwargs.pop("model", None) or model
         self.model_dir = resolve_vllm_model(name, args.seed)
+        kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
         began = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=self.model_dir, **kwargs))
+        if self.hooks.records_rows:
+            self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
         log.info("stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
                  self.stage_id, name, self.startup_s, self.kv_role, self.bootstrap_port)
@@ -160,13 +174,12 @@ class VllmThinkerEngine(StageEngine):
     def add_request(self, request_id: str, prompt: TokenPrompt, params: SamplingParams,
                     stream: bool = False, chunks: bool = False,
                     chunk_sizes: tuple[int, int] | None = None) -> None:
-        """`chunks` has no effect: a vLLM stage streams tokens only, so a talker fed by it starts
-        when it has finished (its stream processor falls back to the whole output)."""
+        """`chunks`: the model's hooks build a chunk per step (a talker runs alongside); a
+        model whose hooks build none streams tokens only, and a stage it feeds starts when it
+        has finished (its stream processor falls back to the whole output)."""
         if self.engine is None:
             raise RuntimeError(f"stage {self.stage_id}: the vLLM engine is closed")
-        if prompt.has_multimodal_inputs():
-            raise ValueError(f"stage {self.stage_id}: the vLLM text engine takes token ids only, "
-                             "not audio features")
+        self.hooks.check_prompt(self.stage_id, prompt)
         if request_id in self._requests:
             raise ValueError(f"stage {self.stage_id}: request {request_id} is already running here; "
                              "give each request its own id")
@@ -177,11 +190,13 @@ class VllmThinkerEngine(StageEngine):
         deadline = time.monotonic() + (self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote
                                        else max(self.kv_wait_s, 60.0) + 600.0)
         # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
-        vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": token_ids},
+        vllm_id = self.engine.add_request(request_id, self.hooks.vllm_prompt(prompt),
                                           to_vllm_sampling_params(params))
+        role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"))
         self._requests[request_id] = _RequestState(
             request_id=request_id, vllm_id=vllm_id, prompt_token_ids=token_ids, kv_in=kv_in,
-            loads_remote=loads_remote, deadline=deadline, began=began, stream=bool(stream))
+            loads_remote=loads_remote, deadline=deadline, began=began, stream=bool(stream),
+            role=role, chunks=bool(stream and chunks))
 
     def abort_request(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -225,6 +240,8 @@ class VllmThinkerEngine(StageEngine):
         # engine steps under it too (the patched LLMEngine.step re-enters it; it is an RLock).
         with _state(self.engine).lock:
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            if self.hooks.records_rows:
+                self._take_rows()
             # Taken while vLLM still holds the request: a finished decode leg is gone from the
             # scheduler (see _external_tokens).
             for state in self._requests.values():
@@ -244,6 +261,8 @@ class VllmThinkerEngine(StageEngine):
             state.seen += len(new)
             record = StepOutput(request_id=state.request_id,
                                 new_token_ids=new if state.stream else [])
+            if state.chunks and (new or out.finished):
+                record.chunk = self._chunk(state, new)
             if out.finished:
                 del self._requests[state.request_id]
                 try:
@@ -251,7 +270,7 @@ class VllmThinkerEngine(StageEngine):
                 except Exception as exc:  # this request's failure only
                     record = StepOutput.failed(state.request_id, f"{type(exc).__name__}: {exc}")
                 record.finished = True
-            if record.new_token_ids or record.finished:
+            if record.new_token_ids or record.finished or record.chunk is not None:
                 results.append(record)
         if self._requests and not vllm_unfinished:
             # Cannot happen while vLLM and this engine agree; fail rather than step forever.
@@ -272,6 +291,27 @@ class VllmThinkerEngine(StageEngine):
             # the worker's loop, which steps again at once while requests are held.
             time.sleep(IDLE_STEP_SLEEP_S)
         return results
+
+    def _take_rows(self) -> None:
+        """The rows the model recorded in this step, onto their requests (by vLLM's id)."""
+        taken = self.engine.collective_rpc("omni_pd_take_rows")[0]
+        if not taken:
+            return
+        by_vllm_id = {s.vllm_id: s for s in self._requests.values()}
+        for vllm_id, pieces in taken.items():
+            state = by_vllm_id.get(vllm_id)
+            if state is not None:  # an aborted request's last rows are dropped
+                for start, tensors in pieces:
+                    state.rows.add(start, tensors)
+
+    def _chunk(self, state: "_RequestState", new: list[int]) -> Any:
+        made = self.hooks.chunk(state.prompt_token_ids, new, state.rows, state.rows_streamed,
+                                state.role, first=state.chunks_sent == 0)
+        if made is None:
+            return None
+        chunk, state.rows_streamed = made
+        state.chunks_sent += 1
+        return chunk
 
     def _expired_error(self, state: "_RequestState") -> str:
         waited = time.perf_counter() - state.began
@@ -304,17 +344,19 @@ class VllmThinkerEngine(StageEngine):
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
-        return TextOutput(
+        text = TextOutput(
             request_id=request_id, prompt_token_ids=state.prompt_token_ids,
             token_ids=list(completion.token_ids), text=completion.text or "",
             finish_reason=completion.finish_reason,
             kv_transfer_params=dict(final.kv_transfer_params) if final.kv_transfer_params else None,
             num_cached_prompt_tokens=cached if state.loads_remote else 0, metrics=metrics)
+        return self.hooks.output(text, state.rows, state.role)
 
     # ---- control ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         import vllm
         return {"engine": "vllm", "vllm_version": vllm.__version__, "kv_role": self.kv_role,
+                "takes_multimodal_prompts": self.hooks.takes_multimodal_prompts,
                 "engine_id": self.engine_id, "bootstrap_port": self.bootstrap_port,
                 "startup_s": round(self.startup_s, 3)}
 
@@ -395,7 +437,24 @@ def _published(kv_in: dict[str, Any]) -> str:
             "stop conditions neutralised?)")
 
 
-def build_vllm_engine(stage, model: str) -> StageEngine:
+def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHooks) -> dict[str, Any]:
+    """The stage's EngineArgs plus what the model's hooks need; a clash is refused by name."""
+    wanted = dict(hooks.engine_kwargs())
+    if hooks.records_rows:
+        wanted["worker_extension_cls"] = ROWS_EXTENSION
+    merged = dict(kwargs)
+    for key, value in wanted.items():
+        if key == "additional_config":
+            merged[key] = {**(merged.get(key) or {}), **value}
+        elif key in merged and merged[key] != value:
+            raise ValueError(f"stage {stage_id}: engine_args.{key} is {merged[key]!r}, but this "
+                             f"model's vLLM stage needs {value!r}; remove it or set it to {value!r}")
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_vllm_engine(stage, model: str, hooks: VllmModelHooks | None = None) -> StageEngine:
     if stage.stage_type != "llm":
         raise ValueError(f"stage {stage.stage_id}: engine vllm runs LLM stages only, "
                          f"not stage_type {stage.stage_type!r}")
@@ -404,4 +463,4 @@ def build_vllm_engine(stage, model: str) -> StageEngine:
     except ImportError as exc:
         from . import INSTALL_HINT
         raise RuntimeError(f"stage {stage.stage_id} has engine: vllm, but {INSTALL_HINT} ({exc})") from exc
-    return VllmThinkerEngine(stage, model)
+    return VllmThinkerEngine(stage, model, hooks)

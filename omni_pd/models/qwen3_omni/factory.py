@@ -18,6 +18,7 @@ import xxhash
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeConfig
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
+from ..cache import cached_checkpoint, content_key
 from .tiny_config import TINY_MODEL_NAME, tiny_config_dict
 from .tokenizer import build_tiny_tokenizer
 
@@ -125,6 +126,14 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED
     model.save_pretrained(str(out))
     build_tiny_tokenizer().save_pretrained(str(out))
     return out
+
+
+def ensure_tiny_checkpoint(seed: int = DEFAULT_DUMMY_SEED) -> Path:
+    """The embedded tiny model as a checkpoint directory (what `save_tiny_model` writes), built
+    once per machine in omni-pd's cache: engines that load from disk (vLLM) then run the same
+    weights as the hf stages' `load_format: dummy` with the same seed."""
+    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 1})
+    return cached_checkpoint(TINY_MODEL_NAME, key, lambda d: save_tiny_model(d, seed=seed))
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from omni_pd.registry import ModelPipeline, ModelSpec
 
 from .tiny_config import TINY_MODEL_NAME
+from .vllm import ARCHITECTURE, MODEL_CLASS
 
 
 def _pipeline(model: str) -> ModelPipeline:
@@ -17,6 +18,17 @@ def _pipeline(model: str) -> ModelPipeline:
 def _build_hf_engine(stage_config: Any, model: str) -> Any:
     from .hf.stage_engines import build_hf_engine
     return build_hf_engine(stage_config, model)
+
+
+def _materialize(model: str, seed: int) -> str:
+    from .factory import ensure_tiny_checkpoint
+    return str(ensure_tiny_checkpoint(seed))
+
+
+def _vllm_hooks(model: str) -> Any:
+    from .factory import load_config, resolve_model
+    from .vllm.hooks import Qwen3OmniThinkerHooks
+    return Qwen3OmniThinkerHooks(load_config(resolve_model(model)).talker_config.accept_hidden_layer)
 
 
 def _topologies() -> dict[str, Any]:
@@ -35,6 +47,9 @@ SPEC = ModelSpec(
     embedded=(TINY_MODEL_NAME,),
     load_pipeline=_pipeline,
     engine_builders={"hf": _build_hf_engine},
+    materialize=_materialize,
+    vllm_hooks=_vllm_hooks,
+    vllm_model_classes={ARCHITECTURE: MODEL_CLASS},
     topologies=_topologies,
     default_topologies=("qwen3_omni_moe", "qwen3_omni_moe_pd"),
     native_kernels=_native_kernels,

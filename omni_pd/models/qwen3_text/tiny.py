@@ -16,13 +16,11 @@ head_dim is 32: vLLM's CPU attention supports head sizes {32, 64, 80, 96, ...}.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..cache import cached_checkpoint, content_key
 
 TINY_TEXT_MODEL_NAME = "tiny-qwen3-text"
 DEFAULT_SEED = 0
@@ -57,18 +55,6 @@ def tiny_text_config_dict() -> dict[str, Any]:
     }
 
 
-def default_cache_root() -> Path:
-    root = os.environ.get("OMNI_PD_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "omni-pd"
-
-
-def _key(config: dict[str, Any], seed: int) -> str:
-    blob = json.dumps({"config": config, "seed": seed, "v": _FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def _write_model(directory: Path, config: dict[str, Any], seed: int) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -85,28 +71,11 @@ def _write_model(directory: Path, config: dict[str, Any], seed: int) -> None:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(directory, safe_serialization=True)
     build_tiny_tokenizer().save_pretrained(directory)
-    (directory / "omni_pd_model.json").write_text(
-        json.dumps({"name": TINY_TEXT_MODEL_NAME, "seed": seed, "format": _FORMAT_VERSION}))
 
 
 def ensure_tiny_text_model(seed: int = DEFAULT_SEED, cache_root: str | os.PathLike | None = None) -> Path:
-    """The directory holding the tiny text model (built on first use; safe when several
-    processes ask at once: each builds into a private temporary directory and renames it)."""
+    """The directory holding the tiny text model (built on first use, once per machine)."""
     config = tiny_text_config_dict()
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
-    target = root / f"{TINY_TEXT_MODEL_NAME}-{_key(config, seed)}"
-    if (target / "omni_pd_model.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        _write_model(scratch, config, seed)
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not (target / "omni_pd_model.json").is_file():
-                raise  # not a lost race: a real error
-    finally:
-        if scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    key = content_key({"config": config, "seed": seed, "v": _FORMAT_VERSION})
+    return cached_checkpoint(TINY_TEXT_MODEL_NAME, key,
+                             lambda directory: _write_model(directory, config, seed), cache_root)

@@ -1,0 +1,169 @@
+"""vLLM's Qwen3-Omni thinker (omni-pd's recording subclass, on the generic vLLM engine) against
+transformers' thinker on the same tiny weights (run by tests/test_vllm_engine_step.py in a fresh
+interpreter). What the talker reads must agree: the layer-0 embeddings and the accept-layer
+hidden states, for the prompt and every generated token fed back; and the logits of each step.
+Greedy tokens are compared where the logits leave room for it (the top two apart by more than
+the tolerance); where they tie, the test reports it instead of hiding it.
+
+Tolerances (float32, CPU): vLLM's kernels (its attention, fused MoE, RMSNorm) are not
+transformers', so the rows agree to rounding, not to the bit. Measured here: layer 0 exact,
+accept layer ~1e-7, log-probabilities ~1e-6.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_required import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+
+from omni_pd import SamplingParams, registry  # noqa: E402
+from omni_pd.config import load_pipeline_config  # noqa: E402
+from omni_pd.models.qwen3_omni.factory import load_model  # noqa: E402
+from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt  # noqa: E402
+from omni_pd.models.qwen3_omni.tiny_config import ACCEPT_HIDDEN_LAYER, TINY_MODEL_NAME  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "stage_configs/ci/qwen3_omni_tiny_vllm.yaml"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, seed=0, ignore_eos=True)
+ROW_TOL = {"embeds": 1e-6, "hidden": 1e-5}
+LOGPROB_TOL = 1e-4
+TEXTS = ["Hi", "Please describe how tides are made by the moon.", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def stage():
+    return load_pipeline_config(CONFIG).stage(0)
+
+
+@pytest.fixture(scope="module")
+def engine(stage):
+    from omni_pd.engines.vllm.engine import build_vllm_engine
+    eng = build_vllm_engine(stage, TINY_MODEL_NAME, registry.vllm_hooks(TINY_MODEL_NAME))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(stage):
+    """transformers' thinker with the hf stages' weights (`load_format: dummy`, the same seed)."""
+    model = load_model(TINY_MODEL_NAME, load_format="dummy", seed=stage.engine_args.seed)
+    return model.thinker
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    pipeline = registry.load_pipeline(TINY_MODEL_NAME)
+    return [pipeline.build_prompt(pipeline.normalize_prompt(t)) for t in TEXTS]
+
+
+def run(engine, max_steps: int = 500):
+    finals, chunks = {}, {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals, chunks
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.chunk is not None:
+                chunks.setdefault(out.request_id, []).append(out.chunk)
+            if out.finished:
+                finals[out.request_id] = out.output
+    raise AssertionError(f"engine still busy: {engine.request_ids()}")
+
+
+@pytest.fixture(scope="module")
+def batched(engine, prompts):
+    """Every prompt at once (vLLM batches them), streamed with chunks as a talker would take them."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY, stream=True, chunks=True)
+    finals, chunks = run(engine)
+    assert sorted(finals) == [f"r{i}" for i in range(len(prompts))]
+    assert engine.debug_state_counts() == {k: 0 for k in engine.debug_state_counts()}
+    return finals, chunks
+
+
+@torch.no_grad()
+def transformers_pass(thinker, ids: list[int]):
+    """hidden_states and log-probabilities of one teacher-forced pass over `ids`."""
+    out = thinker(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    return out.hidden_states, torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def test_rows_agree_with_transformers(batched, reference):
+    finals, _ = batched
+    for rid, out in finals.items():
+        assert isinstance(out, ThinkerOutput)
+        prompt_len = len(out.prompt_token_ids)
+        fed = out.prompt_token_ids + out.token_ids[:-1]  # the last token is never fed
+        hidden, _ = transformers_pass(reference, fed)
+        embeds = torch.cat([out.prompt_embeds, out.output_embeds])
+        accept = torch.cat([out.prompt_hidden, out.output_hidden])
+        assert out.output_start == prompt_len and embeds.shape[0] == len(fed)
+        assert (embeds - hidden[0][0]).abs().max() <= ROW_TOL["embeds"], rid
+        assert (accept - hidden[ACCEPT_HIDDEN_LAYER][0]).abs().max() <= ROW_TOL["hidden"], rid
+
+
+def test_negative_control_a_neighbouring_layer_does_not_agree(batched, reference):
+    out = batched[0]["r1"]
+    hidden, _ = transformers_pass(reference, out.prompt_token_ids)
+    for wrong in (ACCEPT_HIDDEN_LAYER - 1, ACCEPT_HIDDEN_LAYER + 1):
+        assert (out.prompt_hidden - hidden[wrong][0]).abs().max() > 100 * ROW_TOL["hidden"]
+
+
+def test_logits_agree_and_greedy_tokens_match_where_they_are_not_tied(engine, prompts, reference):
+    import vllm
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                                 logprobs=20)
+    for i, prompt in enumerate(prompts):
+        engine.engine.add_request(f"lp{i}", {"prompt_token_ids": list(prompt.prompt_token_ids)}, params)
+    done = {}
+    while engine.engine.has_unfinished_requests():
+        for out in engine.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    engine.engine.collective_rpc("omni_pd_take_rows")  # these requests bypassed the engine's books
+    worst, ties = 0.0, []
+    for i, prompt in enumerate(prompts):
+        completion = done[f"lp{i}"]
+        ids = list(prompt.prompt_token_ids)
+        _, logprobs = transformers_pass(reference, ids + list(completion.token_ids))
+        for step, (token, top) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = logprobs[len(ids) + step - 1]
+            for candidate, lp in top.items():
+                worst = max(worst, abs(row[candidate].item() - lp.logprob))
+            best2 = torch.topk(row, 2).values
+            if (best2[0] - best2[1]).item() > LOGPROB_TOL:
+                assert token == int(row.argmax()), (i, step)
+            else:
+                ties.append((i, step, (best2[0] - best2[1]).item()))
+    print(f"vLLM vs transformers: max |log-prob difference| {worst:.2e}; near-ties {ties}")
+    assert worst <= LOGPROB_TOL
+
+
+def test_chunks_add_up_to_the_final_record(batched):
+    finals, chunks = batched
+    for rid, out in finals.items():
+        pieces: list[ThinkerChunk] = chunks[rid]
+        assert pieces[0].prompt_token_ids == out.prompt_token_ids
+        assert torch.equal(pieces[0].prompt_embeds, out.prompt_embeds)
+        assert torch.equal(pieces[0].prompt_hidden, out.prompt_hidden)
+        assert [t for c in pieces for t in c.token_ids] == out.token_ids
+        position = len(out.prompt_token_ids)
+        for chunk in pieces:
+            assert chunk.start == position
+            position += chunk.embeds.shape[0]
+        assert torch.equal(torch.cat([c.embeds for c in pieces]), out.output_embeds)
+        # A talker alongside gets each fed-back row one step after its token.
+        assert sum(c.embeds.shape[0] for c in pieces) == len(out.token_ids) - 1
+
+
+def test_audio_prompts_are_refused_by_name(engine):
+    audio = ThinkerPrompt([1, 2, 3], input_features=torch.zeros(1, 128, 8))
+    with pytest.raises(ValueError, match="audio prompts on the vLLM thinker"):
+        engine.add_request("audio", audio, GREEDY)
+    assert engine.request_ids() == []
