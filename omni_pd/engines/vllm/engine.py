@@ -139,7 +139,11 @@ class VllmThinkerEngine(StageEngine):
             extra = dict(kv.get("kv_connector_extra_config") or {})
             port = extra.pop("mooncake_bootstrap_port", None)
             kv["kv_connector_extra_config"] = extra
-            kv.setdefault("engine_id", f"omni-pd-stage{self.stage_id}-{os.getpid()}")
+            # One id per engine process: a restarted producer listens on a new bootstrap port and
+            # holds new memory, and a consumer caches what it learnt of a peer by engine id; under
+            # the YAML's id alone it kept asking the dead process (every handoff after a
+            # restart expired). The YAML's id stays the readable prefix.
+            kv["engine_id"] = f"{kv.get('engine_id') or f'omni-pd-stage{self.stage_id}'}-{os.getpid()}"
             if self.kv_role in ("kv_producer", "kv_both"):
                 self.bootstrap_port = int(port) if port is not None else free_port()
                 os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
