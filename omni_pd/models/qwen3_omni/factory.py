@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeConfig
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeConfig, WhisperFeatureExtractor
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from ..cache import cached_checkpoint, content_key
@@ -128,12 +128,38 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED
     return out
 
 
+def save_tiny_processor(directory: str | os.PathLike) -> None:
+    """The multimodal processor files vLLM builds its Qwen3-Omni input processing from (the
+    tokenizer with its audio / image / video tokens named, a Whisper feature extractor with the
+    prompt builder's settings, Qwen2-VL's image and video processors). Needs torchvision, as the
+    vLLM extra installs it."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor
+
+    from .prompt import AUDIO_SAMPLE_RATE
+    config = tiny_config_dict()["thinker_config"]
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.save_pretrained(str(directory))
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), extra_special_tokens={
+        "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
+        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+        "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
+    features = WhisperFeatureExtractor(feature_size=config["audio_config"]["num_mel_bins"],
+                                       sampling_rate=AUDIO_SAMPLE_RATE)
+    Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(),
+                          video_processor=Qwen2VLVideoProcessor(), feature_extractor=features,
+                          tokenizer=tokenizer, chat_template=tokenizer.chat_template
+                          ).save_pretrained(str(directory))
+
+
 def ensure_tiny_checkpoint(seed: int = DEFAULT_DUMMY_SEED) -> Path:
-    """The embedded tiny model as a checkpoint directory (what `save_tiny_model` writes), built
-    once per machine in omni-pd's cache: engines that load from disk (vLLM) then run the same
-    weights as the hf stages' `load_format: dummy` with the same seed."""
-    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 1})
-    return cached_checkpoint(TINY_MODEL_NAME, key, lambda d: save_tiny_model(d, seed=seed))
+    """The embedded tiny model as a checkpoint directory for vLLM (what `save_tiny_model` writes,
+    plus the processor files), built once per machine in omni-pd's cache: vLLM then runs the
+    same weights as the hf stages' `load_format: dummy` with the same seed."""
+    def write(directory: Path) -> None:
+        save_tiny_model(directory, seed=seed)
+        save_tiny_processor(directory)
+    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 2})
+    return cached_checkpoint(TINY_MODEL_NAME, key, write)
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
