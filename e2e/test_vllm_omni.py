@@ -44,9 +44,12 @@ pytestmark = pytest.mark.slow
 VLLM = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm.yaml"
 VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm_pd.yaml"
 HF = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
+TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
 PROMPTS = ["Hi", "Please describe, in a few sentences, how tides are made by the moon.",
            [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a colour."}]]
+            {"role": "user", "content": "Name a colour."}],
+           [{"role": "user", "content": [{"type": "text", "text": "What is this sound?"},
+                                         {"type": "audio", "audio": TONE}]}]]
 
 
 @pytest.fixture(scope="module")
@@ -132,18 +135,21 @@ def test_server_answers_with_text_and_audio_and_frees_every_request(server):
              "every per-request count on the server to return to zero")
 
 
-def test_server_audio_input_on_the_vllm_thinker_is_a_400_naming_the_stage(server):
-    tone = (0.2 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+def _wav_tone(seconds: float = 0.5, hz: float = 440.0) -> str:
+    tone = (0.2 * np.sin(np.arange(int(16000 * seconds)) / 16000 * 2 * np.pi * hz)).astype(np.float32)
     buffer = io.BytesIO()
     soundfile.write(buffer, tone, 16000, format="WAV")
-    import openai
-    with pytest.raises(openai.BadRequestError, match="stage 0 .thinker, engine vllm. takes text "
-                                                     "prompts only"):
-        server.client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{
-            "role": "user", "content": [
-                {"type": "input_audio",
-                 "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(),
-                                 "format": "wav"}}]}])
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_server_takes_audio_input_on_the_vllm_thinker(server):
+    reply = server.client.chat.completions.create(
+        model=MODEL, max_tokens=4, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "input_audio", "input_audio": {"data": _wav_tone(), "format": "wav"}}]}])
+    assert reply.usage.prompt_tokens > 20  # the audio became many prompt positions
+    assert reply.choices[0].message.audio is not None
     wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
              "every per-request count on the server to return to zero")
 

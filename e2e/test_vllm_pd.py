@@ -67,6 +67,14 @@ def test_entry_point_and_patches_in_every_worker(pd):
                           "cpu_device_index": "applied"}, (stage_id, status)
 
 
+def test_an_audio_prompt_for_the_text_engine_is_refused_up_front(colocated):
+    tone = [0.0] * 1600
+    with pytest.raises(ValueError, match=r"stage 0 \(thinker, engine vllm\) takes text prompts only"):
+        colocated.generate([[{"role": "user", "content": [{"type": "audio", "audio": tone}]}]],
+                           use_tqdm=False)
+    assert all(v == 0 for v in colocated.debug_state_counts().values())
+
+
 def test_pd_equals_colocated(pd, reference):
     assert any(len(r.prompt_token_ids) > BLOCK_SIZE for r in reference.values())
     for prompt in PROMPTS:

@@ -6,8 +6,9 @@ Greedy tokens are compared where the logits leave room for it (the top two apart
 the tolerance); where they tie, the test reports it instead of hiding it.
 
 Tolerances (float32, CPU): vLLM's kernels (its attention, fused MoE, RMSNorm) are not
-transformers', so the rows agree to rounding, not to the bit. Measured here: layer 0 exact,
-accept layer ~1e-7, log-probabilities ~1e-6.
+transformers', so the rows agree to rounding, not to the bit. Measured here: layer 0 exact (with
+audio too: vLLM's audio tower on the prompt builder's features), accept layer ~2e-8, log-
+probabilities ~5e-7.
 """
 from __future__ import annotations
 
@@ -162,8 +163,36 @@ def test_chunks_add_up_to_the_final_record(batched):
         assert sum(c.embeds.shape[0] for c in pieces) == len(out.token_ids) - 1
 
 
-def test_audio_prompts_are_refused_by_name(engine):
-    audio = ThinkerPrompt([1, 2, 3], input_features=torch.zeros(1, 128, 8))
-    with pytest.raises(ValueError, match="audio prompts on the vLLM thinker"):
-        engine.add_request("audio", audio, GREEDY)
+def test_audio_prompts_take_the_prompt_builders_features(engine, reference):
+    """Two audios of different lengths, through vLLM's multimodal input as the prompt builder's
+    own features: the same rows as transformers, which merges the same features itself."""
+    import numpy as np
+    pipeline = registry.load_pipeline(TINY_MODEL_NAME)
+    tones = [(0.2 * np.sin(np.arange(n) / 16000 * 2 * np.pi * hz)).astype(np.float32)
+             for n, hz in ((24000, 330), (9000, 500))]
+    prompt = pipeline.build_prompt(pipeline.normalize_prompt([{"role": "user", "content": [
+        {"type": "text", "text": "What are these?"}, *({"type": "audio", "audio": t} for t in tones)]}]))
+    assert prompt.input_features.shape[0] == 2
+    out = engine.generate("audio", prompt, GREEDY)
+    fed = out.prompt_token_ids + out.token_ids[:-1]
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([fed]), input_features=prompt.input_features,
+                        feature_attention_mask=prompt.feature_attention_mask,
+                        output_hidden_states=True, use_cache=False)
+    embeds = torch.cat([out.prompt_embeds, out.output_embeds])
+    accept = torch.cat([out.prompt_hidden, out.output_hidden])
+    assert embeds.shape[0] == len(fed)
+    assert (embeds - ref.hidden_states[0][0]).abs().max() <= ROW_TOL["embeds"]
+    assert (accept - ref.hidden_states[ACCEPT_HIDDEN_LAYER][0]).abs().max() <= ROW_TOL["hidden"]
+    # The audio really went in: the same prompt's text rows without the audio features differ.
+    silent = ThinkerPrompt(list(prompt.prompt_token_ids))
+    plain = engine.generate("plain", silent, GREEDY)
+    assert not torch.equal(plain.prompt_embeds, out.prompt_embeds)
+
+
+def test_too_many_audios_are_refused_by_name(engine):
+    many = ThinkerPrompt([1, 2, 3], input_features=torch.zeros(5, 128, 8),
+                         feature_attention_mask=torch.ones(5, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="5 audio inputs; the vLLM thinker takes at most 4"):
+        engine.add_request("many", many, GREEDY)
     assert engine.request_ids() == []

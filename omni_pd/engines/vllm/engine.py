@@ -332,6 +332,13 @@ class VllmThinkerEngine(StageEngine):
             raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a "
                                "completion")
         completion = final.outputs[0]
+        expanded = len(final.prompt_token_ids or ())
+        if expanded and expanded != len(state.prompt_token_ids):
+            # vLLM expands multimodal placeholders itself: its count must be the prompt builder's,
+            # or every position after the first placeholder is misplaced.
+            raise RuntimeError(f"stage {self.stage_id}: request {request_id}: vLLM expanded the "
+                               f"prompt to {expanded} tokens, the prompt builder to "
+                               f"{len(state.prompt_token_ids)}")
         # RequestOutput.num_cached_tokens of a decode leg is the *prefill* engine's prefix-cache hit
         # count (vLLM copies remote_prefill_cached_tokens into it), so the tokens loaded over the
         # connector are read from the scheduler's prefill stats instead (sampled every step).

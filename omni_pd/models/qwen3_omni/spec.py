@@ -28,7 +28,9 @@ def _materialize(model: str, seed: int) -> str:
 def _vllm_hooks(model: str) -> Any:
     from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen3OmniThinkerHooks
-    return Qwen3OmniThinkerHooks(load_config(resolve_model(model)).talker_config.accept_hidden_layer)
+    config = load_config(resolve_model(model))
+    return Qwen3OmniThinkerHooks(config.talker_config.accept_hidden_layer,
+                                 config.thinker_config.audio_token_id)
 
 
 def _topologies() -> dict[str, Any]:

@@ -22,30 +22,57 @@ from omni_pd.engines.types import TextOutput, TokenPrompt
 from omni_pd.engines.vllm.hooks import LegRole, VllmModelHooks
 from omni_pd.engines.vllm.rows import RequestRows
 
-from ..records import ThinkerChunk, ThinkerOutput
+from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from .thinker import CAPTURE_KEY, LAYER_KEY
+
+
+# Audio inputs one prompt may hold (vLLM profiles its memory for that many at start).
+MAX_AUDIOS_PER_PROMPT = 4
 
 
 class Qwen3OmniThinkerHooks(VllmModelHooks):
     records_rows = True  # by RowRecordingThinker, registered for the checkpoint's architecture
+    takes_multimodal_prompts = True  # audio; images and video are not built by the prompt builder
 
-    def __init__(self, accept_hidden_layer: int):
+    def __init__(self, accept_hidden_layer: int, audio_token_id: int):
         self.accept_hidden_layer = accept_hidden_layer
+        self.audio_token_id = audio_token_id
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
             # A prompt position served from vLLM's prefix cache is never computed, so its rows
             # would be missing.
             "enable_prefix_caching": False,
-            # Text prompts only for now: no multimodal profiling at start, no processor files.
-            "limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0},
+            "limit_mm_per_prompt": {"audio": MAX_AUDIOS_PER_PROMPT, "image": 0, "video": 0},
+            # Audio comes as the prompt builder's features (precomputed items), not raw audio.
+            "enable_mm_embeds": True,
             "additional_config": {CAPTURE_KEY: True, LAYER_KEY: self.accept_hidden_layer},
         }
 
     def check_prompt(self, stage_id: int, prompt: TokenPrompt) -> None:
-        if prompt.has_multimodal_inputs():  # the orchestrator refuses these before they come here
-            raise ValueError(f"stage {stage_id}: audio prompts on the vLLM thinker are not "
-                             "supported yet; run this stage with engine: hf")
+        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
+            return
+        audios = prompt.input_features.shape[0]
+        if audios > MAX_AUDIOS_PER_PROMPT:
+            raise ValueError(f"stage {stage_id}: the prompt has {audios} audio inputs; the vLLM "
+                             f"thinker takes at most {MAX_AUDIOS_PER_PROMPT} per prompt")
+
+    def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
+        """The prompt builder's token ids and audio features, as vLLM takes them: the features
+        as precomputed items (vLLM runs its own audio tower on exactly these), and each audio's
+        run of `<|audio_pad|>` placeholders folded back to one, which vLLM expands again from
+        the features' lengths (checked against the builder's count when the rows come back)."""
+        ids = list(prompt.prompt_token_ids)
+        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
+            return {"prompt_token_ids": ids}
+        lengths = prompt.feature_attention_mask.sum(-1)
+        features = torch.cat([prompt.input_features[i, :, :int(n)] for i, n in enumerate(lengths)],
+                             dim=1)
+        folded = [t for i, t in enumerate(ids)
+                  if t != self.audio_token_id or i == 0 or ids[i - 1] != self.audio_token_id]
+        return {"prompt_token_ids": folded, "multi_modal_data": {"audio": {
+            "input_audio_features": features, "audio_feature_lengths": lengths.to(torch.long),
+            "feature_attention_mask": prompt.feature_attention_mask}}}
 
     def _prompt_rows(self, request_id: str, rows: RequestRows, prompt_len: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
