@@ -230,6 +230,21 @@ def test_error_text_puts_each_issue_on_its_own_line(tmp_path: Path) -> None:
 
 # --- 2./3. ids and graph ------------------------------------------------------------------------
 
+def test_hf_only_keys_on_a_vllm_stage_are_refused_by_name(tmp_path: Path) -> None:
+    data = pd_config()
+    thinker = data["stage_args"][0]["engine_args"]
+    thinker.update(engine="vllm", kv_block_size=16, attention_kernels="torch")
+    thinker.pop("load_format")
+    errors = errors_of(tmp_path, data)
+    issue = only_issue(errors, "stage_args[0].engine_args.kv_block_size")
+    assert "only omni-pd's hf engine reads this key" in issue.message and "block_size" in str(issue)
+    only_issue(errors, "stage_args[0].engine_args.attention_kernels")
+    thinker.pop("kv_block_size"), thinker.pop("attention_kernels")
+    data["stage_args"][1]["engine_args"]["engine"] = "vllm"  # the control: a clean vLLM pair loads
+    data["stage_args"][1]["engine_args"].pop("load_format")
+    load_pipeline_config(write(tmp_path, data))
+
+
 def test_duplicate_stage_id(tmp_path: Path) -> None:
     data = pd_config()
     data["stage_args"][3]["stage_id"] = 2

@@ -18,6 +18,17 @@ from omni_pd.config.schema import KVConnectorExtraConfig, KVTransferConfig, Pipe
 
 # Model stages the embedded hf engine implements.
 HF_MODEL_STAGES: frozenset[str] = frozenset({"thinker", "talker", "code2wav"})
+# omni-pd's engine_args keys that only its hf engines read: on a vLLM stage they would do nothing.
+HF_ONLY_KEYS: dict[str, str] = {
+    "kv_block_size": "set vLLM's block_size instead",
+    "kv_pool_blocks": "vLLM sizes its KV cache itself (VLLM_CPU_KVCACHE_SPACE on CPU, "
+                      "gpu_memory_utilization on GPUs)",
+    "attention_kernels": "vLLM picks its own attention backend",
+    "code2wav_kernels": "a code2wav stage runs on engine: hf",
+    "initial_codec_chunk_frames": "a code2wav stage runs on engine: hf",
+    "codec_chunk_frames": "a code2wav stage runs on engine: hf",
+    "codec_left_context_frames": "a code2wav stage runs on engine: hf",
+}
 PREFILL_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
 DECODE_ROLES: frozenset[str] = frozenset({"kv_consumer", "kv_both"})
 _CONNECTOR_KEY = {
@@ -127,6 +138,12 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
                 ", ".join(sorted(HF_MODEL_STAGES)),
                 "the hf engine does not implement this model stage"
                 + (f"; did you mean '{hint}'?" if hint else "")))
+        if args.engine == "vllm":
+            for key in sorted(args.model_fields_set & HF_ONLY_KEYS.keys()):
+                issues.append(ctx.issue(
+                    stage, _ek(index, f"engine_args.{key}"), getattr(args, key),
+                    f"remove it ({HF_ONLY_KEYS[key]})",
+                    "only omni-pd's hf engine reads this key; this stage runs on engine: vllm"))
         if stage.custom_process_input_func and not stage.engine_input_source:
             issues.append(ctx.issue(
                 stage, _ek(index, "custom_process_input_func"), stage.custom_process_input_func,

@@ -46,7 +46,7 @@ from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
 from .hooks import LegRole, VllmModelHooks
 from .rows import EXTENSION as ROWS_EXTENSION
-from .rows import RequestRows
+from .rows import RequestRows, check_vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,8 @@ class VllmThinkerEngine(StageEngine):
         name = kwargs.pop("model", None) or model
         self.model_dir = resolve_vllm_model(name, args.seed)
         kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
+        if self.hooks.records_rows:
+            check_vllm_version()
         began = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=self.model_dir, **kwargs))
         if self.hooks.records_rows:

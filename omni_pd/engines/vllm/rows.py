@@ -25,6 +25,21 @@ import torch
 
 SINK_ATTRIBUTE = "omni_pd_row_sink"
 EXTENSION = "omni_pd.engines.vllm.rows.RowCaptureExtension"
+# The sink reads the V1 model runner's input batch, and the model classes that feed it build on
+# vLLM's EAGLE-3 auxiliary outputs: internals written against, and tested on, these releases.
+SUPPORTED_VLLM = ("0.32.0",)
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse, naming both, a vLLM this row recording was not written for."""
+    from .patches._guard import base_version, vllm_version
+    version = version or vllm_version()
+    if base_version(version) not in SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"omni-pd records a vLLM model's per-token rows (an omni thinker's embeddings and "
+            f"hidden states for its talker) through vLLM internals written for vLLM "
+            f"{', '.join(SUPPORTED_VLLM)}, but vLLM {version} is installed: install a supported "
+            "vLLM (`pip install 'omni-pd[vllm]'`), or port omni_pd/engines/vllm/rows.py")
 
 
 class RowSink:
