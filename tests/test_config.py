@@ -99,6 +99,12 @@ def test_ci_config_loads_with_processor_imports() -> None:
     assert [s.stage_id for s in cfg.final_output_stages()] == [0, 2]
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "stage_configs").rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(REPO / "stage_configs")))
+def test_every_shipped_stage_config_loads(path: Path) -> None:
+    assert load_pipeline_config(path).stages
+
+
 def test_real_model_config_loads() -> None:
     cfg = load_pipeline_config(REPO / "stage_configs/qwen3_omni_moe.yaml", check_imports=False)
     assert [s.model_stage for s in cfg.stages] == ["thinker", "talker", "code2wav"]
