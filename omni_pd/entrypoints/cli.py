@@ -167,7 +167,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                        device=args.device),
                      served, enable_debug_endpoints=args.enable_debug_endpoints,
                      on_startup_failure=fail_startup, api_key=args.api_key or None,
-                     max_request_bytes=args.max_request_bytes or None)
+                     max_request_bytes=args.max_request_bytes or None,
+                     max_queued_requests=args.max_queued_requests)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
     holder["server"] = server
@@ -248,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse request bodies larger than this with 413, before reading "
                        f"them (default: {DEFAULT_MAX_REQUEST_BYTES} = "
                        f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB; 0: no limit)")
+    serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                       help="requests that may wait while the stages serve as many as they admit "
+                       "(the smallest max_num_seqs of the pipeline); past them a request gets a "
+                       "429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)")
     serve.set_defaults(func=_cmd_serve)
 
     from ..bench.serve import add_arguments as add_bench_serve_arguments

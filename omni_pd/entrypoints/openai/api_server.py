@@ -31,6 +31,7 @@ from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, Prepare
                                         PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.heap import freeze_startup_heap
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
+from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl, Slot
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
 from .translate import TranslatedRequest, translate
@@ -159,6 +160,7 @@ class ServerState:
         self.startup_error: str | None = None
         self.pcm16_gain = 1.0  # set from the stage config once the stages are up
         self.metrics = ServerMetrics()
+        self.admission: AdmissionControl | None = None  # set once the stages are up
 
 
 # Text longer than this many characters per token of context is tokenized only up to that many
@@ -231,8 +233,12 @@ async def _until_disconnected(http_request: Request) -> None:
 
 def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None,
-               api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
-               ) -> FastAPI:
+               api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+               max_queued_requests: int | None = None) -> FastAPI:
+    """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
+    default, DEFAULT_QUEUE_FACTOR x what the stages admit at once."""
+    if max_queued_requests is not None and max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     state = ServerState(served_model)
 
     async def start_stages() -> None:
@@ -241,7 +247,12 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             freeze_startup_heap("server")  # before any request is served: it blocks the loop
             state.omni = omni  # no await until the gain is set: no request sees it unset
             state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
-            log.info("serving %s: every stage is up", served_model)
+            capacity = min(s.max_num_seqs for s in omni.stages.values())
+            queued = (max_queued_requests if max_queued_requests is not None
+                      else DEFAULT_QUEUE_FACTOR * capacity)
+            state.admission = AdmissionControl(capacity, queued)
+            log.info("serving %s: every stage is up; %d requests at once, %d more may wait "
+                     "(--max-queued-requests), then 429", served_model, capacity, queued)
             log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
                      state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
                      "near silent" if state.pcm16_gain != 1.0 else "real weights")
@@ -340,6 +351,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
     async def metrics():
         if state.omni is not None:
             state.metrics.observe_health(state.omni.health())
+            state.metrics.queued.set(state.admission.queued)
         return PlainTextResponse(generate_latest(state.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
@@ -347,11 +359,30 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         @app.get("/debug/state")
         async def debug_state():
             omni = ready_omni()
-            return {"counts": await omni.debug_state_counts(), "worker_pids": omni.worker_pids}
+            counts = {**await omni.debug_state_counts(), **state.admission.counts()}
+            return {"counts": counts, "worker_pids": omni.worker_pids}
+
+    async def admit() -> Slot:
+        try:
+            return await state.admission.enter()
+        except APIError:
+            state.metrics.requests.labels(outcome="overloaded").inc()
+            raise
 
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         omni = ready_omni()
+        slot = await admit()  # before any work: an overloaded server refuses at once
+        response = None
+        try:
+            response = await serve_chat(omni, body, http_request, slot)
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):  # a stream releases it as it ends
+                slot.release()
+
+    async def serve_chat(omni: AsyncOmni, body: ChatCompletionRequest, http_request: Request,
+                         slot: Slot):
         try:
             if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
                 raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
@@ -368,10 +399,13 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(
-                _stream(omni, state, request, prepared, params, completion_id, created,
-                        include_usage=bool(body.stream_options and body.stream_options.include_usage)),
-                media_type="text/event-stream")
+            events = _stream(omni, state, request, prepared, params, completion_id, created,
+                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
+            # The stream keeps the request's slot until it ends, or is collected unstarted when
+            # the client leaves before its first byte.
+            streamed = _holding(slot, events)
+            slot.release_with(streamed)
+            return StreamingResponse(streamed, media_type="text/event-stream")
         state.metrics.in_flight.inc()
         generation = asyncio.ensure_future(omni.generate(
             prepared, params, request_id=completion_id, modalities=request.modalities))
@@ -411,6 +445,14 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                 "usage": _usage(output)}
 
     return app
+
+
+async def _holding(slot: Slot, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        slot.release()
 
 
 def _usage(output) -> dict[str, int]:

@@ -13,6 +13,9 @@ class ServerMetrics:
                                 ["outcome"], registry=self.registry)
         self.in_flight = Gauge("omni_pd_requests_in_flight", "Requests being served",
                                registry=self.registry)
+        self.queued = Gauge("omni_pd_requests_queued",
+                            "Requests waiting for the stages to admit them (--max-queued-requests)",
+                            registry=self.registry)
         self.ttft = Histogram("omni_pd_time_to_first_token_seconds", "Time to the first text token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("omni_pd_request_latency_seconds", "End-to-end request latency",
