@@ -5,7 +5,6 @@ counts the refusals; nothing is left behind."""
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -36,25 +35,25 @@ def server(tmp_path_factory):
 
 
 def _post(server, i):
-    began = time.monotonic()
-    reply = httpx.post(f"{server.base}/v1/chat/completions", timeout=120, json={
+    return httpx.post(f"{server.base}/v1/chat/completions", timeout=120, json={
         "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"Request {i}"}]})
-    return reply, time.monotonic() - began
 
 
 def test_a_burst_past_the_queue_gets_429s_at_once_and_the_rest_are_served(server):
     with ThreadPoolExecutor(BURST) as pool:
         results = list(pool.map(lambda i: _post(server, i), range(BURST)))
-    codes = sorted(r.status_code for r, _ in results)
-    refused = [(r, took) for r, took in results if r.status_code == 429]
-    served = [(r, took) for r, took in results if r.status_code == 200]
+    codes = sorted(r.status_code for r in results)
+    refused = [r for r in results if r.status_code == 429]
+    served = [r for r in results if r.status_code == 200]
     assert set(codes) <= {200, 429}, codes  # never a 5xx
     assert len(served) >= 2 and refused, codes  # one running + one waiting, at least
-    for reply, took in refused:
+    assert all(reply.json()["choices"][0]["message"]["content"] is not None for reply in served)
+    for reply in refused:
         error = reply.json()["error"]
         assert error["code"] == "server_overloaded" and error["type"] == "server_error"
         assert reply.headers["Retry-After"] == "1"
-        assert took < min(t for _, t in served)  # refused at once, not after waiting
+    # "At once" (no wait for a slot) is tests/test_admission.py's to show; timings here would
+    # only race the served requests.
     metrics = httpx.get(f"{server.base}/metrics").text
     assert f'omni_pd_requests_total{{outcome="overloaded"}} {float(len(refused))}' in metrics
     wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
