@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import logging
 import shutil
-import sys
 import sysconfig
 from pathlib import Path
 

@@ -16,9 +16,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 

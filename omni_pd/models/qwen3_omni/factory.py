@@ -131,14 +131,13 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED
 def save_tiny_processor(directory: str | os.PathLike) -> None:
     """The multimodal processor files vLLM builds its Qwen3-Omni input processing from (the
     tokenizer with its audio / image / video tokens named, a Whisper feature extractor with the
-    prompt builder's settings, Qwen2-VL's image and video processors). Needs torchvision, as the
+    prompt builder's settings, Qwen2-VL's image and video processors), into a directory that
+    `save_tiny_model` wrote (its tokenizer is reloaded from there). Needs torchvision, as the
     vLLM extra installs it."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor
 
     from .prompt import AUDIO_SAMPLE_RATE
     config = tiny_config_dict()["thinker_config"]
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.save_pretrained(str(directory))
     tokenizer = AutoTokenizer.from_pretrained(str(directory), extra_special_tokens={
         "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",

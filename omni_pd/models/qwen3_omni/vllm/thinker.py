@@ -15,7 +15,6 @@ last layer is different (transformers normalises it), so an accept layer must be
 """
 from __future__ import annotations
 
-import torch
 from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
 
 from omni_pd.engines.vllm.rows import SINK_ATTRIBUTE
