@@ -321,6 +321,84 @@ def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None
     assert needle in f"{issue.allowed} {issue.message}"
 
 
+# --- 4a. replicas (runtime.num_replicas) ----------------------------------------------------------
+
+def test_replicas_load_and_each_gets_its_own_devices_ports_and_engine_id(tmp_path: Path) -> None:
+    from omni_pd.config.replicas import replica_configs
+    data = pd_config()
+    data["stage_args"][0]["runtime"].update(num_replicas=2, devices="0,1")
+    _kvcfg(data, 0)["engine_id"] = "pre"
+    data["stage_args"][1]["runtime"].update(num_replicas=3, devices="2,3,4")
+    _kvcfg(data, 1)["kv_connector_extra_config"]["mooncake_bootstrap_port"] = 25210
+    cfg = load_pipeline_config(write(tmp_path, data))
+    prefill = replica_configs(cfg.stage(0))
+    assert [r.runtime.devices for r in prefill] == ["0", "1"]
+    assert [r.kv_transfer_config.engine_id for r in prefill] == ["pre-r0", "pre-r1"]
+    assert [r.kv_transfer_config.bootstrap_port for r in prefill] == [25201, 25202]
+    decode = replica_configs(cfg.stage(1))
+    assert [r.kv_transfer_config.bootstrap_port for r in decode] == [25210, 25211, 25212]
+    assert all(r.runtime.num_replicas == 3 for r in decode)
+    assert replica_configs(cfg.stage(2)) == [cfg.stage(2)]  # one replica: the stage's own config
+
+
+@pytest.mark.parametrize(("value", "needle"), [(0, "greater than or equal to 1"),
+                                               (-2, "greater than or equal to 1"),
+                                               (True, "whole number"), ("two", "valid integer")])
+def test_bad_num_replicas_is_named(tmp_path: Path, value: Any, needle: str) -> None:
+    data = pd_config()
+    data["stage_args"][2]["runtime"]["num_replicas"] = value
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[2].runtime.num_replicas")
+    assert issue.stage_id == 2 and needle in issue.message
+
+
+def test_replicas_the_devices_cannot_hold_are_refused(tmp_path: Path) -> None:
+    data = pd_config()
+    data["stage_args"][1]["runtime"].update(num_replicas=2, devices="0,1,2")
+    data["stage_args"][1]["engine_args"]["engine"] = "vllm"
+    data["stage_args"][1]["engine_args"]["tensor_parallel_size"] = 2
+    issues = errors_of(tmp_path, data)
+    issue = only_issue(issues, "stage_args[1].runtime.num_replicas")
+    assert "need 4 devices" in issue.message and "at most 1" in issue.allowed
+
+
+def test_replica_port_ranges_of_a_pair_must_not_meet(tmp_path: Path) -> None:
+    data = pd_config()  # prefill on 25201, decode on 25202
+    data["stage_args"][0]["runtime"].update(num_replicas=2, devices="0,1")  # 25201-25202: meets the decode's
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.kv_transfer_config."
+                                                  "kv_connector_extra_config.mooncake_bootstrap_port")
+    assert "replica index" in issue.allowed
+    _kvcfg(data, 1)["kv_connector_extra_config"]["mooncake_bootstrap_port"] = 25203
+    assert load_pipeline_config(write(tmp_path, data)).stage(0).runtime.num_replicas == 2
+
+
+@pytest.mark.parametrize(("edit", "key", "needle"), [
+    (lambda st: st["engine_args"].update(distributed_executor_backend="uni"),
+     "stage_args[2].engine_args.distributed_executor_backend", "local process or a Ray actor"),
+    (lambda st: (st["engine_args"].update(distributed_executor_backend="ray"),
+                 st["runtime"].update(process=False)),
+     "stage_args[2].runtime.process", "in-process stage cannot be one"),
+    (lambda st: st["runtime"].update(ray_resources={"decode_node": 1}),
+     "stage_args[2].runtime.ray_resources", "runs as a local process"),
+])
+def test_worker_backend_rules(tmp_path: Path, edit, key: str, needle: str) -> None:
+    data = pd_config()
+    edit(data["stage_args"][2])
+    assert needle in only_issue(errors_of(tmp_path, data), key).message
+
+
+def test_ray_stages_load_with_their_resources(tmp_path: Path) -> None:
+    from omni_pd.orchestrator.ray_workers import actor_options
+    data = pd_config()
+    for stage in data["stage_args"]:
+        stage["engine_args"]["distributed_executor_backend"] = "ray"
+    data["stage_args"][0]["runtime"].update(ray_resources={"prefill_node": 1, "CPU": 2})
+    cfg = load_pipeline_config(write(tmp_path, data))
+    # CPU and GPU are Ray's own counts; one GPU per device unless GPU says otherwise.
+    assert actor_options(cfg.stage(0)) == {"num_cpus": 2, "num_gpus": 1,
+                                           "resources": {"prefill_node": 1}, "max_restarts": 0}
+    assert actor_options(cfg.stage(1))["num_cpus"] == 0
+
+
 # --- 4b. KV handoff fault keys (kv_connector_extra_config) ---------------------------------------
 
 _EXTRA = "engine_args.kv_transfer_config.kv_connector_extra_config"

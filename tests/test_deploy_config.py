@@ -276,12 +276,17 @@ def test_their_no_op_values_load(tmp_path, top):
     assert len(load_deploy_config(_tiny(tmp_path, **top)).stages) == 3
 
 
+def test_num_replicas_becomes_the_stages_runtime_key(tmp_path):
+    stages = load_deploy_config(_edit_stage(_tiny(tmp_path), 1, num_replicas=2)).stages
+    assert [s.runtime.num_replicas for s in stages] == [1, 2, 1]
+
+
 @pytest.mark.parametrize("stage_id, keys, needles", [
     (0, {"max_num_seq": 8}, ("stages[stage_id=0].max_num_seq", "did you mean 'max_num_seqs'?")),
     (0, {"engine_args": {"gpu_memory_utilisation": 0.5}},
      ("stages[stage_id=0].gpu_memory_utilisation", "did you mean 'gpu_memory_utilization'?")),
     (0, {"device": "0"}, ("stages[stage_id=0].device", "did you mean 'devices'?")),
-    (1, {"num_replicas": 2}, ("stages[stage_id=1].num_replicas", "one engine per stage")),
+    (1, {"num_replicas": 0}, ("stages[stage_id=1].runtime.num_replicas", "greater than or equal to 1")),
     (1, {"async_chunk": False}, ("stages[stage_id=1].async_chunk", "pipeline-wide only")),
     (1, {"model_stage": "thinker"}, ("stages[stage_id=1].model_stage", "set by pipeline "
                                      "qwen3_omni_moe (stage 1 is its talker stage)")),

@@ -327,13 +327,21 @@ def _check_pair(
                       f"the decode stage insists on the same-host path but prefill stage "
                       f"{ps.stage_id} sets kv_same_host 'off' (its cache is not shared memory): "
                       "every request's handoff would fail"))
-    if pkv.bootstrap_port is not None and pkv.bootstrap_port == dkv.bootstrap_port:
+    # Replica k of a stage listens on its port + k (config/replicas.py): the ranges must not meet.
+    pports = _ports(pkv.bootstrap_port, ps.runtime.num_replicas)
+    dports = _ports(dkv.bootstrap_port, ds.runtime.num_replicas)
+    if pports & dports:
         port_key = ("kv_connector_extra_config.mooncake_bootstrap_port"
                     if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None else "kv_port")
         add(ctx.issue(ds, f"{dbase}.{port_key}", dkv.bootstrap_port,
-                      "a port different from the prefill stage's",
+                      "a port different from the prefill stage's"
+                      + (" and its replicas' (port + replica index)" if len(pports) > 1 else ""),
                       f"bootstrap port is shared with prefill stage {ps.stage_id}"))
     return issues
+
+
+def _ports(first: int | None, replicas: int) -> set[int]:
+    return set() if first is None else set(range(first, first + replicas))
 
 
 def _check_handoff_keys(
@@ -358,9 +366,53 @@ def _check_handoff_keys(
     return issues
 
 
+def check_replicas(ctx: CheckContext) -> list[ConfigIssue]:
+    """Replicas share the stage's `runtime.devices` out, tensor_parallel_size each."""
+    issues: list[ConfigIssue] = []
+    for index, stage in ctx.stages:
+        replicas, devices = stage.runtime.num_replicas, stage.runtime.devices
+        if replicas == 1 or not devices:
+            continue
+        tp = stage.engine_args.tensor_parallel_size
+        have = len([d for d in devices.split(",") if d.strip()])
+        if have < replicas * tp:
+            issues.append(ctx.issue(
+                stage, _ek(index, "runtime.num_replicas"), replicas,
+                f"at most {have // tp} with these devices, or list {replicas * tp} devices",
+                f"{replicas} replicas of tensor_parallel_size {tp} need {replicas * tp} devices, "
+                f"but runtime.devices lists {have} ({devices!r})"))
+    return issues
+
+
+# How a stage's workers run: a local process ("mp", the default) or a Ray actor ("ray").
+WORKER_BACKENDS = ("mp", "ray")
+
+
+def check_worker_backend(ctx: CheckContext) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    for index, stage in ctx.stages:
+        backend = stage.engine_args.distributed_executor_backend
+        # vLLM stages hand the key on to vLLM too (its own executor: uni, mp, ray, ...).
+        if stage.engine == "hf" and backend is not None and backend not in WORKER_BACKENDS:
+            issues.append(ctx.issue(
+                stage, _ek(index, "engine_args.distributed_executor_backend"), backend,
+                "mp (a local worker process) or ray (a Ray actor)",
+                "omni-pd runs each stage worker as a local process or a Ray actor"))
+        if backend == "ray" and not stage.runtime.process:
+            issues.append(ctx.issue(
+                stage, _ek(index, "runtime.process"), False, "true, or drop the ray backend",
+                "a Ray actor is a process of its own; an in-process stage cannot be one"))
+        if stage.runtime.ray_resources and backend != "ray":
+            issues.append(ctx.issue(
+                stage, _ek(index, "runtime.ray_resources"), dict(stage.runtime.ray_resources),
+                "distributed_executor_backend: ray on this stage, or remove ray_resources",
+                "Ray resources place Ray actors; this stage runs as a local process"))
+    return issues
+
+
 ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
     check_graph, check_stage_rules, check_kv_extra_keys, check_final_outputs, check_connectors,
-    check_pd,
+    check_pd, check_replicas, check_worker_backend,
 )
 
 

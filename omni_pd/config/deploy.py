@@ -296,14 +296,10 @@ class _Converter:
         for key, value in ds.items():
             if key == "stage_id":
                 continue
-            if key in ("devices", "env"):
+            if key in ("devices", "env", "num_replicas"):
                 runtime[key] = value
             elif key == "runtime":
                 runtime.update(value)
-            elif key == "num_replicas":
-                if value != 1 or isinstance(value, bool):
-                    self._stage(sid, key, value, "1, or remove it",
-                                "omni-pd runs one engine per stage (no replicas)")
             elif key == "async_chunk":
                 if value is not None and value != async_chunk:
                     self._stage(sid, key, value, f"{async_chunk} (the top-level async_chunk), or "

@@ -137,6 +137,7 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset({
     "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s", "kv_transfer_config",
     "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames",
     "code2wav_kernels", "attention_kernels",
+    "distributed_executor_backend",  # mp: a local worker process; ray: a Ray actor
 })
 
 _WHY_UNUSED: dict[str, str] = {
@@ -150,7 +151,6 @@ _WHY_UNUSED: dict[str, str] = {
     "worker_cls": "vllm-omni's worker class; omni-pd runs its own engine per model_stage",
     "scheduler_cls": "vllm-omni's scheduler; omni-pd's engine schedules itself",
     "async_scheduling": "vllm-omni's scheduler; omni-pd's engine schedules itself",
-    "distributed_executor_backend": "vLLM's executor; each omni-pd stage is one worker process",
     "trust_remote_code": "remote model code; omni-pd builds the model classes it knows",
     "enable_prefix_caching": "not implemented by the hf engine",
     "enable_chunked_prefill": "not implemented by the hf engine",

@@ -203,6 +203,20 @@ class StageRuntime(_Model):
     restart_window_s: float = Field(default=60.0, gt=0)
     # A worker that sends nothing (not even its heartbeat) for this long counts as frozen.
     heartbeat_timeout_s: float = Field(default=3.0, ge=1.0)  # heartbeats come every 0.5 s
+    # Workers serving this stage; the orchestrator routes each request to one by load. `devices`
+    # is shared out among them (each takes tensor_parallel_size of them, in order).
+    num_replicas: int = Field(default=1, ge=1)
+    # With distributed_executor_backend: ray, what each of the stage's actors takes on a node:
+    # custom resources (a node label such as `prefill_node: 1`), and `CPU` / `GPU` counts
+    # (default: no CPU reserved, one GPU per entry of `devices`).
+    ray_resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("num_replicas", mode="before")
+    @classmethod
+    def _replicas_not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would read `true` as 1
+            raise ValueError(f"expected a whole number of replicas, got {value!r}")
+        return value
 
     @field_validator("env", mode="before")
     @classmethod
