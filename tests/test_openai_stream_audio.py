@@ -31,6 +31,7 @@ TEXT = "Hello world"
 def _stage(stage_id: int, kind: str) -> SimpleNamespace:
     return SimpleNamespace(stage_id=stage_id, final_output=True, final_output_type=kind,
                            engine_args=SimpleNamespace(load_format="dummy"), max_num_seqs=64,
+                           runtime=SimpleNamespace(num_replicas=1),
                            default_sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
 
 

@@ -131,6 +131,11 @@ class StageEngine(ABC):
         """Per-request state this engine holds; all zero when no request is in flight."""
         return {}
 
+    def load(self) -> dict[str, int]:
+        """How busy the engine is now, for the orchestrator's router: `requests` held, and where
+        the engine has a KV cache, `free_kv_blocks` of `kv_blocks` (and `kv_block_size`)."""
+        return {"requests": len(self.request_ids())}
+
     def batch_stats(self) -> dict[str, int]:
         """How the engine has batched so far (steps, largest batch), for operators and tests."""
         return {}

@@ -251,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB; 0: no limit)")
     serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                        help="requests that may wait while the stages serve as many as they admit "
-                       "(the smallest max_num_seqs of the pipeline); past them a request gets a "
-                       "429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)")
+                       "(the smallest max_num_seqs x num_replicas of the stages); past them a "
+                       "request gets a 429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)")
     serve.set_defaults(func=_cmd_serve)
 
     from ..bench.serve import add_arguments as add_bench_serve_arguments

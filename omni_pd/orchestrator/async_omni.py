@@ -29,6 +29,7 @@ import torch
 from .. import registry
 from ..config import PipelineConfig, load_deploy_config, load_pipeline_config
 from ..config.devices import check_devices
+from ..config.replicas import replica_configs
 from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, TextOutput, TokenPrompt
@@ -42,6 +43,7 @@ from .graph import topological_order
 from .outputs import OmniRequestOutput
 from .processors import import_processor, stream_processors
 from .breaker import CircuitBreaker
+from .replicas import StagePool
 from .request_state import RequestState
 from .stage_client import StageClient, StageError, StageTimeout, StageUnavailable
 from .threads import orchestrator_threads, stage_threads
@@ -132,15 +134,22 @@ class AsyncOmni:
         self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
                                         for s in self.config.stages})
         self.pd_pair = find_pd_pair(self.config)
-        self.breaker: CircuitBreaker | None = None
+        # One breaker per (prefill replica, decode replica): a bad link opens only its own.
+        self.breakers: dict[tuple[int, int], CircuitBreaker] = {}
         self.handoff_failures = self.fallbacks = 0
         if self.pd_pair:
             self.handoff = handoff_policy(self.pd_pair)
-            self.breaker = CircuitBreaker(self.handoff.breaker_threshold,
-                                          self.handoff.breaker_cooldown_s)
-            log.info("prefill/decode pair detected: stage %d prefills, stage %d decodes; handoff "
-                     "miss window %g s, deadline %g s, breaker after %d failures (cooldown %g s), "
-                     "fallback %s", self.pd_pair.prefill_stage_id, self.pd_pair.decode_stage_id,
+            x = self.stages[self.pd_pair.prefill_stage_id].runtime.num_replicas
+            y = self.stages[self.pd_pair.decode_stage_id].runtime.num_replicas
+            for p in range(x):
+                for d in range(y):
+                    self.breakers[(p, d)] = CircuitBreaker(
+                        self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
+                        "P/D handoff" if x * y == 1 else f"P/D handoff p{p}->d{d}")
+            log.info("prefill/decode pair detected: stage %d prefills (%d replica%s), stage %d "
+                     "decodes (%d replica%s); handoff miss window %g s, deadline %g s, breaker after "
+                     "%d failures (cooldown %g s), fallback %s", self.pd_pair.prefill_stage_id, x,
+                     "" if x == 1 else "s", self.pd_pair.decode_stage_id, y, "" if y == 1 else "s",
                      self.handoff.miss_window_s, self.handoff.deadline_s,
                      self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
                      self.handoff.fallback)
@@ -164,7 +173,7 @@ class AsyncOmni:
                      "in chunks", sorted(self.stream_processors) or "(none)")
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self.clients: dict[int, StageClient] = {}
+        self.pools: dict[int, StagePool] = {}
         threads = stage_threads(self.config.stages)
         self._torch_threads_before: int | None = None
         wanted = orchestrator_threads(self.config.stages)
@@ -174,17 +183,40 @@ class AsyncOmni:
             torch.set_num_threads(wanted)
             log.info("orchestrator: torch runs on %d thread here (was %d) while the stages work "
                      "in their own processes", wanted, self._torch_threads_before)
+        self._on_ray = False  # holds the Ray connection (released at close)
         try:
+            if any(s.engine_args.distributed_executor_backend == "ray" for s in self.config.stages):
+                from . import ray_workers
+                ray_workers.acquire_cluster()
+                self._on_ray = True
             # Start every worker first, then wait: the stages load their models in parallel.
             for stage_id in self.order:
-                self.clients[stage_id] = StageClient(self.stages[stage_id], model, startup_timeout_s,
-                                                     threads[stage_id])
-            for client in self.clients.values():
+                configs = replica_configs(self.stages[stage_id])
+                self.pools[stage_id] = StagePool(stage_id, [])
+                for k, config in enumerate(configs):
+                    self.pools[stage_id].add(StageClient(
+                        config, model, startup_timeout_s, threads[stage_id],
+                        replica=k if len(configs) > 1 else None))
+            for client in self._all_clients():
                 client.wait_ready()
         except BaseException:
             self.close()
             raise
-        log.info("all %d stages are up", len(self.clients))
+        workers = sum(len(pool) for pool in self.pools.values())
+        log.info("all %d stages are up (%d workers)", len(self.pools), workers)
+
+    @property
+    def clients(self) -> dict[int, StageClient]:
+        """Each stage's first replica (its only one, unless num_replicas says otherwise)."""
+        return {stage_id: pool.first for stage_id, pool in self.pools.items()}
+
+    @property
+    def breaker(self) -> CircuitBreaker | None:
+        """The first P/D link's breaker (1P1D: the pair's only one)."""
+        return self.breakers.get((0, 0))
+
+    def _all_clients(self) -> list[StageClient]:
+        return [client for pool in self.pools.values() for client in pool.clients]
 
     def _final_stage(self, kind: str) -> int:
         finals = [s.stage_id for s in self.config.stages
@@ -210,59 +242,83 @@ class AsyncOmni:
     def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        clients, self.clients = self.clients, {}
-        for client in clients.values():
+        clients, self.pools = self._all_clients(), {}
+        for client in clients:
             client.request_shutdown()
-        for client in clients.values():
+        for client in clients:
             try:
                 client.close()
             except Exception:  # keep closing the others
-                log.exception("closing stage %d failed", client.stage_id)
+                log.exception("closing %s failed", client.name)
         before, self._torch_threads_before = self._torch_threads_before, None
         if before is not None:
             torch.set_num_threads(before)
+        if self._on_ray:
+            self._on_ray = False
+            from . import ray_workers
+            ray_workers.release_cluster()
 
     @property
     def closed(self) -> bool:
-        return not self.clients
+        return not self.pools
 
     @property
     def worker_pids(self) -> list[int]:
-        return [c.process.pid for c in self.clients.values() if c.process is not None]
+        return [c.process.pid for c in self._all_clients() if c.process is not None]
 
-    async def control(self, stage_id: int, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        return await self.clients[stage_id].control_async(name, timeout_s, **kwargs)
+    async def control(self, stage_id: int, name: str, timeout_s: float = 30.0, replica: int = 0,
+                      **kwargs: Any) -> Any:
+        return await self.pools[stage_id].clients[replica].control_async(name, timeout_s, **kwargs)
 
     async def debug_state_counts(self) -> dict[str, int]:
-        """Per-request state on every side: all zero when no request is in flight. A stage that
-        cannot answer (restarting, down, frozen) shows as `stageN.unreachable: 1`."""
-        counts = {"orchestrator.requests": len(self._requests)}
-        for stage_id in list(self.clients):
-            try:
-                answer = await self.control(stage_id, "debug_state_counts", CONTROL_TIMEOUT_S)
-            except StageError:
-                counts[f"stage{stage_id}.unreachable"] = 1
-                continue
-            for key, value in answer.items():
-                counts[f"stage{stage_id}.{key}"] = value
+        """Per-request state on every side: all zero when no request is in flight. Keys name the
+        stage (`stage0.`), and the replica where a stage has several (`stage0.r1.`); one that
+        cannot answer (restarting, down, frozen) shows as `<that>.unreachable: 1`."""
+        counts = {"orchestrator.requests": len(self._requests),
+                  "orchestrator.replica_assignments": sum(
+                      sum(pool.in_flight) for pool in self.pools.values())}
+        for stage_id, pool in list(self.pools.items()):
+            for client in pool.clients:
+                try:
+                    answer = await client.control_async("debug_state_counts", CONTROL_TIMEOUT_S)
+                except StageError:
+                    counts[f"{client.tag}.unreachable"] = 1
+                    continue
+                for key, value in answer.items():
+                    counts[f"{client.tag}.{key}"] = value
         return counts
 
-    def health(self) -> dict[str, Any]:
-        """Each stage's status (up, restarting, down, silent) and why; "ok" when all are up and
-        answering. The server's /health answers 503 unless ok."""
-        stages: dict[str, Any] = {}
-        for stage_id, client in self.clients.items():
-            why = client.unavailable()
-            stages[str(stage_id)] = {
-                "name": self._stage_name(stage_id), "status": client.status.value,
-                "responsive": why is None, "restarts": client.restarts,
+    def _replica_health(self, client: StageClient) -> dict[str, Any]:
+        why = client.unavailable()
+        return {"status": client.status.value, "responsive": why is None,
+                "restarts": client.restarts,
                 "pid": client.process.pid if client.process is not None else None,
                 "reason": str(why) if why is not None else ""}
+
+    def health(self) -> dict[str, Any]:
+        """Each stage's status (up, restarting, down, silent) and why, and each replica's with
+        its load; "ok" when every worker is up and answering. The server's /health answers 503
+        unless ok, though a stage with one replica up still serves."""
+        stages: dict[str, Any] = {}
+        for stage_id, pool in self.pools.items():
+            replicas = [{**self._replica_health(c), "load": pool.load(k)}
+                        for k, c in enumerate(pool.clients)]
+            worst = next((r for r in replicas if not r["responsive"]), replicas[0])
+            stages[str(stage_id)] = {
+                "name": self._stage_name(stage_id), "status": worst["status"],
+                "responsive": all(r["responsive"] for r in replicas),
+                "serving": any(r["responsive"] for r in replicas),
+                "restarts": sum(r["restarts"] for r in replicas), "pid": replicas[0]["pid"],
+                "reason": "; ".join(f"replica {k}: {r['reason']}" if len(replicas) > 1 else
+                                    r["reason"] for k, r in enumerate(replicas) if r["reason"]),
+                "replicas": replicas}
         report: dict[str, Any] = {
             "status": "ok" if all(s["responsive"] for s in stages.values()) else "degraded",
             "stages": stages}
-        if self.breaker is not None:
-            report["kv_handoff"] = {"breaker": self.breaker.state.value,
+        if self.breakers:
+            states = {f"p{p}->d{d}": b.state.value for (p, d), b in self.breakers.items()}
+            worst_state = next((v for v in states.values() if v != "closed"), "closed")
+            report["kv_handoff"] = {"breaker": worst_state, "breakers": states,
                                     "failures": self.handoff_failures, "fallbacks": self.fallbacks}
         return report
 
@@ -302,7 +358,7 @@ class AsyncOmni:
         if self.pd_pair:  # its decode leg prefills the prompt itself on the local fallback
             takers.append(self.pd_pair.decode_stage_id)
         for stage_id in takers:
-            if not self.clients[stage_id].info.get("takes_multimodal_prompts", True):
+            if not self.pools[stage_id].first.info.get("takes_multimodal_prompts", True):
                 stage = self.stages[stage_id]
                 raise ValueError(f"stage {stage_id} ({self._stage_name(stage_id)}, engine "
                                  f"{stage.engine}) takes text prompts only: remove the audio from "
@@ -320,8 +376,9 @@ class AsyncOmni:
         state.aborted = True
         log.debug("request %s aborted", request_id)
         for stage_id in list(state.active_stages):  # every stage of a streamed group at once
-            if stage_id in self.clients:
-                self.clients[stage_id].abort(request_id)
+            assignment = state.replicas.get(stage_id)
+            if assignment is not None and not self.closed:
+                assignment.client.abort(request_id)
 
     async def generate(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
                        *, request_id: str | None = None, modalities: Sequence[str] = ("text", "audio"),
@@ -346,6 +403,7 @@ class AsyncOmni:
                                    prepared.text_prompt if prepared else None)
         finally:
             self._release_kv(state)  # sent now, its answer awaited in the background
+            state.release_replicas()
             del self._requests[state.request_id]
 
     async def stream(self, prompt: Any, sampling_params_list=None, *, request_id: str | None = None,
@@ -407,7 +465,7 @@ class AsyncOmni:
             # serves every other request meanwhile.
             text_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
         self._check_multimodal(text_prompt)
-        prompt_len = len(text_prompt.prompt_token_ids)
+        prompt_len = state.prompt_len = len(text_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
         if prompt_len + max_tokens > self.max_model_len:
             raise PromptTooLong.of(prompt_len, max_tokens, self.max_model_len)
@@ -419,7 +477,7 @@ class AsyncOmni:
                     await self._prefill_leg(state, text_prompt, deadline, on_text)
                     continue
                 for stage_id in group:  # restarting or silent stages: wait, within the deadline
-                    await self.clients[stage_id].wait_usable(deadline - time.monotonic())
+                    await self._usable_replica(state, stage_id, deadline)
                 if len(group) == 1:
                     await self._run_stage(state, group[0], text_prompt, deadline, on_text)
                 else:
@@ -441,13 +499,22 @@ class AsyncOmni:
         request's first token leaves as soon as the prefill leg has it: the KV handoff is not on
         its time to first token (the decode leg's stream starts with the same token, skipped)."""
         pair, policy = self.pd_pair, self.handoff
-        client = self.clients[pair.prefill_stage_id]
-        why = client.unavailable()
-        if why is not None:
-            return self._no_remote(state, str(why))
-        if not self.breaker.allow():
-            return self._no_remote(state, f"the handoff breaker is {self.breaker.state.value} after "
-                                          f"{self.breaker.consecutive_failures} failed handoffs")
+        # The decode replica first: the prefill replica is the best one whose link to it is up.
+        self._route(state, pair.decode_stage_id)
+        decode = state.replicas[pair.decode_stage_id].index
+        pool = self.pools[pair.prefill_stage_id]
+        tokens, positions = self._footprint(state, pair.prefill_stage_id)
+        ranked = pool.ranked(tokens, positions)
+        if not ranked:
+            return self._no_remote(state, str(pool.unavailable()))
+        chosen = next((p for p in ranked if self.breakers[(p, decode)].allow()), None)
+        if chosen is None:
+            breaker = self.breakers[(ranked[0], decode)]
+            return self._no_remote(state, f"the {breaker.name} breaker is {breaker.state.value} "
+                                          f"after {breaker.consecutive_failures} failed handoffs")
+        state.replicas[pair.prefill_stage_id] = pool.assign(chosen, tokens)
+        self._log_route(state, pair.prefill_stage_id)
+        client = pool.clients[chosen]
         now = time.monotonic()
         state.handoff_deadline = min(now + policy.deadline_s, deadline)
         try:
@@ -470,7 +537,7 @@ class AsyncOmni:
 
     def _handoff_failed(self, state: RequestState, why: str) -> None:
         self.handoff_failures += 1
-        self.breaker.failure(why)
+        self._link_breaker(state).failure(why)
         self._release_kv(state)
         state.outputs.pop(self.pd_pair.prefill_stage_id, None)
         state.stage_spans.pop(self.pd_pair.prefill_stage_id, None)
@@ -479,7 +546,7 @@ class AsyncOmni:
     def _no_remote(self, state: RequestState, why: str) -> None:
         if self.handoff.fallback == "error":
             raise HandoffFailed(f"request {state.request_id}: the KV handoff from "
-                                f"{self.clients[self.pd_pair.prefill_stage_id].name} is not "
+                                f"{self._prefill_name(state)} is not "
                                 f"possible ({why}); kv_fallback is 'error' (set kv_fallback: "
                                 "local_prefill to let the decode engine compute such prompts)",
                                 self.handoff.breaker_cooldown_s)
@@ -499,6 +566,8 @@ class AsyncOmni:
                                             on_chunk)
         finally:
             state.active_stages.discard(stage_id)
+            if stage_id in state.replicas:  # no longer this replica's load
+                state.replicas[stage_id].release()
         state.stage_finished(stage_id, began, output)
         if (stage_id == self.text_stage_id and "first_token_ms" in output.metrics
                 and state.first_token_at is None):
@@ -537,7 +606,7 @@ class AsyncOmni:
                 if prompt is None:
                     return
                 state.stage_started(sid)
-                waiters[sid] = self.clients[sid].submit(request_id, prompt, state.params[sid],
+                waiters[sid] = self._route(state, sid).submit(request_id, prompt, state.params[sid],
                                                         on_chunk=forward(sid),
                                                         chunk_sizes=chunk_sizes(sid))
                 opened[sid].set_result(None)
@@ -551,7 +620,7 @@ class AsyncOmni:
                 return  # nothing worth a message yet
             if final:
                 closed.add(sid)
-            self.clients[sid].append(request_id, data, final)
+            self._route(state, sid).append(request_id, data, final)
 
         def forward(sid: int) -> Callable[[Any], None]:
             target = consumer(sid)
@@ -574,13 +643,15 @@ class AsyncOmni:
             else:
                 await opened[sid]
                 began = time.perf_counter()
-                output = await self.clients[sid].result(request_id, waiters[sid],
-                                                        deadline - time.monotonic())
+                output = await self._route(state, sid).result(request_id, waiters[sid],
+                                                              deadline - time.monotonic())
                 if isinstance(output, AudioOutput) and output.samples_in_chunks:
                     pieces, state.audio_pieces = state.audio_pieces, []
                     output = dataclasses.replace(output, samples_in_chunks=False, audio=(
                         torch.cat(pieces) if pieces else output.audio))
                 state.stage_finished(sid, began, output)
+            if sid in state.replicas:  # no longer this replica's load
+                state.replicas[sid].release()
             target = consumer(sid)
             if target is not None:  # the source is done: its consumer gets its last input
                 feeders[target].close(output)
@@ -595,7 +666,7 @@ class AsyncOmni:
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
             if failed:
                 for task in pending:  # stop the rest of the group at their next step
-                    self.clients[tasks[task]].abort(request_id)
+                    self._route(state, tasks[task]).abort(request_id)
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending)
@@ -639,8 +710,8 @@ class AsyncOmni:
         if on_text is not None and stage_id == self.text_stage_id:
             on_tokens = self._text_stream(state, params, on_text)
         remaining = self._time_left(state, deadline, stage_id)
-        return await self.clients[stage_id].generate(state.request_id, prompt, params, remaining,
-                                                     on_tokens, on_chunk)
+        return await self._route(state, stage_id).generate(state.request_id, prompt, params,
+                                                           remaining, on_tokens, on_chunk)
 
     async def _remote_decode(self, state: RequestState, text_prompt: TokenPrompt,
                              deadline: float, on_text: Callable[[str], None] | None,
@@ -662,8 +733,8 @@ class AsyncOmni:
         on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
         remaining = self._time_left(state, deadline, decode_id)
         try:
-            output = await self.clients[decode_id].generate(state.request_id, prompt, params,
-                                                            remaining, on_tokens, on_chunk)
+            output = await self._route(state, decode_id).generate(state.request_id, prompt, params,
+                                                                  remaining, on_tokens, on_chunk)
         except StageError as exc:
             kind = getattr(exc, "kind", "")
             if kind not in HANDOFF_FAILURES or state.aborted:
@@ -675,8 +746,58 @@ class AsyncOmni:
             self._handoff_failed(state, str(exc))
             return await self._stage_call(state, decode_id, text_prompt, deadline, on_text,
                                           on_chunk)
-        self.breaker.success()
+        self._link_breaker(state).success()
         return output
+
+    # ---- routing ---------------------------------------------------------------------------
+    def _footprint(self, state: RequestState, stage_id: int) -> tuple[int, int]:
+        """(prompt tokens, KV positions) the request brings to a stage, for the router: the
+        text stage's prompt on a thinker replica, nothing it weighs elsewhere."""
+        if self.stages[stage_id].model_stage != self.pipeline.text_model_stage:
+            return 0, 0
+        return state.prompt_len, state.prompt_len + state.params[stage_id].max_tokens
+
+    def _route(self, state: RequestState, stage_id: int) -> StageClient:
+        """The replica of `stage_id` that serves this request, picked by load at first use."""
+        assignment = state.replicas.get(stage_id)
+        if assignment is None:
+            assignment = self.pools[stage_id].pick(*self._footprint(state, stage_id))
+            state.replicas[stage_id] = assignment
+            self._log_route(state, stage_id)
+        return assignment.client
+
+    def _log_route(self, state: RequestState, stage_id: int) -> None:
+        pool, k = self.pools[stage_id], state.replicas[stage_id].index
+        if len(pool) > 1:
+            log.debug("request %s: %s (%s)", state.request_id, pool.clients[k].name,
+                      pool.describe_load(k))
+
+    async def _usable_replica(self, state: RequestState, stage_id: int, deadline: float) -> None:
+        """Wait (within the deadline) until the request's replica of `stage_id` can take it. A
+        replica picked earlier (the decode replica, at the prefill leg) that has gone away since
+        is swapped for one that is up: any decode replica can pull the KV."""
+        pool = self.pools[stage_id]
+        assignment = state.replicas.get(stage_id)
+        if (assignment is not None and len(pool) > 1
+                and assignment.client.unavailable() is not None and pool.usable()):
+            assignment.release()
+            del state.replicas[stage_id]
+            assignment = None
+        if assignment is None:
+            await pool.wait_usable(deadline - time.monotonic())
+            self._route(state, stage_id)
+        else:
+            await assignment.client.wait_usable(deadline - time.monotonic())
+
+    def _link_breaker(self, state: RequestState) -> CircuitBreaker:
+        pair = self.pd_pair
+        return self.breakers[(state.replicas[pair.prefill_stage_id].index,
+                              state.replicas[pair.decode_stage_id].index)]
+
+    def _prefill_name(self, state: RequestState) -> str:
+        assignment = state.replicas.get(self.pd_pair.prefill_stage_id)
+        return (assignment.client if assignment is not None
+                else self.pools[self.pd_pair.prefill_stage_id].first).name
 
     def _time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:
         remaining = deadline - time.monotonic()
@@ -715,7 +836,7 @@ class AsyncOmni:
         if state.transfer_id is None or state.kv_released or self.closed:
             return
         state.kv_released = True
-        client = self.clients[self.pd_pair.prefill_stage_id]
+        client = state.replicas[self.pd_pair.prefill_stage_id].client
         try:
             future = client.control_future("release_kv", transfer_id=state.transfer_id)
         except StageError as exc:  # restarting or down: its leases went with the old worker
@@ -753,6 +874,7 @@ class AsyncOmni:
         for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path"):
             if key in text.metrics:
                 metrics[key] = text.metrics[key]
+        metrics["replicas"] = {str(k): a.index for k, a in sorted(state.replicas.items())}
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = text.num_cached_prompt_tokens
             metrics["kv_fallback"] = state.local_prefill

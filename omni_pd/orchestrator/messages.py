@@ -128,7 +128,10 @@ class Shutdown:
 class Heartbeat:
     """Sent by a worker every HEARTBEAT_S from a thread of its own, whatever its engine is
     doing: silence means the process is frozen (SIGSTOP, a hung call holding the GIL), which a
-    live process id alone does not show."""
+    live process id alone does not show. It carries the engine's load as of its last step
+    (`StageEngine.load`), which the orchestrator's router reads."""
+
+    load: dict[str, int] | None = None
 
 
 def _tensor_from_array(array: Any) -> torch.Tensor:

@@ -17,6 +17,7 @@ class RequestState:
     outputs: dict[int, Any] = field(default_factory=dict)
     stage_ms: dict[int, float] = field(default_factory=dict)
     first_token_at: float | None = None
+    prompt_len: int = 0  # the text stage's prompt, in tokens (known once it is built)
     transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
     kv_released: bool = False
     handoff_deadline: float = 0.0  # monotonic time by which the decode leg must have the KV
@@ -32,6 +33,13 @@ class RequestState:
     # of the text stage's first tokens it has had already (P/D: the prefill leg's first token).
     text_stream: Any = None
     tokens_streamed_early: int = 0
+    # The replica of each stage the request was routed to (`replicas.Assignment`); each counts
+    # as its replica's load until released, at the stage's end or, at the latest, the request's.
+    replicas: dict[int, Any] = field(default_factory=dict)
+
+    def release_replicas(self) -> None:
+        for assignment in self.replicas.values():
+            assignment.release()
 
     def stage_started(self, stage_id: int) -> None:
         self.stage_spans[stage_id] = [self.elapsed_ms()]

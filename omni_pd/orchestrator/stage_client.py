@@ -99,11 +99,14 @@ def _deliver_all(deliveries: list[tuple[_Waiter, Any]]) -> None:  # on the event
 
 class StageClient:
     def __init__(self, stage_config: Any, model: str, startup_timeout_s: float,
-                 threads: tuple[int, int] = (1, 1)):
+                 threads: tuple[int, int] = (1, 1), replica: int | None = None):
+        """`replica`: this worker's index among its stage's replicas (None: the stage has one)."""
         self.stage_config = stage_config
         self.model = model
         self.stage_id = stage_config.stage_id
         self.model_stage = stage_config.model_stage
+        self.replica = replica
+        self.engine_load: dict[str, int] = {}  # the worker's last report (`StageEngine.load`)
         self.startup_timeout_s = startup_timeout_s
         self.threads = threads
         self.heartbeat_timeout_s = stage_config.runtime.heartbeat_timeout_s
@@ -128,7 +131,13 @@ class StageClient:
 
     @property
     def name(self) -> str:
-        return f"stage {self.stage_id} ({self.model_stage})"
+        which = f" replica {self.replica}" if self.replica is not None else ""
+        return f"stage {self.stage_id} ({self.model_stage}){which}"
+
+    @property
+    def tag(self) -> str:
+        """A short name for threads, processes and log lines: stage0, or stage0.r1."""
+        return f"stage{self.stage_id}" + (f".r{self.replica}" if self.replica is not None else "")
 
     @property
     def process(self):
@@ -136,14 +145,20 @@ class StageClient:
         return self._worker.process
 
     def _spawn(self) -> _Worker:
-        name = f"omni-pd-stage{self.stage_id}-{self.model_stage}"
+        name = f"omni-pd-{self.tag}-{self.model_stage}"
+        if self.stage_config.engine_args.distributed_executor_backend == "ray":
+            from .ray_workers import RayProcess  # it connects back once its actor runs
+            process = RayProcess(self.stage_config, self.model,
+                                 logging.getLogger().getEffectiveLevel(), self.threads, self.tag,
+                                 self.startup_timeout_s)
+            return _Worker(None, process=process, pid=process.pid)
         if self.stage_config.runtime.process:
             context = mp.get_context("spawn")
             conn, child = context.Pipe(duplex=True)
             process = context.Process(
                 target=worker_main, name=name, daemon=True,
                 args=(self.stage_config, self.model, child,
-                      logging.getLogger().getEffectiveLevel(), self.threads))
+                      logging.getLogger().getEffectiveLevel(), self.threads, self.tag))
             process.start()
             child.close()
             return _Worker(conn, process=process, pid=process.pid)
@@ -154,9 +169,16 @@ class StageClient:
         thread.start()
         return _Worker(conn, thread=thread)
 
+    @staticmethod
+    def _is_actor(worker: _Worker) -> bool:
+        return worker.process is not None and not isinstance(worker.process, mp.process.BaseProcess)
+
     def _alive(self, worker: _Worker) -> bool:
-        if worker.process is not None:  # the sentinel says so without reaping the process
+        if isinstance(worker.process, mp.process.BaseProcess):
+            # the sentinel says so without reaping the process
             return not multiprocessing.connection.wait([worker.process.sentinel], 0)
+        if worker.process is not None:  # a Ray actor
+            return worker.process.is_alive()
         return worker.thread.is_alive()
 
     def alive(self) -> bool:
@@ -170,6 +192,8 @@ class StageClient:
     def _cause(self, worker: _Worker) -> str:
         if worker.process is None:
             return "its in-process engine thread stopped"
+        if hasattr(worker.process, "describe_exit"):  # a Ray actor
+            return worker.process.describe_exit()
         with self._reap_lock:
             worker.process.join(1.0)
             code = worker.process.exitcode
@@ -185,6 +209,16 @@ class StageClient:
     # ---- start-up ----------------------------------------------------------------------------
     def _await_ready(self, worker: _Worker) -> dict[str, Any]:
         deadline = time.monotonic() + self.startup_timeout_s
+        if worker.conn is None:  # a Ray actor connects back first
+            from .ray_workers import wait_connected
+            worker.conn = wait_connected(worker.process, deadline, POLL_S)
+            if worker.conn is None:
+                if not self._alive(worker):
+                    raise StageError(f"{self.name}: {self._cause(worker)} while starting; its log "
+                                     "above says why")
+                raise StageTimeout(f"{self.name}'s Ray actor did not connect back within "
+                                   f"{self.startup_timeout_s:.0f} s; check that its node can reach "
+                                   "this one")
         while True:
             try:
                 if worker.conn.poll(POLL_S):
@@ -214,7 +248,7 @@ class StageClient:
             self.last_seen = time.monotonic()
             worker = self._worker
         threading.Thread(target=self._read, args=(worker,), daemon=True,
-                         name=f"omni-pd-stage{self.stage_id}-reader").start()
+                         name=f"omni-pd-{self.tag}-reader").start()
         self._notify()
 
     # ---- availability --------------------------------------------------------------------------
@@ -254,7 +288,6 @@ class StageClient:
         """Return once the stage is up and responsive; wait while it restarts or is silent (up
         to `timeout_s`, then StageTimeout); raise StageUnavailable at once when it is down."""
         deadline = time.monotonic() + timeout_s
-        loop = asyncio.get_running_loop()
         while True:
             why = self.unavailable()
             if why is None:
@@ -265,14 +298,21 @@ class StageClient:
             if remaining <= 0:
                 raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's "
                                    "deadline)")
-            future = loop.create_future()
-            with self._lock:
-                self._status_waiters.append((loop, future))
             # A silent worker that speaks again does not notify: look again every half second.
             try:
-                await asyncio.wait_for(future, min(remaining, 0.5))
+                await asyncio.wait_for(self.status_changed(), min(remaining, 0.5))
             except asyncio.TimeoutError:
                 pass
+
+    def status_changed(self) -> asyncio.Future:
+        """A future (on the running event loop) set when the stage's status next changes."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            # Drop waits given up on (timed out), so a long outage does not grow the list.
+            self._status_waiters = [(l, f) for l, f in self._status_waiters if not f.done()]
+            self._status_waiters.append((loop, future))
+        return future
 
     # ---- the reader thread -------------------------------------------------------------------
     def _read(self, worker: _Worker) -> None:
@@ -326,7 +366,7 @@ class StageClient:
         self._notify()
         if delay is not None:
             threading.Thread(target=self._restart_after, args=(delay,), daemon=True,
-                             name=f"omni-pd-stage{self.stage_id}-restart").start()
+                             name=f"omni-pd-{self.tag}-restart").start()
 
     def _restart_after(self, delay: float) -> None:
         if self._stop.wait(delay):
@@ -335,9 +375,19 @@ class StageClient:
         if old.process is not None:
             with self._reap_lock:
                 old.process.join(1.0)
-        old.conn.close()
+            if self._is_actor(old):
+                old.process.kill()  # the actor may outlive its worker loop
+        if old.conn is not None:
+            old.conn.close()
         began = time.monotonic()
-        worker = self._spawn()
+        try:
+            worker = self._spawn()
+        except Exception as exc:  # noqa: BLE001 - e.g. no Ray node offers what it asks for
+            log.warning("%s: restart failed: %s", self.name, exc)
+            with self._lock:
+                self.status, self.reason = StageStatus.DOWN, f"restart failed: {exc}"
+            self._notify()
+            return
         with self._lock:
             closing = self._closing
             if not closing:
@@ -363,7 +413,9 @@ class StageClient:
                  time.monotonic() - began)
 
     def _stop_worker(self, worker: _Worker) -> None:
-        if worker.process is not None and self._alive(worker):
+        if self._is_actor(worker):
+            worker.process.kill()
+        elif worker.process is not None and self._alive(worker):
             with self._reap_lock:
                 worker.process.kill()
                 worker.process.join(5)
@@ -385,6 +437,8 @@ class StageClient:
 
     def _collect(self, message: Any, deliveries: list[tuple[_Waiter, Any]]) -> None:
         if isinstance(message, msg.Heartbeat):
+            if message.load is not None:
+                self.engine_load = message.load
             return
         if isinstance(message, msg.StepMessages):
             for each in message.messages:
@@ -565,7 +619,7 @@ class StageClient:
             self._closing = True
             worker = self._worker
         self._stop.set()
-        if self._alive(worker):
+        if self._alive(worker) and worker.conn is not None:
             with self._lock:
                 try:
                     worker.conn.send_bytes(msg.dumps(msg.Shutdown()))
@@ -585,10 +639,13 @@ class StageClient:
                 if worker.process.is_alive():
                     worker.process.kill()
                     worker.process.join()
+            if self._is_actor(worker):
+                worker.process.kill()  # its worker loop has ended; the actor has not
         else:
             worker.thread.join(timeout_s)
         with self._lock:
             self.status = StageStatus.CLOSED
         self._fail_all(StageError(f"{self.name} stopped at shutdown"))
         self._notify()
-        worker.conn.close()
+        if worker.conn is not None:
+            worker.conn.close()

@@ -27,10 +27,10 @@ def usable_cores() -> int:
 
 
 def stage_threads(stages: Iterable, cores: int | None = None) -> dict[int, tuple[int, int]]:
-    """(intra-op, inter-op) threads per stage id."""
+    """(intra-op, inter-op) threads per stage id (each replica of a stage is a worker)."""
     stages = list(stages)
     cores = cores or usable_cores()
-    workers = sum(1 for s in stages if s.runtime.process) or 1
+    workers = sum(s.runtime.num_replicas for s in stages if s.runtime.process) or 1
     share = max(1, cores // workers)
     return {s.stage_id: (s.runtime.num_threads or share, s.runtime.num_interop_threads or 1)
             for s in stages}

@@ -45,15 +45,23 @@ def apply_threads(num_threads: int, num_interop_threads: int) -> None:
         log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
 
 
-def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int]) -> None:
+def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int],
+                tag: str | None = None, watch_parent: bool = True, exit_process: bool = True) -> None:
+    """`tag`: how the log names this worker (stage0, or stage0.r1 for a replica).
+    `watch_parent`: exit when the parent process is gone (a local worker; a Ray actor's parent
+    is its raylet, and it sees the orchestrator go by its connection closing). `exit_process`:
+    end the process when done (a Ray actor's method returns instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tag = tag or f"stage{stage_config.stage_id}"
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s %(levelname)s [stage{stage_config.stage_id}] %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     apply_threads(*threads)
     parent = os.getppid()
     engine = _build(stage_config, model, conn, freeze=True)
     if engine is not None:
-        serve(engine, conn, alive=lambda: os.getppid() == parent)
+        serve(engine, conn, alive=(lambda: os.getppid() == parent) if watch_parent else (lambda: True))
+    if not exit_process:
+        return
     # The engine is closed and the pipe too: skip the interpreter's slow teardown of the model
     # (seconds on a busy machine), which only delays the orchestrator's shutdown.
     logging.shutdown()
@@ -88,6 +96,7 @@ class _Loop:
         self.conn = conn
         self.stopping = False
         self._send_lock = threading.Lock()  # the step loop and the heartbeat thread both send
+        self.load = engine.load()  # as of the last step, sent with each heartbeat
 
     def send(self, message: Any) -> None:
         data = msg.dumps(message)
@@ -95,8 +104,8 @@ class _Loop:
             self.conn.send_bytes(data)
 
     def heartbeat(self, stop: threading.Event) -> None:
-        beat = msg.dumps(msg.Heartbeat())
         while not stop.wait(HEARTBEAT_S):
+            beat = msg.dumps(msg.Heartbeat(self.load))
             try:
                 with self._send_lock:
                     self.conn.send_bytes(beat)
@@ -191,6 +200,7 @@ def serve(engine, conn, alive: Callable[[], bool]) -> None:
                 break
             if engine.has_unfinished_requests():
                 loop.step()
+            loop.load = engine.load()
             now = time.monotonic()
             if not busy or now - last_housekeeping >= HOUSEKEEPING_S:
                 engine.housekeeping()

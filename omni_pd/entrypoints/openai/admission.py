@@ -1,8 +1,8 @@
 """Admission control: how many requests the server serves at once, how many wait, and the 429
 for the rest.
 
-The stages admit at most `capacity` requests at a time: the smallest `max_num_seqs` of the
-pipeline's stages, since every request passes through each of them. Requests beyond that wait in
+The stages admit at most `capacity` requests at a time: the smallest `max_num_seqs` x
+`num_replicas` of the pipeline's stages, since every request passes through each of them. Requests beyond that wait in
 a bounded FIFO queue. Once that queue is full, a request is refused at once with a 429, before
 any work is done on it. A server that queues without bound only moves the overload into every
 admitted request's latency.

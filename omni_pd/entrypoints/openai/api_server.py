@@ -247,7 +247,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             freeze_startup_heap("server")  # before any request is served: it blocks the loop
             state.omni = omni  # no await until the gain is set: no request sees it unset
             state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
-            capacity = min(s.max_num_seqs for s in omni.stages.values())
+            capacity = min(s.max_num_seqs * s.runtime.num_replicas for s in omni.stages.values())
             queued = (max_queued_requests if max_queued_requests is not None
                       else DEFAULT_QUEUE_FACTOR * capacity)
             state.admission = AdmissionControl(capacity, queued)

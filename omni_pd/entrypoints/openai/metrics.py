@@ -51,6 +51,12 @@ class ServerMetrics:
         self.kv_fallbacks = Counter("omni_pd_kv_fallbacks",
                                     "Requests the P/D pair served without its prefill side",
                                     registry=self.registry)
+        # Replicas: requests routed to each, and each one's load now (requests in flight).
+        self.stage_requests = Counter("omni_pd_stage_requests", "Requests routed to a stage replica",
+                                      ["stage", "replica"], registry=self.registry)
+        self.stage_load = Gauge("omni_pd_stage_load",
+                                "Requests in flight on a stage replica (routed, not finished)",
+                                ["stage", "replica"], registry=self.registry)
         self._seen: dict[str, float] = {}  # the orchestrator's counts at the previous scrape
 
     def _advance(self, key: str, counter, value: float) -> None:
@@ -63,6 +69,11 @@ class ServerMetrics:
             self.stage_up.labels(stage=label).set(1 if stage["responsive"] else 0)
             self._advance(f"restarts:{label}", self.stage_restarts.labels(stage=label),
                           stage["restarts"])
+            for k, replica in enumerate(stage.get("replicas", ())):
+                load = replica["load"]
+                self._advance(f"routed:{label}:{k}",
+                              self.stage_requests.labels(stage=label, replica=str(k)), load["routed"])
+                self.stage_load.labels(stage=label, replica=str(k)).set(load["in_flight"])
         handoff = report.get("kv_handoff")
         if handoff is not None:
             self.kv_breaker_open.set(0 if handoff["breaker"] == "closed" else 1)

@@ -256,6 +256,11 @@ class _ThinkerEngine(StageEngine):
         return {"thinker.requests": len(self._requests),
                 "thinker.kv_blocks_in_use": self.cache.num_used - self._blocks_lent()}
 
+    def load(self) -> dict[str, int]:
+        return {"requests": len(self._requests), "waiting": len(self._waiting),
+                "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
+                "kv_block_size": self.cache.block_size}
+
     def _blocks_lent(self) -> int:
         """Cache blocks another owner holds now (the decode leg's KV reads)."""
         return 0
@@ -531,6 +536,11 @@ class HfPrefillEngine(_ThinkerEngine):
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.sender.debug_state_counts()}
 
+    def load(self) -> dict[str, int]:
+        return {"requests": len(self._requests), "waiting": len(self._waiting),
+                "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
+                "kv_block_size": self.cache.block_size}
+
     def _blocks_lent(self) -> int:
         return self.sender.blocks_held
 
@@ -690,6 +700,11 @@ class HfDecodeEngine(_ThinkerEngine):
 
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.receiver.debug_state_counts()}
+
+    def load(self) -> dict[str, int]:
+        return {"requests": len(self._requests), "waiting": len(self._waiting),
+                "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
+                "kv_block_size": self.cache.block_size}
 
     def _blocks_lent(self) -> int:
         return self.receiver.blocks_held
