@@ -209,6 +209,28 @@ def test_negative_control_batching_without_invariant_kernels_is_noticed(pd):
     assert any(differences(pd, a, pd, b) for a, b in zip(want, got))
 
 
+@pytest.mark.parametrize("which", ["colocated", "pd", "colocated_whole", "pd_whole"])
+def test_an_answer_that_stops_at_once_is_text_without_speech_not_an_error(request, which):
+    """A thinker whose first token stops it (EOS first) leaves nothing to speak: the request
+    answers with that text and no audio, streamed or not, and the audio stages never see it."""
+    from omni_pd.orchestrator.async_omni import AudioDelta, Finished
+    from omni_pd.sampling import SamplingParams
+    omni = request.getfixturevalue(which)
+    prompt = _prompts(omni)["over_one_block"]
+    spoken = alone(omni, which, "over_one_block")
+    assert spoken.audio is not None and "no_speech" not in spoken.metrics  # negative control
+    first = spoken.token_ids[0]
+    stop = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(first,))
+    out = omni.generate([prompt], [stop, None, None])[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    assert out.audio is None and out.metrics["no_speech"] is True
+    talker = _stage_of(omni, "talker")
+    assert str(talker) not in out.metrics["stage_ms"]  # the talker never ran
+    events = list(omni.stream(prompt, [stop, None, None]))
+    assert not any(isinstance(e, AudioDelta) for e in events)
+    assert isinstance(events[-1], Finished) and events[-1].output.token_ids == [first]
+
+
 MIXED_TEXTS = ["Hi", "Tell me a story.", "What is the capital of France?", "Count to five.",
                "Describe the sea at night.", "Why is the sky blue?", "Sing me a song.", "Bonjour!"]
 

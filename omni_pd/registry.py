@@ -46,6 +46,10 @@ class ModelPipeline:
     build_prompt: Callable[[Any], Any]
     # The stage YAML's `model_stage` whose output is the request's text (the last such stage).
     text_model_stage: str = "thinker"
+    # Whether the text stage's finished output has anything to speak: False (say, an answer that
+    # is only its end token) ends the request with its text and no audio, as an answer, not an
+    # error; the audio stages never see it.
+    speaks: Callable[[Any], bool] = field(default=lambda output: True)
 
 
 @dataclass(frozen=True)

@@ -472,6 +472,8 @@ class AsyncOmni:
         for group in self._streamed_groups(stage_ids):
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted")
+            if state.silent:
+                break  # an answer with nothing to speak: the stages after the text stage skip it
             try:
                 if self.pd_pair and group == [self.pd_pair.prefill_stage_id]:
                     await self._prefill_leg(state, text_prompt, deadline, on_text)
@@ -569,6 +571,10 @@ class AsyncOmni:
             if stage_id in state.replicas:  # no longer this replica's load
                 state.replicas[stage_id].release()
         state.stage_finished(stage_id, began, output)
+        if stage_id == self.text_stage_id and not self.pipeline.speaks(output):
+            state.silent = True
+            log.debug("request %s: the answer has nothing to speak (%d token); no audio",
+                      state.request_id, len(output.token_ids))
         if (stage_id == self.text_stage_id and "first_token_ms" in output.metrics
                 and state.first_token_at is None):
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
@@ -636,15 +642,34 @@ class AsyncOmni:
                         on_audio(chunk.audio, chunk.sample_rate)
             return on_chunk
 
+        def go_silent() -> None:
+            """Nothing to speak: the later stages end without their input (none has started:
+            a talker opens on a generated token that such an answer lacks; any that has is
+            stopped)."""
+            for later in group[1:]:
+                if later in waiters:
+                    self._route(state, later).abort(request_id)
+                if not opened[later].done():
+                    opened[later].set_result(None)
+
         async def run(sid: int) -> None:
             if sid == group[0]:
                 output = await self._run_stage(state, sid, text_prompt, deadline, on_text,
                                                on_chunk=forward(sid))
+                if state.silent:
+                    return go_silent()
             else:
                 await opened[sid]
+                if state.silent:
+                    return
                 began = time.perf_counter()
-                output = await self._route(state, sid).result(request_id, waiters[sid],
-                                                              deadline - time.monotonic())
+                try:
+                    output = await self._route(state, sid).result(request_id, waiters[sid],
+                                                                  deadline - time.monotonic())
+                except StageError:
+                    if state.silent:  # stopped by go_silent
+                        return
+                    raise
                 if isinstance(output, AudioOutput) and output.samples_in_chunks:
                     pieces, state.audio_pieces = state.audio_pieces, []
                     output = dataclasses.replace(output, samples_in_chunks=False, audio=(
@@ -878,6 +903,8 @@ class AsyncOmni:
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = text.num_cached_prompt_tokens
             metrics["kv_fallback"] = state.local_prefill
+        if state.silent:
+            metrics["no_speech"] = True  # the answer had nothing to speak: text, no audio
         if audio is not None:
             # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
             metrics["ttfa_ms"] = (state.audio_chunk_ms[0] if state.audio_chunk_ms

@@ -24,6 +24,7 @@ class RequestState:
     local_prefill: bool = False  # the P/D fallback: the decode leg computes the prompt itself
     active_stages: set[int] = field(default_factory=set)  # stages working on it now, for aborts
     aborted: bool = False
+    silent: bool = False  # the text stage's answer has nothing to speak: no audio stage runs
     # When each stage started and ended, and when each audio chunk was handed on, in ms since
     # `started`: the request's timeline, reported in its metrics.
     stage_spans: dict[int, list[float]] = field(default_factory=dict)

@@ -25,4 +25,11 @@ def qwen3_omni_pipeline(model: str) -> ModelPipeline:
         eos_token_ids=thinker_eos_ids(config, tokenizer),
         context_len=config.thinker_config.text_config.max_position_embeddings,
         voices=tuple(sorted(config.talker_config.speaker_id or {})),
-        normalize_prompt=normalize_prompt, build_prompt=builder.build)
+        normalize_prompt=normalize_prompt, build_prompt=builder.build, speaks=speaks)
+
+
+def speaks(output) -> bool:
+    """The talker starts from the thinker's row of the first generated token, which exists once
+    a second token is generated: an answer of one token (its end token, or max_tokens 1) has no
+    speech."""
+    return len(output.token_ids) >= 2
