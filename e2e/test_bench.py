@@ -82,3 +82,39 @@ def test_plot_is_a_png(quick_run):
     proc, _, png_path = quick_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert png_path.is_file() and png_path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.fixture(scope="module")
+def xpyd_run(tmp_path_factory):
+    """The fair-baseline comparison in its smallest form: 1P1D beside colocated with two thinker
+    replicas, a closed-loop level, then Poisson arrivals at half the measured capacity."""
+    json_path = tmp_path_factory.mktemp("bench") / "xpyd.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
+         "--xpyd", "1P1D", "--concurrency", "2", "--num-requests", "4", "--request-rate", "50%",
+         "--open-loop-requests", "4", "--slo-ttft-ms", "60000", "--slo-ttfa-ms", "60000",
+         "--json", str(json_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    return proc, json_path
+
+
+def test_xpyd_runs_each_layout_beside_its_colocated_replicas_with_goodput(xpyd_run):
+    proc, json_path = xpyd_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(json_path.read_text())
+    assert report["baselines"] == {"1P1D": "colocated-2x"}
+    closed = {r["config"]: r for r in report["results"]}
+    assert set(closed) == {"colocated-2x", "1P1D"}
+    assert closed["1P1D"]["req_per_s_vs_baseline"] > 0 and closed["1P1D"]["kv_handoff_ms_mean"] > 0
+    opened = report["open_loop"]
+    assert sorted(r["config"] for r in opened) == ["1P1D", "colocated-2x"]
+    for row in opened:
+        # Half of that config's capacity, measured by its closed-loop level in this run.
+        assert row["offered"] == "50%"
+        assert row["request_rate"] == pytest.approx(0.5 * closed[row["config"]]["req_per_s"])
+        assert row["errors"] == 0 and row["completed"] == 4
+        # Every request is within SLOs this loose: goodput is the completed requests' rate.
+        assert row["slo_attainment"] == 1.0
+        assert row["goodput_req_per_s"] == pytest.approx(row["req_per_s"])
+        assert 0 <= row["ttfa_ms_p50"] <= row["ttfa_ms_p99"]
+    assert "goodput" in proc.stdout and "offered" in proc.stdout

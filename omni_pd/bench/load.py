@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any, Callable, Sequence
 
@@ -47,11 +48,14 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
     """One streaming request. TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
     with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
     output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
-    A request that raises or ends without audio is an error (`ok` False)."""
+    A request that raises is an error (`ok` False), and so is one that ends without audio unless
+    its answer stopped at once (finish_reason `stop` after at most one content chunk: nothing to
+    speak), which is complete with `no_speech`."""
     sent = time.perf_counter()
     ttft = ttfa = None
     content_times: list[float] = []
     usage_tokens = None
+    finish_reason = None
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
@@ -64,6 +68,7 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
                 usage_tokens = int(usage.completion_tokens)
             if not chunk.choices:
                 continue
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
             delta = chunk.choices[0].delta
             if delta is None:
                 continue
@@ -75,11 +80,14 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
                 ttfa = now - sent
         ended = time.perf_counter()
     except Exception as exc:  # counted, the level goes on
-        return RequestRecord(ok=False, error=f"{type(exc).__name__}: {exc}")
-    if ttfa is None:
-        return RequestRecord(ok=False, error="the stream ended without audio")
+        return RequestRecord(ok=False, rejected=getattr(exc, "status_code", None) == 429,
+                             error=f"{type(exc).__name__}: {exc}")
+    silent = ttfa is None and finish_reason == "stop" and len(content_times) <= 1
+    if ttfa is None and not silent:
+        return RequestRecord(ok=False, error="the stream ended without audio "
+                                             f"(finish_reason {finish_reason!r})")
     return RequestRecord(
-        ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=ended - sent,
+        ok=True, no_speech=silent, ttft_s=ttft, ttfa_s=ttfa, e2e_s=ended - sent,
         itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
         output_tokens=usage_tokens if usage_tokens is not None else len(content_times))
 
@@ -106,3 +114,39 @@ async def run_level(client: Any, model: str, concurrency: int, num_requests: int
     began = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
     return records, time.perf_counter() - began  # type: ignore[return-value]
+
+
+def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:
+    """Send times (s from the start) of an open-loop Poisson process of `rate` requests/s:
+    exponential gaps, the first request at 0, reproducible by `seed`."""
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def run_open_loop(client: Any, model: str, rate: float, num_requests: int, max_tokens: int,
+                        seed: int = 0, prompts: Sequence[str] = PROMPTS,
+                        on_done: Callable[[RequestRecord], None] | None = None
+                        ) -> tuple[list[RequestRecord], float]:
+    """`num_requests` requests sent at Poisson arrival times whatever is in flight (vLLM's
+    `--request-rate`): the offered load does not wait for the server, so a server past its
+    capacity shows it in its latencies. Returns the records in request order and the wall time
+    from the first send to the last answer."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+
+    async def one(index: int, at: float) -> RequestRecord:
+        delay = began + at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the arrival schedule itself, not a wait for the server
+        record = await stream_one(client, model, prompts[index % len(prompts)], max_tokens)
+        if on_done:
+            on_done(record)
+        return record
+
+    arrivals = poisson_arrivals(rate, num_requests, seed)
+    records = await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
+    return list(records), loop.time() - began

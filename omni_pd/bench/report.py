@@ -58,11 +58,13 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def write_json(path: str | Path, meta: dict, results: list[dict]) -> None:
+def write_json(path: str | Path, meta: dict, results: list[dict],
+               open_loop: list[dict] | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    body = {**meta, "results": results, **({"open_loop": open_loop} if open_loop else {})}
     with open(path, "w") as handle:
-        json.dump(_clean({**meta, "results": results}), handle, indent=2, allow_nan=False)
+        json.dump(_clean(body), handle, indent=2, allow_nan=False)
         handle.write("\n")
 
 
@@ -72,6 +74,45 @@ def _fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def _grid(rows: list[dict], columns: list[tuple[str, str, int]]) -> str:
+    cells = [[title for title, _, _ in columns]]
+    for row in rows:
+        cells.append([_fmt(row.get(key), digits) for _, key, digits in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _extra_columns(rows: list[dict]) -> list[tuple[str, str, int]]:
+    """Goodput, no-speech answers and baseline ratios, where a row has them."""
+    columns = []
+    for title, key, digits in (("no speech", "no_speech", 0), ("429", "rejected", 0),
+                               ("goodput", "goodput_req_per_s", 2),
+                               ("in SLO", "slo_attainment", 2),
+                               ("req/s vs baseline", "req_per_s_vs_baseline", 2),
+                               ("goodput vs baseline", "goodput_vs_baseline", 2)):
+        if any(row.get(key) for row in rows):
+            columns.append((title, key, digits))
+    return columns
+
+
+def format_open_loop_table(rows: list[dict]) -> str:
+    """One row per (config, offered rate): Poisson arrivals, latency percentiles, goodput."""
+    columns: list[tuple[str, str, int]] = [
+        ("config", "config", 0), ("offered", "offered", 0), ("rate/s", "request_rate", 2),
+        ("n", "num_requests", 0), ("err", "errors", 0), ("req/s", "req_per_s", 2),
+        ("ttft p50", "ttft_ms_p50", 1), ("ttft p99", "ttft_ms_p99", 1),
+        ("ttfa p50", "ttfa_ms_p50", 1), ("ttfa p99", "ttfa_ms_p99", 1),
+        ("e2e p50", "e2e_ms_p50", 1), ("e2e p99", "e2e_ms_p99", 1),
+    ]
+    return _grid(rows, columns + _extra_columns(rows))
 
 
 def format_table(results: list[dict]) -> str:
@@ -93,17 +134,7 @@ def format_table(results: list[dict]) -> str:
         columns.append((f"req/s vs {configs[0]}", vs_config_key(configs[0]), 2))
     if any(row.get("pd_ttft_overhead_ms") is not None for row in results):
         columns.append(("P/D ttft overhead ms", "pd_ttft_overhead_ms", 1))
-    cells = [[title for title, _, _ in columns]]
-    for row in results:
-        cells.append([_fmt(row.get(key), digits) for _, key, digits in columns])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = []
-    for n, line in enumerate(cells):
-        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(line, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _grid(results, columns + _extra_columns(results))
 
 
 def write_plot(path: str | Path, results: list[dict], *, cores: int, max_tokens: int) -> None:

@@ -9,8 +9,19 @@ By default a level measures `WAVES` times its concurrency in requests (at least 
 many requests as clients, a level is one burst that starts together and drains together, and its
 req/s measures the ramp as much as the load (run to run it moved by 15% at concurrency 16).
 
-    omni-pd bench serve [--configs A.yaml,B.yaml] [--concurrency 1,4,8,16] [--num-requests N]
-                        [--json out.json] [--plot out.png] [--quick]
+Open loop (`--request-rate`, vLLM's flag): after the closed-loop levels, requests arrive as a
+Poisson process of the given rate whatever is in flight, so latency shows what a server past its
+capacity does; a rate written `N%` is that share of the config's capacity as measured by its
+closed-loop levels in the same run (its best req/s). With `--slo-ttft-ms` / `--slo-ttfa-ms` each
+level reports goodput: requests per second within the SLOs.
+
+`--xpyd 1P1D,1P2D,2P2D` benchmarks, in one run, each P/D layout against the fair baseline: the
+colocated pipeline with as many thinker replicas as the layout has thinker workers (x + y),
+behind the same router, on the same machine.
+
+    omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D] [--concurrency 1,4,8,16]
+                        [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
+                        [--num-requests N] [--json out.json] [--plot out.png] [--quick]
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -32,6 +44,8 @@ DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
 DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
 WAVES = 4  # default requests per level: WAVES x concurrency, at least DEFAULT_NUM_REQUESTS
+DEFAULT_OPEN_LOOP_REQUESTS, QUICK_OPEN_LOOP_REQUESTS = 32, 8
+XPYD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +71,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"measured requests per level, at least the concurrency (default: "
                              f"{WAVES} x the concurrency, at least {DEFAULT_NUM_REQUESTS}; --quick: "
                              f"{QUICK_NUM_REQUESTS})")
+    parser.add_argument("--request-rate", default=None,
+                        help="comma-separated open-loop rates (requests/s, Poisson arrivals), run "
+                             "after the closed-loop levels; N%% is that share of the config's "
+                             "capacity measured in this run (e.g. 50%%,90%%)")
+    parser.add_argument("--open-loop-requests", type=int, default=None,
+                        help=f"requests per open-loop rate (default {DEFAULT_OPEN_LOOP_REQUESTS}; "
+                             f"--quick: {QUICK_OPEN_LOOP_REQUESTS})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="TTFT service-level objective: goodput counts requests within it")
+    parser.add_argument("--slo-ttfa-ms", type=float, default=None,
+                        help="time-to-first-audio objective (a request without speech has none)")
+    parser.add_argument("--xpyd", default=None,
+                        help="comma-separated P/D layouts (e.g. 1P1D,1P2D,2P2D), each run beside "
+                             "colocated with x+y thinker replicas; excludes --configs")
+    parser.add_argument("--xpyd-pd-config", default=str(DEFAULT_CONFIGS[1]),
+                        help="the P/D stage YAML the layouts are made from")
+    parser.add_argument("--xpyd-colocated-config", default=str(DEFAULT_CONFIGS[0]),
+                        help="the colocated stage YAML the baselines are made from")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="set ignore_eos in every stage's default_sampling_params of the served "
@@ -79,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VAL",
                         help="environment variable for the started servers (repeatable), e.g. "
                              "OMP_NUM_THREADS=1; the rest is inherited, MC_LOG_LEVEL=ERROR unless set")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="an `omni-pd serve` option for the started servers (repeatable; "
+                             "--serve-arg=--max-queued-requests=8)")
     parser.add_argument("--server-log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="--log-level of the started servers (their log goes to a temp file)")
@@ -124,6 +160,68 @@ def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple
     copy = scratch / f"{label}.yaml"
     copy.write_text(yaml.safe_dump(data, sort_keys=False))
     return label, copy
+
+
+def _rates(text: str | None) -> list[tuple[str, float, bool]]:
+    """`--request-rate` as (label, value, relative): `8` is 8 req/s, `50%` half the capacity."""
+    out = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        relative = part.endswith("%")
+        try:
+            value = float(part[:-1] if relative else part)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise SystemExit(f"error: --request-rate takes positive numbers or percentages, got "
+                             f"{part!r}")
+        out.append((part, value / 100 if relative else value, relative))
+    return out
+
+
+def xpyd_targets(layouts: str, pd_config: str, colocated_config: str,
+                 scratch: Path) -> list[tuple[str, Path, str | None]]:
+    """(label, config, baseline label) for each layout and its colocated baseline, baselines
+    first: colocated-Nx (the thinker with N = x + y replicas) then xPyD."""
+    import yaml
+
+    def load(text: str) -> tuple[dict, Path]:
+        path = Path(text).expanduser()
+        found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
+        if found is None:
+            raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
+        return yaml.safe_load(found.read_text()), found
+
+    def write(data: dict, label: str) -> Path:
+        copy = scratch / f"{label}.yaml"
+        copy.write_text(yaml.safe_dump(data, sort_keys=False))
+        return copy
+
+    def replicas(data: dict, which, count: int, source: Path) -> None:
+        stages = [s for s in data.get("stage_args", []) if which(s)]
+        if len(stages) != 1:
+            raise SystemExit(f"error: --xpyd needs stage_args with exactly one such stage in {source}")
+        stages[0].setdefault("runtime", {})["num_replicas"] = count
+
+    out: list[tuple[str, Path, str | None]] = []
+    for layout in (p.strip() for p in layouts.split(",") if p.strip()):
+        match = XPYD.match(layout)
+        if not match or min(int(match[1]), int(match[2])) < 1:
+            raise SystemExit(f"error: --xpyd takes layouts such as 1P1D or 2P2D, got {layout!r}")
+        x, y = int(match[1]), int(match[2])
+        baseline = f"colocated-{x + y}x"
+        if baseline not in [label for label, _, _ in out]:
+            data, source = load(colocated_config)
+            replicas(data, lambda s: s.get("engine_args", {}).get("model_stage") == "thinker",
+                     x + y, source)
+            out.append((baseline, write(data, baseline), None))
+        data, source = load(pd_config)
+        replicas(data, lambda s: s.get("is_prefill_only"), x, source)
+        replicas(data, lambda s: s.get("is_decode_only"), y, source)
+        label = f"{x}P{y}D"
+        out.append((label, write(data, label), baseline))
+    return out
 
 
 def _labels(labels: list[str]) -> list[str]:
@@ -172,19 +270,21 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
 
 async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
                         args: argparse.Namespace, num_requests: int | None,
-                        errors: dict[str, list[str]]) -> tuple[str, list[dict]]:
-    """Every level against one server; returns the model name used and one row per level."""
+                        errors: dict[str, list[str]]) -> tuple[str, list[dict], list[dict]]:
+    """Every level against one server; returns the model name used, one row per closed-loop
+    level and one per open-loop rate."""
     import openai
     from tqdm import tqdm
 
-    from .load import PROMPTS, run_level, stream_one
+    from .load import PROMPTS, run_level, run_open_loop, stream_one
     from .stats import summarize_level
 
     # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
     client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1",
                                 api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
                                 max_retries=0, timeout=args.request_timeout)
-    rows = []
+    rows, open_rows = [], []
+    slos = {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
     try:
         if model is None:
             listed = await client.models.list()
@@ -214,12 +314,47 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
             if failures:
                 errors[f"{label} c={concurrency}"] = failures
             rows.append({"config": label, "concurrency": concurrency,
-                         **summarize_level(records, wall_s),
+                         **summarize_level(records, wall_s, **slos),
                          "kv_handoff_ms_mean": _mean_handoff_ms(handoffs_before,
                                                                 await _handoff_totals(base_url))})
+        capacity = max((r["req_per_s"] or 0.0 for r in rows), default=0.0)
+        for offered, value, relative in _rates(args.request_rate):
+            rate = value * capacity if relative else value
+            if rate <= 0:
+                print(f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
+                      file=sys.stderr)
+                continue
+            n = args.open_loop_requests or (QUICK_OPEN_LOOP_REQUESTS if args.quick
+                                            else DEFAULT_OPEN_LOOP_REQUESTS)
+            with tqdm(total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr,
+                      dynamic_ncols=True) as bar:
+                records, wall_s = await run_open_loop(client, model, rate, n, args.max_tokens,
+                                                      seed=args.seed,
+                                                      on_done=lambda _r, bar=bar: bar.update(1))
+            failures = [r.error or "error" for r in records if not r.ok]
+            if failures:
+                errors[f"{label} rate={offered}"] = failures
+            open_rows.append({"config": label, "offered": offered, "request_rate": rate,
+                              "capacity_req_per_s": capacity or None,
+                              **summarize_level(records, wall_s, **slos)})
     finally:
         await client.close()
-    return model, rows
+    return model, rows, open_rows
+
+
+def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: str) -> None:
+    """For each row of a config with a baseline (`--xpyd`: the colocated replicas), its req/s and
+    goodput against the baseline's at the same level, measured in the same run."""
+    from .stats import ratio
+    by_level = {(r["config"], r[level_key]): r for r in rows}
+    for row in rows:
+        base = by_level.get((baselines.get(row["config"]), row[level_key]))
+        if base is not None:
+            row["baseline"] = base["config"]
+            row["req_per_s_vs_baseline"] = ratio(row["req_per_s"], base["req_per_s"])
+            if "goodput_req_per_s" in row:
+                row["goodput_vs_baseline"] = ratio(row["goodput_req_per_s"],
+                                                   base.get("goodput_req_per_s"))
 
 
 def requests_per_level(num_requests: int | None, concurrency: int) -> int:
@@ -236,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    from .report import cpu_count, format_table, print_errors, run_metadata, write_json, write_plot
+    from .report import (cpu_count, format_open_loop_table, format_table, print_errors,
+                         run_metadata, write_json, write_plot)
     from .server import ServerProcess, ServerStartError, health_status
     from .stats import add_ratios
 
@@ -247,8 +383,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     # The client libraries log every request at INFO, which would break up the progress bar.
     for name in ("httpx", "httpx2", "httpcore", "openai", "matplotlib"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-    if args.base_url and args.configs:
-        raise SystemExit("error: --configs and --base-url exclude each other")
+    if sum(map(bool, (args.base_url, args.configs, args.xpyd))) > 1:
+        raise SystemExit("error: --configs, --xpyd and --base-url exclude each other")
     if args.base_url and args.ignore_eos:
         raise SystemExit("error: --ignore-eos changes the configs bench starts servers with; for "
                          "--base-url, set ignore_eos in that server's stage YAML instead")
@@ -259,11 +395,18 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
         raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
     server_env = _server_env(args.server_env)
+    _rates(args.request_rate)  # refuse a bad rate before any server starts
+    baselines: dict[str, str] = {}
 
     if args.base_url:
         from urllib.parse import urlparse
         targets: list[tuple[str, Path | None]] = [(args.label or urlparse(args.base_url).netloc
                                                    or args.base_url, None)]
+    elif args.xpyd:
+        made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
+        targets = [(label, _resolve_config(str(path), scratch, args.ignore_eos)[1])
+                   for label, path, _ in made]
+        baselines = {label: base for label, _, base in made if base}
     else:
         resolved = [_resolve_config(p, scratch, args.ignore_eos) for p in
                     (args.configs.split(",") if args.configs else [str(p) for p in DEFAULT_CONFIGS])
@@ -271,6 +414,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
 
     results: list[dict] = []
+    open_loop: list[dict] = []
     errors: dict[str, list[str]] = {}
     failures: list[str] = []
     model_used = args.model
@@ -282,14 +426,15 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                       f"{status or 'nothing'}, not 200", file=sys.stderr)
                 failures.append(f"{label}: the server is not ready")
                 continue
-            model_used, rows = asyncio.run(_bench_target(args.base_url, label, args.model, levels,
-                                                         args, num_requests, errors))
+            model_used, rows, open_rows = asyncio.run(_bench_target(
+                args.base_url, label, args.model, levels, args, num_requests, errors))
             results += rows
+            open_loop += open_rows
             continue
         model_used = args.model or DEFAULT_MODEL
         server = ServerProcess(model_used, config, request_timeout_s=args.request_timeout,
                                startup_timeout_s=args.startup_timeout, env=server_env,
-                               log_level=args.server_log_level)
+                               log_level=args.server_log_level, serve_args=args.serve_arg)
         print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
         try:
             server.start()
@@ -298,9 +443,10 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
             failures.append(f"{label}: the server did not start")
             continue
         try:
-            _, rows = asyncio.run(_bench_target(server.base_url, label, model_used, levels, args,
-                                                num_requests, errors))
+            _, rows, open_rows = asyncio.run(_bench_target(server.base_url, label, model_used,
+                                                           levels, args, num_requests, errors))
             results += rows
+            open_loop += open_rows
         finally:
             status = server.stop()
         if status not in (0, -signal.SIGTERM):
@@ -308,10 +454,15 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                   file=sys.stderr)
 
     add_ratios(results)
+    add_baseline_ratios(results, baselines, "concurrency")
+    add_baseline_ratios(open_loop, baselines, "offered")
     if errors:
         print_errors(errors)
     if results:
         print(format_table(results))
+    if open_loop:
+        print()
+        print(format_open_loop_table(open_loop))
     cores = cpu_count()
     meta = run_metadata(
         ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
@@ -319,9 +470,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         warmup_requests=args.warmup,
         quick=bool(args.quick), model=model_used, base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
-        request_timeout_s=args.request_timeout, server_env=server_env, failures=failures)
+        request_timeout_s=args.request_timeout, server_env=server_env, failures=failures,
+        request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_ttfa_ms=args.slo_ttfa_ms,
+        seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg)
     if args.json:
-        write_json(args.json, meta, results)
+        write_json(args.json, meta, results, open_loop)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and results:
         write_plot(args.plot, results, cores=cores, max_tokens=args.max_tokens)

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 HOST = "127.0.0.1"
 
@@ -56,12 +57,14 @@ class ServerProcess:
 
     def __init__(self, model: str, config: str | Path, *, request_timeout_s: float,
                  startup_timeout_s: float, env: dict[str, str] | None = None,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", serve_args: Sequence[str] = ()) -> None:
+        """`serve_args`: more `omni-pd serve` options (e.g. --max-queued-requests 8)."""
         self.model, self.config = model, str(config)
         self.request_timeout_s, self.startup_timeout_s = request_timeout_s, startup_timeout_s
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.log_level = log_level
+        self.serve_args = list(serve_args)
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
@@ -74,7 +77,8 @@ class ServerProcess:
     def command(self) -> list[str]:
         return [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", self.log_level,
                 "serve", self.model, "--stage-configs-path", self.config, "--host", HOST,
-                "--port", str(self.port), "--request-timeout", f"{self.request_timeout_s:g}"]
+                "--port", str(self.port), "--request-timeout", f"{self.request_timeout_s:g}",
+                *self.serve_args]
 
     def start(self) -> "ServerProcess":
         self.port = free_port()

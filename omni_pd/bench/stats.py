@@ -22,10 +22,15 @@ METRIC_KEYS = ("req_per_s", "output_tok_per_s",
 class RequestRecord:
     """What one request measured, in seconds from the moment it was sent.
 
-    `ok` is False for a request that raised or ended without audio; its timings are not used.
-    `itl_s` holds the gaps between consecutive text-content chunks."""
+    `ok` is False for a request that raised, or ended without audio although its answer had
+    something to speak; its timings are not used. `no_speech`: the answer ended at once (an end
+    token first) and had nothing to speak, so the request is complete without audio: counted
+    apart, not an error, and out of the TTFA figures. `itl_s` holds the gaps between consecutive
+    text-content chunks."""
 
     ok: bool
+    no_speech: bool = False
+    rejected: bool = False  # turned away at once by admission control (HTTP 429)
     ttft_s: float | None = None
     ttfa_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -59,11 +64,25 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def summarize_level(records: Sequence[RequestRecord], wall_s: float) -> dict:
+def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_ttfa_ms: float | None) -> bool:
+    """A completed request within both SLOs (a request without speech has no TTFA to miss)."""
+    if not record.ok:
+        return False
+    if slo_ttft_ms is not None and (record.ttft_s is None or record.ttft_s * 1e3 > slo_ttft_ms):
+        return False
+    if slo_ttfa_ms is not None and not record.no_speech and (
+            record.ttfa_s is None or record.ttfa_s * 1e3 > slo_ttfa_ms):
+        return False
+    return True
+
+
+def summarize_level(records: Sequence[RequestRecord], wall_s: float,
+                    slo_ttft_ms: float | None = None, slo_ttfa_ms: float | None = None) -> dict:
     """Throughput and latency percentiles of one level: `records` ran in `wall_s` seconds.
 
     Throughput counts successful requests only; latency percentiles are over successful requests,
-    ITL over every gap of every successful request pooled together."""
+    ITL over every gap of every successful request pooled together. Goodput (with an SLO given):
+    successful requests per second within the SLOs, and the share of all requests that were."""
     done = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in done)
     wall = _finite(wall_s)
@@ -75,11 +94,18 @@ def summarize_level(records: Sequence[RequestRecord], wall_s: float) -> dict:
         "output_tok_per_s": ratio(tokens, wall) if done else None,
         "output_tokens": tokens,
     }
-    samples = {"ttft": [r.ttft_s for r in done], "ttfa": [r.ttfa_s for r in done],
+    samples = {"ttft": [r.ttft_s for r in done],
+               "ttfa": [r.ttfa_s for r in done if not r.no_speech],
                "itl": [gap for r in done for gap in r.itl_s], "e2e": [r.e2e_s for r in done]}
     for name in LATENCIES:
         row[f"{name}_ms_p50"], row[f"{name}_ms_p99"] = percentiles_ms(samples[name])
     row["errors"] = len(records) - len(done)
+    row["no_speech"] = sum(r.no_speech for r in done)
+    row["rejected"] = sum(r.rejected for r in records)
+    if slo_ttft_ms is not None or slo_ttfa_ms is not None:
+        good = sum(meets_slo(r, slo_ttft_ms, slo_ttfa_ms) for r in records)
+        row["goodput_req_per_s"] = ratio(good, wall)
+        row["slo_attainment"] = ratio(good, len(records))
     return row
 
 

@@ -1,0 +1,78 @@
+"""The open-loop and xPyD parts of `omni-pd bench serve`: arrivals, goodput, EOS-first answers
+counted apart, the layouts and their colocated baselines, the rate flag."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from omni_pd.bench.load import poisson_arrivals
+from omni_pd.bench.serve import _rates, add_baseline_ratios, xpyd_targets
+from omni_pd.bench.stats import RequestRecord, summarize_level
+from omni_pd.config import load_pipeline_config
+
+
+def test_poisson_arrivals_are_reproducible_and_have_the_rate():
+    times = poisson_arrivals(rate=20.0, num_requests=4000, seed=7)
+    assert times == poisson_arrivals(20.0, 4000, seed=7) and times[0] == 0.0
+    assert times != poisson_arrivals(20.0, 4000, seed=8)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.05)
+    # Exponential gaps: the standard deviation equals the mean (a fixed pace would have none).
+    assert statistics.stdev(gaps) == pytest.approx(statistics.mean(gaps), rel=0.1)
+
+
+def _ok(ttft, ttfa, no_speech=False):
+    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=1.0, no_speech=no_speech,
+                         output_tokens=1)
+
+
+def test_goodput_counts_requests_within_both_slos_and_no_speech_apart():
+    records = [_ok(0.1, 0.2), _ok(0.1, 0.9), _ok(0.6, 0.2), _ok(0.05, None, no_speech=True),
+               RequestRecord(ok=False, error="boom"),
+               RequestRecord(ok=False, rejected=True, error="RateLimitError: 429")]
+    row = summarize_level(records, wall_s=2.0, slo_ttft_ms=500, slo_ttfa_ms=500)
+    # Within both: the first, and the one without speech (it has no TTFA to miss).
+    assert row["goodput_req_per_s"] == pytest.approx(1.0) and row["slo_attainment"] == pytest.approx(2 / 6)
+    assert row["no_speech"] == 1 and row["errors"] == 2 and row["rejected"] == 1
+    assert row["completed"] == 4
+    # TTFA percentiles leave the answer without speech out.
+    assert row["ttfa_ms_p50"] == pytest.approx(200.0)
+    assert "goodput_req_per_s" not in summarize_level(records, wall_s=2.0)  # no SLO, no goodput
+
+
+def test_request_rates_take_numbers_and_shares_of_capacity():
+    assert _rates("8, 50%") == [("8", 8.0, False), ("50%", 0.5, True)]
+    assert _rates(None) == []
+    for bad in ("0", "-1", "fast", "0%"):
+        with pytest.raises(SystemExit, match="--request-rate"):
+            _rates(bad)
+
+
+def test_xpyd_layouts_come_with_colocated_baselines_of_as_many_thinker_workers(tmp_path):
+    made = xpyd_targets("1P1D,1P2D,2p1d", "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
+                        "stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+    assert [(label, base) for label, _, base in made] == [
+        ("colocated-2x", None), ("1P1D", "colocated-2x"), ("colocated-3x", None),
+        ("1P2D", "colocated-3x"), ("2P1D", "colocated-3x")]
+    for label, path, _ in made:
+        stages = load_pipeline_config(path).stages
+        replicas = {s.model_stage + ("/p" if s.is_prefill_only else "/d" if s.is_decode_only else ""):
+                    s.runtime.num_replicas for s in stages}
+        if label.startswith("colocated"):
+            assert replicas["thinker"] == int(label.split("-")[1][:-1])
+        else:
+            assert (replicas["thinker/p"], replicas["thinker/d"]) == (int(label[0]), int(label[2]))
+        assert replicas["talker"] == replicas["code2wav"] == 1  # only the thinker is scaled
+    with pytest.raises(SystemExit, match="1P1D or 2P2D"):
+        xpyd_targets("0P1D", "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
+                     "stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+
+
+def test_baseline_ratios_pair_rows_of_the_same_level():
+    rows = [{"config": "colocated-2x", "concurrency": 4, "req_per_s": 10.0, "goodput_req_per_s": 8.0},
+            {"config": "1P1D", "concurrency": 4, "req_per_s": 5.0, "goodput_req_per_s": 6.0},
+            {"config": "1P1D", "concurrency": 8, "req_per_s": 5.0}]
+    add_baseline_ratios(rows, {"1P1D": "colocated-2x"}, "concurrency")
+    assert rows[1]["req_per_s_vs_baseline"] == 0.5 and rows[1]["goodput_vs_baseline"] == 0.75
+    assert "baseline" not in rows[0] and "baseline" not in rows[2]  # no baseline row at c=8
