@@ -281,6 +281,14 @@ def test_num_replicas_becomes_the_stages_runtime_key(tmp_path):
     assert [s.runtime.num_replicas for s in stages] == [1, 2, 1]
 
 
+def test_top_level_ray_backend_puts_every_stage_on_ray(tmp_path):
+    path = _edit_stage(_tiny(tmp_path, distributed_executor_backend="ray"), 0,
+                       runtime={"ray_resources": {"thinker_node": 1}})
+    stages = load_deploy_config(path).stages
+    assert [s.engine_args.distributed_executor_backend for s in stages] == ["ray"] * 3
+    assert stages[0].runtime.ray_resources == {"thinker_node": 1}
+
+
 @pytest.mark.parametrize("stage_id, keys, needles", [
     (0, {"max_num_seq": 8}, ("stages[stage_id=0].max_num_seq", "did you mean 'max_num_seqs'?")),
     (0, {"engine_args": {"gpu_memory_utilisation": 0.5}},
