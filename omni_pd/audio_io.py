@@ -5,7 +5,7 @@ PCM without a gain."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable
 
 import soundfile
 import torch
@@ -16,19 +16,33 @@ PCM16_SAMPLE_RATE = 24_000  # OpenAI's pcm16: 24 kHz mono little-endian int16
 DUMMY_WEIGHTS_PCM16_GAIN = 5e5
 
 
-def write_wav(path: str | Path, audio: torch.Tensor, sample_rate: int) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    soundfile.write(str(out), audio.to(torch.float32).numpy(), sample_rate, subtype="FLOAT")
-    return out
+# libsndfile's SFC_SET_ADD_PEAK_CHUNK (sndfile.h): whether a float file gets a PEAK chunk.
+_SFC_SET_ADD_PEAK_CHUNK = 0x1050
 
 
-def open_wav(path: str | Path, sample_rate: int) -> soundfile.SoundFile:
-    """A float32 mono WAV open for writing chunk by chunk; the same file `write_wav` writes once
-    every chunk is in."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return soundfile.SoundFile(str(out), "w", samplerate=sample_rate, channels=1, subtype="FLOAT")
+def open_wav(target: str | Path | BinaryIO, sample_rate: int) -> soundfile.SoundFile:
+    """A float32 mono WAV open for writing, chunk by chunk or at once. Its bytes depend on the
+    samples alone: libsndfile adds a PEAK chunk holding the time of writing to float files,
+    so two identical answers gave files that differed in a few bytes; it is switched off here,
+    before any sample is written, with libsndfile's own command."""
+    if not hasattr(target, "write"):
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target = str(target)
+    wav = soundfile.SoundFile(target, "w", samplerate=sample_rate, channels=1, format="WAV",
+                              subtype="FLOAT")
+    # soundfile has no wrapper for this command: its libsndfile handle (`_file`) and cffi
+    # library (`_snd`) are how soundfile itself calls sf_command.
+    soundfile._snd.sf_command(wav._file, _SFC_SET_ADD_PEAK_CHUNK, soundfile._ffi.NULL,
+                              soundfile._snd.SF_FALSE)
+    return wav
+
+
+def write_wav(target: str | Path | BinaryIO, audio: torch.Tensor, sample_rate: int) -> str | Path | BinaryIO:
+    """The whole waveform as a float32 WAV (`open_wav`: the same bytes for the same samples)."""
+    with open_wav(target, sample_rate) as wav:
+        wav.write(audio.to(torch.float32).numpy())
+    return Path(target) if isinstance(target, str) else target
 
 
 def pcm16_gain(load_format: str) -> float:

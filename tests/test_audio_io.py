@@ -54,3 +54,39 @@ def test_gain_follows_the_audio_stage_load_format():
         assert stage_config_pcm16_gain(stages) == DUMMY_WEIGHTS_PCM16_GAIN
     real = load_pipeline_config(STAGE_CONFIGS_DIR / "qwen3_omni_moe.yaml").stages
     assert stage_config_pcm16_gain(real) == 1.0
+
+
+def _riff_chunks(data: bytes) -> list[bytes]:
+    """The chunk ids of a RIFF/WAVE file, in order."""
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    ids, at = [], 12
+    while at + 8 <= len(data):
+        ids.append(data[at:at + 4])
+        size = int.from_bytes(data[at + 4:at + 8], "little")
+        at += 8 + size + (size & 1)
+    return ids
+
+
+def test_a_wav_is_a_function_of_its_samples(tmp_path):
+    """Identical answers are identical files: no PEAK chunk (libsndfile stamps it with the time
+    of writing), whether written at once, in chunks, or to memory."""
+    import io
+
+    import soundfile
+
+    from omni_pd.audio_io import open_wav, write_wav
+    audio = _waveform(4800)
+    whole = write_wav(tmp_path / "a.wav", audio, 24000).read_bytes()
+    buffer = io.BytesIO()
+    write_wav(buffer, audio, 24000)
+    with open_wav(tmp_path / "b.wav", 24000) as wav:
+        for piece in torch.split(audio, 1000):
+            wav.write(piece.numpy())
+    assert b"PEAK" not in _riff_chunks(whole)
+    assert buffer.getvalue() == whole == (tmp_path / "b.wav").read_bytes()
+    samples, rate = soundfile.read(io.BytesIO(whole), dtype="float32")
+    assert rate == 24000 and np.array_equal(samples, audio.numpy())
+    # Negative control: libsndfile's default float WAV carries the timestamped PEAK chunk.
+    plain = io.BytesIO()
+    soundfile.write(plain, audio.numpy(), 24000, format="WAV", subtype="FLOAT")
+    assert b"PEAK" in _riff_chunks(plain.getvalue())

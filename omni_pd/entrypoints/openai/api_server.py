@@ -17,7 +17,6 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-import soundfile
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -26,7 +25,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain
+from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain, write_wav
 from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PreparedPrompt,
                                         PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.heap import freeze_startup_heap
@@ -143,7 +142,7 @@ class RequestGuard:
 
 def wav_base64(audio, sample_rate: int) -> str:
     buffer = io.BytesIO()
-    soundfile.write(buffer, audio.numpy(), sample_rate, format="WAV", subtype="FLOAT")
+    write_wav(buffer, audio, sample_rate)  # the same bytes for the same samples
     return base64.b64encode(buffer.getvalue()).decode()
 
 
