@@ -536,11 +536,6 @@ class HfPrefillEngine(_ThinkerEngine):
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.sender.debug_state_counts()}
 
-    def load(self) -> dict[str, int]:
-        return {"requests": len(self._requests), "waiting": len(self._waiting),
-                "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
-                "kv_block_size": self.cache.block_size}
-
     def _blocks_lent(self) -> int:
         return self.sender.blocks_held
 
@@ -700,11 +695,6 @@ class HfDecodeEngine(_ThinkerEngine):
 
     def debug_state_counts(self) -> dict[str, int]:
         return {**super().debug_state_counts(), **self.receiver.debug_state_counts()}
-
-    def load(self) -> dict[str, int]:
-        return {"requests": len(self._requests), "waiting": len(self._waiting),
-                "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
-                "kv_block_size": self.cache.block_size}
 
     def _blocks_lent(self) -> int:
         return self.receiver.blocks_held
