@@ -62,3 +62,28 @@ def test_experts_give_a_row_the_same_bits_whatever_the_other_rows_picked(tiny_mo
         with bi.disabled():
             routed = bi.experts(block.experts, row, index, weights)
     assert torch.allclose(alone, routed, rtol=1e-5, atol=1e-7)
+
+
+def test_prompt_attention_rows_do_not_depend_on_the_call():
+    """`attend_rows`: a row's bits are the same whether its prompt is computed whole, from a
+    cached prefix on (any start), or as the prefix of a longer prompt; and they are attention
+    (to float tolerance against torch's). Negative control: torch's fused attention is not."""
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(3)
+    n = 300
+    q = torch.randn(1, 4, n, 32, generator=gen)
+    k = torch.randn(1, 2, n, 32, generator=gen)
+    v = torch.randn(1, 2, n, 32, generator=gen)
+    longest = bi.attend_rows(q, k, v, 0.2, 0)
+    for length in (1, 17, 64, 65, 231):
+        whole = bi.attend_rows(q[:, :, :length], k[:, :, :length], v[:, :, :length], 0.2, 0)
+        assert torch.equal(whole, longest[:length]), length
+        for start in (c for c in (3, 16, 64, 200) if c < length):
+            rest = bi.attend_rows(q[:, :, start:length], k[:, :, :length], v[:, :, :length], 0.2, start)
+            assert torch.equal(rest, whole[start:]), (length, start)
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
+    fused = fused[0].transpose(0, 1).reshape(n, -1)
+    assert torch.allclose(fused, longest, atol=1e-5)
+    shorter = F.scaled_dot_product_attention(q[:, :, :231], k[:, :, :231], v[:, :, :231],
+                                             is_causal=True, scale=0.2, enable_gqa=True)
+    assert not torch.equal(shorter[0].transpose(0, 1).reshape(231, -1), fused[:231])

@@ -10,8 +10,9 @@ position and neighbours). MoE experts run on every row of a pass through the sam
 row sums its experts' contributions in ascending expert order, as transformers does (0 for the
 experts it did not pick), so a row's sum does not depend on which other rows picked which experts.
 Per-row ops (RMSNorm, rotary, activations, softmax/top-k over one row) are invariant already;
-attention is computed per sequence: `attend` (one sequence per call), or the engines' native
-decode kernel.
+attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does not depend
+on how much of its prompt is computed in the call either), `attend`, or the engines' native decode
+kernel.
 """
 from __future__ import annotations
 
@@ -174,6 +175,62 @@ def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
     q, k = rotary(q, k, cos, sin)
     return q, k, v
+
+
+KEY_CHUNK = 64  # keys per step of the prompt attention's running softmax
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                start: int) -> torch.Tensor:
+    """Causal attention of one sequence's rows at positions `start .. start + m` (q
+    [1, heads, m, hd]) over all its keys/values so far ([1, kv_heads, start + m, hd]); returns
+    [m, heads * hd].
+
+    A row's bits depend on its query and the keys up to its own position, and on nothing else:
+    not on how many rows share the call, where they start, or how many keys follow. The prefix
+    cache depends on it: a prompt prefilled over cached blocks computes its rows exactly as the
+    whole prompt's prefill does, and the cached rows were computed by another, shorter or longer,
+    prompt. torch's fused attention moves a row's last bits with all three.
+
+    How: the queries run on fixed tiles of `ROW_TILE` rows; the keys are taken `KEY_CHUNK` at a
+    time, in order from position 0, with a running (online) softmax per row, and every product
+    has the same shape whatever the call. A chunk entirely after a tile's rows is skipped; for a
+    row, a chunk after it is masked out entirely and changes nothing (a factor of exactly 1, a
+    sum plus exact zeros), so the rows of one tile need not agree on where they stop."""
+    heads, count, hd = q.shape[1], q.shape[2], q.shape[3]
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    if total != start + count:
+        raise ValueError(f"attend_rows: {total} keys for rows {start}..{start + count}")
+    k = keys[0].repeat_interleave(heads // kv_heads, dim=0)  # [heads, n, hd]
+    v = values[0].repeat_interleave(heads // kv_heads, dim=0)
+    tiles = -(-count // ROW_TILE)
+    rows = F.pad(q[0], (0, 0, 0, tiles * ROW_TILE - count)).view(heads, tiles, ROW_TILE, hd)
+    chunks = -(-total // KEY_CHUNK)
+    padded = chunks * KEY_CHUNK - total
+    k_t = F.pad(k, (0, 0, 0, padded)).transpose(1, 2).contiguous()  # [heads, hd, chunks * C]
+    v = F.pad(v, (0, 0, 0, padded))
+    row_position = (start + torch.arange(tiles * ROW_TILE)).view(tiles, ROW_TILE, 1)
+    acc = torch.zeros((heads, tiles, ROW_TILE, hd), dtype=q.dtype)
+    top = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), dtype=q.dtype)
+    total_weight = torch.zeros((heads, tiles, ROW_TILE, 1), dtype=q.dtype)
+    for chunk in range(chunks):
+        first_key = chunk * KEY_CHUNK
+        # The first tile whose last row reaches this chunk: earlier tiles are done with keys.
+        t0 = max(0, -(-(first_key - start - ROW_TILE + 1) // ROW_TILE))
+        keys_here = slice(first_key, first_key + KEY_CHUNK)
+        scores = torch.matmul(rows[:, t0:], k_t[:, None, :, keys_here]) * scale
+        key_position = first_key + torch.arange(KEY_CHUNK)
+        scores = scores.masked_fill((key_position > row_position[t0:]) | (key_position >= total),
+                                    float("-inf"))
+        old = top[:, t0:]
+        new = torch.maximum(old, scores.amax(dim=-1, keepdim=True))
+        factor = torch.exp(old - new)
+        weights = torch.exp(scores - new)
+        acc[:, t0:] = acc[:, t0:] * factor + torch.matmul(weights, v[:, None, keys_here])
+        total_weight[:, t0:] = total_weight[:, t0:] * factor + weights.sum(dim=-1, keepdim=True)
+        top[:, t0:] = new
+    out = (acc / total_weight).view(heads, tiles * ROW_TILE, hd)[:, :count]
+    return out.transpose(0, 1).reshape(count, -1)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

@@ -39,9 +39,18 @@ class PrefilledPrompt:
     """One prompt's share of a batched prefill pass."""
 
     logits: torch.Tensor  # [vocab]: the last prompt position's
-    kv: torch.Tensor  # [layers, 2, kv_heads, prompt_len, head_dim], as the paged cache writes it
-    embeds: torch.Tensor  # [prompt_len, hidden]: layer 0
-    hidden: torch.Tensor  # [prompt_len, hidden]: the talker's accept layer
+    # The positions computed (all of the prompt, or those after its cached prefix):
+    kv: torch.Tensor  # [layers, 2, kv_heads, positions, head_dim], as the paged cache writes it
+    embeds: torch.Tensor  # [positions, hidden]: layer 0
+    hidden: torch.Tensor  # [positions, hidden]: the talker's accept layer
+
+
+@dataclass
+class CachedPrefix:
+    """The first `length` positions of a prompt, whose KV is already in `blocks` of the cache."""
+
+    length: int
+    blocks: list[int]
 
 
 @dataclass
@@ -67,19 +76,32 @@ class BatchedThinkerDecoder:
         self.kernels = check_kernels(kernels)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]]) -> list[PrefilledPrompt]:
+    def prefill(self, prompts: list[list[int]], prefixes: list[CachedPrefix | None] | None = None,
+                cache: PagedKVCache | None = None) -> list[PrefilledPrompt]:
         """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
         layer and the MoE on tiles over all their rows, attention causal within each prompt.
         A prompt's results do not depend on the others in the pass (the same premise as the
         decode step), so prompts arriving together cost one pass of fixed per-op overhead
-        instead of one each (8 at once on this CPU: ~16 ms one by one)."""
-        lengths = [len(ids) for ids in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        instead of one each (8 at once on this CPU: ~16 ms one by one).
+
+        `prefixes[i]`: the first `length` positions of prompt i are cached in `cache` (its
+        blocks): only the rest is computed, attending to the cached keys, and the results (KV,
+        rows) cover the rest only. They are bit for bit the rows the whole prompt's prefill
+        computes: linear layers are row-invariant, attention too (`attend_rows`), and a cached
+        position's KV is a function of the tokens up to it."""
+        prefixes = prefixes or [None] * len(prompts)
+        starts = [p.length if p is not None else 0 for p in prefixes]
+        if any(s >= len(ids) for s, ids in zip(starts, prompts)):
+            raise ValueError("a cached prefix must leave at least one prompt position to compute")
+        if any(starts) and cache is None:
+            raise ValueError("prefill over cached prefixes needs their cache")
+        lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
+        ids = torch.tensor([t for p, start in zip(prompts, starts) for t in p[start:]], dtype=torch.long)
         h = self.text.embed_tokens(ids)  # [N, hidden]
         embeds, accept = h, None
         # Text-only prompts: the three multimodal rotary rows are all the text position.
-        positions = torch.cat([torch.arange(n) for n in lengths]).view(1, 1, -1).expand(3, 1, -1)
-        cos, sin = self.text.rotary_emb(h.unsqueeze(0), positions)  # [1, N, head_dim]
+        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths)])
+        cos, sin = self.text.rotary_emb(h.unsqueeze(0), positions.view(1, 1, -1).expand(3, 1, -1))
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
@@ -90,8 +112,13 @@ class BatchedThinkerDecoder:
             outs = []
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 kv[i].append(torch.stack([k[0, :, a:b], v[0, :, a:b]]))
-                outs.append(bi.attend(q[:, :, a:b], k[:, :, a:b].contiguous(),
-                                      v[:, :, a:b].contiguous(), attn.scaling, 0))
+                keys, values = k[:, :, a:b], v[:, :, a:b]
+                if starts[i]:
+                    old_k, old_v = cache.layer_kv(index, prefixes[i].blocks, starts[i])
+                    keys = torch.cat([old_k.unsqueeze(0), keys], dim=2)
+                    values = torch.cat([old_v.unsqueeze(0), values], dim=2)
+                outs.append(bi.attend_rows(q[:, :, a:b], keys.contiguous(), values.contiguous(),
+                                           attn.scaling, starts[i]))
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
             if index + 1 == self.accept_hidden_layer:
