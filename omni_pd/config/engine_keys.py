@@ -138,6 +138,7 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset({
     "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames",
     "code2wav_kernels", "attention_kernels",
     "distributed_executor_backend",  # mp: a local worker process; ray: a Ray actor
+    "enable_prefix_caching",  # the thinker engines' prefix cache (default on)
 })
 
 _WHY_UNUSED: dict[str, str] = {
@@ -152,7 +153,6 @@ _WHY_UNUSED: dict[str, str] = {
     "scheduler_cls": "vllm-omni's scheduler; omni-pd's engine schedules itself",
     "async_scheduling": "vllm-omni's scheduler; omni-pd's engine schedules itself",
     "trust_remote_code": "remote model code; omni-pd builds the model classes it knows",
-    "enable_prefix_caching": "not implemented by the hf engine",
     "enable_chunked_prefill": "not implemented by the hf engine",
     "mm_processor_cache_gb": "vLLM's multimodal processor cache",
     "custom_process_next_stage_input_func": "given to the stages this one feeds as their "

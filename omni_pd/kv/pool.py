@@ -5,6 +5,12 @@ so a descriptor needs only the base address and block ids. Allocation prefers th
 run of consecutive free blocks, so a request's blocks are usually adjacent and its transfer
 coalesces into one segment.
 
+Blocks are reference counted: `allocate` hands out blocks held once, `hold` adds a holder (two
+requests that share a cached prompt prefix, a published lease), `free` lets go of one, and a
+block is free again when its last holder lets go. A `keeper` (the hf engines' prefix cache) may
+keep a block nobody holds instead: it then stays out of the free list, counts as available, and
+is given up (evicted) when an allocation finds too few free blocks.
+
 A `shared` pool lives in an anonymous shared-memory file (`memfd_create`) that another process of
 the same user on the same host maps through ``/proc/<pid>/fd/<fd>`` (`shm_path`): the same-host
 KV path. It has no name in /dev/shm, so nothing is left behind when the process dies.
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +28,17 @@ from .errors import PoolExhausted
 from .layout import BlockLayout, pack_blocks, unpack_blocks
 
 _ALIGN = 64
+
+
+class BlockKeeper(Protocol):
+    """Keeps blocks nobody holds, until an allocation needs them (see the module doc)."""
+
+    def keeps(self, block: int) -> bool: ...  # whether to keep this block once nobody holds it
+    def kept(self, block: int) -> None: ...  # it is now kept (nobody holds it)
+    def taken(self, block: int) -> None: ...  # a kept block is held again
+    def evict(self, count: int) -> list[int]: ...  # give up to `count` kept blocks back
+    @property
+    def num_kept(self) -> int: ...
 
 
 class BlockPool:
@@ -48,20 +65,28 @@ class BlockPool:
         self._blocks = self._storage[offset:offset + self.nbytes].view(num_blocks, self.block_bytes)
         self.base_address = self._blocks.data_ptr()
         self._free = np.ones(num_blocks, dtype=bool)
+        self._refs = np.zeros(num_blocks, dtype=np.int64)  # holders per block
+        self.keeper: BlockKeeper | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return int(self._free.sum())
+        """Blocks an allocation can have: free ones, and those a keeper would give up."""
+        return int(self._free.sum()) + (self.keeper.num_kept if self.keeper else 0)
 
     @property
     def num_used(self) -> int:
+        """Blocks somebody holds."""
         return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int]:
         if n < 1:
             raise ValueError(f"allocate needs n >= 1, got {n}")
         free = self.num_free
+        short = n - int(self._free.sum())
+        if short > 0 and self.keeper is not None and n <= free:
+            evicted = self.keeper.evict(short)
+            self._free[evicted] = True
         if n > free:
             raise PoolExhausted(
                 f"KV block pool exhausted: {n} blocks requested, {free} of {self.num_blocks} free "
@@ -71,7 +96,20 @@ class BlockPool:
         ids = list(range(start, start + n)) if start is not None \
             else np.flatnonzero(self._free)[:n].tolist()
         self._free[ids] = False
+        self._refs[ids] = 1
         return ids
+
+    def hold(self, ids: Iterable[int]) -> None:
+        """One more holder for each block: held ones, or kept ones (the keeper is told)."""
+        ids = list(ids)
+        self._check_ids(ids)
+        loose = [i for i in ids if self._free[i]]
+        if loose:
+            raise ValueError(f"hold of free KV blocks {loose}")
+        for i in ids:
+            if self._refs[i] == 0:
+                self.keeper.taken(i)
+            self._refs[i] += 1
 
     def _first_run(self, n: int) -> int | None:
         """Lowest start index of n consecutive free blocks, or None."""
@@ -86,11 +124,21 @@ class BlockPool:
         self._check_ids(ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"free: block ids repeated in {ids}")
-        already = [i for i in ids if self._free[i]]
+        already = [i for i in ids if self._refs[i] == 0]
         if already:
             # Validate everything before touching state, so a bad call frees nothing.
             raise ValueError(f"double free of KV blocks {already}: they are not allocated")
-        self._free[ids] = True
+        for i in ids:
+            self._refs[i] -= 1
+            if self._refs[i]:
+                continue
+            if self.keeper is not None and self.keeper.keeps(i):
+                self.keeper.kept(i)
+            else:
+                self._free[i] = True
+
+    def holders(self, i: int) -> int:
+        return int(self._refs[i])
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.num_blocks]

@@ -19,12 +19,15 @@ from ...kv.errors import PoolExhausted
 from ...kv.handoff import checksum
 from ...kv.layout import BlockLayout
 from ...kv.pool import BlockPool
+from .prefix_cache import PrefixCache
 
 
 class PagedKVCache:
-    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False):
+    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False,
+                 prefix_caching: bool = False):
         """`shared`: the pool in shared memory a decode process on this host can map (the
-        prefill leg's, for the same-host KV path)."""
+        prefill leg's, for the same-host KV path). `prefix_caching`: full prompt blocks are
+        named by their content and kept after use (`prefix`, see prefix_cache.py)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
             raise ValueError(f"the paged cache stores fused token-major blocks, not {layout.kv_split} "
                              f"{layout.order}")
@@ -34,9 +37,11 @@ class PagedKVCache:
         self.pool = BlockPool(layout, num_blocks, shared=shared)
         self.data = self.pool.typed_blocks().view(num_blocks, layout.block_size, layout.num_layers,
                                                   2, layout.num_kv_heads, layout.head_dim)
+        self.prefix = PrefixCache(self.pool) if prefix_caching else None
 
     @property
     def num_free(self) -> int:
+        """Blocks an allocation can have (idle cached blocks are evicted for it)."""
         return self.pool.num_free
 
     @property
@@ -46,12 +51,14 @@ class PagedKVCache:
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 
-    def allocate(self, positions: int) -> list[int]:
-        needed = self.blocks_for(positions)
+    def allocate(self, positions: int, have: int = 0) -> list[int]:
+        """Blocks for `positions` positions of a request that holds `have` blocks already (its
+        cached prefix): the rest."""
+        needed = self.blocks_for(positions) - have
         if needed > self.pool.num_free:
             raise PoolExhausted(f"the thinker's KV cache has {self.pool.num_free} free blocks of "
                                 f"{self.block_size} tokens, {needed} needed for {positions} positions")
-        return self.pool.allocate(needed)
+        return self.pool.allocate(needed) if needed > 0 else []
 
     def release(self, blocks: list[int]) -> None:
         if blocks:
@@ -78,6 +85,14 @@ class PagedKVCache:
                 sums.append(checksum(self.pool.block_view(blocks[block])[:filled]))
             done += count
         return sums if checksums else None
+
+    def checksums(self, blocks: list[int], length: int) -> list[str]:
+        """Each block's checksum over its filled bytes, for positions `0 .. length`."""
+        sums = []
+        for index in range(self.blocks_for(length)):
+            filled = min(self.block_size, length - index * self.block_size) * self.layout.bytes_per_token
+            sums.append(checksum(self.pool.block_view(blocks[index])[:filled]))
+        return sums
 
     def read(self, blocks: list[int], length: int) -> torch.Tensor:
         """Positions `0 .. length` of a request as canonical KV `[layers, 2, kv_heads, length, hd]`."""

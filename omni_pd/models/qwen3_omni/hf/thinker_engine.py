@@ -39,7 +39,7 @@ from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, Think
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from .thinker import ThinkerRunner
-from .thinker_batch import BatchedThinkerDecoder, DecodeRow, PrefilledPrompt
+from .thinker_batch import BatchedThinkerDecoder, CachedPrefix, DecodeRow, PrefilledPrompt
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class ThinkerRequest:
     phase: Phase = Phase.WAITING
     kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
     blocks: list[int] = field(default_factory=list)
+    cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
     chunks: bool = False  # send ThinkerChunks (a talker runs alongside), not only token deltas
@@ -178,9 +179,19 @@ class _ThinkerEngine(StageEngine):
         self._stats = BatchStats()
         # Every thinker engine keeps its KV in a paged cache: the prefill leg publishes blocks of
         # it, the decode leg reads remote KV into it.
+        # Prefix caching: vLLM's key, on unless the file turns it off.
+        self.prefix_caching = args.enable_prefix_caching is not False
         self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks,
-                                  shared=self.shares_cache(stage_config))
+                                  shared=self.shares_cache(stage_config),
+                                  prefix_caching=self.prefix_caching)
         self.layout = self.cache.layout
+        # The accept-layer rows of cached prompt blocks (the talker reads them): kept beside the
+        # blocks, since a prompt prefilled over a cached prefix does not compute them again.
+        hidden = runner.text_config.hidden_size
+        self.cached_hidden = (torch.zeros((args.kv_pool_blocks, self.block_size, hidden),
+                                          dtype=next(runner.thinker.parameters()).dtype)
+                              if self.prefix_caching else None)
+        self.prefix_hit_tokens = self.prefix_query_tokens = 0
         # Batched passes: decode steps, and the prefill of text-only prompts (every role).
         self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
                                              args.attention_kernels)
@@ -189,8 +200,9 @@ class _ThinkerEngine(StageEngine):
                                          ("audio_token_id", "image_token_id", "video_token_id")
                                          if getattr(config, name, None) is not None)
         log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
-                 "of %d tokens", self.stage_id, self.max_num_seqs, self.max_num_batched_tokens,
-                 args.kv_pool_blocks, self.block_size)
+                 "of %d tokens, prefix caching %s", self.stage_id, self.max_num_seqs,
+                 self.max_num_batched_tokens, args.kv_pool_blocks, self.block_size,
+                 "on" if self.prefix_caching else "off")
 
     # ---- the request lifecycle ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
@@ -257,9 +269,14 @@ class _ThinkerEngine(StageEngine):
                 "thinker.kv_blocks_in_use": self.cache.num_used - self._blocks_lent()}
 
     def load(self) -> dict[str, int]:
-        return {"requests": len(self._requests), "waiting": len(self._waiting),
+        load = {"requests": len(self._requests), "waiting": len(self._waiting),
                 "free_kv_blocks": self.cache.num_free, "kv_blocks": self.cache.num_blocks,
                 "kv_block_size": self.cache.block_size}
+        if self.prefix_caching:  # counters since start: Prometheus derives the hit rate
+            load.update(prefix_cache_queries=self.prefix_query_tokens,
+                        prefix_cache_hits=self.prefix_hit_tokens,
+                        prefix_cached_blocks=self.cache.prefix.num_cached)
+        return load
 
     def _blocks_lent(self) -> int:
         """Cache blocks another owner holds now (the decode leg's KV reads)."""
@@ -308,13 +325,19 @@ class _ThinkerEngine(StageEngine):
         admitted: list[ThinkerRequest] = []
         while self._waiting and len(admitted) < slots:
             request = self._requests[self._waiting[0]]
+            cached = self._match_prefix(request)
             # A remote prompt's KV arrives by transfer: admitting it computes no token.
-            cost = request.prompt_len if request.prefills_here else 1
-            if cost > budget or not self._can_start(request):
-                break  # oldest first: a long prompt is not overtaken
-            if self.cache.blocks_for(request.prompt_len + request.params.max_tokens) > self.cache.num_free:
+            cost = request.prompt_len - len(cached) * self.block_size if request.prefills_here else 1
+            positions = request.prompt_len + request.params.max_tokens
+            if (cost > budget or not self._can_start(request)
+                    or self.cache.blocks_for(positions) - len(cached) > self.cache.num_free):
+                self.cache.release(cached)  # oldest first: a long prompt is not overtaken
                 break
-            request.blocks = self.cache.allocate(request.prompt_len + request.params.max_tokens)
+            request.blocks = cached + self.cache.allocate(positions, have=len(cached))
+            request.cached_len = len(cached) * self.block_size
+            if self.prefix_caching and request.prefills_here and self._batchable(request):
+                self.prefix_query_tokens += request.prompt_len
+                self.prefix_hit_tokens += request.cached_len
             self._waiting.popleft()
             request.phase = Phase.RUNNING  # until its start says otherwise (fetching)
             budget -= cost
@@ -323,6 +346,29 @@ class _ThinkerEngine(StageEngine):
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         raise NotImplementedError
+
+    def _match_prefix(self, request: ThinkerRequest) -> list[int]:
+        """The cached blocks holding the longest prefix of a prompt this engine prefills, held
+        for it now; none without prefix caching, and none for prompts with audio (their prefill
+        runs through transformers' own forward, whose rows depend on the prompt's length). The
+        last prompt position is always computed: its logits give the first token."""
+        if not (self.prefix_caching and request.prefills_here and self._batchable(request)):
+            return []
+        return self.cache.prefix.match(request.prompt.prompt_token_ids, limit=request.prompt_len - 1)
+
+    def _prefix(self, request: ThinkerRequest) -> CachedPrefix | None:
+        return CachedPrefix(request.cached_len, request.blocks) if request.cached_len else None
+
+    def _cache_prompt(self, request: ThinkerRequest, pre: Prefilled) -> None:
+        """Name the prompt's full blocks for later prompts, with their accept-layer rows."""
+        if not (self.prefix_caching and self._batchable(request)):
+            return
+        ids = request.prompt.prompt_token_ids
+        full = len(ids) // self.block_size
+        for index in range(request.cached_len // self.block_size, full):
+            rows = pre.prompt_hidden[index * self.block_size:(index + 1) * self.block_size]
+            self.cached_hidden[request.blocks[index]] = rows
+        self.cache.prefix.register(request.blocks[:full], ids)
 
     def _batchable(self, request: ThinkerRequest) -> bool:
         """Text only: the batched pass has no audio encoder and no multimodal rotary."""
@@ -337,7 +383,8 @@ class _ThinkerEngine(StageEngine):
             return
         began = time.perf_counter()
         try:
-            results = self.decoder.prefill([r.prompt.prompt_token_ids for r in requests])
+            results = self.decoder.prefill([r.prompt.prompt_token_ids for r in requests],
+                                           [self._prefix(r) for r in requests], self.cache)
         except Exception:  # noqa: BLE001 - retried per request at its start
             log.debug("stage %d: batched prefill of %d prompts failed; each runs alone", self.stage_id,
                       len(requests), exc_info=True)
@@ -354,7 +401,15 @@ class _ThinkerEngine(StageEngine):
                           elapsed_ms: float) -> Prefilled:
         first = sample_next_token(result.logits, request.params, step=0,
                                   seen_token_ids=request.prompt.prompt_token_ids)
-        return Prefilled(result.kv, first, 0, result.embeds, result.hidden, elapsed_ms)
+        embeds, hidden = result.embeds, result.hidden
+        if request.cached_len:
+            # The cached positions' rows: layer 0 is the embedding table's (a lookup, exact), the
+            # accept layer's were kept beside their blocks.
+            ids = torch.tensor(request.prompt.prompt_token_ids[:request.cached_len], dtype=torch.long)
+            embeds = torch.cat([self.runner.thinker.get_input_embeddings()(ids), embeds])
+            kept = self.cached_hidden[request.blocks[:request.cached_len // self.block_size]]
+            hidden = torch.cat([kept.flatten(0, 1), hidden])
+        return Prefilled(result.kv, first, 0, embeds, hidden, elapsed_ms)
 
     def _prefill(self, request: ThinkerRequest) -> Prefilled:
         """The request's prefill: its share of the step's batched pass, or run now (alone
@@ -364,7 +419,8 @@ class _ThinkerEngine(StageEngine):
             return pre
         began = time.perf_counter()
         if self._batchable(request):
-            [result] = self.decoder.prefill([request.prompt.prompt_token_ids])
+            [result] = self.decoder.prefill([request.prompt.prompt_token_ids],
+                                            [self._prefix(request)], self.cache)
             return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
         run = self.runner.prefill(request.prompt, request.params)
         return Prefilled(cache_to_canonical(run.cache), run.first_token, run.rope_deltas,
@@ -373,7 +429,8 @@ class _ThinkerEngine(StageEngine):
     def _prefill_here(self, request: ThinkerRequest) -> list[StepOutput]:
         """Prefill the prompt into the request's blocks and take its first token."""
         pre = self._prefill(request)
-        self.cache.write(request.blocks, 0, pre.kv)
+        self.cache.write(request.blocks, request.cached_len, pre.kv)
+        self._cache_prompt(request, pre)
         request.rope_deltas = pre.rope_deltas
         request.prompt_embeds, request.prompt_hidden = pre.prompt_embeds, pre.prompt_hidden
         request.metrics["prefill_ms"] = pre.prefill_ms
@@ -448,7 +505,8 @@ class _ThinkerEngine(StageEngine):
             token_ids=list(request.tokens), text=self.runner.detokenize(request.tokens, request.params),
             finish_reason=reason, prompt_embeds=request.prompt_embeds,
             prompt_hidden=request.prompt_hidden, output_embeds=embeds, output_hidden=hidden,
-            output_start=request.prompt_len, metrics=dict(request.metrics))
+            output_start=request.prompt_len,
+            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len})
 
 
 class HfThinkerEngine(_ThinkerEngine):
@@ -495,8 +553,12 @@ class HfPrefillEngine(_ThinkerEngine):
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         transfer_id = request.params.kv_transfer_params["transfer_id"]
         pre = self._prefill(request)
-        # Checksummed block by block as written (each still in cache): no second pass at publish.
-        sums = self.cache.write(request.blocks, 0, pre.kv, checksums=True)
+        if request.cached_len:  # the cached blocks are checksummed where they lie
+            self.cache.write(request.blocks, request.cached_len, pre.kv)
+            sums = self.cache.checksums(request.blocks, request.prompt_len)
+        else:  # block by block as written (each still in cache): no second pass at publish
+            sums = self.cache.write(request.blocks, 0, pre.kv, checksums=True)
+        self._cache_prompt(request, pre)
         prompt_blocks = self.cache.blocks_for(request.prompt_len)
         descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
                                                 request.prompt_len, checksums=sums)
@@ -519,7 +581,8 @@ class HfPrefillEngine(_ThinkerEngine):
             token_ids=[pre.first_token], text="", finish_reason="length",
             prompt_embeds=pre.prompt_embeds, prompt_hidden=pre.prompt_hidden,
             output_start=request.prompt_len, kv_transfer_params=out_params,
-            metrics={"first_token_ms": request.elapsed_ms(), "prefill_ms": pre.prefill_ms})
+            metrics={"first_token_ms": request.elapsed_ms(), "prefill_ms": pre.prefill_ms,
+                     "prefix_cached_tokens": request.cached_len})
         self._drop(request)
         return [StepOutput(request.request_id, finished=True, output=output)]
 

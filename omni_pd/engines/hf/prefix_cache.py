@@ -1,0 +1,145 @@
+"""Content-addressed full blocks of a paged KV cache: prefix caching.
+
+A full block of a prompt is named by a chained hash, as vLLM's `hash_block_tokens` names it: the
+parent block's hash, the block's token ids, and extra keys for what the tokens do not say (a
+hash of a multimodal input's content). So equal hashes mean equal prefixes up to and including
+the block. Where vLLM hashes the pickled (or CBOR) tuple with sha256, this uses xxh3-128 over a
+fixed byte encoding (parent hash, the ids as little-endian int64, the extra keys' bytes): the
+same chain, not the same numbers, so hashes are not exchanged with vLLM.
+
+A hash hit is still checked: the cache keeps each block's token ids and extra keys and reuses it
+only when they are equal too, so a collision can cost a recompute, never a wrong answer.
+
+The pool counts holders per block (`kv.pool.BlockPool`): a request holds each block it uses (its
+own and the cached ones it reuses), a published KV lease the blocks it lends. This cache is the
+pool's keeper: a named block that its last holder lets go stays in the cache, least recently
+used first in line for eviction, and an allocation that finds too few free blocks evicts from
+that line, so cached blocks never keep a request out.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from ...kv.pool import BlockPool
+
+ROOT_HASH = b"\0" * 16  # the parent of a prompt's first block
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    """The chained hash of one full block (see the module doc)."""
+    digest = xxhash.xxh3_128()
+    digest.update(parent)
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    digest.update(len(extra_keys).to_bytes(8, "little"))
+    digest.update(extra_keys)
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    hash: bytes
+    token_ids: tuple[int, ...]
+    extra_keys: bytes
+
+
+class PrefixCache:
+    """The hash table and the eviction line of one block pool, which it keeps blocks for."""
+
+    def __init__(self, pool: BlockPool,
+                 hash_fn: Callable[[bytes, Sequence[int], bytes], bytes] = block_hash):
+        self.pool = pool
+        self.block_size = pool.layout.block_size
+        self._hash = hash_fn  # a test may force collisions
+        self._entries: dict[int, _Entry] = {}  # named block -> what it holds
+        self._by_hash: dict[bytes, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody holds, LRU first
+        self.evictions = 0
+        pool.keeper = self
+
+    # ---- the pool's keeper ----------------------------------------------------------------------
+    def keeps(self, block: int) -> bool:
+        return block in self._entries
+
+    def kept(self, block: int) -> None:
+        self._idle[block] = None  # most recently used last
+
+    def taken(self, block: int) -> None:
+        del self._idle[block]
+
+    def evict(self, count: int) -> list[int]:
+        evicted = []
+        while self._idle and len(evicted) < count:
+            block, _ = self._idle.popitem(last=False)
+            self._forget(block)
+            evicted.append(block)
+        self.evictions += len(evicted)
+        return evicted
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._entries)
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def match(self, token_ids: Sequence[int], extra_keys: Sequence[bytes] = (),
+              limit: int | None = None) -> list[int]:
+        """The cached blocks that hold the longest prefix of `token_ids` in whole blocks (at most
+        `limit` tokens), each now held once more by the caller (who frees them as its own).
+        `extra_keys[i]`: block i's."""
+        size = self.block_size
+        count = min(len(token_ids), limit if limit is not None else len(token_ids)) // size
+        found: list[int] = []
+        parent = ROOT_HASH
+        for i in range(count):
+            ids = tuple(token_ids[i * size:(i + 1) * size])
+            extra = extra_keys[i] if i < len(extra_keys) else b""
+            digest = self._hash(parent, ids, extra)
+            block = self._by_hash.get(digest)
+            entry = self._entries.get(block) if block is not None else None
+            if entry is None or entry.token_ids != ids or entry.extra_keys != extra:
+                break  # a miss, or a collision: never reuse a block for other tokens
+            found.append(block)
+            parent = digest
+        self.pool.hold(found)
+        return found
+
+    def register(self, blocks: Sequence[int], token_ids: Sequence[int],
+                 extra_keys: Sequence[bytes] = ()) -> int:
+        """Name the full blocks of a prompt written into `blocks` (its block table, from
+        position 0) by their hashes, so that later prompts can reuse them. A block whose hash
+        another block holds already keeps no name (both hold the same KV). Returns how many
+        blocks got a name."""
+        size, named = self.block_size, 0
+        parent = ROOT_HASH
+        for i in range(len(token_ids) // size):
+            ids = tuple(token_ids[i * size:(i + 1) * size])
+            extra = extra_keys[i] if i < len(extra_keys) else b""
+            digest = self._hash(parent, ids, extra)
+            block = blocks[i]
+            if block not in self._entries and digest not in self._by_hash:
+                self._entries[block] = _Entry(digest, ids, extra)
+                self._by_hash[digest] = block
+                named += 1
+            parent = digest
+        return named
+
+    def _forget(self, block: int) -> None:
+        entry = self._entries.pop(block)
+        if self._by_hash.get(entry.hash) == block:
+            del self._by_hash[entry.hash]
+
+    def check(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests and soak runs)."""
+        assert set(self._idle) <= set(self._entries), "an idle block has no name"
+        assert all(self.pool.holders(b) == 0 for b in self._idle), "an idle block is held"
+        assert all(self.pool.holders(b) > 0 for b in set(self._entries) - set(self._idle)), \
+            "a named block is neither held nor idle"
+        assert all(self._entries[b].hash == h for h, b in self._by_hash.items()), "hash table"
