@@ -436,3 +436,36 @@ def test_deadline_is_a_504_and_a_dead_stage_comes_back():
         assert "restarting it in" in srv.log_text()  # the WARNING a deployer sees
     finally:
         srv.stop()
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, non-streamed and streamed, and the
+    prefix cache counters on /metrics."""
+    system = {"role": "system", "content": "You are a patient teacher of geography. " * 4}
+    first = [system, {"role": "user", "content": "Name a river."}]
+    second = first + [{"role": "assistant", "content": "The Nile."},
+                      {"role": "user", "content": "And a mountain?"}]
+    cold = server.client.chat.completions.create(model=MODEL, messages=first, max_tokens=4)
+    assert cold.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    warm = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=4)
+    # The system prompt and the first turn, in whole 16-token blocks, came from the cache.
+    assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 16
+    assert warm.usage.prompt_tokens_details.cached_tokens < warm.usage.prompt_tokens
+    stream = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=4,
+                                                   stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens >= \
+        warm.usage.prompt_tokens_details.cached_tokens
+
+    def total(name: str, text: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(f"{name}{{"))
+
+    def scraped_with_hits() -> str | None:
+        text = httpx.get(f"{server.base}/metrics").text
+        return text if total("omni_pd_prefix_cache_hits_total", text) > 0 else None
+
+    # The engines' counters reach /metrics with their heartbeats (every 0.5 s).
+    text = wait_for(scraped_with_hits, 10, "the prefix cache hits on /metrics")
+    assert total("omni_pd_prefix_cache_queries_total", text) >= \
+        total("omni_pd_prefix_cache_hits_total", text) > 0

@@ -900,6 +900,12 @@ class AsyncOmni:
             if key in text.metrics:
                 metrics[key] = text.metrics[key]
         metrics["replicas"] = {str(k): a.index for k, a in sorted(state.replicas.items())}
+        # Prompt tokens whose KV came from a prefix cache rather than being computed (the leg
+        # that prefilled: colocated, the prefill leg, or the decode leg's local fallback).
+        metrics["prefix_cached_tokens"] = max(
+            (o.metrics.get("prefix_cached_tokens", 0) for k, o in state.outputs.items()
+             if self.stages[k].model_stage == self.pipeline.text_model_stage
+             and isinstance(getattr(o, "metrics", None), dict)), default=0)
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = text.num_cached_prompt_tokens
             metrics["kv_fallback"] = state.local_prefill

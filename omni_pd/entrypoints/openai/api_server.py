@@ -454,10 +454,14 @@ async def _holding(slot: Slot, events: AsyncIterator[str]) -> AsyncIterator[str]
         slot.release()
 
 
-def _usage(output) -> dict[str, int]:
+def _usage(output) -> dict[str, Any]:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt tokens whose KV
+    came from the prefix cache."""
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": int(output.metrics.get("prefix_cached_tokens", 0))}}
 
 
 def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:

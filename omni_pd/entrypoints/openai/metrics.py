@@ -57,6 +57,14 @@ class ServerMetrics:
         self.stage_load = Gauge("omni_pd_stage_load",
                                 "Requests in flight on a stage replica (routed, not finished)",
                                 ["stage", "replica"], registry=self.registry)
+        # Prefix caching (vLLM's counter names): prompt tokens looked up and found cached, per
+        # stage replica; the hit rate is hits / queries.
+        self.prefix_queries = Counter("omni_pd_prefix_cache_queries",
+                                      "Prompt tokens looked up in a stage's prefix cache",
+                                      ["stage", "replica"], registry=self.registry)
+        self.prefix_hits = Counter("omni_pd_prefix_cache_hits",
+                                   "Prompt tokens found in a stage's prefix cache",
+                                   ["stage", "replica"], registry=self.registry)
         self._seen: dict[str, float] = {}  # the orchestrator's counts at the previous scrape
 
     def _advance(self, key: str, counter, value: float) -> None:
@@ -74,6 +82,11 @@ class ServerMetrics:
                 self._advance(f"routed:{label}:{k}",
                               self.stage_requests.labels(stage=label, replica=str(k)), load["routed"])
                 self.stage_load.labels(stage=label, replica=str(k)).set(load["in_flight"])
+                if "prefix_cache_queries" in load:
+                    self._advance(f"prefix_q:{label}:{k}", self.prefix_queries.labels(
+                        stage=label, replica=str(k)), load["prefix_cache_queries"])
+                    self._advance(f"prefix_h:{label}:{k}", self.prefix_hits.labels(
+                        stage=label, replica=str(k)), load["prefix_cache_hits"])
         handoff = report.get("kv_handoff")
         if handoff is not None:
             self.kv_breaker_open.set(0 if handoff["breaker"] == "closed" else 1)
