@@ -198,3 +198,32 @@ def _prompts_of(tokenizer, texts):
     return [ThinkerPrompt(tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                         add_generation_prompt=True, tokenize=True,
                                                         return_dict=False)) for t in texts]
+
+
+def test_engine_soak_500_turns_with_random_aborts_leaves_the_pool_consistent(runner, tiny_tokenizer):
+    """500 requests of growing conversations on a small pool (so cached blocks get evicted),
+    some aborted while waiting or running: afterwards nothing is held, the cache's bookkeeping
+    is consistent, and a last turn still equals caching off."""
+    rng = random.Random(7)
+    engine = _engine(runner, kv_pool_blocks=48, max_num_seqs=6)
+    conversations = [_conversation(tiny_tokenizer, 6) for _ in range(3)]
+    for c, turns in enumerate(conversations):  # distinct histories per conversation
+        for prompt in turns:
+            prompt.prompt_token_ids[3] = 48 + c
+    params = SamplingParams(temperature=0, max_tokens=2)
+    sent = 0
+    while sent < 500 or engine.has_unfinished_requests():
+        if sent < 500 and len(engine.request_ids()) < 8:
+            turns = conversations[rng.randrange(3)]
+            engine.add_request(f"s{sent}", turns[rng.randrange(len(turns))], params)
+            sent += 1
+        if engine.request_ids() and rng.random() < 0.1:
+            engine.abort_request(rng.choice(engine.request_ids()))
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            assert out.error is None, out.error
+    assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+    engine.cache.prefix.check()
+    assert engine.cache.prefix.evictions > 0 and engine.cache.num_free == 48
+    last = conversations[0][-1]
+    want = _one(_engine(runner, enable_prefix_caching=False), last, params, "u")
+    assert _identical(want, _one(engine, last, params, "end"))

@@ -129,6 +129,7 @@ class ThinkerRequest:
     kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
     blocks: list[int] = field(default_factory=list)
     cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
+    cacheable: bool = True  # False: its blocks neither come from nor go to the prefix cache
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
     chunks: bool = False  # send ThinkerChunks (a talker runs alongside), not only token deltas
@@ -192,6 +193,7 @@ class _ThinkerEngine(StageEngine):
                                           dtype=next(runner.thinker.parameters()).dtype)
                               if self.prefix_caching else None)
         self.prefix_hit_tokens = self.prefix_query_tokens = 0
+        self._fault_pending = False  # the prefill leg's fault injection (a test hook)
         # Batched passes: decode steps, and the prefill of text-only prompts (every role).
         self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
                                              args.attention_kernels)
@@ -325,6 +327,8 @@ class _ThinkerEngine(StageEngine):
         admitted: list[ThinkerRequest] = []
         while self._waiting and len(admitted) < slots:
             request = self._requests[self._waiting[0]]
+            if self._fault_pending:  # see HfPrefillEngine.inject_kv_fault
+                request.cacheable, self._fault_pending = False, False
             cached = self._match_prefix(request)
             # A remote prompt's KV arrives by transfer: admitting it computes no token.
             cost = request.prompt_len - len(cached) * self.block_size if request.prefills_here else 1
@@ -352,7 +356,8 @@ class _ThinkerEngine(StageEngine):
         for it now; none without prefix caching, and none for prompts with audio (their prefill
         runs through transformers' own forward, whose rows depend on the prompt's length). The
         last prompt position is always computed: its logits give the first token."""
-        if not (self.prefix_caching and request.prefills_here and self._batchable(request)):
+        if not (self.prefix_caching and request.prefills_here and self._batchable(request)
+                and request.cacheable):
             return []
         return self.cache.prefix.match(request.prompt.prompt_token_ids, limit=request.prompt_len - 1)
 
@@ -361,7 +366,7 @@ class _ThinkerEngine(StageEngine):
 
     def _cache_prompt(self, request: ThinkerRequest, pre: Prefilled) -> None:
         """Name the prompt's full blocks for later prompts, with their accept-layer rows."""
-        if not (self.prefix_caching and self._batchable(request)):
+        if not (self.prefix_caching and self._batchable(request) and request.cacheable):
             return
         ids = request.prompt.prompt_token_ids
         full = len(ids) // self.block_size
@@ -591,7 +596,11 @@ class HfPrefillEngine(_ThinkerEngine):
 
     def inject_kv_fault(self, block_index: int = 0, byte_offset: int = 3,
                         after_checksum: bool = False) -> None:
+        """Test hook: the next published request gets one flipped byte. Its blocks stay out of
+        the prefix cache both ways, so the flip corrupts that request alone, as a fault in
+        transit would, and not the cached prefix of the requests after it."""
         self.sender.inject_fault_once(block_index, byte_offset, after_checksum)
+        self._fault_pending = True
 
     def housekeeping(self) -> None:
         self.sender.expire_leases()
