@@ -76,3 +76,30 @@ def test_baseline_ratios_pair_rows_of_the_same_level():
     add_baseline_ratios(rows, {"1P1D": "colocated-2x"}, "concurrency")
     assert rows[1]["req_per_s_vs_baseline"] == 0.5 and rows[1]["goodput_vs_baseline"] == 0.75
     assert "baseline" not in rows[0] and "baseline" not in rows[2]  # no baseline row at c=8
+
+
+def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
+    from omni_pd.bench.multi_turn import add_uncached_ratios, conversation_turn, summarize_turns
+    from omni_pd.bench.serve import _resolve_config
+
+    def record(ttft, cached):
+        return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=2 * ttft, e2e_s=1.0, output_tokens=3,
+                             text="hi", cached_tokens=cached)
+    on = summarize_turns("tiny", [[(record(0.1, 0), 100)], [(record(0.02, 96), 180)]])
+    off = summarize_turns("tiny@prefix_caching=false", [[(record(0.1, 0), 100)],
+                                                       [(record(0.08, 0), 180)]])
+    rows = on + off
+    add_uncached_ratios(rows, {"tiny": "tiny@prefix_caching=false"})
+    assert [r["turn"] for r in on] == [1, 2] and on[1]["cached_tokens_mean"] == 96
+    assert on[1]["ttft_vs_uncached"] == pytest.approx(0.25) and "ttft_vs_uncached" not in off[0]
+    history = conversation_turn([{"role": "system", "content": "s"}], 0)
+    assert [m["role"] for m in history] == ["system", "user"]
+    # The override that makes the uncached twin: every thinker stage, nothing else.
+    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@prefix_caching=false",
+                                  tmp_path)
+    assert label == "qwen3_omni_tiny_pd@prefix_caching=false"
+    stages = load_pipeline_config(path).stages
+    assert [s.engine_args.enable_prefix_caching for s in stages if s.model_stage == "thinker"] == \
+        [False, False]
+    assert all(s.engine_args.enable_prefix_caching is None for s in stages
+               if s.model_stage != "thinker")

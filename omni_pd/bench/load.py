@@ -44,8 +44,9 @@ def delta_audio_data(delta: Any) -> str | None:
     return data or None
 
 
-async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> RequestRecord:
-    """One streaming request. TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
+async def stream_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int
+                     ) -> RequestRecord:
+    """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
     with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
     output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
     A request that raises is an error (`ok` False); a server that fails a request mid-stream
@@ -55,11 +56,13 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
     sent = time.perf_counter()
     ttft = ttfa = None
     content_times: list[float] = []
-    usage_tokens = None
+    usage_tokens = cached_tokens = None
     finish_reason = None
+    pieces: list[str] = []
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            model=model, messages=messages, max_tokens=max_tokens,
             modalities=["text", "audio"], audio={"voice": VOICE, "format": "pcm16"},
             stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
@@ -67,6 +70,9 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
             usage = getattr(chunk, "usage", None)
             if usage is not None and getattr(usage, "completion_tokens", None) is not None:
                 usage_tokens = int(usage.completion_tokens)
+                details = getattr(usage, "prompt_tokens_details", None)
+                if getattr(details, "cached_tokens", None) is not None:
+                    cached_tokens = int(details.cached_tokens)
             if not chunk.choices:
                 continue
             finish_reason = chunk.choices[0].finish_reason or finish_reason
@@ -74,6 +80,7 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
             if delta is None:
                 continue
             if delta.content:
+                pieces.append(delta.content)
                 content_times.append(now)
                 if ttft is None:
                     ttft = now - sent
@@ -88,7 +95,8 @@ async def stream_one(client: Any, model: str, prompt: str, max_tokens: int) -> R
     return RequestRecord(
         ok=True, no_speech=ttfa is None, ttft_s=ttft, ttfa_s=ttfa, e2e_s=ended - sent,
         itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
-        output_tokens=usage_tokens if usage_tokens is not None else len(content_times))
+        output_tokens=usage_tokens if usage_tokens is not None else len(content_times),
+        text="".join(pieces), cached_tokens=cached_tokens)
 
 
 async def run_level(client: Any, model: str, concurrency: int, num_requests: int, max_tokens: int,

@@ -59,10 +59,11 @@ def _clean(value: Any) -> Any:
 
 
 def write_json(path: str | Path, meta: dict, results: list[dict],
-               open_loop: list[dict] | None = None) -> None:
+               open_loop: list[dict] | None = None, multi_turn: list[dict] | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {**meta, "results": results, **({"open_loop": open_loop} if open_loop else {})}
+    body = {**meta, "results": results, **({"open_loop": open_loop} if open_loop else {}),
+            **({"multi_turn": multi_turn} if multi_turn else {})}
     with open(path, "w") as handle:
         json.dump(_clean(body), handle, indent=2, allow_nan=False)
         handle.write("\n")
@@ -113,6 +114,22 @@ def format_open_loop_table(rows: list[dict]) -> str:
         ("e2e p50", "e2e_ms_p50", 1), ("e2e p99", "e2e_ms_p99", 1),
     ]
     return _grid(rows, columns + _extra_columns(rows))
+
+
+def format_multi_turn_table(rows: list[dict]) -> str:
+    """One row per (config, turn): TTFT / TTFA percentiles, prompt size, cached prompt tokens,
+    and against the same config with prefix caching off."""
+    columns: list[tuple[str, str, int]] = [
+        ("config", "config", 0), ("turn", "turn", 0), ("n", "num_requests", 0),
+        ("err", "errors", 0), ("prompt chars", "prompt_chars_mean", 0),
+        ("cached tokens", "cached_tokens_mean", 0),
+        ("ttft p50", "ttft_ms_p50", 1), ("ttft p99", "ttft_ms_p99", 1),
+        ("ttfa p50", "ttfa_ms_p50", 1), ("ttfa p99", "ttfa_ms_p99", 1),
+    ]
+    if any(row.get("ttft_vs_uncached") is not None for row in rows):
+        columns += [("ttft vs uncached", "ttft_vs_uncached", 2),
+                    ("ttfa vs uncached", "ttfa_vs_uncached", 2)]
+    return _grid(rows, columns)
 
 
 def format_table(results: list[dict]) -> str:

@@ -15,6 +15,10 @@ capacity does; a rate written `N%` is that share of the config's capacity as mea
 closed-loop levels in the same run (its best req/s). With `--slo-ttft-ms` / `--slo-ttfa-ms` each
 level reports goodput: requests per second within the SLOs.
 
+`--multi-turn K` runs conversations of K turns instead of the levels (each turn sends the whole
+history after a long system prompt) and reports TTFT and TTFA per turn; by default on the two
+default configs with prefix caching on and off (`PATH@prefix_caching=false`), side by side.
+
 `--xpyd 1P1D,1P2D,2P2D` benchmarks, in one run, each P/D layout against the fair baseline: the
 colocated pipeline with as many thinker replicas as the layout has thinker workers (x + y),
 behind the same router, on the same machine.
@@ -90,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the P/D stage YAML the layouts are made from")
     parser.add_argument("--xpyd-colocated-config", default=str(DEFAULT_CONFIGS[0]),
                         help="the colocated stage YAML the baselines are made from")
+    parser.add_argument("--multi-turn", type=int, default=None, metavar="K",
+                        help="run conversations of K turns (the whole history each turn, after a "
+                             "long system prompt) instead of the concurrency levels; default "
+                             "configs: the two defaults with prefix caching on and off")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="conversations per config with --multi-turn, one after another "
+                             "(default 4; --quick: 2)")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="set ignore_eos in every stage's default_sampling_params of the served "
@@ -148,6 +159,11 @@ def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise SystemExit(f"error: a config override is KEY=VALUE, got {override!r} in {text!r}")
+        if key == "prefix_caching":  # every thinker stage's enable_prefix_caching
+            for stage in data.get("stage_args", []):
+                if stage.get("engine_args", {}).get("model_stage") == "thinker":
+                    stage["engine_args"]["enable_prefix_caching"] = bool(yaml.safe_load(value))
+            continue
         data[key] = yaml.safe_load(value)
     if ignore_eos:
         stages = data.get("stage_args") if isinstance(data, dict) else None
@@ -270,9 +286,9 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
 
 async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
                         args: argparse.Namespace, num_requests: int | None,
-                        errors: dict[str, list[str]]) -> tuple[str, list[dict], list[dict]]:
+                        errors: dict[str, list[str]]) -> tuple[str, list[dict], list[dict], list[dict]]:
     """Every level against one server; returns the model name used, one row per closed-loop
-    level and one per open-loop rate."""
+    level, one per open-loop rate, and (--multi-turn) one per turn."""
     import openai
     from tqdm import tqdm
 
@@ -283,12 +299,27 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
     client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1",
                                 api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
                                 max_retries=0, timeout=args.request_timeout)
-    rows, open_rows = [], []
+    rows, open_rows, turn_rows = [], [], []
     slos = {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
     try:
         if model is None:
             listed = await client.models.list()
             model = listed.data[0].id
+        if args.multi_turn:
+            from .multi_turn import run_conversations, summarize_turns
+            for i in range(args.warmup):
+                await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+            count = args.conversations or (2 if args.quick else 4)
+            with tqdm(total=count * args.multi_turn, desc=f"{label} {args.multi_turn} turns",
+                      unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+                by_turn = await run_conversations(client, model, args.multi_turn, count,
+                                                  args.max_tokens,
+                                                  on_done=lambda _r, bar=bar: bar.update(1))
+            failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
+            if failures:
+                errors[f"{label} multi-turn"] = failures
+            turn_rows = summarize_turns(label, by_turn)
+            levels = []  # conversations instead of the levels
         for concurrency in levels:
             n = requests_per_level(num_requests, concurrency)
             for i in range(args.warmup):
@@ -339,7 +370,7 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
                               **summarize_level(records, wall_s, **slos)})
     finally:
         await client.close()
-    return model, rows, open_rows
+    return model, rows, open_rows, turn_rows
 
 
 def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: str) -> None:
@@ -371,8 +402,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    from .report import (cpu_count, format_open_loop_table, format_table, print_errors,
-                         run_metadata, write_json, write_plot)
+    from .report import (cpu_count, format_multi_turn_table, format_open_loop_table,
+                         format_table, print_errors, run_metadata, write_json, write_plot)
     from .server import ServerProcess, ServerStartError, health_status
     from .stats import add_ratios
 
@@ -408,13 +439,17 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                    for label, path, _ in made]
         baselines = {label: base for label, _, base in made if base}
     else:
+        defaults = [str(p) for p in DEFAULT_CONFIGS]
+        if args.multi_turn:  # each default with the prefix cache on, then off
+            defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
         resolved = [_resolve_config(p, scratch, args.ignore_eos) for p in
-                    (args.configs.split(",") if args.configs else [str(p) for p in DEFAULT_CONFIGS])
+                    (args.configs.split(",") if args.configs else defaults)
                     if p.strip()]
         targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
 
     results: list[dict] = []
     open_loop: list[dict] = []
+    multi_turn: list[dict] = []
     errors: dict[str, list[str]] = {}
     failures: list[str] = []
     model_used = args.model
@@ -426,10 +461,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                       f"{status or 'nothing'}, not 200", file=sys.stderr)
                 failures.append(f"{label}: the server is not ready")
                 continue
-            model_used, rows, open_rows = asyncio.run(_bench_target(
+            model_used, rows, open_rows, turn_rows = asyncio.run(_bench_target(
                 args.base_url, label, args.model, levels, args, num_requests, errors))
             results += rows
             open_loop += open_rows
+            multi_turn += turn_rows
             continue
         model_used = args.model or DEFAULT_MODEL
         server = ServerProcess(model_used, config, request_timeout_s=args.request_timeout,
@@ -443,10 +479,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
             failures.append(f"{label}: the server did not start")
             continue
         try:
-            _, rows, open_rows = asyncio.run(_bench_target(server.base_url, label, model_used,
-                                                           levels, args, num_requests, errors))
+            _, rows, open_rows, turn_rows = asyncio.run(_bench_target(
+                server.base_url, label, model_used, levels, args, num_requests, errors))
             results += rows
             open_loop += open_rows
+            multi_turn += turn_rows
         finally:
             status = server.stop()
         if status not in (0, -signal.SIGTERM):
@@ -456,6 +493,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     add_ratios(results)
     add_baseline_ratios(results, baselines, "concurrency")
     add_baseline_ratios(open_loop, baselines, "offered")
+    if multi_turn:
+        from .multi_turn import add_uncached_ratios
+        labels = {row["config"] for row in multi_turn}
+        add_uncached_ratios(multi_turn, {label: f"{label}@prefix_caching=false" for label in labels
+                                         if f"{label}@prefix_caching=false" in labels})
     if errors:
         print_errors(errors)
     if results:
@@ -463,6 +505,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     if open_loop:
         print()
         print(format_open_loop_table(open_loop))
+    if multi_turn:
+        print()
+        print(format_multi_turn_table(multi_turn))
     cores = cpu_count()
     meta = run_metadata(
         ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
@@ -472,11 +517,12 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         configs={label: (str(path) if path else None) for label, path in targets},
         request_timeout_s=args.request_timeout, server_env=server_env, failures=failures,
         request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_ttfa_ms=args.slo_ttfa_ms,
-        seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg)
+        seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg,
+        multi_turn=args.multi_turn, conversations=args.conversations)
     if args.json:
-        write_json(args.json, meta, results, open_loop)
+        write_json(args.json, meta, results, open_loop, multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and results:
         write_plot(args.plot, results, cores=cores, max_tokens=args.max_tokens)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 1 if failures or not results else 0
+    return 1 if failures or not (results or multi_turn) else 0

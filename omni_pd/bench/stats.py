@@ -37,6 +37,8 @@ class RequestRecord:
     e2e_s: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    text: str = ""  # the answer's text (a multi-turn conversation carries it on)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
 
 
 def _finite(value: float | None) -> float | None:

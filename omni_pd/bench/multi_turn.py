@@ -1,0 +1,79 @@
+"""Multi-turn conversations for `omni-pd bench serve --multi-turn K`.
+
+Each conversation starts from a long system prompt; every turn sends the whole history (the
+system prompt, the earlier user turns and the answers the server gave) plus a new user turn, as
+a voice client does. Conversations run one after another, so a turn's time to first token is its
+prefill and overheads, not queueing. The report gives, per turn index, TTFT and TTFA
+percentiles, the prompt length and the prompt tokens the server says it served from its prefix
+cache (`usage.prompt_tokens_details.cached_tokens`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from .load import stream_one
+from .stats import RequestRecord, percentiles_ms, ratio
+
+# About 1,700 characters: with the tiny model's byte-level tokenizer, as many prompt tokens.
+SYSTEM_PROMPT = ("You are a calm, friendly voice assistant for travellers. Answer in one or two "
+                 "short sentences, plainly, without lists or markup, and ask back when a question "
+                 "is unclear. ") * 9
+USER_TURNS = ("Where should I go first in Lisbon?", "And how do I get there from the airport?",
+              "Is it safe to walk there at night?", "What should I eat nearby?",
+              "How much does that usually cost?", "Can you say that again more slowly?",
+              "What is the weather like in spring?", "Thank you, one last question: trams?")
+
+
+def conversation_turn(history: list[dict], turn: int) -> list[dict]:
+    return history + [{"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]}]
+
+
+async def run_conversations(client: Any, model: str, turns: int, conversations: int,
+                            max_tokens: int, system_prompt: str = SYSTEM_PROMPT,
+                            on_done: Callable[[RequestRecord], None] | None = None
+                            ) -> list[list[tuple[RequestRecord, int]]]:
+    """`conversations` conversations of `turns` turns, one after another: per turn index, each
+    conversation's (record, prompt characters). A conversation whose turn fails stops there."""
+    by_turn: list[list[tuple[RequestRecord, int]]] = [[] for _ in range(turns)]
+    for number in range(conversations):
+        # A conversation of its own: its first words differ, so nothing but its own history
+        # (and the shared system prompt) can be cached for it.
+        history = [{"role": "system", "content": f"Conversation {number}. {system_prompt}"}]
+        for turn in range(turns):
+            messages = conversation_turn(history, turn)
+            record = await stream_one(client, model, messages, max_tokens)
+            by_turn[turn].append((record, sum(len(m["content"]) for m in messages)))
+            if on_done:
+                on_done(record)
+            if not record.ok:
+                break
+            history = messages + [{"role": "assistant", "content": record.text}]
+    return by_turn
+
+
+def summarize_turns(config: str, by_turn: Sequence[Sequence[tuple[RequestRecord, int]]]
+                    ) -> list[dict]:
+    rows = []
+    for turn, entries in enumerate(by_turn):
+        done = [r for r, _ in entries if r.ok]
+        row: dict = {"config": config, "turn": turn + 1, "num_requests": len(entries),
+                     "errors": len(entries) - len(done)}
+        row["ttft_ms_p50"], row["ttft_ms_p99"] = percentiles_ms([r.ttft_s for r in done])
+        row["ttfa_ms_p50"], row["ttfa_ms_p99"] = percentiles_ms(
+            [r.ttfa_s for r in done if not r.no_speech])
+        row["prompt_chars_mean"] = (sum(c for r, c in entries if r.ok) / len(done)) if done else None
+        cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
+        row["cached_tokens_mean"] = sum(cached) / len(cached) if cached else None
+        rows.append(row)
+    return rows
+
+
+def add_uncached_ratios(rows: list[dict], pairs: dict[str, str]) -> None:
+    """`ttft_vs_uncached` / `ttfa_vs_uncached`: a config's p50 against the same config with
+    prefix caching off (`pairs`: cached label -> uncached label), at the same turn."""
+    by_key = {(r["config"], r["turn"]): r for r in rows}
+    for row in rows:
+        base = by_key.get((pairs.get(row["config"]), row["turn"]))
+        if base is not None:
+            row["ttft_vs_uncached"] = ratio(row["ttft_ms_p50"], base["ttft_ms_p50"])
+            row["ttfa_vs_uncached"] = ratio(row["ttfa_ms_p50"], base["ttfa_ms_p50"])
