@@ -1,7 +1,7 @@
 """Prefix caching through the whole pipeline: the turns of a conversation, each resending the
 history, equal the same turns with caching off byte for byte (tokens, talker inputs, codec codes,
-audio), colocated and P/D, streamed between stages and not, alone and all at once; and the
-later turns really reuse the history's blocks."""
+audio), colocated and P/D, streamed between stages and not, alone and all at once; the later
+turns really reuse the history's blocks, and in P/D only the blocks the decode side lacks move."""
 from __future__ import annotations
 
 import asyncio
@@ -63,6 +63,11 @@ def _turns(count: int) -> list[list[dict]]:
 _want: dict[int, object] = {}
 
 
+def _bytes_per_token(omni) -> int:
+    text = omni.model_config.thinker_config.text_config
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
+
+
 def _reference_turn(reference, turn: int, messages):
     if turn not in _want:
         _want[turn] = reference.generate([messages])[0]
@@ -80,7 +85,14 @@ def test_each_turn_equals_the_uncached_pipeline_and_reuses_the_history(reference
         if turn == 0:
             assert hit % 16 == 0  # whatever earlier tests left cached, in whole blocks
         else:  # the system prompt and the earlier turns came from the cache
-            assert hit >= len(_reference_turn(reference, turn - 1, turns[turn - 1]).prompt_token_ids) - 16
+            before = len(_reference_turn(reference, turn - 1, turns[turn - 1]).prompt_token_ids)
+            assert hit >= before - 16
+            if cached.pd_pair:  # and the decode side held them: only the rest moved
+                reused = got.metrics["kv_reused_tokens"]
+                assert reused >= before - 16
+                moved = got.metrics["kv_bytes_transferred"]
+                assert moved == (len(got.prompt_token_ids) - reused) * _bytes_per_token(cached)
+                assert got.metrics["kv_bytes_reused"] == reused * _bytes_per_token(cached)
 
 
 def test_turns_all_at_once_equal_the_uncached_pipeline(reference, cached):

@@ -72,6 +72,11 @@ def decode(runner):
 @pytest.fixture
 def clean(decode, prefill):
     yield
+    # A failed read's blocks stay quarantined until Mooncake ends it: reclaim until then.
+    deadline = time.monotonic() + 10
+    while decode.debug_state_counts()["kv_quarantined_blocks"] and time.monotonic() < deadline:
+        decode.housekeeping()
+        time.sleep(0.01)  # polling a condition under a deadline
     assert decode.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
                                            "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     assert prefill.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
@@ -230,13 +235,24 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
 
 
 def test_corrupted_kv_is_refused_with_integrity_error(decode, prefill, tiny_tokenizer, clean):
-    prompt = _prompts(tiny_tokenizer)[1]
+    # A prompt neither side has cached: the decode side must fetch its first block.
+    prompt = ThinkerPrompt(list(_prompts(tiny_tokenizer)[1].prompt_token_ids) + [42] * 20)
+    prompt.prompt_token_ids[2] = 77
     params, transfer_id = _handoff(prefill, "bad", prompt, _params(0))
     block = params.kv_transfer_params["remote_block_ids"][0]
     prefill.sender.pool.block_view(block)[7] ^= 0xFF  # the sender's memory changed after publish
     result = _run(decode, [("bad", prompt, params)])["bad"]
     assert result[1].startswith("KVIntegrityError") and transfer_id in result[1]
     assert prefill.release_kv(transfer_id)
+    # The block stays in the prefill's prefix cache, with the checksum it was named with: the
+    # same prompt again fails the handoff too, where a fresh checksum of the changed memory
+    # would let the corruption through.
+    params, transfer_id = _handoff(prefill, "bad-again", prompt, _params(0))
+    assert params.kv_transfer_params["remote_block_ids"][0] == block  # reused from the cache
+    result = _run(decode, [("bad-again", prompt, params)])["bad-again"]
+    assert result[1].startswith("KVIntegrityError")
+    assert prefill.release_kv(transfer_id)
+    prefill.sender.pool.block_view(block)[7] ^= 0xFF  # repaired for the tests after this one
 
 
 # -- C. fingerprints ----------------------------------------------------------------------------
@@ -399,7 +415,7 @@ def test_kv_wait_s_zero_is_a_wait_that_ran_out(decode, peer, clean):
     params = _remote_params(decode, peer.publish("t-zero", 20), kv_wait_s=0)
     peer.freeze()
     try:
-        error = _run(decode, [("zero", ThinkerPrompt(list(range(20))), params)], pause=True)["zero"][1]
+        error = _run(decode, [("zero", ThinkerPrompt(list(range(400, 420))), params)], pause=True)["zero"][1]
         assert error.startswith("KVMissError") and "within 0 s" in error
     finally:
         peer.thaw()
@@ -456,7 +472,7 @@ def test_peer_frozen_before_first_contact(decode, clean, capsys):
         first = _remote_params(decode, cold.publish("t-cold-1", 20), kv_wait_s=1.0)
         second = _remote_params(decode, cold.publish("t-cold-2", 40), kv_wait_s=1.0)
         cold.freeze()
-        prompts = [ThinkerPrompt(list(range(20))), ThinkerPrompt(list(range(40)))]
+        prompts = [ThinkerPrompt(list(range(500, 520))), ThinkerPrompt(list(range(600, 640)))]  # not cached
         began, cpu_began = time.monotonic(), _cpu_s()
         results = _run(decode, [("c1", prompts[0], first), ("c2", prompts[1], second)], pause=True)
         waited, cpu_share = time.monotonic() - began, (_cpu_s() - cpu_began) / (time.monotonic() - began)

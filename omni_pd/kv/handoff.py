@@ -175,6 +175,17 @@ class KVDescriptor:
         if any(b < 0 for b in self.remote_block_ids):
             raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: negative id")
 
+    def without_first(self, blocks: int) -> "KVDescriptor":
+        """The same transfer less its first `blocks` blocks (the decode side holds them already:
+        its prefix cache), so only the rest moves. Positions stay block-aligned."""
+        if not 0 < blocks < len(self.remote_block_ids):
+            raise ValueError(f"transfer {self.transfer_id}: cannot skip {blocks} of its "
+                             f"{len(self.remote_block_ids)} blocks")
+        return dataclasses.replace(
+            self, remote_block_ids=self.remote_block_ids[blocks:],
+            block_checksums=self.block_checksums[blocks:],
+            num_tokens=self.num_tokens - blocks * self.kv_layout.block_size)
+
     def remote_address(self, index: int) -> int:
         return self.remote_base_address + self.remote_block_ids[index] * self.block_bytes
 

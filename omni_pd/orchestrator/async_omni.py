@@ -896,7 +896,8 @@ class AsyncOmni:
             "prompt_tokens": len(text.prompt_token_ids),
             "completion_tokens": len(text.token_ids),
         }
-        for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path"):
+        for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path", "kv_reused_tokens",
+                    "kv_bytes_reused"):
             if key in text.metrics:
                 metrics[key] = text.metrics[key]
         metrics["replicas"] = {str(k): a.index for k, a in sorted(state.replicas.items())}

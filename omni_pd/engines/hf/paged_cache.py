@@ -86,10 +86,11 @@ class PagedKVCache:
             done += count
         return sums if checksums else None
 
-    def checksums(self, blocks: list[int], length: int) -> list[str]:
-        """Each block's checksum over its filled bytes, for positions `0 .. length`."""
+    def checksums(self, blocks: list[int], length: int, first: int = 0) -> list[str]:
+        """Each block's checksum over its filled bytes, for positions `0 .. length`, from block
+        `first` on."""
         sums = []
-        for index in range(self.blocks_for(length)):
+        for index in range(first, self.blocks_for(length)):
             filled = min(self.block_size, length - index * self.block_size) * self.layout.bytes_per_token
             sums.append(checksum(self.pool.block_view(blocks[index])[:filled]))
         return sums

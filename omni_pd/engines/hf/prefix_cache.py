@@ -45,6 +45,7 @@ class _Entry:
     hash: bytes
     token_ids: tuple[int, ...]
     extra_keys: bytes
+    checksum: str | None  # of the block's bytes when it was named (a later change shows)
 
 
 class PrefixCache:
@@ -111,12 +112,18 @@ class PrefixCache:
         self.pool.hold(found)
         return found
 
+    def checksum(self, block: int) -> str | None:
+        """The checksum a named block's bytes had when it was named."""
+        entry = self._entries.get(block)
+        return entry.checksum if entry is not None else None
+
     def register(self, blocks: Sequence[int], token_ids: Sequence[int],
-                 extra_keys: Sequence[bytes] = ()) -> int:
+                 extra_keys: Sequence[bytes] = (), checksums: Sequence[str] = ()) -> int:
         """Name the full blocks of a prompt written into `blocks` (its block table, from
-        position 0) by their hashes, so that later prompts can reuse them. A block whose hash
-        another block holds already keeps no name (both hold the same KV). Returns how many
-        blocks got a name."""
+        position 0) by their hashes, so that later prompts can reuse them; `checksums[i]`, of
+        block i's bytes as written, goes with its name (a KV handoff of the block later sends
+        it, so memory that changed since is caught). A block whose hash another block holds
+        already keeps no name (both hold the same KV). Returns how many blocks got a name."""
         size, named = self.block_size, 0
         parent = ROOT_HASH
         for i in range(len(token_ids) // size):
@@ -125,7 +132,8 @@ class PrefixCache:
             digest = self._hash(parent, ids, extra)
             block = blocks[i]
             if block not in self._entries and digest not in self._by_hash:
-                self._entries[block] = _Entry(digest, ids, extra)
+                self._entries[block] = _Entry(digest, ids, extra,
+                                              checksums[i] if i < len(checksums) else None)
                 self._by_hash[digest] = block
                 named += 1
             parent = digest

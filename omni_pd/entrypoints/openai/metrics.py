@@ -36,6 +36,9 @@ class ServerMetrics:
                                     registry=self.registry)
         self.kv_bytes = Counter("omni_pd_kv_transferred_bytes", "KV bytes moved prefill -> decode",
                                 registry=self.registry)
+        self.kv_reused = Counter("omni_pd_kv_reused_bytes",
+                                 "Prompt KV bytes the decode side held already (not moved)",
+                                 registry=self.registry)
         self.kv_handoff = Histogram("omni_pd_kv_handoff_seconds", "KV transfer time per request",
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         # Faults, read from the orchestrator's health report at each scrape.
@@ -107,6 +110,8 @@ class ServerMetrics:
             self.stage_start.labels(stage=label).observe(span["start_ms"] / 1e3)
             self.stage_end.labels(stage=label).observe(span["end_ms"] / 1e3)
         self.audio_chunks.inc(len(timeline.get("audio_chunks_ms", ())))
+        if "kv_bytes_reused" in metrics:
+            self.kv_reused.inc(metrics["kv_bytes_reused"])
         if "kv_bytes_transferred" in metrics:
             self.kv_bytes.inc(metrics["kv_bytes_transferred"])
             self.kv_handoff.observe(metrics["kv_transfer_ms"] / 1e3)

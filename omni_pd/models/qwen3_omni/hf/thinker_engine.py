@@ -130,6 +130,7 @@ class ThinkerRequest:
     blocks: list[int] = field(default_factory=list)
     cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
     cacheable: bool = True  # False: its blocks neither come from nor go to the prefix cache
+    reused: list[int] = field(default_factory=list)  # decode leg: cached blocks while the rest moves
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens already sent as deltas
     chunks: bool = False  # send ThinkerChunks (a talker runs alongside), not only token deltas
@@ -364,8 +365,10 @@ class _ThinkerEngine(StageEngine):
     def _prefix(self, request: ThinkerRequest) -> CachedPrefix | None:
         return CachedPrefix(request.cached_len, request.blocks) if request.cached_len else None
 
-    def _cache_prompt(self, request: ThinkerRequest, pre: Prefilled) -> None:
-        """Name the prompt's full blocks for later prompts, with their accept-layer rows."""
+    def _cache_prompt(self, request: ThinkerRequest, pre: Prefilled,
+                      checksums: list[str] = ()) -> None:
+        """Name the prompt's full blocks for later prompts, with their accept-layer rows (and,
+        on the prefill leg, the checksums they were published with)."""
         if not (self.prefix_caching and self._batchable(request) and request.cacheable):
             return
         ids = request.prompt.prompt_token_ids
@@ -373,7 +376,7 @@ class _ThinkerEngine(StageEngine):
         for index in range(request.cached_len // self.block_size, full):
             rows = pre.prompt_hidden[index * self.block_size:(index + 1) * self.block_size]
             self.cached_hidden[request.blocks[index]] = rows
-        self.cache.prefix.register(request.blocks[:full], ids)
+        self.cache.prefix.register(request.blocks[:full], ids, checksums=checksums)
 
     def _batchable(self, request: ThinkerRequest) -> bool:
         """Text only: the batched pass has no audio encoder and no multimodal rotary."""
@@ -558,12 +561,18 @@ class HfPrefillEngine(_ThinkerEngine):
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         transfer_id = request.params.kv_transfer_params["transfer_id"]
         pre = self._prefill(request)
-        if request.cached_len:  # the cached blocks are checksummed where they lie
+        if request.cached_len:
+            # Cached blocks go with the checksums they were named with (memory that changed
+            # since fails the handoff); the rest are checksummed as they now lie.
             self.cache.write(request.blocks, request.cached_len, pre.kv)
-            sums = self.cache.checksums(request.blocks, request.prompt_len)
+            reused = request.cached_len // self.block_size
+            kept = [self.cache.prefix.checksum(b) for b in request.blocks[:reused]]
+            if None in kept:  # named without one (not by this leg): as they lie
+                kept = self.cache.checksums(request.blocks[:reused], request.cached_len)
+            sums = kept + self.cache.checksums(request.blocks, request.prompt_len, first=reused)
         else:  # block by block as written (each still in cache): no second pass at publish
             sums = self.cache.write(request.blocks, 0, pre.kv, checksums=True)
-        self._cache_prompt(request, pre)
+        self._cache_prompt(request, pre, sums)
         prompt_blocks = self.cache.blocks_for(request.prompt_len)
         descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
                                                 request.prompt_len, checksums=sums)
@@ -578,6 +587,8 @@ class HfPrefillEngine(_ThinkerEngine):
             "first_token": pre.first_token,
             "rope_deltas": pre.rope_deltas,
             FINGERPRINT_KEY: self.fingerprint,
+            # False: the decode side must neither reuse cached blocks for it nor cache these.
+            "kv_cacheable": request.cacheable,
         }
         log.debug("request %s: published %d prompt tokens as transfer %s", request.request_id,
                   request.prompt_len, transfer_id)
@@ -682,6 +693,19 @@ class HfDecodeEngine(_ThinkerEngine):
                              f"number of seconds >= 0, got {value!r:.80}")
         return float(value)
 
+    def _match_prefix(self, request: ThinkerRequest) -> list[int]:
+        """For a prompt whose KV arrives from the prefill leg: the blocks of it this engine
+        holds already (an earlier turn's), so that only the rest moves. Blocks are named here
+        without the talker's rows, which stay with the prefill leg, so a prompt this engine
+        prefills itself (the fallback) does not reuse them."""
+        if (request.prefills_here or not self.prefix_caching
+                or request.kv.kv_layout != self.layout):
+            return []
+        if request.params.kv_transfer_params.get("kv_cacheable") is False:
+            request.cacheable = False
+            return []
+        return self.cache.prefix.match(request.prompt.prompt_token_ids, limit=request.prompt_len)
+
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         if request.prefills_here:
             log.debug("request %s: no remote KV, prefilling %d prompt tokens here",
@@ -689,12 +713,23 @@ class HfDecodeEngine(_ThinkerEngine):
             return self._prefill_here(request)
         kv_params = request.params.kv_transfer_params
         self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
+        # The blocks this engine holds already stay; only the rest of the prompt moves.
+        reused = request.cached_len // self.block_size
+        request.reused, request.cached_len = request.blocks[:reused], 0
+        request.metrics.update(kv_reused_tokens=reused * self.block_size,
+                               kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token)
+        if reused == len(request.kv.remote_block_ids):  # the whole prompt is here
+            request.reused = []  # they stay among the request's blocks
+            request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
+            request.rope_deltas = int(kv_params["rope_deltas"])
+            return self._first_token(request, int(kv_params["first_token"]))
+        descriptor = request.kv.without_first(reused) if reused else request.kv
         # The prompt's blocks go to the receiver for the read and come back with the result;
         # the request keeps the blocks its output will fill.
-        prompt_blocks = self.receiver.dest_blocks(request.kv)
-        self.receiver.start(request.kv, self._wait_s(request.request_id, kv_params),
-                            into=request.blocks[:prompt_blocks])
-        request.blocks = request.blocks[prompt_blocks:]
+        prompt_blocks = self.receiver.dest_blocks(descriptor)
+        self.receiver.start(descriptor, self._wait_s(request.request_id, kv_params),
+                            into=request.blocks[reused:reused + prompt_blocks])
+        request.blocks = request.blocks[reused + prompt_blocks:]
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
         self._fetching.append(request.request_id)
@@ -704,6 +739,12 @@ class HfDecodeEngine(_ThinkerEngine):
         # A same-host copy is complete already: the first token leaves in this step.
         fetched = self.receiver.poll(request.kv.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
+
+    def _name_blocks(self, request: ThinkerRequest) -> None:
+        """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
+        if self.prefix_caching and request.kv.kv_layout == self.layout and request.cacheable:
+            full = request.prompt_len // self.block_size
+            self.cache.prefix.register(request.blocks[:full], request.prompt.prompt_token_ids)
 
     def _progress(self) -> list[StepOutput]:
         self.receiver.reclaim()
@@ -724,7 +765,10 @@ class HfDecodeEngine(_ThinkerEngine):
     def _fetched(self, request: ThinkerRequest, fetched) -> list[StepOutput]:
         self._fetching.remove(request.request_id)
         request.phase = Phase.RUNNING
-        request.blocks = fetched.blocks + request.blocks  # the KV is in them already
+        # The KV is in them already: the reused blocks, the arrived ones, then the output's.
+        request.blocks = request.reused + fetched.blocks + request.blocks
+        request.reused = []
+        self._name_blocks(request)
         kv_params = request.params.kv_transfer_params
         request.rope_deltas = int(kv_params["rope_deltas"])
         request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
@@ -744,6 +788,8 @@ class HfDecodeEngine(_ThinkerEngine):
         if request.phase is Phase.FETCHING:
             # Mooncake may still write the prompt's blocks: the receiver quarantines them.
             self.receiver.abandon(request.kv.transfer_id, f"request {request.request_id} left")
+        self.cache.release(request.reused)  # the cached blocks it held while the rest moved
+        request.reused = []
 
     def step_delay_s(self) -> float:
         # Nothing decodes: every admitted request waits on its read, and a request still
