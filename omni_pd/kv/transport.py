@@ -38,6 +38,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -171,6 +172,23 @@ def _proc_address(hex_address: str) -> IPAddress:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
         return address.ipv4_mapped
     return address
+
+
+LISTEN_WAIT_S = 2.0  # how long a new engine's listening sockets may take to appear
+
+
+def _new_listeners(before: set[int], rpc_port: int) -> list[tuple[int, int]]:
+    """(fd, port) of the listening sockets opened since `before`, once the handshake port is
+    among them: Mooncake may open them on its own threads after `initialize` returns (a full
+    test run on a loaded machine caught it before they were there). Polled up to LISTEN_WAIT_S,
+    then whatever is there (the caller says what is missing)."""
+    deadline = time.monotonic() + LISTEN_WAIT_S
+    while True:
+        listeners = sorted((fd, port) for fd, state, _, port in own_tcp_sockets()
+                           if state == _TCP_LISTEN and fd not in before)
+        if rpc_port in {port for _, port in listeners} or time.monotonic() > deadline:
+            return listeners
+        time.sleep(0.005)  # polling for the sockets to appear, under the deadline
 
 
 def own_tcp_sockets(pid: int | str = "self") -> list[tuple[int, str, IPAddress, int]]:
@@ -392,8 +410,7 @@ class MooncakeTransport:
                     "that the protocol is available here ('tcp' always is; 'rdma' needs an RDMA "
                     "device)")
             rpc_port = self._engine.get_rpc_port()
-            self.listeners = sorted((fd, port) for fd, state, _, port in own_tcp_sockets()
-                                    if state == _TCP_LISTEN and fd not in before)
+            self.listeners = _new_listeners(before, rpc_port)
             self.session_id = f"{host}:{rpc_port}"
             if allowed is not None:
                 try:
