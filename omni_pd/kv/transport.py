@@ -177,15 +177,19 @@ def _proc_address(hex_address: str) -> IPAddress:
 LISTEN_WAIT_S = 2.0  # how long a new engine's listening sockets may take to appear
 
 
-def _new_listeners(before: set[int], rpc_port: int) -> list[tuple[int, int]]:
-    """(fd, port) of the listening sockets opened since `before`, once the handshake port is
-    among them: Mooncake may open them on its own threads after `initialize` returns (a full
-    test run on a loaded machine caught it before they were there). Polled up to LISTEN_WAIT_S,
-    then whatever is there (the caller says what is missing)."""
+def listening_sockets() -> dict[str, tuple[int, int]]:
+    """This process's listening TCP sockets: inode -> (fd, port)."""
+    return {inode: (fd, port) for fd, state, _, port, inode in _tcp_sockets("self")
+            if state == _TCP_LISTEN}
+
+
+def _new_listeners(before: set[str], rpc_port: int) -> list[tuple[int, int]]:
+    """(fd, port) of the listening sockets opened since `before` (their inodes: an fd number
+    that another component closed meanwhile may come back as one of Mooncake's), once the
+    handshake port is among them, polled up to LISTEN_WAIT_S; then whatever is there."""
     deadline = time.monotonic() + LISTEN_WAIT_S
     while True:
-        listeners = sorted((fd, port) for fd, state, _, port in own_tcp_sockets()
-                           if state == _TCP_LISTEN and fd not in before)
+        listeners = sorted(v for inode, v in listening_sockets().items() if inode not in before)
         if rpc_port in {port for _, port in listeners} or time.monotonic() > deadline:
             return listeners
         time.sleep(0.005)  # polling for the sockets to appear, under the deadline
@@ -193,6 +197,11 @@ def _new_listeners(before: set[int], rpc_port: int) -> list[tuple[int, int]]:
 
 def own_tcp_sockets(pid: int | str = "self") -> list[tuple[int, str, IPAddress, int]]:
     """(fd, state, local address, local port) of each TCP socket open in process `pid`."""
+    return [entry[:4] for entry in _tcp_sockets(pid)]
+
+
+def _tcp_sockets(pid: int | str) -> list[tuple[int, str, IPAddress, int, str]]:
+    """(fd, state, local address, local port, inode) of each TCP socket open in `pid`."""
     inode_fd: dict[str, int] = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -212,7 +221,8 @@ def own_tcp_sockets(pid: int | str = "self") -> list[tuple[int, str, IPAddress, 
             fields = line.split()
             if fields[9] in inode_fd:
                 address, port = fields[1].split(":")
-                sockets.append((inode_fd[fields[9]], fields[3], _proc_address(address), int(port, 16)))
+                sockets.append((inode_fd[fields[9]], fields[3], _proc_address(address),
+                                int(port, 16), fields[9]))
     return sockets
 
 
@@ -401,7 +411,7 @@ class MooncakeTransport:
         self._engine = engine_class()
         allowed = allowed_destinations(host)
         with _init_lock:
-            before = {fd for fd, state, _, _ in own_tcp_sockets() if state == _TCP_LISTEN}
+            before = set(listening_sockets())
             rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
             if rc != 0:
                 raise KVTransferError(
@@ -416,7 +426,8 @@ class MooncakeTransport:
                 try:
                     if rpc_port not in {port for _, port in self.listeners}:
                         raise OSError(f"its handshake port {rpc_port} is not among the sockets it "
-                                      f"opened ({self.listeners})")
+                                      f"opened ({self.listeners}; this process listens on "
+                                      f"{sorted(listening_sockets().values())})")
                     restrict_listeners(self.listeners, allowed)
                 except OSError as exc:
                     raise KVTransferError(
