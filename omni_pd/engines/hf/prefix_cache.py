@@ -95,20 +95,14 @@ class PrefixCache:
         """The cached blocks that hold the longest prefix of `token_ids` in whole blocks (at most
         `limit` tokens), each now held once more by the caller (who frees them as its own).
         `extra_keys[i]`: block i's."""
-        size = self.block_size
-        count = min(len(token_ids), limit if limit is not None else len(token_ids)) // size
+        count = min(len(token_ids), limit if limit is not None else len(token_ids))
         found: list[int] = []
-        parent = ROOT_HASH
-        for i in range(count):
-            ids = tuple(token_ids[i * size:(i + 1) * size])
-            extra = extra_keys[i] if i < len(extra_keys) else b""
-            digest = self._hash(parent, ids, extra)
+        for _, ids, extra, digest in self._chain(token_ids[:count], extra_keys):
             block = self._by_hash.get(digest)
             entry = self._entries.get(block) if block is not None else None
             if entry is None or entry.token_ids != ids or entry.extra_keys != extra:
                 break  # a miss, or a collision: never reuse a block for other tokens
             found.append(block)
-            parent = digest
         self.pool.hold(found)
         return found
 
@@ -124,20 +118,24 @@ class PrefixCache:
         block i's bytes as written, goes with its name (a KV handoff of the block later sends
         it, so memory that changed since is caught). A block whose hash another block holds
         already keeps no name (both hold the same KV). Returns how many blocks got a name."""
-        size, named = self.block_size, 0
-        parent = ROOT_HASH
-        for i in range(len(token_ids) // size):
-            ids = tuple(token_ids[i * size:(i + 1) * size])
-            extra = extra_keys[i] if i < len(extra_keys) else b""
-            digest = self._hash(parent, ids, extra)
+        named = 0
+        for i, ids, extra, digest in self._chain(token_ids, extra_keys):
             block = blocks[i]
             if block not in self._entries and digest not in self._by_hash:
                 self._entries[block] = _Entry(digest, ids, extra,
                                               checksums[i] if i < len(checksums) else None)
                 self._by_hash[digest] = block
                 named += 1
-            parent = digest
         return named
+
+    def _chain(self, token_ids: Sequence[int], extra_keys: Sequence[bytes]):
+        """(index, token ids, extra keys, chained hash) of each full block of `token_ids`."""
+        size, parent = self.block_size, ROOT_HASH
+        for i in range(len(token_ids) // size):
+            ids = tuple(token_ids[i * size:(i + 1) * size])
+            extra = extra_keys[i] if i < len(extra_keys) else b""
+            parent = self._hash(parent, ids, extra)
+            yield i, ids, extra, parent
 
     def _forget(self, block: int) -> None:
         entry = self._entries.pop(block)

@@ -166,6 +166,9 @@ class _ThinkerEngine(StageEngine):
 
     control_calls = StageEngine.control_calls | {"set_batch_invariant"}
     decodes = True  # the prefill leg overrides: it never decodes
+    # Whether a prompt this engine prefills may start from cached blocks (and so needs the
+    # talker's rows of cached blocks kept); the decode leg's fallback prefills whole.
+    prefills_over_cache = True
 
     def __init__(self, stage_config, runner: ThinkerRunner):
         self.stage_id = stage_config.stage_id
@@ -192,9 +195,8 @@ class _ThinkerEngine(StageEngine):
         hidden = runner.text_config.hidden_size
         self.cached_hidden = (torch.zeros((args.kv_pool_blocks, self.block_size, hidden),
                                           dtype=next(runner.thinker.parameters()).dtype)
-                              if self.prefix_caching else None)
+                              if self.prefix_caching and self.prefills_over_cache else None)
         self.prefix_hit_tokens = self.prefix_query_tokens = 0
-        self._fault_pending = False  # the prefill leg's fault injection (a test hook)
         # Batched passes: decode steps, and the prefill of text-only prompts (every role).
         self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
                                              args.attention_kernels)
@@ -328,8 +330,6 @@ class _ThinkerEngine(StageEngine):
         admitted: list[ThinkerRequest] = []
         while self._waiting and len(admitted) < slots:
             request = self._requests[self._waiting[0]]
-            if self._fault_pending:  # see HfPrefillEngine.inject_kv_fault
-                request.cacheable, self._fault_pending = False, False
             cached = self._match_prefix(request)
             # A remote prompt's KV arrives by transfer: admitting it computes no token.
             cost = request.prompt_len - len(cached) * self.block_size if request.prefills_here else 1
@@ -373,9 +373,10 @@ class _ThinkerEngine(StageEngine):
             return
         ids = request.prompt.prompt_token_ids
         full = len(ids) // self.block_size
-        for index in range(request.cached_len // self.block_size, full):
-            rows = pre.prompt_hidden[index * self.block_size:(index + 1) * self.block_size]
-            self.cached_hidden[request.blocks[index]] = rows
+        if self.cached_hidden is not None:
+            for index in range(request.cached_len // self.block_size, full):
+                rows = pre.prompt_hidden[index * self.block_size:(index + 1) * self.block_size]
+                self.cached_hidden[request.blocks[index]] = rows
         self.cache.prefix.register(request.blocks[:full], ids, checksums=checksums)
 
     def _batchable(self, request: ThinkerRequest) -> bool:
@@ -546,6 +547,7 @@ class HfPrefillEngine(_ThinkerEngine):
         # The paged cache is what is published: registered once, its blocks leased as they are.
         self.sender = KVSender(self.engine_id, self.layout, self.cache.pool, self.transport,
                                args.kv_lease_timeout_s)
+        self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
 
     def describe(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
@@ -566,10 +568,8 @@ class HfPrefillEngine(_ThinkerEngine):
             # since fails the handoff); the rest are checksummed as they now lie.
             self.cache.write(request.blocks, request.cached_len, pre.kv)
             reused = request.cached_len // self.block_size
-            kept = [self.cache.prefix.checksum(b) for b in request.blocks[:reused]]
-            if None in kept:  # named without one (not by this leg): as they lie
-                kept = self.cache.checksums(request.blocks[:reused], request.cached_len)
-            sums = kept + self.cache.checksums(request.blocks, request.prompt_len, first=reused)
+            sums = ([self.cache.prefix.checksum(b) for b in request.blocks[:reused]]
+                    + self.cache.checksums(request.blocks, request.prompt_len, first=reused))
         else:  # block by block as written (each still in cache): no second pass at publish
             sums = self.cache.write(request.blocks, 0, pre.kv, checksums=True)
         self._cache_prompt(request, pre, sums)
@@ -601,6 +601,11 @@ class HfPrefillEngine(_ThinkerEngine):
                      "prefix_cached_tokens": request.cached_len})
         self._drop(request)
         return [StepOutput(request.request_id, finished=True, output=output)]
+
+    def _match_prefix(self, request: ThinkerRequest) -> list[int]:
+        if self._fault_pending:  # the oldest waiting request is the next one published
+            request.cacheable, self._fault_pending = False, False
+        return super()._match_prefix(request)
 
     def release_kv(self, transfer_id: str) -> bool:
         return self.sender.release(transfer_id)
@@ -634,6 +639,8 @@ class HfDecodeEngine(_ThinkerEngine):
     request's kv_transfer_params, else the stage's kv_miss_window_s; past it the request fails
     with KVMissError. A request without remote KV is prefilled here, as the colocated engine
     does (the orchestrator's fallback when the prefill peer is dead, frozen or broken)."""
+
+    prefills_over_cache = False  # its blocks are named without the talker's rows (_match_prefix)
 
     def __init__(self, stage_config, runner: ThinkerRunner):
         super().__init__(stage_config, runner)
