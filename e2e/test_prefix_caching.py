@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import yaml
 
@@ -102,6 +103,37 @@ def test_turns_all_at_once_equal_the_uncached_pipeline(reference, cached):
     for turn, future in enumerate(futures):
         got = future.result(300)
         assert differences(reference, _reference_turn(reference, turn, turns[turn]), cached, got) == []
+
+
+def _audio_turns(count: int) -> list[list[dict]]:
+    """Spoken turns: each user turn carries a clip, and every turn resends the earlier clips."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    turns = []
+    for turn in range(count):
+        samples = np.arange(12_000 + 4_000 * turn) / 16_000
+        clip = (0.3 * np.sin(2 * np.pi * (440 + 220 * turn) * samples)).astype(np.float32)
+        messages = messages + [{"role": "user", "content": [
+            {"type": "text", "text": f"What is sound {turn}?"}, {"type": "audio", "audio": clip}]}]
+        turns.append(messages)
+        messages = messages + [{"role": "assistant", "content": f"Sound {turn} is a tone."}]
+    return turns
+
+
+def test_spoken_turns_equal_the_uncached_pipeline_and_reuse_the_earlier_audio(reference, cached):
+    """The history's clips are neither encoded nor prefilled again, nor moved again in P/D."""
+    turns = _audio_turns(3)
+    audio_id = cached.model_config.thinker_config.audio_token_id
+    for turn, messages in enumerate(turns):
+        got = cached.generate([messages])[0]
+        want = _reference_turn(reference, ("audio", turn), messages)
+        assert differences(reference, want, cached, got) == [], turn
+        if turn:
+            before = _reference_turn(reference, ("audio", turn - 1), turns[turn - 1]).prompt_token_ids
+            reached = len(before) // 16 * 16  # every full block of the turn before
+            assert reached > before.index(audio_id)  # blocks holding audio among them
+            assert got.metrics["prefix_cached_tokens"] >= reached
+            if cached.pd_pair:
+                assert got.metrics["kv_reused_tokens"] >= reached
 
 
 def test_negative_control_another_conversation_differs(reference, cached):

@@ -103,3 +103,17 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
         [False, False]
     assert all(s.engine_args.enable_prefix_caching is None for s in stages
                if s.model_stage != "thinker")
+
+
+def test_audio_turns_carry_a_distinct_seeded_clip_the_server_decodes():
+    from omni_pd.bench.multi_turn import _text_chars, conversation_turn, spoken_clip
+    from omni_pd.models.qwen3_omni.prompt import decode_audio
+
+    clip = spoken_clip(0, 1, seconds=0.5)
+    samples = decode_audio(clip["input_audio"]["data"], clip["input_audio"]["format"])
+    assert samples.shape == (8_000,) and samples.std() > 0.05
+    assert spoken_clip(0, 1, seconds=0.5) == clip  # seeded: the same turn, the same bytes
+    assert spoken_clip(0, 2, seconds=0.5) != clip and spoken_clip(1, 1, seconds=0.5) != clip
+    messages = conversation_turn([{"role": "system", "content": "sys"}], 0, clip)
+    assert messages[-1]["content"][1] is clip
+    assert _text_chars(messages) == 3 + len(messages[-1]["content"][0]["text"])

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 torch.set_num_threads(1)  # as in a stage worker
 
-from omni_pd.engines.hf.prefix_cache import ROOT_HASH, PrefixCache, block_hash
+from omni_pd.engines.hf.prefix_cache import ROOT_HASH, PrefixCache, block_hash, multimodal_extra_keys
 from omni_pd.kv.layout import BlockLayout
 from omni_pd.kv.pool import BlockPool
+from omni_pd.models.qwen3_omni.prompt import OmniPrompt, PromptBuilder
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -135,6 +137,22 @@ def _identical(a, b) -> bool:
             and torch.equal(a.output_hidden, b.output_hidden))
 
 
+def _uncached_and_cached(runner, prompts, params, together: bool):
+    """The turns through an engine with caching off, and through one with it on: one after
+    another, or (`together`) all at once after the first, so that one batched pass has hits
+    and misses. Returns both outputs and the caching engine."""
+    uncached = _engine(runner, enable_prefix_caching=False)
+    want = [_one(uncached, p, q, "u") for p, q in zip(prompts, params)]
+    cached = _engine(runner)
+    if together:
+        first = _one(cached, prompts[0], params[0], "c")
+        rest, _ = _run_together(cached, prompts[1:], params[1:])
+        got = [first, *rest]
+    else:
+        got = [_one(cached, p, q, "c") for p, q in zip(prompts, params)]
+    return want, got, cached
+
+
 def _one(engine, prompt, params, name):
     outputs, _ = _run_together(engine, [prompt], [params])
     return outputs[0]
@@ -145,21 +163,13 @@ def test_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, t
                                                                         together):
     prompts = _conversation(tiny_tokenizer, 4)
     params = [SamplingParams(temperature=0, max_tokens=8)] * len(prompts)
-    uncached = _engine(runner, enable_prefix_caching=False)
-    want = [_one(uncached, p, q, "u") for p, q in zip(prompts, params)]
-    cached = _engine(runner)
-    if together:  # all turns at once after the first: hits and misses in one batched pass
-        first = _one(cached, prompts[0], params[0], "c")
-        rest, _ = _run_together(cached, prompts[1:], params[1:])
-        got = [first, *rest]
-    else:
-        got = [_one(cached, p, q, "c") for p, q in zip(prompts, params)]
+    want, got, cached = _uncached_and_cached(runner, prompts, params, together)
     for turn, (a, b) in enumerate(zip(want, got)):
         assert _identical(a, b), turn
         assert a.metrics["prefix_cached_tokens"] == 0
     hits = [o.metrics["prefix_cached_tokens"] for o in got]
     assert hits[0] == 0 and all(h >= 3 * 16 for h in hits[1:]), hits  # the history came cached
-    assert uncached.debug_state_counts() == cached.debug_state_counts() == {
+    assert cached.debug_state_counts() == {
         "thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
     cached.cache.prefix.check()
 
@@ -227,3 +237,107 @@ def test_engine_soak_500_turns_with_random_aborts_leaves_the_pool_consistent(run
     last = conversations[0][-1]
     want = _one(_engine(runner, enable_prefix_caching=False), last, params, "u")
     assert _identical(want, _one(engine, last, params, "end"))
+
+
+# ---- prompts with audio ------------------------------------------------------------------------
+
+def test_extra_keys_name_the_audio_inputs_each_block_overlaps():
+    spans = [(10, 40, b"A"), (40, 41, b"B"), (70, 80, b"C")]
+    keys = multimodal_extra_keys(spans, 100, BS)  # 6 full blocks; positions 96.. are no block
+    assert keys == [b"A", b"A", b"AB", b"", b"C", b""]
+    assert multimodal_extra_keys([], 40, BS) == [b"", b""]
+
+
+def _tone(freq: float, samples: int) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * freq * np.arange(samples) / 16_000)).astype(np.float32)
+
+
+def _audio_conversation(builder, turns: int, sounds=None):
+    """A conversation whose user turns each carry a clip: each prompt holds the ones before."""
+    sounds = sounds or [_tone(440 + 220 * t, 12_000 + 4_000 * t) for t in range(turns)]
+    messages = [{"role": "system", "content": "You answer briefly and kindly. " * 6}]
+    prompts = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"sound {turn}?"},
+                                                     {"type": "audio", "audio": sounds[turn]}]})
+        prompts.append(builder.build(OmniPrompt(messages=list(messages))))
+        messages.append({"role": "assistant", "content": f"a tone, number {turn}."})
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model, tiny_tokenizer):
+    return PromptBuilder(tiny_tokenizer, tiny_model.config.thinker_config)
+
+
+def test_a_clips_features_do_not_depend_on_the_other_clips_of_the_prompt(builder):
+    """Padded together, a short clip's last frames would see the longer clip's padding; each
+    clip's features are its own, so a clip resent in a later turn hashes the same."""
+    short, long = _tone(440, 8_000), _tone(660, 20_000)
+    alone = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
+        {"type": "audio", "audio": short}]}]))
+    both = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
+        {"type": "audio", "audio": short}, {"type": "audio", "audio": long}]}]))
+    frames = int(alone.feature_attention_mask.sum())
+    assert torch.equal(both.input_features[0, :, :frames], alone.input_features[0, :, :frames])
+    assert int(both.feature_attention_mask[0].sum()) == frames
+    assert not both.input_features[0, :, frames:].any()  # padding: zeros, masked out
+
+
+def test_audio_clips_are_placed_on_their_placeholders_and_keyed_by_their_features(runner, builder):
+    [first, second] = _audio_conversation(builder, 2)
+    clips = runner.audio_clips(second)
+    audio_id = runner.thinker.config.audio_token_id
+    assert len(clips) == 2 and runner.audio_clips(first)[0] == clips[0]  # the same clip, resent
+    for clip in clips:
+        assert set(second.prompt_token_ids[clip.start:clip.end]) == {audio_id}
+    assert sum(c.length for c in clips) == second.prompt_token_ids.count(audio_id)
+    assert clips[0].key != clips[1].key
+    # A truncated placeholder run is refused by name.
+    broken = ThinkerPrompt([t for i, t in enumerate(second.prompt_token_ids) if i != clips[1].start],
+                           second.input_features, second.feature_attention_mask)
+    with pytest.raises(ValueError, match="audio input 1 needs"):
+        runner.audio_clips(broken)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_audio_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, builder,
+                                                                              together):
+    """The clips of earlier turns come from the cache (their KV, layer-0 rows holding the encoder
+    output, and accept-layer rows), and only the new turn's clip is encoded."""
+    prompts = _audio_conversation(builder, 3)
+    params = [SamplingParams(temperature=0, max_tokens=6)] * len(prompts)
+    want, got, cached = _uncached_and_cached(runner, prompts, params, together)
+    for turn, (a, b) in enumerate(zip(want, got)):
+        assert _identical(a, b), turn
+    # Each turn reused every full block of the turn cached before it (turns prefilled in one
+    # pass cannot reuse each other), the blocks of its clips included.
+    hits = [o.metrics["prefix_cached_tokens"] for o in got]
+    assert hits[0] == 0, hits
+    for turn in (1, 2):
+        earlier = prompts[0 if together else turn - 1]
+        before = len(earlier.prompt_token_ids) // BS * BS
+        assert hits[turn] >= before > runner.audio_clips(earlier)[-1].start, hits
+    cached.cache.prefix.check()
+    assert cached.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+
+
+def test_negative_control_another_clip_of_the_same_length_is_not_reused(runner, builder):
+    """Same token ids, other audio: the blocks up to the clip are reused, the clip's are not,
+    and the answer is that of the other audio (not of the cached one)."""
+    sounds = [_tone(440, 12_000), _tone(660, 16_000)]
+    first, second = _audio_conversation(builder, 2, sounds)
+    other_first, other_second = _audio_conversation(builder, 2, [_tone(500, 12_000), sounds[1]])
+    assert other_second.prompt_token_ids == second.prompt_token_ids
+    assert not torch.equal(other_second.input_features, second.input_features)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    uncached = _engine(runner, enable_prefix_caching=False)
+    want, want_other = _one(uncached, second, params, "u"), _one(uncached, other_second, params, "v")
+    assert not _identical(want, want_other)  # the audio matters to the answer
+    engine = _engine(runner)
+    _one(engine, first, params, "c0")
+    got = _one(engine, other_second, params, "c1")
+    clip = runner.audio_clips(other_second)[0]
+    assert got.metrics["prefix_cached_tokens"] == clip.start // BS * BS  # up to the clip's block
+    assert _identical(want_other, got) and not _identical(want, got)
+    engine.cache.prefix.check()

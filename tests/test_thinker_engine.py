@@ -215,3 +215,36 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_m
         plain_alone = [decoder.prefill([p])[0] for p in prompts]
         plain_together = decoder.prefill(prompts)
     assert not all(same(a, b) for a, b in zip(plain_alone, plain_together))
+
+
+def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, tiny_model,
+                                                                          tiny_tokenizer):
+    """A prompt with audio in the batched pass: its layer-0 rows are transformers' (the encoder's
+    output merged at the placeholders, bit for bit), its KV, accept-layer rows and first token
+    transformers' forward's (other kernels); and it prefills to the same bits alone and beside
+    text prompts."""
+    import numpy as np
+    from omni_pd.models.qwen3_omni.prompt import OmniPrompt, PromptBuilder
+
+    builder = PromptBuilder(tiny_tokenizer, tiny_model.config.thinker_config)
+    sound = (0.3 * np.sin(np.arange(20_000) / 7.0)).astype(np.float32)
+    prompt = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "audio", "audio": sound}]}]))
+    clips = runner.audio_clips(prompt)
+    rows = runner.layer0_rows(prompt, clips, 0)
+    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    [ours] = decoder.prefill([prompt.prompt_token_ids], inputs=[rows])
+    theirs = runner.prefill(prompt, SamplingParams(temperature=0, max_tokens=4))
+    assert theirs.rope_deltas == 0  # audio keeps text positions: the pass's rotary is right
+    assert torch.equal(ours.embeds, theirs.prompt_embeds)
+    assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
+    assert torch.allclose(ours.hidden, theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+    assert int(ours.logits.argmax()) == theirs.first_token
+    # Negative control: the table's rows at the placeholders (no audio) give other KV.
+    [blind] = decoder.prefill([prompt.prompt_token_ids])
+    assert not torch.allclose(blind.kv, ours.kv, atol=1e-3)
+    texts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)[:3]]
+    together = decoder.prefill([texts[0], prompt.prompt_token_ids, *texts[1:]],
+                               inputs=[None, rows, None, None])
+    assert torch.equal(together[1].kv, ours.kv) and torch.equal(together[1].logits, ours.logits)
+    assert torch.equal(together[1].hidden, ours.hidden)

@@ -2,14 +2,20 @@
 
 Each conversation starts from a long system prompt; every turn sends the whole history (the
 system prompt, the earlier user turns and the answers the server gave) plus a new user turn, as
-a voice client does. Conversations run one after another, so a turn's time to first token is its
+a voice client does. With `--audio-turns` each user turn also carries a clip (a seeded synthetic
+WAV, as an `input_audio` part), so the history resends audio too. Conversations run one after another, so a turn's time to first token is its
 prefill and overheads, not queueing. The report gives, per turn index, TTFT and TTFA
 percentiles, the prompt length and the prompt tokens the server says it served from its prefix
 cache (`usage.prompt_tokens_details.cached_tokens`).
 """
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any, Callable, Sequence
+
+import numpy as np
+import soundfile
 
 from .load import stream_one
 from .stats import RequestRecord, percentiles_ms, ratio
@@ -24,25 +30,51 @@ USER_TURNS = ("Where should I go first in Lisbon?", "And how do I get there from
               "What is the weather like in spring?", "Thank you, one last question: trams?")
 
 
-def conversation_turn(history: list[dict], turn: int) -> list[dict]:
-    return history + [{"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]}]
+AUDIO_SAMPLE_RATE = 16_000
+
+
+def spoken_clip(conversation: int, turn: int, seconds: float = 1.0) -> dict:
+    """An `input_audio` part: `seconds` of a seeded chord with noise, as a 16 kHz PCM16 WAV,
+    distinct per conversation and turn."""
+    rng = np.random.default_rng(1000 * conversation + turn)
+    t = np.arange(int(seconds * AUDIO_SAMPLE_RATE)) / AUDIO_SAMPLE_RATE
+    wave = sum(np.sin(2 * np.pi * f * t) for f in rng.uniform(120, 900, size=3))
+    samples = (0.2 * wave + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, AUDIO_SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"}}
+
+
+def conversation_turn(history: list[dict], turn: int, clip: dict | None = None) -> list[dict]:
+    text = USER_TURNS[turn % len(USER_TURNS)]
+    content = [{"type": "text", "text": text}, clip] if clip else text
+    return history + [{"role": "user", "content": content}]
+
+
+def _text_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) if isinstance(m["content"], str) else
+               sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
 
 
 async def run_conversations(client: Any, model: str, turns: int, conversations: int,
                             max_tokens: int, system_prompt: str = SYSTEM_PROMPT,
-                            on_done: Callable[[RequestRecord], None] | None = None
+                            on_done: Callable[[RequestRecord], None] | None = None,
+                            audio_seconds: float | None = None
                             ) -> list[list[tuple[RequestRecord, int]]]:
     """`conversations` conversations of `turns` turns, one after another: per turn index, each
-    conversation's (record, prompt characters). A conversation whose turn fails stops there."""
+    conversation's (record, prompt text characters). A conversation whose turn fails stops
+    there. `audio_seconds`: each user turn carries a clip that long."""
     by_turn: list[list[tuple[RequestRecord, int]]] = [[] for _ in range(turns)]
     for number in range(conversations):
         # A conversation of its own: its first words differ, so nothing but its own history
         # (and the shared system prompt) can be cached for it.
         history = [{"role": "system", "content": f"Conversation {number}. {system_prompt}"}]
         for turn in range(turns):
-            messages = conversation_turn(history, turn)
+            clip = spoken_clip(number, turn, audio_seconds) if audio_seconds else None
+            messages = conversation_turn(history, turn, clip)
             record = await stream_one(client, model, messages, max_tokens)
-            by_turn[turn].append((record, sum(len(m["content"]) for m in messages)))
+            by_turn[turn].append((record, _text_chars(messages)))
             if on_done:
                 on_done(record)
             if not record.ok:

@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run conversations of K turns (the whole history each turn, after a "
                              "long system prompt) instead of the concurrency levels; default "
                              "configs: the two defaults with prefix caching on and off")
+    parser.add_argument("--audio-turns", type=float, default=None, metavar="SECONDS",
+                        help="with --multi-turn: each user turn also carries a synthetic clip this "
+                             "many seconds long (an input_audio part), resent with the history")
     parser.add_argument("--conversations", type=int, default=None,
                         help="conversations per config with --multi-turn, one after another "
                              "(default 4; --quick: 2)")
@@ -314,7 +317,8 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
                       unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
                 by_turn = await run_conversations(client, model, args.multi_turn, count,
                                                   args.max_tokens,
-                                                  on_done=lambda _r, bar=bar: bar.update(1))
+                                                  on_done=lambda _r, bar=bar: bar.update(1),
+                                                  audio_seconds=args.audio_turns)
             failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
             if failures:
                 errors[f"{label} multi-turn"] = failures
@@ -425,6 +429,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                     QUICK_NUM_REQUESTS if args.quick else None)  # None: by concurrency
     if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
         raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
+    if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
+        raise SystemExit("error: --audio-turns needs --multi-turn and a clip length in seconds "
+                         "above 0 and at most 30")
     server_env = _server_env(args.server_env)
     _rates(args.request_rate)  # refuse a bad rate before any server starts
     baselines: dict[str, str] = {}
@@ -518,7 +525,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         request_timeout_s=args.request_timeout, server_env=server_env, failures=failures,
         request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_ttfa_ms=args.slo_ttfa_ms,
         seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg,
-        multi_turn=args.multi_turn, conversations=args.conversations)
+        multi_turn=args.multi_turn, conversations=args.conversations, audio_turns_s=args.audio_turns)
     if args.json:
         write_json(args.json, meta, results, open_loop, multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -40,6 +40,18 @@ def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"")
     return digest.digest()
 
 
+def multimodal_extra_keys(spans: Sequence[tuple[int, int, bytes]], num_tokens: int,
+                          block_size: int) -> list[bytes]:
+    """Each full block's extra keys, as vLLM's `_gen_mm_extra_hash_keys` makes them: the keys of
+    the multimodal inputs whose placeholder positions [start, end) overlap the block, in order.
+    A block of text only has none."""
+    keys = []
+    for i in range(num_tokens // block_size):
+        first, last = i * block_size, (i + 1) * block_size
+        keys.append(b"".join(key for start, end, key in spans if start < last and end > first))
+    return keys
+
+
 @dataclass(frozen=True)
 class _Entry:
     hash: bytes

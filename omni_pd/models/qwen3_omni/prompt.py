@@ -118,13 +118,26 @@ class PromptBuilder:
                              "audio input(s) were given")
         if not audios:
             return ThinkerPrompt(prompt_token_ids=ids)
-        feats = self.features(audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
-                              padding="longest", return_tensors="pt")
-        mask = feats["attention_mask"].to(torch.long)
+        features, mask = self._clip_features(audios)
         counts = iter(audio_token_count(int(n), self.n_window) for n in mask.sum(-1))
         expanded: list[int] = []
         for token in ids:
             expanded.extend([token] * next(counts) if token == self.audio_token_id else [token])
-        return ThinkerPrompt(prompt_token_ids=expanded,
-                             input_features=feats["input_features"].to(torch.float32),
+        return ThinkerPrompt(prompt_token_ids=expanded, input_features=features,
                              feature_attention_mask=mask)
+
+    def _clip_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each clip's mel features computed alone, then zero-padded to the longest: a clip's
+        frames do not depend on the other clips of the prompt (padded together, the STFT of a
+        shorter clip's last frames would see the padding), so a clip that comes back in a later
+        turn has the same features and the prefix cache can reuse its blocks."""
+        clips = [self.features(audio, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
+                               return_tensors="pt", padding="longest") for audio in audios]
+        frames = max(clip["input_features"].shape[-1] for clip in clips)
+        features = torch.zeros((len(clips), clips[0]["input_features"].shape[1], frames))
+        mask = torch.zeros((len(clips), frames), dtype=torch.long)
+        for i, clip in enumerate(clips):
+            n = clip["input_features"].shape[-1]
+            features[i, :, :n] = clip["input_features"][0].to(torch.float32)
+            mask[i, :n] = clip["attention_mask"][0].to(torch.long)
+        return features, mask

@@ -6,10 +6,11 @@ multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE g
 `batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
 sequence's cached positions (all sequences of a layer in one call of the C kernel in
 `attention_native`, by default; or one torch `scaled_dot_product_attention` each), so a
-request's logits are bit-identical whether it decodes alone or with 63 others. Text-only prompts
-admitted in the same step are prefilled together the same way (`prefill`); prompts with audio
-run alone through transformers' own forward (the audio encoder and multimodal rotary), and
-either way their KV is then copied into the request's blocks.
+request's logits are bit-identical whether it decodes alone or with 63 others. Prompts admitted
+in the same step (text, and audio whose encoder rows the engine merges in first) are prefilled
+together the same way (`prefill`); prompts with images or video would run alone through
+transformers' own forward (their 3D rotary); either way their KV is then copied into the
+request's blocks.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class BatchedThinkerDecoder:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], prefixes: list[CachedPrefix | None] | None = None,
-                cache: PagedKVCache | None = None) -> list[PrefilledPrompt]:
+                cache: PagedKVCache | None = None,
+                inputs: list[torch.Tensor | None] | None = None) -> list[PrefilledPrompt]:
         """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
         layer and the MoE on tiles over all their rows, attention causal within each prompt.
         A prompt's results do not depend on the others in the pass (the same premise as the
@@ -88,16 +90,25 @@ class BatchedThinkerDecoder:
         blocks): only the rest is computed, attending to the cached keys, and the results (KV,
         rows) cover the rest only. They are bit for bit the rows the whole prompt's prefill
         computes: linear layers are row-invariant, attention too (`attend_rows`), and a cached
-        position's KV is a function of the tokens up to it."""
+        position's KV is a function of the tokens up to it.
+
+        `inputs[i]`: layer 0 of the positions computed for prompt i, where the embedding table
+        alone does not give it (a prompt with audio: its encoder rows at the placeholders).
+        Audio-only prompts keep text positions on all three rotary rows (transformers'
+        `get_rope_index` gives them no offset), so the rotary below is theirs too."""
         prefixes = prefixes or [None] * len(prompts)
+        inputs = inputs or [None] * len(prompts)
         starts = [p.length if p is not None else 0 for p in prefixes]
         if any(s >= len(ids) for s, ids in zip(starts, prompts)):
             raise ValueError("a cached prefix must leave at least one prompt position to compute")
         if any(starts) and cache is None:
             raise ValueError("prefill over cached prefixes needs their cache")
         lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
-        ids = torch.tensor([t for p, start in zip(prompts, starts) for t in p[start:]], dtype=torch.long)
-        h = self.text.embed_tokens(ids)  # [N, hidden]
+        h = torch.cat([rows if rows is not None
+                       else self.text.embed_tokens(torch.tensor(p[start:], dtype=torch.long))
+                       for p, start, rows in zip(prompts, starts, inputs)])  # [N, hidden]
+        if h.shape[0] != sum(lengths):
+            raise ValueError("a prompt's layer-0 rows must cover the positions it computes")
         embeds, accept = h, None
         # Text-only prompts: the three multimodal rotary rows are all the text position.
         positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths)])

@@ -38,7 +38,8 @@ from omni_pd.engines.sampler import sample_next_token, sample_next_tokens
 from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
-from .thinker import ThinkerRunner
+from omni_pd.engines.hf.prefix_cache import multimodal_extra_keys
+from .thinker import AudioClip, ThinkerRunner
 from .thinker_batch import BatchedThinkerDecoder, CachedPrefix, DecodeRow, PrefilledPrompt
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class ThinkerRequest:
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
     prefilled: Prefilled | None = None  # from the step's batched prefill, until its start takes it
+    clips: list[AudioClip] = field(default_factory=list)  # the prompt's audio inputs
+    extra_keys: list[bytes] = field(default_factory=list)  # per full prompt block (its audio)
     output_embeds: list[torch.Tensor] = field(default_factory=list)
     output_hidden: list[torch.Tensor] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -190,20 +193,25 @@ class _ThinkerEngine(StageEngine):
                                   shared=self.shares_cache(stage_config),
                                   prefix_caching=self.prefix_caching)
         self.layout = self.cache.layout
-        # The accept-layer rows of cached prompt blocks (the talker reads them): kept beside the
-        # blocks, since a prompt prefilled over a cached prefix does not compute them again.
+        # The talker's rows of cached prompt blocks (layer 0, where audio positions hold the
+        # encoder's output, and the accept layer): kept beside the blocks, since a prompt
+        # prefilled over a cached prefix computes neither again (nor encodes its audio).
         hidden = runner.text_config.hidden_size
-        self.cached_hidden = (torch.zeros((args.kv_pool_blocks, self.block_size, hidden),
-                                          dtype=next(runner.thinker.parameters()).dtype)
-                              if self.prefix_caching and self.prefills_over_cache else None)
+        keep = self.prefix_caching and self.prefills_over_cache
+        dtype = next(runner.thinker.parameters()).dtype
+        self.cached_embeds, self.cached_hidden = (
+            (torch.zeros((args.kv_pool_blocks, self.block_size, hidden), dtype=dtype),
+             torch.zeros((args.kv_pool_blocks, self.block_size, hidden), dtype=dtype))
+            if keep else (None, None))
         self.prefix_hit_tokens = self.prefix_query_tokens = 0
         # Batched passes: decode steps, and the prefill of text-only prompts (every role).
         self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer,
                                              args.attention_kernels)
         config = runner.thinker.config
-        self._multimodal_ids = frozenset(getattr(config, name) for name in
-                                         ("audio_token_id", "image_token_id", "video_token_id")
-                                         if getattr(config, name, None) is not None)
+        # Images and video need the 3D rotary, which the batched pass does not compute.
+        self._vision_ids = frozenset(getattr(config, name) for name in
+                                     ("image_token_id", "video_token_id")
+                                     if getattr(config, name, None) is not None)
         log.info("stage %d: thinker engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
                  "of %d tokens, prefix caching %s", self.stage_id, self.max_num_seqs,
                  self.max_num_batched_tokens, args.kv_pool_blocks, self.block_size,
@@ -219,6 +227,10 @@ class _ThinkerEngine(StageEngine):
         if request.prompt_len == 0:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         self._check(request)
+        # Audio inputs are placed and hashed now: a malformed prompt fails here, alone.
+        request.clips = self.runner.audio_clips(prompt)
+        request.extra_keys = multimodal_extra_keys([(c.start, c.end, c.key) for c in request.clips],
+                                                   request.prompt_len, self.block_size)
         if request.prefills_here and request.prompt_len > self.max_num_batched_tokens:
             raise ValueError(f"request {request_id}: the prompt has {request.prompt_len} tokens, over "
                              f"stage {self.stage_id}'s max_num_batched_tokens "
@@ -354,13 +366,15 @@ class _ThinkerEngine(StageEngine):
 
     def _match_prefix(self, request: ThinkerRequest) -> list[int]:
         """The cached blocks holding the longest prefix of a prompt this engine prefills, held
-        for it now; none without prefix caching, and none for prompts with audio (their prefill
-        runs through transformers' own forward, whose rows depend on the prompt's length). The
-        last prompt position is always computed: its logits give the first token."""
+        for it now; none without prefix caching, and none for prompts with images or video
+        (their prefill runs through transformers' own forward, whose rows depend on the prompt's
+        length). Blocks with audio match only the same audio (their extra keys). The last prompt
+        position is always computed: its logits give the first token."""
         if not (self.prefix_caching and request.prefills_here and self._batchable(request)
                 and request.cacheable):
             return []
-        return self.cache.prefix.match(request.prompt.prompt_token_ids, limit=request.prompt_len - 1)
+        return self.cache.prefix.match(request.prompt.prompt_token_ids, request.extra_keys,
+                                       limit=request.prompt_len - 1)
 
     def _prefix(self, request: ThinkerRequest) -> CachedPrefix | None:
         return CachedPrefix(request.cached_len, request.blocks) if request.cached_len else None
@@ -375,14 +389,21 @@ class _ThinkerEngine(StageEngine):
         full = len(ids) // self.block_size
         if self.cached_hidden is not None:
             for index in range(request.cached_len // self.block_size, full):
-                rows = pre.prompt_hidden[index * self.block_size:(index + 1) * self.block_size]
-                self.cached_hidden[request.blocks[index]] = rows
-        self.cache.prefix.register(request.blocks[:full], ids, checksums=checksums)
+                span = slice(index * self.block_size, (index + 1) * self.block_size)
+                self.cached_embeds[request.blocks[index]] = pre.prompt_embeds[span]
+                self.cached_hidden[request.blocks[index]] = pre.prompt_hidden[span]
+        self.cache.prefix.register(request.blocks[:full], ids, request.extra_keys, checksums=checksums)
 
     def _batchable(self, request: ThinkerRequest) -> bool:
-        """Text only: the batched pass has no audio encoder and no multimodal rotary."""
-        return (request.prompt.input_features is None
-                and self._multimodal_ids.isdisjoint(request.prompt.prompt_token_ids))
+        """Text and audio: the batched pass has no 3D rotary for images or video."""
+        return self._vision_ids.isdisjoint(request.prompt.prompt_token_ids)
+
+    def _layer0(self, request: ThinkerRequest) -> torch.Tensor | None:
+        """Layer 0 of the positions a prompt with audio computes (after its cached prefix), its
+        audio encoded here; None for text, whose rows the batched pass looks up itself."""
+        if not request.clips:
+            return None
+        return self.runner.layer0_rows(request.prompt, request.clips, request.cached_len)
 
     def _prefill_together(self, requests: list[ThinkerRequest]) -> None:
         """One batched pass for the text-only prompts admitted in this step; each request's
@@ -393,7 +414,8 @@ class _ThinkerEngine(StageEngine):
         began = time.perf_counter()
         try:
             results = self.decoder.prefill([r.prompt.prompt_token_ids for r in requests],
-                                           [self._prefix(r) for r in requests], self.cache)
+                                           [self._prefix(r) for r in requests], self.cache,
+                                           [self._layer0(r) for r in requests])
         except Exception:  # noqa: BLE001 - retried per request at its start
             log.debug("stage %d: batched prefill of %d prompts failed; each runs alone", self.stage_id,
                       len(requests), exc_info=True)
@@ -412,24 +434,23 @@ class _ThinkerEngine(StageEngine):
                                   seen_token_ids=request.prompt.prompt_token_ids)
         embeds, hidden = result.embeds, result.hidden
         if request.cached_len:
-            # The cached positions' rows: layer 0 is the embedding table's (a lookup, exact), the
-            # accept layer's were kept beside their blocks.
-            ids = torch.tensor(request.prompt.prompt_token_ids[:request.cached_len], dtype=torch.long)
-            embeds = torch.cat([self.runner.thinker.get_input_embeddings()(ids), embeds])
-            kept = self.cached_hidden[request.blocks[:request.cached_len // self.block_size]]
-            hidden = torch.cat([kept.flatten(0, 1), hidden])
+            # The cached positions' rows were kept beside their blocks.
+            cached = request.blocks[:request.cached_len // self.block_size]
+            embeds = torch.cat([self.cached_embeds[cached].flatten(0, 1), embeds])
+            hidden = torch.cat([self.cached_hidden[cached].flatten(0, 1), hidden])
         return Prefilled(result.kv, first, 0, embeds, hidden, elapsed_ms)
 
     def _prefill(self, request: ThinkerRequest) -> Prefilled:
         """The request's prefill: its share of the step's batched pass, or run now (alone
-        through the batched pass for text, through transformers' forward with audio)."""
+        through the batched pass, or through transformers' forward with images or video)."""
         pre, request.prefilled = request.prefilled, None
         if pre is not None:
             return pre
         began = time.perf_counter()
         if self._batchable(request):
             [result] = self.decoder.prefill([request.prompt.prompt_token_ids],
-                                            [self._prefix(request)], self.cache)
+                                            [self._prefix(request)], self.cache,
+                                            [self._layer0(request)])
             return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
         run = self.runner.prefill(request.prompt, request.params)
         return Prefilled(cache_to_canonical(run.cache), run.first_token, run.rope_deltas,
@@ -711,7 +732,8 @@ class HfDecodeEngine(_ThinkerEngine):
         if request.params.kv_transfer_params.get("kv_cacheable") is False:
             request.cacheable = False
             return []
-        return self.cache.prefix.match(request.prompt.prompt_token_ids, limit=request.prompt_len)
+        return self.cache.prefix.match(request.prompt.prompt_token_ids, request.extra_keys,
+                                       limit=request.prompt_len)
 
     def _start(self, request: ThinkerRequest) -> list[StepOutput]:
         if request.prefills_here:
@@ -751,7 +773,8 @@ class HfDecodeEngine(_ThinkerEngine):
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
         if self.prefix_caching and request.kv.kv_layout == self.layout and request.cacheable:
             full = request.prompt_len // self.block_size
-            self.cache.prefix.register(request.blocks[:full], request.prompt.prompt_token_ids)
+            self.cache.prefix.register(request.blocks[:full], request.prompt.prompt_token_ids,
+                                       request.extra_keys)
 
     def _progress(self) -> list[StepOutput]:
         self.receiver.reclaim()
