@@ -50,6 +50,10 @@ class ModelPipeline:
     # is only its end token) ends the request with its text and no audio, as an answer, not an
     # error; the audio stages never see it.
     speaks: Callable[[Any], bool] = field(default=lambda output: True)
+    # (an answer's text, seconds of its speech) -> the start of the text that those seconds say:
+    # what a listener heard of an answer cut short (the Realtime API's barge-in and truncate).
+    # None: the model cannot tell, and a cut answer keeps no text.
+    speech_text: Callable[[str, float], str] | None = None
 
 
 @dataclass(frozen=True)

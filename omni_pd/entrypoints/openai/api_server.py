@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server over `AsyncOmni`: /v1/chat/completions (text and speech,
-streaming or not), /v1/models, /health, /metrics.
+streaming or not), the Realtime API's websocket /v1/realtime (realtime/), /v1/models, /health,
+/metrics.
 
 Hostile input: bodies over `max_request_bytes` are refused (413) before they are read, /v1/* needs
 `Authorization: Bearer <api_key>` when a key is set (401), every other problem is a 400 in
@@ -17,7 +18,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,11 +34,16 @@ from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavaila
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl, Slot
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
+from .realtime.session import RealtimeSession
 from .translate import TranslatedRequest, translate
 
 log = logging.getLogger(__name__)
 AUDIO_EXPIRES_S = 3600  # `expires_at`: OpenAI's audio ids expire; omni-pd keeps no audio at all
 CHAT_PATH = "/v1/chat/completions"
+REALTIME_PATH = "/v1/realtime"
+# Websocket close codes (RFC 6455): a policy the client broke (its key, its model), and a server
+# that cannot serve yet.
+WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER = 1008, 1013
 
 
 class _ErrorJSONResponse(JSONResponse):
@@ -96,6 +102,8 @@ class RequestGuard:
             code="request_too_large"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
@@ -140,6 +148,28 @@ class RequestGuard:
                 raise
 
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The same key rule for /v1 websockets (the Realtime API), checked at the handshake:
+        refused with a 401 where the server can answer a handshake with HTTP (uvicorn can),
+        else closed with 1008."""
+        if not self.api_key or not scope["path"].startswith("/v1") \
+                or self._authorized(Headers(scope=scope)):
+            return await self.app(scope, receive, send)
+        await receive()  # websocket.connect
+        if "websocket.http.response" in scope.get("extensions", {}):
+            body = json.dumps(APIError(401, "missing or incorrect API key: send the header "
+                                       "`Authorization: Bearer <key>` with the key the server was "
+                                       "started with (--api-key or OMNI_PD_API_KEY)",
+                                       code="invalid_api_key").body.model_dump()).encode()
+            await send({"type": "websocket.http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"www-authenticate", b"Bearer")]})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION,
+                        "reason": "missing or incorrect API key"})
+
+
 def wav_base64(audio, sample_rate: int) -> str:
     buffer = io.BytesIO()
     write_wav(buffer, audio, sample_rate)  # the same bytes for the same samples
@@ -160,6 +190,7 @@ class ServerState:
         self.pcm16_gain = 1.0  # set from the stage config once the stages are up
         self.metrics = ServerMetrics()
         self.admission: AdmissionControl | None = None  # set once the stages are up
+        self.realtime_sessions: set[RealtimeSession] = set()  # open /v1/realtime sockets
 
 
 # Text longer than this many characters per token of context is tokenized only up to that many
@@ -359,7 +390,39 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         async def debug_state():
             omni = ready_omni()
             counts = {**await omni.debug_state_counts(), **state.admission.counts()}
+            sessions = list(state.realtime_sessions)
+            counts["realtime.sessions"] = len(sessions)
+            for key in ("responses", "items", "buffer_bytes"):
+                counts[f"realtime.{key}"] = sum(s.counts()[key] for s in sessions)
             return {"counts": counts, "worker_pids": omni.worker_pids}
+
+    @app.websocket(REALTIME_PATH)
+    async def realtime(websocket: WebSocket):
+        """The Realtime API: one session per socket (realtime/session.py)."""
+        await websocket.accept()
+        model = websocket.query_params.get("model")
+        reason = None
+        if state.omni is None:
+            reason, code = (state.startup_error or "the stages are still starting; retry when "
+                            "GET /health answers 200"), WS_TRY_AGAIN_LATER
+        elif model is not None and model != served_model:
+            reason, code = (f"the model {model!r} does not exist; this server serves "
+                            f"{served_model!r}"), WS_POLICY_VIOLATION
+        if reason is not None:
+            await websocket.send_json({"type": "error", "event_id": "event_refused", "error": {
+                "type": "invalid_request_error", "code": "model_not_found" if model else None,
+                "message": reason, "param": "model", "event_id": None}})
+            await websocket.close(code, reason[:120])
+            return
+        session = RealtimeSession(websocket, state.omni, state, served_model,
+                                  lambda exc: _as_api_error(state, exc))
+        state.realtime_sessions.add(session)
+        log.debug("realtime session %s opened", session.id)
+        try:
+            await session.run()
+        finally:
+            state.realtime_sessions.discard(session)
+            log.debug("realtime session %s closed", session.id)
 
     async def admit() -> Slot:
         try:

@@ -1,6 +1,8 @@
 """Qwen3-Omni-MoE as the orchestrator sees it (`omni_pd.registry.ModelPipeline`)."""
 from __future__ import annotations
 
+import math
+
 from omni_pd.registry import ModelPipeline
 
 from .factory import load_config, load_tokenizer, resolve_model
@@ -25,7 +27,27 @@ def qwen3_omni_pipeline(model: str) -> ModelPipeline:
         eos_token_ids=thinker_eos_ids(config, tokenizer),
         context_len=config.thinker_config.text_config.max_position_embeddings,
         voices=tuple(sorted(config.talker_config.speaker_id or {})),
-        normalize_prompt=normalize_prompt, build_prompt=builder.build, speaks=speaks)
+        normalize_prompt=normalize_prompt, build_prompt=builder.build, speaks=speaks,
+        speech_text=SpeechText(tokenizer, config.code2wav_config))
+
+
+class SpeechText:
+    """The talker speaks the answer one text token per codec frame (it is fed the assistant's
+    text one position per step), and code2wav makes `samples_per_frame` samples of each frame at
+    24 kHz (12.5 frames a second in the real model): so `seconds` of speech say the answer's
+    first `seconds * 12.5` tokens."""
+
+    SAMPLE_RATE = 24_000
+
+    def __init__(self, tokenizer, code2wav_config):
+        self.tokenizer = tokenizer
+        rates = list(code2wav_config.upsampling_ratios) + list(code2wav_config.upsample_rates)
+        self.frames_per_s = self.SAMPLE_RATE / math.prod(rates)
+
+    def __call__(self, text: str, seconds: float) -> str:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        heard = ids[:max(0, int(seconds * self.frames_per_s))]
+        return self.tokenizer.decode(heard, skip_special_tokens=True) if heard else ""
 
 
 def speaks(output) -> bool:
