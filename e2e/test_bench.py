@@ -118,3 +118,26 @@ def test_xpyd_runs_each_layout_beside_its_colocated_replicas_with_goodput(xpyd_r
         assert row["goodput_req_per_s"] == pytest.approx(row["req_per_s"])
         assert 0 <= row["ttfa_ms_p50"] <= row["ttfa_ms_p99"]
     assert "goodput" in proc.stdout and "offered" in proc.stdout
+
+
+def test_realtime_mode_runs_each_level_through_both_endpoints(tmp_path):
+    """`--realtime`: the same prompts through /v1/chat/completions and /v1/realtime, each
+    realtime row with its TTFA against the chat row's."""
+    json_path = tmp_path / "realtime.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
+         "--configs", "stage_configs/ci/qwen3_omni_tiny.yaml", "--realtime", "--ignore-eos",
+         "--concurrency", "2", "--num-requests", "4", "--json", str(json_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = {r["endpoint"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert set(rows) == {"chat", "realtime"} and json.loads(json_path.read_text())["realtime"]
+    chat, realtime = rows["chat"], rows["realtime"]
+    assert realtime["config"] == "qwen3_omni_tiny realtime" and realtime["chat_config"] == chat["config"]
+    for row in (chat, realtime):
+        assert row["errors"] == 0 and row["num_requests"] == 4 and row["no_speech"] == 0
+        assert 0 < row["ttft_ms_p50"] <= row["ttfa_ms_p50"] <= row["e2e_ms_p50"]
+        assert row["output_tok_per_s"] > 0
+    assert realtime["ttfa_vs_chat"] == pytest.approx(realtime["ttfa_ms_p50"] / chat["ttfa_ms_p50"],
+                                                     rel=1e-2)
+    assert "ttfa vs chat" in proc.stdout

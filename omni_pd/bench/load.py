@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from .stats import RequestRecord
 
@@ -101,10 +101,12 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
 
 async def run_level(client: Any, model: str, concurrency: int, num_requests: int, max_tokens: int,
                     prompts: Sequence[str] = PROMPTS,
-                    on_done: Callable[[RequestRecord], None] | None = None
+                    on_done: Callable[[RequestRecord], None] | None = None,
+                    send: Callable[..., Awaitable[RequestRecord]] = stream_one
                     ) -> tuple[list[RequestRecord], float]:
-    """`num_requests` requests with exactly `concurrency` in flight (fewer only once fewer remain).
-    Returns the records in request order and the level's wall time in seconds."""
+    """`num_requests` requests with exactly `concurrency` in flight (fewer only once fewer remain),
+    each sent by `send` (the chat endpoint; bench/realtime.py has the Realtime API's). Returns
+    the records in request order and the level's wall time in seconds."""
     records: list[RequestRecord | None] = [None] * num_requests
     next_index = 0
 
@@ -113,7 +115,7 @@ async def run_level(client: Any, model: str, concurrency: int, num_requests: int
         while next_index < num_requests:
             index = next_index
             next_index += 1
-            record = await stream_one(client, model, prompts[index % len(prompts)], max_tokens)
+            record = await send(client, model, prompts[index % len(prompts)], max_tokens)
             records[index] = record
             if on_done:
                 on_done(record)

@@ -98,7 +98,9 @@ def _extra_columns(rows: list[dict]) -> list[tuple[str, str, int]]:
                                ("goodput", "goodput_req_per_s", 2),
                                ("in SLO", "slo_attainment", 2),
                                ("req/s vs baseline", "req_per_s_vs_baseline", 2),
-                               ("goodput vs baseline", "goodput_vs_baseline", 2)):
+                               ("goodput vs baseline", "goodput_vs_baseline", 2),
+                               ("ttft vs chat", "ttft_vs_chat", 2),
+                               ("ttfa vs chat", "ttfa_vs_chat", 2)):
         if any(row.get(key) for row in rows):
             columns.append((title, key, digits))
     return columns

@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the P/D stage YAML the layouts are made from")
     parser.add_argument("--xpyd-colocated-config", default=str(DEFAULT_CONFIGS[0]),
                         help="the colocated stage YAML the baselines are made from")
+    parser.add_argument("--realtime", action="store_true",
+                        help="run each closed-loop level through the Realtime API (/v1/realtime) "
+                             "too, with the same prompts, and report its TTFA against the chat "
+                             "endpoint's (ttfa_vs_chat)")
     parser.add_argument("--multi-turn", type=int, default=None, metavar="K",
                         help="run conversations of K turns (the whole history each turn, after a "
                              "long system prompt) instead of the concurrency levels; default "
@@ -296,6 +300,7 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
     from tqdm import tqdm
 
     from .load import PROMPTS, run_level, run_open_loop, stream_one
+    from .realtime import realtime_one
     from .stats import summarize_level
 
     # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
@@ -331,28 +336,34 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
                 if not warm.ok:
                     print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}",
                           file=sys.stderr)
-            handoffs_before = await _handoff_totals(base_url)
-            with tqdm(total=n, desc=f"{label} c={concurrency}", unit="req", file=sys.stderr,
-                      dynamic_ncols=True) as bar:
-                failed = 0
+            for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
+                name = label if endpoint == "chat" else f"{label} realtime"
+                handoffs_before = await _handoff_totals(base_url)
+                with tqdm(total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr,
+                          dynamic_ncols=True) as bar:
+                    failed = 0
 
-                def done(record, bar=bar):
-                    nonlocal failed
-                    failed += not record.ok
-                    bar.update(1)
-                    if failed:
-                        bar.set_postfix(errors=failed)
+                    def done(record, bar=bar):
+                        nonlocal failed
+                        failed += not record.ok
+                        bar.update(1)
+                        if failed:
+                            bar.set_postfix(errors=failed)
 
-                records, wall_s = await run_level(client, model, concurrency, n, args.max_tokens,
-                                                  on_done=done)
-            failures = [r.error or "error" for r in records if not r.ok]
-            if failures:
-                errors[f"{label} c={concurrency}"] = failures
-            rows.append({"config": label, "concurrency": concurrency,
-                         **summarize_level(records, wall_s, **slos),
-                         "kv_handoff_ms_mean": _mean_handoff_ms(handoffs_before,
-                                                                await _handoff_totals(base_url))})
-        capacity = max((r["req_per_s"] or 0.0 for r in rows), default=0.0)
+                    records, wall_s = await run_level(
+                        client, model, concurrency, n, args.max_tokens, on_done=done,
+                        send=realtime_one if endpoint == "realtime" else stream_one)
+                failures = [r.error or "error" for r in records if not r.ok]
+                if failures:
+                    errors[f"{name} c={concurrency}"] = failures
+                rows.append({"config": name, "concurrency": concurrency,
+                             **summarize_level(records, wall_s, **slos),
+                             "kv_handoff_ms_mean": _mean_handoff_ms(
+                                 handoffs_before, await _handoff_totals(base_url)),
+                             **({"endpoint": endpoint, "chat_config": label} if args.realtime
+                                else {})})
+        capacity = max((r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"),
+                       default=0.0)
         for offered, value, relative in _rates(args.request_rate):
             rate = value * capacity if relative else value
             if rate <= 0:
@@ -498,6 +509,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
                   file=sys.stderr)
 
     add_ratios(results)
+    if args.realtime:
+        from .realtime import add_vs_chat
+        add_vs_chat(results)
     add_baseline_ratios(results, baselines, "concurrency")
     add_baseline_ratios(open_loop, baselines, "offered")
     if multi_turn:
@@ -525,7 +539,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         request_timeout_s=args.request_timeout, server_env=server_env, failures=failures,
         request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_ttfa_ms=args.slo_ttfa_ms,
         seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg,
-        multi_turn=args.multi_turn, conversations=args.conversations, audio_turns_s=args.audio_turns)
+        multi_turn=args.multi_turn, conversations=args.conversations, audio_turns_s=args.audio_turns,
+        realtime=args.realtime)
     if args.json:
         write_json(args.json, meta, results, open_loop, multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
