@@ -306,3 +306,22 @@ def test_the_api_key_and_the_model_are_checked(server):
         assert event.type == "error" and event.error.param == "model"
         with pytest.raises(Exception):
             conn.recv()  # closed with 1008
+
+
+def test_a_beta_client_gets_the_beta_event_names(server):
+    # The beta client always dials wss:// from base_url; a plain-ws server names its URL.
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0,
+                           websocket_base_url=server.base.replace("http", "ws") + "/v1")
+    with client.beta.realtime.connect(model=MODEL) as conn:
+        assert conn.recv().type == "session.created"
+        conn.recv()  # conversation.created
+        conn.session.update(session={"modalities": ["text", "audio"], "turn_detection": None})
+        updated = _until(conn, "session.updated")[-1]
+        assert updated.session.turn_detection is None and updated.session.voice == "ethan"
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Hi."}]})
+        conn.response.create()
+        kinds = [e.type for e in _until(conn, "response.done")]
+    assert "conversation.item.created" in kinds and "conversation.item.added" not in kinds
+    assert "response.audio.delta" in kinds and "response.audio_transcript.delta" in kinds
+    assert "response.output_audio.delta" not in kinds

@@ -414,14 +414,17 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                 "message": reason, "param": "model", "event_id": None}})
             await websocket.close(code, reason[:120])
             return
+        beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1")
         session = RealtimeSession(websocket, state.omni, state, served_model,
-                                  lambda exc: _as_api_error(state, exc))
+                                  lambda exc: _as_api_error(state, exc), beta=beta)
         state.realtime_sessions.add(session)
+        state.metrics.realtime_sessions.inc()
         log.debug("realtime session %s opened", session.id)
         try:
             await session.run()
         finally:
             state.realtime_sessions.discard(session)
+            state.metrics.realtime_sessions.dec()
             log.debug("realtime session %s closed", session.id)
 
     async def admit() -> Slot:

@@ -68,6 +68,12 @@ class ServerMetrics:
         self.prefix_hits = Counter("omni_pd_prefix_cache_hits",
                                    "Prompt tokens found in a stage's prefix cache",
                                    ["stage", "replica"], registry=self.registry)
+        # The Realtime API: open sessions, and responses by how they ended.
+        self.realtime_sessions = Gauge("omni_pd_realtime_sessions", "Open /v1/realtime sessions",
+                                       registry=self.registry)
+        self.realtime_responses = Counter("omni_pd_realtime_responses",
+                                          "Realtime responses by status (completed, incomplete, "
+                                          "cancelled, failed)", ["status"], registry=self.registry)
         self._seen: dict[str, float] = {}  # the orchestrator's counts at the previous scrape
 
     def _advance(self, key: str, counter, value: float) -> None:

@@ -208,3 +208,26 @@ def error_event(error: RealtimeError) -> dict[str, Any]:
     return server_event("error", error={"type": error.type, "code": error.code,
                                         "message": error.message, "param": error.param,
                                         "event_id": error.event_id})
+
+
+# Server events the beta protocol names otherwise (its clients send `OpenAI-Beta: realtime=v1`);
+# None: the beta protocol has no such event.
+_BETA_NAMES: dict[str, str | None] = {
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+    "conversation.item.added": "conversation.item.created",
+    "conversation.item.done": None,
+}
+
+
+def beta_event(event: dict[str, Any]) -> dict[str, Any] | None:
+    """A GA server event as the beta protocol names it (None: not sent to beta clients)."""
+    if event["type"] not in _BETA_NAMES:
+        return event
+    name = _BETA_NAMES[event["type"]]
+    return None if name is None else {**event, "type": name}
+

@@ -96,12 +96,13 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 async def stream_response(run: ResponseRun, omni, state, send: Send,
-                          prepare: Callable[[ResponseRun], Any]) -> None:
+                          prepare: Callable[[ResponseRun], Any], inline: bool = False) -> None:
     """Run `run` through the stages, sending its deltas; sets its status and output. Raises what
-    the stages raise (the caller sends response.done); CancelledError when it is cancelled."""
+    the stages raise (the caller sends response.done); CancelledError when it is cancelled.
+    `prepare` (tokenizing, audio features) runs in a thread unless `inline`."""
     slot = await state.admission.enter()
     try:
-        prepared, params = await asyncio.to_thread(prepare, run)
+        prepared, params = prepare(run) if inline else await asyncio.to_thread(prepare, run)
         modalities = ("text", "audio") if run.spec.audio else ("text",)
         state.metrics.in_flight.inc()
         events = omni.stream(prepared, params, request_id=run.id, modalities=modalities)

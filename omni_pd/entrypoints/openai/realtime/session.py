@@ -20,13 +20,16 @@ from .audio import decode_pcm16, duration_ms, pcm16_to_model_rate
 from .conversation import Conversation, Item, Part, item_from_client
 from .events import (PCM_RATE, BufferAppend, BufferClear, BufferCommit, ItemCreate, ItemDelete,
                      ItemTruncate, RealtimeError, ResponseCancel, ResponseCreate, ServerVad,
-                     SessionConfig, SessionUpdate, error_event, new_id, parse_client_event,
-                     server_event)
+                     SessionConfig, SessionUpdate, beta_event, error_event, new_id,
+                     parse_client_event, server_event)
 from .response import ResponseRun, ResponseSpec, finish_response, stream_response
 from .vad import TurnDetector
 
 log = logging.getLogger(__name__)
 
+# Text-only work this small (building an item, tokenizing a prompt of at most this many
+# characters) runs on the event loop: a thread hop costs more under load, as in the chat path.
+INLINE_CHARS = 4096
 # The input audio buffer holds at most this much (about 5.8 MB of pcm16): an append past it is
 # refused, and the buffer is kept.
 MAX_BUFFER_MS = 120_000
@@ -35,8 +38,9 @@ BYTES_PER_MS = PCM_RATE * 2 // 1000
 
 class RealtimeSession:
     def __init__(self, websocket, omni, state, served_model: str,
-                 error_of: Callable[[BaseException], BaseException]):
+                 error_of: Callable[[BaseException], BaseException], beta: bool = False):
         self.ws, self.omni, self.state, self.served_model = websocket, omni, state, served_model
+        self.beta = beta  # the client asked for the beta protocol (OpenAI-Beta: realtime=v1)
         self.error_of = error_of  # a stage exception -> an APIError (or the exception), counted
         self.id = new_id("sess")
         self.conversation_id = new_id("conv")
@@ -62,6 +66,10 @@ class RealtimeSession:
     async def send(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
+        if self.beta:
+            event = beta_event(event)
+            if event is None:
+                return
         try:
             async with self._send_lock:
                 await self.ws.send_text(json.dumps(event))
@@ -102,7 +110,10 @@ class RealtimeSession:
     # ---- session settings ------------------------------------------------------------------------
     def public(self) -> dict[str, Any]:
         vad = self.turn_detection.model_dump() if self.turn_detection else None
-        return {"type": "realtime", "object": "realtime.session", "id": self.id,
+        beta = {"modalities": ["text", "audio"] if "audio" in self.modalities else ["text"],
+                "voice": self.voice, "turn_detection": vad, "input_audio_format": "pcm16",
+                "output_audio_format": "pcm16"} if self.beta else {}
+        return {**beta, "type": "realtime", "object": "realtime.session", "id": self.id,
                 "model": self.served_model, "output_modalities": list(self.modalities),
                 "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens or "inf",
@@ -165,7 +176,10 @@ class RealtimeSession:
                                      item=item.public()))
 
     async def create_item(self, event: ItemCreate) -> None:
-        item = await asyncio.to_thread(item_from_client, event.item)  # decodes and resamples
+        if any(part.audio for part in event.item.content):  # decoding and resampling: a thread
+            item = await asyncio.to_thread(item_from_client, event.item)
+        else:
+            item = item_from_client(event.item)
         await self._add_item(item, event.previous_item_id)
 
     async def delete_item(self, event: ItemDelete) -> None:
@@ -307,7 +321,8 @@ class RealtimeSession:
 
     async def _respond(self, run: ResponseRun) -> None:
         try:
-            await stream_response(run, self.omni, self.state, self.send, self._prepare)
+            await stream_response(run, self.omni, self.state, self.send, self._prepare,
+                                  inline=_text_only(run.messages, INLINE_CHARS))
             self.state.metrics.requests.labels(outcome="success").inc()
         except asyncio.CancelledError:
             run.status, run.reason = "cancelled", run.reason or "client_cancelled"
@@ -319,6 +334,7 @@ class RealtimeSession:
             run.error = ({"type": body.error.type, "code": body.error.code or "",
                           "message": body.error.message} if body is not None
                          else {"type": "server_error", "code": "", "message": str(exc)})
+        self.state.metrics.realtime_responses.labels(status=run.status).inc()
         try:
             await finish_response(run, self.conversation_id, self.send, self.omni.pipeline.speech_text)
         finally:
@@ -349,3 +365,15 @@ class RealtimeSession:
     def counts(self) -> dict[str, int]:
         return {"responses": int(self.response is not None), "items": len(self.conversation.items),
                 "buffer_bytes": len(self.buffer)}
+
+
+def _text_only(messages: list[dict[str, Any]], limit: int) -> bool:
+    """Whether `messages` hold no audio and at most `limit` characters of text."""
+    chars = 0
+    for message in messages:
+        content = message["content"]
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+            if part["type"] != "text":
+                return False
+            chars += len(part["text"])
+    return chars <= limit
