@@ -19,6 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeCon
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from ..cache import cached_checkpoint, content_key
+from .checkpoint import LoadReport, read_shard_index
+from .stage_parts import StageParts, load_stage_parts
 from .tiny_config import TINY_MODEL_NAME, tiny_config_dict
 from .tokenizer import build_tiny_tokenizer
 
@@ -116,6 +118,23 @@ def load_model(model: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_
         for param in loaded.parameters():
             param.data = param.data.clone()
     return loaded.eval()
+
+
+def load_stage(model: str, stage: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_SEED,
+               dtype: torch.dtype = torch.float32) -> tuple[StageParts, list[LoadReport]]:
+    """The modules `stage` runs. From a checkpoint directory: only that stage's part, read lean
+    (see stage_parts). `dummy`: the whole seeded model is built (tiny; its bytes depend on
+    building every part in order) and only the stage's part is kept (no reports)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
+    source = resolve_model(model)
+    if load_format == "dummy":
+        return StageParts.of(build_dummy_model(load_config(source), seed=seed, dtype=dtype), stage), []
+    if source.is_embedded:
+        raise ValueError(f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format "
+                         "'dummy', or write a checkpoint with `omni-pd make-tiny-model DIR`")
+    index = read_shard_index(source.directory)
+    return load_stage_parts(index, load_config(source), stage, dtype)
 
 
 def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED) -> Path:

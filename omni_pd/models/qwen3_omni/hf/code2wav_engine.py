@@ -31,6 +31,7 @@ from omni_pd.sampling import SamplingParams
 from omni_pd.engines.base import StageEngine, StepOutput
 from omni_pd.engines.types import AudioOutput
 from omni_pd.models.qwen3_omni.records import Code2WavPrompt
+from ..stage_parts import StageParts
 from .code2wav import SAMPLE_RATE, Code2WavRunner
 from .code2wav_exact import Code2WavStream
 
@@ -62,8 +63,9 @@ class HfCode2WavEngine(StageEngine):
     def __init__(self, stage_id: int, model, initial_chunk_frames: int = 4, chunk_frames: int = 25,
                  left_context_frames: int | None = None, kernels: str = "native"):
         self.stage_id = stage_id
-        self.runner = Code2WavRunner(model.code2wav, kernels)
-        self.num_quantizers = model.config.code2wav_config.num_quantizers
+        parts = StageParts.of(model)  # a whole model, or a code2wav stage's parts
+        self.runner = Code2WavRunner(parts.require("code2wav"), kernels)
+        self.num_quantizers = parts.config.code2wav_config.num_quantizers
         geometry = self.runner.geometry
         self.initial_chunk_frames = int(initial_chunk_frames)
         self.chunk_frames = int(chunk_frames)

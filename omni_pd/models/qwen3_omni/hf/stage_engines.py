@@ -6,9 +6,10 @@ import time
 
 import torch
 
-from ..factory import load_model, load_tokenizer, resolve_model
+from ..factory import load_stage, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
 from omni_pd.engines.base import StageEngine
+from ..stage_parts import StageParts
 from .thinker import ThinkerRunner
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,10 @@ _DTYPES = {"auto": torch.float32, "float": torch.float32, "float32": torch.float
 
 
 def thinker_runner(model, tokenizer) -> ThinkerRunner:
-    config = model.config
-    return ThinkerRunner(model.thinker, tokenizer, config.talker_config.accept_hidden_layer,
+    """`model`: a whole model or a thinker stage's StageParts."""
+    parts = StageParts.of(model)
+    config = parts.config
+    return ThinkerRunner(parts.require("thinker"), tokenizer, config.talker_config.accept_hidden_layer,
                          thinker_eos_ids(config, tokenizer))
 
 
@@ -35,12 +38,17 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
                     "Omni / --model (%r)", stage_config.stage_id, args.model, model_name)
     dtype = _DTYPES[args.dtype]
     began = time.perf_counter()
-    model = load_model(name, load_format="dummy" if args.load_format == "dummy" else "auto",
-                       seed=args.seed if args.seed is not None else 0, dtype=dtype)
+    # Only this stage's part (the talker also gets the thinker's token embedding, for the tts
+    # special tokens); from a checkpoint nothing else is read.
+    model, reports = load_stage(name, model_stage,
+                                load_format="dummy" if args.load_format == "dummy" else "auto",
+                                seed=args.seed if args.seed is not None else 0, dtype=dtype)
+    for r in reports:
+        log.info("stage %d: loaded %s part, %d tensors, %.1f MiB from %d of %d shards in %.2f s",
+                 stage_config.stage_id, r.part, r.tensors, r.bytes / 2**20, len(r.shards_read),
+                 r.shards_total, r.seconds)
     log.info("stage %d: hf %s engine ready in %.1f s (model %s, load_format %s)", stage_config.stage_id,
              model_stage, time.perf_counter() - began, name, args.load_format)
-    # Each engine keeps references only to the sub-modules it runs (the talker also keeps the
-    # thinker's token embedding, for the tts special tokens); the rest is freed with `model`.
     if model_stage == "thinker":
         from .thinker_engine import HfDecodeEngine, HfPrefillEngine, HfThinkerEngine
         runner = thinker_runner(model, load_tokenizer(resolve_model(name)))

@@ -23,6 +23,7 @@ from omni_pd.sampling import SamplingParams
 from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
 from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerOutput, TalkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
+from ..stage_parts import StageParts
 from .talker import TalkerRunner
 from .talker_batch import BatchedTalker, TalkerRequestState
 
@@ -43,10 +44,12 @@ class HfTalkerEngine(StageEngine):
         self.stage_id = stage_id
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
-        self.runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
-        self.core = BatchedTalker(model.talker, model.config.talker_config, self.runner.suppressed,
+        parts = StageParts.of(model)  # a whole model, or a talker stage's parts
+        talker = parts.require("talker")
+        self.runner = TalkerRunner(talker, parts.require("thinker_embedding"), parts.config)
+        self.core = BatchedTalker(talker, parts.config.talker_config, self.runner.suppressed,
                                   kernels=attention_kernels)
-        self.num_code_groups = model.config.talker_config.num_code_groups
+        self.num_code_groups = parts.config.talker_config.num_code_groups
         self.waiting: OrderedDict[str, TalkerRequestState] = OrderedDict()
         self.running: OrderedDict[str, TalkerRequestState] = OrderedDict()
         # request id -> whether that was its thinker's last output: rows due at the next step
