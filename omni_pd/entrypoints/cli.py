@@ -142,8 +142,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from ..models.qwen3_omni.factory import save_tiny_model
-    out = save_tiny_model(args.directory, seed=args.seed)
-    print(f"wrote the tiny Qwen3-Omni checkpoint (config, tokenizer, safetensors) to {out}")
+    out = save_tiny_model(args.directory, seed=args.seed, size=args.size,
+                          max_shard_size=args.max_shard_size)
+    layout = f"shards of at most {args.max_shard_size}" if args.max_shard_size else "one file"
+    print(f"wrote the {args.size} Qwen3-Omni checkpoint (config, tokenizer, safetensors in {layout}) "
+          f"to {out}")
     return 0
 
 
@@ -183,6 +186,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench_handoff(args: argparse.Namespace) -> int:
     from ..bench.handoff import run
+    return run(args)
+
+
+def _cmd_bench_load(args: argparse.Namespace) -> int:
+    from ..bench.checkpoint_load import run
     return run(args)
 
 
@@ -262,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "config) at several concurrency levels; table, JSON, PNG")
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_cmd_bench_serve)
+    from ..bench.checkpoint_load import add_arguments as add_bench_load_arguments
+    bench_load = bench_sub.add_parser("load", help="load a checkpoint the way each hf stage does, "
+                                      "each in a fresh process: bytes, peak RSS growth, time, "
+                                      "read throughput against `cat`")
+    add_bench_load_arguments(bench_load)
+    bench_load.set_defaults(func=_cmd_bench_load)
     from ..bench.handoff import add_arguments as add_bench_handoff_arguments
     bench_handoff = bench_sub.add_parser("handoff", help="time the P/D KV handoff against one raw "
                                          "Mooncake read and an in-process copy of the same bytes")
@@ -286,9 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "machine's: cuda, rocm or xpu where torch sees one, else cpu)")
     val.set_defaults(func=_cmd_validate)
 
-    tiny = sub.add_parser("make-tiny-model", help="write the embedded tiny model as a checkpoint")
+    tiny = sub.add_parser("make-tiny-model", help="write the embedded tiny model (or a larger "
+                          "random one) as a checkpoint")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--size", choices=("tiny", "medium"), default="tiny",
+                      help="tiny: the embedded model (default); medium: 1.1 GB of float32 with "
+                      "parts sized like the real model's (thinker > talker > code2wav)")
+    tiny.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                      help="write HF's sharded layout with shards of at most SIZE (e.g. 200MB) "
+                      "and model.safetensors.index.json (default: one model.safetensors)")
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 

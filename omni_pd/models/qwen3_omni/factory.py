@@ -21,6 +21,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 from ..cache import cached_checkpoint, content_key
 from .checkpoint import LoadReport, read_shard_index
 from .stage_parts import StageParts, load_stage_parts
+from .medium_config import medium_config_dict
 from .tiny_config import TINY_MODEL_NAME, tiny_config_dict
 from .tokenizer import build_tiny_tokenizer
 
@@ -137,12 +138,28 @@ def load_stage(model: str, stage: str, load_format: str = "auto", seed: int = DE
     return load_stage_parts(index, load_config(source), stage, dtype)
 
 
-def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED) -> Path:
-    """Write the embedded tiny model (config, tokenizer, seeded weights) as a checkpoint."""
+MODEL_SIZES = ("tiny", "medium")
+
+
+def model_config_dict(size: str = "tiny") -> dict:
+    if size == "tiny":
+        return tiny_config_dict()
+    if size == "medium":
+        return medium_config_dict()
+    raise ValueError(f"model size {size!r} is not one of {MODEL_SIZES}")
+
+
+def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED, size: str = "tiny",
+                    max_shard_size: str | int | None = None) -> Path:
+    """Write a seeded random model (config, tokenizer, weights) as a checkpoint: the embedded
+    tiny one, or `medium` (1.1 GB of float32, parts sized like the real model's). With
+    `max_shard_size` (e.g. "200MB") the weights go in HF's sharded layout
+    (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`); without, in one file."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_dummy_model(Qwen3OmniMoeConfig(**tiny_config_dict()), seed=seed)
-    model.save_pretrained(str(out))
+    model = build_dummy_model(Qwen3OmniMoeConfig(**model_config_dict(size)), seed=seed)
+    # One file unless asked: save_pretrained's own default would shard at 50 GB anyway.
+    model.save_pretrained(str(out), max_shard_size=max_shard_size or "1000GB")
     build_tiny_tokenizer().save_pretrained(str(out))
     return out
 
