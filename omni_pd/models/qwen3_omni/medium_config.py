@@ -28,7 +28,8 @@ def medium_config_dict() -> dict[str, Any]:
     talker["text_config"].update(hidden_size=256, intermediate_size=512, num_hidden_layers=5,
                                  moe_intermediate_size=256, shared_expert_intermediate_size=512,
                                  num_experts=64)
-    talker["code_predictor_config"].update(hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    # The code predictor reads the talker's hidden states: the same width.
+    talker["code_predictor_config"].update(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     talker["thinker_hidden_size"] = MEDIUM_THINKER_HIDDEN
     talker["accept_hidden_layer"] = 4
     config["code2wav_config"].update(hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
