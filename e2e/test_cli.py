@@ -135,3 +135,17 @@ def test_unknown_model_is_one_clear_error(tmp_path):
     result = _run("generate", "--prompt", "hi", "--model", str(tmp_path / "nope"), check=False)
     assert result.returncode != 0
     assert "neither the embedded" in result.stderr
+
+
+def test_broken_checkpoint_is_one_start_up_error(tmp_path):
+    ckpt = tmp_path / "sharded"
+    _run("make-tiny-model", str(ckpt), "--seed", "42", "--max-shard-size", "200KB")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    config = tmp_path / "from_files.yaml"
+    config.write_text(TINY.read_text().replace("load_format: dummy", "load_format: auto"))
+    result = _run("generate", "--prompt", "hi", "--model", str(ckpt), "--stage-configs-path",
+                  str(config), "--output", str(tmp_path / "o.wav"), check=False)
+    assert result.returncode == 1
+    assert "failed to start: CheckpointError" in result.stderr and shard.name in result.stderr
+    assert "Traceback" not in result.stderr

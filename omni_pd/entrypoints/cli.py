@@ -330,7 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:
+        # Imported here: most commands never load torch. A stage that cannot start (a broken
+        # checkpoint, ...) says why in one line; the orchestrator's stack adds nothing to it.
+        from ..models.qwen3_omni.checkpoint import CheckpointError
+        from ..orchestrator.stage_client import StageError
+        if not isinstance(exc, (StageError, CheckpointError)):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
