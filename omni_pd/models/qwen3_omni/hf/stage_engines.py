@@ -8,7 +8,9 @@ import torch
 
 from ..factory import load_model, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
+from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
+from omni_pd.engines.device import enter as enter_device, kernels_for
 from .thinker import ThinkerRunner
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,30 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
         log.warning("stage %d: engine_args.model %r is ignored; every stage runs the model given to "
                     "Omni / --model (%r)", stage_config.stage_id, args.model, model_name)
     dtype = _DTYPES[args.dtype]
+    device = stage_device(stage_config)  # raises, naming the stage, where its GPU is not visible
     began = time.perf_counter()
     model = load_model(name, load_format="dummy" if args.load_format == "dummy" else "auto",
                        seed=args.seed if args.seed is not None else 0, dtype=dtype)
-    log.info("stage %d: hf %s engine ready in %.1f s (model %s, load_format %s)", stage_config.stage_id,
-             model_stage, time.perf_counter() - began, name, args.load_format)
+    if device != "cpu":
+        enter_device(device)
+        model = model.to(device)
+        # The C kernels read host memory: torch's kernels stand in on the GPU (logged once).
+        args = args.model_copy(update={
+            "attention_kernels": kernels_for(device, args.attention_kernels, "attention",
+                                             stage_config.stage_id),
+            "code2wav_kernels": kernels_for(device, args.code2wav_kernels, "code2wav",
+                                            stage_config.stage_id)})
+        stage_config = stage_config.model_copy(update={"engine_args": args})
+    log.info("stage %d: hf %s engine ready in %.1f s on %s (model %s, load_format %s)",
+             stage_config.stage_id, model_stage, time.perf_counter() - began, device, name,
+             args.load_format)
+    engine = _build(stage_config, model, model_stage, name)
+    engine.device = device
+    return engine
+
+
+def _build(stage_config, model, model_stage: str, name: str) -> StageEngine:
+    args = stage_config.engine_args
     # Each engine keeps references only to the sub-modules it runs (the talker also keeps the
     # thinker's token embedding, for the tts special tokens); the rest is freed with `model`.
     if model_stage == "thinker":
