@@ -3,6 +3,7 @@ colocated pipeline byte for byte: thinker tokens, merged talker inputs, codec co
 batching changes nothing: requests run all at once equal the same requests run alone, in both
 pipelines."""
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -14,8 +15,11 @@ from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
 pytestmark = pytest.mark.slow
-COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
-PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
+# scripts/gpu_check.sh runs this file with OMNI_PD_E2E_DEVICE=cuda: the same prompts with every
+# hf stage on cuda:0 (colocated and P/D on the GPU are compared with each other).
+_CUDA = "_cuda" if os.environ.get("OMNI_PD_E2E_DEVICE", "cpu") == "cuda" else ""
+COLOCATED = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}.yaml"
+PD = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}_pd.yaml"
 BLOCK = 16
 
 

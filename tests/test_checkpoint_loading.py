@@ -153,3 +153,10 @@ def test_a_directory_without_safetensors_is_named(tmp_path, sharded):
     shutil.copy(sharded / "config.json", tmp_path / "config.json")
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
         load_stage(str(tmp_path), "thinker")
+
+
+def test_stage_parts_move_to_a_device_together(sharded):
+    # What a GPU stage does after loading (here to `meta`, which any machine has).
+    parts, _ = load_stage(str(sharded), "talker")
+    assert parts.to("meta") is parts
+    assert all(t.is_meta for t in (*parts.talker.parameters(), *parts.thinker_embedding.parameters()))

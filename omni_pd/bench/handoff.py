@@ -1,8 +1,12 @@
 """`omni-pd bench handoff`: the P/D KV handoff against what the wire and memory allow, in one run.
 
 For each KV geometry and prompt length, over each path (`tcp`: Mooncake on loopback; `shm`: the
-same-host path, the prefill's pool in shared memory that the decode side maps), it times:
-  memcpy_ms   an in-process copy of the same bytes (the floor no transport beats)
+same-host path, the prefill's pool in shared memory that the decode side maps; on a GPU host,
+`cuda_ipc`: both pools on cuda:0, the decode side copying device to device out of the
+prefill's pool by CUDA IPC handle, and `staged`: both pools on cuda:0, the KV through pinned
+host copies over Mooncake tcp, as across hosts with a CPU-only Mooncake), it times:
+  memcpy_ms   an in-process copy of the same bytes (the floor no transport beats; device to
+              device for the GPU paths)
   wire_ms     one raw Mooncake read of the same bytes between two registered buffers
   handoff_ms  the handoff as the engines run it, all of it: the prefill side's checksums (taken
               block by block as its cache is written: sender_checksum_ms, what they add to that
@@ -29,6 +33,7 @@ import torch  # noqa: E402
 
 from ..engines.hf.paged_cache import PagedKVCache  # noqa: E402
 from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
+from ..kv.pool import BlockPool  # noqa: E402
 from .report import run_metadata  # noqa: E402
 
 
@@ -45,7 +50,10 @@ GEOMETRIES = {
     "tiny": Geometry("tiny-qwen3-omni thinker", 4, 2, 16, "float32"),
     "30b": Geometry("Qwen3-Omni-30B-A3B thinker", 48, 4, 128, "bfloat16"),
 }
-PATHS = ("tcp", "shm")
+PATHS = ("tcp", "shm", "cuda_ipc", "staged")
+DEFAULT_PATHS = ("tcp", "shm")
+GPU_PATHS = ("cuda_ipc", "staged")
+_READ_PATH = {"tcp": "tcp", "shm": "shm", "cuda_ipc": "cuda_ipc", "staged": "tcp"}  # FetchResult.path
 DEFAULT_TOKENS = (256, 1024, 4096)
 QUICK_TOKENS = (256,)
 KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "sender_checksum_ms",
@@ -60,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=None,
                         help="comma-separated prompt lengths (default: 256,1024,4096; --quick: 256)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--path", default=",".join(DEFAULT_PATHS),
+                        help=f"comma-separated paths: {', '.join(PATHS)} (default: "
+                             f"{','.join(DEFAULT_PATHS)}; {' and '.join(GPU_PATHS)} need a CUDA GPU; "
+                             "in this bench both sides are one process, so a CUDA IPC handle "
+                             "resolves to the pool itself: the copy is timed, not the opening)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per measurement, median reported (default 5; --quick: 2)")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
@@ -89,18 +102,23 @@ class _Pair:
 
     def __init__(self, layout: BlockLayout, blocks: int, path: str):
         self.path = path
+        self.device = "cuda:0" if path in GPU_PATHS else "cpu"
         self.sender_transport, self.receiver_transport = MooncakeTransport(), MooncakeTransport()
-        self.cache = PagedKVCache(layout, blocks, shared=path == "shm")  # the prefill engine's
+        # the prefill engine's
+        self.cache = PagedKVCache(layout, blocks, shared=path in ("shm", "cuda_ipc"), device=self.device)
+        staged = "cpu" if path == "staged" else None
         self.sender = KVSender("bench-prefill", layout, self.cache.pool, self.sender_transport,
-                               lease_timeout_s=600)
-        self.receiver = KVReceiver(layout, blocks, self.receiver_transport,
-                                   same_host="shm" if path == "shm" else "off")
+                               lease_timeout_s=600, buffer_device=staged,
+                               same_host=path in ("shm", "cuda_ipc"))
+        self.receiver = KVReceiver(layout, BlockPool(layout, blocks, device=self.device),
+                                   self.receiver_transport, buffer_device=staged,
+                                   same_host=path if path in ("shm", "cuda_ipc") else "off")
         self.layout = layout
 
     def measure(self, tokens: int, repeats: int) -> dict[str, Any]:
         layout, sender, receiver = self.layout, self.sender, self.receiver
         kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim).to(
-            layout.torch_dtype)
+            device=self.device, dtype=layout.torch_dtype)
         dest = receiver.pool.allocate(layout.num_blocks_for(tokens))  # the decode's cache blocks
         state: dict[str, Any] = {"n": 0}
 
@@ -120,8 +138,9 @@ class _Pair:
             receiver.start(state["descriptor"], into=dest)
             while (result := receiver.poll(state["tid"])) is None:
                 time.sleep(_POLL_S)
-            if result.path != self.path:
+            if result.path != _READ_PATH[self.path]:
                 raise AssertionError(f"the {self.path} path moved the KV by {result.path}")
+            _sync(self.device)
             state["entries"] = result.num_segments
 
         def handoff() -> None:
@@ -172,10 +191,19 @@ class _Pair:
         self.receiver.close()
 
 
-def memcpy_ms(nbytes: int, repeats: int) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    return _median_ms(lambda: dst.copy_(src), repeats)
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+
+def memcpy_ms(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    def copy() -> None:
+        dst.copy_(src)
+        _sync(device)
+    return _median_ms(copy, repeats)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,6 +222,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --tokens: expected comma-separated integers, got {args.tokens!r}", file=sys.stderr)
         return 2
     repeats = args.repeats or (2 if args.quick else 5)
+    paths = [p.strip() for p in args.path.split(",") if p.strip()]
+    if not paths or any(p not in PATHS for p in paths):
+        print(f"error: --path: expected some of {list(PATHS)}, got {args.path!r}", file=sys.stderr)
+        return 2
+    if any(p in GPU_PATHS for p in paths) and not torch.cuda.is_available():
+        print(f"error: --path {','.join(p for p in paths if p in GPU_PATHS)} needs a CUDA GPU, and "
+              "torch sees none here; use --path tcp,shm", file=sys.stderr)
+        return 2
     if min(tokens) < 1 or repeats < 1 or args.block_size < 1:
         print("error: --tokens, --repeats and --block-size must be positive", file=sys.stderr)
         return 2
@@ -203,15 +239,17 @@ def run(args: argparse.Namespace) -> int:
             g = GEOMETRIES[name]
             layout = BlockLayout.default_for(g.layers, g.kv_heads, g.head_dim, g.dtype,
                                              block_size=args.block_size)
-            pairs = [_Pair(layout, layout.num_blocks_for(max(tokens)) + 1, path) for path in PATHS]
+            pairs = [_Pair(layout, layout.num_blocks_for(max(tokens)) + 1, path) for path in paths]
             try:
                 for count in tokens:
                     nbytes = count * layout.bytes_per_token
                     # The baselines once per size, in the same run: both paths are held to them.
-                    base = {"memcpy_ms": memcpy_ms(nbytes, repeats), "wire_ms": pairs[0].wire_ms(nbytes, repeats)}
+                    base = {"memcpy_ms": {d: memcpy_ms(nbytes, repeats, d) for d in {p.device for p in pairs}},
+                            "wire_ms": pairs[0].wire_ms(nbytes, repeats)}
                     for pair in pairs:
                         row = {"geometry": g.name, "tokens": count, "path": pair.path, "bytes": nbytes,
-                               **base, **pair.measure(count, repeats)}
+                               "memcpy_ms": base["memcpy_ms"][pair.device], "wire_ms": base["wire_ms"],
+                               **pair.measure(count, repeats)}
                         row["handoff_over_wire"] = row["handoff_ms"] / row["wire_ms"]
                         row["handoff_over_memcpy"] = row["handoff_ms"] / row["memcpy_ms"]
                         results.append({k: row[k] for k in KEYS})

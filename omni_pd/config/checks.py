@@ -320,13 +320,19 @@ def _check_pair(
                       "an engine_id different from the prefill stage's (or omit it)",
                       f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own"))
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
-    if (pkv.kv_connector_extra_config.kv_same_host == "off"
-            and dkv.kv_connector_extra_config.kv_same_host == "shm"):
-        add(ctx.issue(ds, f"{dbase}.kv_connector_extra_config.kv_same_host", "shm",
+    insist = dkv.kv_connector_extra_config.kv_same_host
+    if pkv.kv_connector_extra_config.kv_same_host == "off" and insist in ("shm", "cuda_ipc"):
+        add(ctx.issue(ds, f"{dbase}.kv_connector_extra_config.kv_same_host", insist,
                       "'auto' or 'off', or kv_same_host not 'off' on the prefill stage",
                       f"the decode stage insists on the same-host path but prefill stage "
                       f"{ps.stage_id} sets kv_same_host 'off' (its cache is not shared memory): "
                       "every request's handoff would fail"))
+    for stage, index, kv in ((ps, pi, pkv), (ds, di, dkv)):
+        if stage.engine == "hf" and kv.kv_buffer_device not in (None, "cpu", "cuda"):
+            add(ctx.issue(stage, f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_buffer_device",
+                          kv.kv_buffer_device, "'cpu', 'cuda', or unset",
+                          "where Mooncake moves a GPU stage's KV from: 'cuda' (the GPU memory, "
+                          "needs a CUDA build of Mooncake) or 'cpu' (a pinned host copy)"))
     # Replica k of a stage listens on its port + k (config/replicas.py): the ranges must not meet.
     pports = _ports(pkv.bootstrap_port, ps.runtime.num_replicas)
     dports = _ports(dkv.bootstrap_port, ds.runtime.num_replicas)

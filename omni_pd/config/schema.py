@@ -49,9 +49,10 @@ class KVConnectorExtraConfig(BaseModel):
     kv_fallback: Literal["local_prefill", "error"] = "local_prefill"
     # How KV moves when both stages of the pair run on one host (each stage reads its own): "auto"
     # shares the prefill's cache through shared memory and the decode side copies out of it when
-    # it can map it (else Mooncake, said once in the log); "shm" insists (a request whose KV
-    # cannot move so fails); "off" is Mooncake only.
-    kv_same_host: Literal["auto", "shm", "off"] = "auto"
+    # it can map it (else Mooncake, said once in the log); for stages on GPUs the same is done
+    # by CUDA IPC handle, device to device. "shm" and "cuda_ipc" insist on that path (a request
+    # whose KV cannot move so fails); "off" is Mooncake only.
+    kv_same_host: Literal["auto", "shm", "cuda_ipc", "off"] = "auto"
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
         "kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
         "kv_breaker_cooldown_s", "kv_fallback")

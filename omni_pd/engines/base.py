@@ -73,6 +73,9 @@ class StageEngine(ABC):
     """Serves many requests at once through `add_request` / `abort_request` / `step`."""
 
     stage_id: int
+    # Where the engine computes: the worker moves each request's input tensors there (they
+    # arrive as host values) before the engine sees them.
+    device: str = "cpu"
 
     @abstractmethod
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,

@@ -33,7 +33,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[int], penalty
     # multiplied (negative logits) by the penalty.
     if penalty == 1.0 or not seen:
         return logits
-    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
     picked = logits[ids]
     logits = logits.clone()
     logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
@@ -42,8 +42,10 @@ def _apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[int], penalty
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, step: int,
                       seen_token_ids: Sequence[int]) -> int:
-    """Pick the next token from one position's logits ([vocab], float32)."""
-    logits = _apply_repetition_penalty(logits.float(), seen_token_ids, params.repetition_penalty)
+    """Pick the next token from one position's logits ([vocab], float32). Sampling runs on the
+    host (logits on a GPU are copied first): the per-step generators are host generators, and
+    the same logits then give the same token on any device."""
+    logits = _apply_repetition_penalty(logits.float().cpu(), seen_token_ids, params.repetition_penalty)
     if params.greedy:
         return int(torch.argmax(logits).item())
     logits = logits / params.temperature

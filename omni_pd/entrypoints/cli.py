@@ -32,9 +32,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                          help="a vllm-omni 0.30 deploy YAML (`stages` overrides of the built-in "
                          "Qwen3-Omni pipeline), e.g. stage_configs/deploy/qwen3_omni_tiny_pd.yaml")
     parser.add_argument("--device", choices=("auto", "cpu"), default="auto",
-                        help="cpu: run every hf stage on the CPU even where the stage file asks "
-                        "for GPUs or tensor parallelism (auto refuses such a file: the hf engine "
-                        "runs on the CPU)")
+                        help="auto: an hf stage runs on the GPU its runtime.devices names (refused "
+                        "at start where torch sees no such GPU, and for tensor parallelism); cpu: "
+                        "every hf stage on the CPU anyway")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

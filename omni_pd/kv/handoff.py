@@ -21,6 +21,16 @@ copies each block straight out of the mapping into its destination block and che
 it is hot in cache: one copy, no Mooncake. `same_host` chooses: "auto" (that when possible, else
 Mooncake, said once per peer), "shm" (that or the transfer fails), "off" (Mooncake always).
 
+GPU pools: a pool on a GPU is published as it is. On one host the decode side opens it by CUDA
+IPC handle (`cuda_ipc`) and copies its blocks device to device, checksummed on the device
+("wsum64", see checksum.py): same-host copies cannot corrupt, but the checksum also catches a
+block the sender reused after its lease expired, which is why it is kept. Across hosts Mooncake
+reads the GPU memory itself where its build registers device memory (a CUDA build); otherwise
+each side stages through a pinned host copy of its pool (`kv_buffer_device: cpu`, the only way
+with a CPU-only Mooncake): the sender copies the blocks it publishes to the host, the receiver
+reads into its host copy and then copies the blocks to its GPU. Which path is in use is logged
+once per engine and per peer.
+
 Integrity without a second pass: a read is cut into Mooncake entries of at most
 `MAX_ENTRY_BYTES` (adjacent blocks coalesce up to it), and each block's checksum is verified as
 soon as the entries covering it have landed, at the poll that sees them, while later entries are
@@ -38,18 +48,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import xxhash
 
-from .errors import KVIntegrityError, KVMissError
+from .checksum import CHECKSUM_KINDS, checksum
+from .cuda_ipc import PeerDeviceMemory
+from .errors import KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
-from .errors import KVTransferError
 from .shm import PeerPools, host_id
-from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups
+from .transport import (AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups,
+                        registers_device_memory)
 
 log = logging.getLogger(__name__)
 
-SAME_HOST_CHOICES = ("auto", "shm", "off")
+SAME_HOST_CHOICES = ("auto", "shm", "cuda_ipc", "off")
+BUFFER_DEVICE_CHOICES = (None, "cpu", "cuda")
 # Largest Mooncake entry a KV read is cut into: big enough that per-entry costs vanish (one
 # entry per 16 MiB: 24 for a 4k-token prompt of the 30B thinker), small enough that the checksums
 # of landed entries overlap the rest of the read.
@@ -114,15 +126,11 @@ class Transfer(_Tracked):
     dest: list[int] = field(default_factory=list)
     staging: list[int] = field(default_factory=list)
     failure: BaseException | None = None  # raised at the next poll (it happened after start took the blocks)
-    path: str = "tcp"  # how the bytes move: Mooncake ("tcp", or its rdma) or "shm" (same host)
+    path: str = "tcp"  # how the bytes move: Mooncake ("tcp", or its rdma), "shm" or "cuda_ipc"
     lengths: list[int] = field(default_factory=list)  # bytes moved per remote block
     blocks_of_entry: list[list[int]] = field(default_factory=list)  # remote block indices per entry
     unlanded: list[int] = field(default_factory=list)  # per remote block: its entries still in flight
     unverified: set[int] = field(default_factory=set)  # remote block indices not checked yet
-
-
-def checksum(data: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(data.numpy())
 
 
 # -- descriptor ------------------------------------------------------------------------------
@@ -150,13 +158,16 @@ class KVDescriptor:
     num_tokens: int
     kv_layout: BlockLayout
     block_checksums: tuple[str, ...]
-    # The same-host path: where the prefill's shared pool can be mapped, and on which host.
+    # The same-host paths: where the prefill's shared pool can be mapped (host memory), or its
+    # CUDA IPC handle (a GPU pool), and on which host.
     shm_path: str | None = None
     host_id: str | None = None
+    cuda_ipc: str | None = None
+    checksum_kind: str = "xxh3"  # how block_checksums were taken (checksum.py)
 
     KEYS = ("transfer_id", "remote_engine_id", "remote_session", "remote_block_ids",
             "remote_base_address", "block_bytes", "num_tokens", "kv_layout", "block_checksums")
-    OPTIONAL_KEYS = ("shm_path", "host_id")
+    OPTIONAL_KEYS = ("shm_path", "host_id", "cuda_ipc", "checksum_kind")
 
     def __post_init__(self) -> None:
         tid = self.transfer_id
@@ -174,6 +185,9 @@ class KVDescriptor:
                              f"{len(self.block_checksums)} block_checksums")
         if any(b < 0 for b in self.remote_block_ids):
             raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: negative id")
+        if self.checksum_kind not in CHECKSUM_KINDS:
+            raise ValueError(f"kv_transfer_params['checksum_kind'] for transfer {tid}: expected one "
+                             f"of {list(CHECKSUM_KINDS)}, got {self.checksum_kind!r}")
 
     def without_first(self, blocks: int) -> "KVDescriptor":
         """The same transfer less its first `blocks` blocks (the decode side holds them already:
@@ -196,7 +210,9 @@ class KVDescriptor:
                 "remote_base_address": self.remote_base_address, "block_bytes": self.block_bytes,
                 "num_tokens": self.num_tokens, "kv_layout": self.kv_layout.to_dict(),
                 "block_checksums": list(self.block_checksums),
-                **({"shm_path": self.shm_path, "host_id": self.host_id} if self.shm_path else {})}
+                **{key: getattr(self, key) for key in ("shm_path", "host_id", "cuda_ipc")
+                   if getattr(self, key)},
+                **({"checksum_kind": self.checksum_kind} if self.checksum_kind != "xxh3" else {})}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "KVDescriptor":
@@ -229,15 +245,35 @@ class KVDescriptor:
 
 
 def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
-                     side: str) -> BlockPool:
-    """The engine's pool (its paged cache's), or a new one of `pool` blocks; registered once."""
+                     side: str, buffer_device: str | None = None,
+                     host_staging: bool | None = None) -> tuple[BlockPool, BlockPool]:
+    """The engine's pool (its paged cache's), or a new one of `pool` blocks, and the memory
+    Mooncake moves its bytes through, registered once: the pool itself, or a host copy of it.
+    `host_staging` None decides: a GPU pool stages through pinned host memory when
+    `buffer_device` is "cpu" or this Mooncake build cannot register GPU memory. True stages
+    any pool (how the CPU tests run the staging path)."""
+    if buffer_device not in BUFFER_DEVICE_CHOICES:
+        raise ValueError(f"kv_buffer_device must be 'cpu', 'cuda' or unset, got {buffer_device!r}")
     if isinstance(pool, BlockPool):
         if pool.layout != layout:
             raise ValueError(f"the {side}'s pool has layout {pool.layout}, not {layout}")
     else:
         pool = BlockPool(layout, pool)
-    transport.register(pool.base_address, pool.nbytes)
-    return pool
+    landing = pool
+    if pool.device.type != "cpu" and host_staging is None:
+        direct = registers_device_memory()
+        if buffer_device == "cuda" and not direct:
+            raise KVTransferError(
+                f"kv_buffer_device is 'cuda' but this Mooncake build cannot register GPU memory "
+                "(mooncake-transfer-engine-non-cuda); install a CUDA build of the transfer engine, "
+                "or set kv_buffer_device to 'cpu' (or leave it unset) to stage through host memory")
+        host_staging = buffer_device == "cpu" or not direct
+        log.info("KV %s on %s: Mooncake moves it %s", side, pool.device,
+                 "through pinned host memory" if host_staging else "from GPU memory")
+    if host_staging:
+        landing = BlockPool(layout, pool.num_blocks, pinned=pool.device.type == "cuda")
+    transport.register(landing.base_address, landing.nbytes)
+    return pool, landing
 
 
 # -- prefill side ----------------------------------------------------------------------------
@@ -249,12 +285,17 @@ class KVSender:
 
     def __init__(self, engine_id: str, layout: BlockLayout, pool: int | BlockPool,
                  transport: MooncakeTransport, lease_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, buffer_device: str | None = None,
+                 host_staging: bool | None = None, same_host: bool = True):
+        """`buffer_device`, `host_staging`: see `_registered_pool`. `same_host`: offer the
+        same-host path (a shared host pool's mapping, a GPU pool's CUDA IPC handle)."""
         if lease_timeout_s <= 0:
             raise ValueError(f"kv_lease_timeout_s: expected a positive number, got {lease_timeout_s!r}")
         self.engine_id, self.layout, self.transport = engine_id, layout, transport
         self.lease_timeout_s, self._clock = lease_timeout_s, clock
-        self.pool = _registered_pool(layout, pool, transport, "sender")
+        self.pool, self.landing = _registered_pool(layout, pool, transport, "sender", buffer_device,
+                                                   host_staging)
+        self._ipc = self.pool.cuda_ipc_handle if same_host and self.pool.device.type == "cuda" else None
         self._leases: dict[str, Lease] = {}
         self._fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()  # publish / release / expire may come from different threads
@@ -316,14 +357,18 @@ class KVSender:
             checksums = None  # the test hook's flip must come before the checksums: take them anew
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
         sums = tuple(checksums) if checksums is not None else tuple(
-            checksum(self.pool.block_view(b)[:n]) for b, n in zip(block_ids, lengths))
+            self.pool.block_checksum(b, n) for b, n in zip(block_ids, lengths))
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
+        if self.landing is not self.pool:  # Mooncake reads the host copy: bring it up to date
+            self.landing.copy_blocks_from(self.pool, block_ids)
         descriptor = KVDescriptor(
             transfer_id=transfer_id, remote_engine_id=self.engine_id,
             remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
-            remote_base_address=self.pool.base_address, block_bytes=self.layout.block_bytes,
+            remote_base_address=self.landing.base_address, block_bytes=self.layout.block_bytes,
             num_tokens=num_tokens, kv_layout=self.layout, block_checksums=sums,
-            shm_path=self.pool.shm_path, host_id=host_id() if self.pool.shm_path else None)
+            shm_path=self.pool.shm_path, cuda_ipc=self._ipc,
+            host_id=host_id() if self.pool.shm_path or self._ipc else None,
+            checksum_kind=self.pool.checksum_kind)
         self._leases[transfer_id] = Lease(transfer_id, block_ids, TransferState.PUBLISHED,
                                           deadline=self._clock() + self.lease_timeout_s)
         return descriptor
@@ -388,7 +433,7 @@ class KVSender:
             for lease in self._leases.values():
                 self.pool.free(lease.block_ids)
             self._leases.clear()
-            self.transport.unregister(self.pool.base_address)
+            self.transport.unregister(self.landing.base_address)
 
 
 # -- decode side -----------------------------------------------------------------------------
@@ -430,13 +475,17 @@ class KVReceiver:
     block count for a pool of the receiver's own (tools and tests, through `fetch`)."""
 
     def __init__(self, layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
-                 clock: Callable[[], float] = time.monotonic, same_host: str = "auto"):
+                 clock: Callable[[], float] = time.monotonic, same_host: str = "auto",
+                 buffer_device: str | None = None, host_staging: bool | None = None):
         if same_host not in SAME_HOST_CHOICES:
             raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
         self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
         self._peers = PeerPools()
+        self._peer_gpus = PeerDeviceMemory()
         self._paths_said: set[str] = set()  # peers whose path was logged
-        self.pool = _registered_pool(layout, pool, transport, "receiver")
+        # Mooncake's reads land in `landing`: the pool, or its host copy (then copied up).
+        self.pool, self.landing = _registered_pool(layout, pool, transport, "receiver",
+                                                   buffer_device, host_staging)
         self._transfers: dict[str, Transfer] = {}
         self._quarantine: list[Transfer] = []  # ended transfers whose read Mooncake still runs
         self._lock = threading.Lock()  # bookkeeping only; nothing here waits on the peer
@@ -476,13 +525,13 @@ class KVReceiver:
             raise ValueError(f"transfer {tid}: {descriptor.num_tokens} tokens need "
                              f"{self.dest_blocks(descriptor)} destination blocks, got "
                              f"{None if into is None else len(into)}")
-        peer_pool = self._same_host_pool(descriptor)
+        path, peer_pool = self._same_host_pool(descriptor)
         transfer = self._begin(tid, list(into), self.staging_blocks(descriptor))
         transfer.descriptor, transfer.verify_checksums, transfer.wait_s = descriptor, verify_checksums, wait_s
         transfer.deadline = self._clock() + wait_s
         transfer.lengths = remote.transfer_lengths(descriptor.num_tokens)
         if peer_pool is not None:
-            transfer.path = "shm"
+            transfer.path = path
             try:
                 self._copy_shared(transfer, peer_pool)
             except Exception as exc:  # noqa: BLE001 - the blocks are taken: poll reports it
@@ -504,9 +553,9 @@ class KVReceiver:
         if transfer.failure is not None:
             self._end(transfer, TransferState.FAILED, transfer.failure)
             raise transfer.failure
-        if transfer.path == "shm":  # copied and verified by start
+        if transfer.path in ("shm", "cuda_ipc"):  # copied and verified by start
             result = FetchResult(list(transfer.dest), sum(transfer.lengths),
-                                 (time.perf_counter() - transfer.started) * 1e3, 0, path="shm")
+                                 (time.perf_counter() - transfer.started) * 1e3, 0, path=transfer.path)
             self._end(transfer, TransferState.DONE)
             return result
         state = transfer.read.poll()
@@ -629,14 +678,23 @@ class KVReceiver:
             f"worker ({len(transfer.block_ids)} staging blocks stay out of use while Mooncake may "
             "still write them)")
 
-    def _same_host_pool(self, descriptor: KVDescriptor) -> torch.Tensor | None:
-        """The prefill peer's shared pool, mapped, when the same-host path applies; None: read
-        over Mooncake. The choice is logged once per peer."""
+    def _same_host_pool(self, descriptor: KVDescriptor) -> tuple[str, torch.Tensor | None]:
+        """The prefill peer's pool, mapped ("shm") or opened by CUDA IPC handle ("cuda_ipc"),
+        when a same-host path applies; (path, None): read over Mooncake. The choice is logged
+        once per peer."""
         if self.same_host == "off":
-            return None
+            return "tcp", None
+        gpu = self.pool.device.type == "cuda"
+        path = "cuda_ipc" if gpu and descriptor.cuda_ipc else "shm"
         why = None
-        if not descriptor.shm_path:
+        if not (descriptor.shm_path or descriptor.cuda_ipc):
             why = "its pool is not shared memory (its kv_same_host is 'off')"
+        elif gpu and not descriptor.cuda_ipc:
+            why = "its pool is in host memory and this engine's is on a GPU"
+        elif not gpu and not descriptor.shm_path:
+            why = "its pool is on a GPU and this engine's is in host memory"
+        elif self.same_host not in ("auto", path):
+            why = f"kv_same_host is {self.same_host!r} but the path between these pools is {path!r}"
         elif descriptor.host_id != host_id():
             why = "it runs on another host"
         elif descriptor.kv_layout != self.layout:
@@ -644,28 +702,32 @@ class KVReceiver:
         else:
             highest = max(descriptor.remote_block_ids) + 1
             try:
-                pool = self._peers.get(descriptor.remote_session, descriptor.shm_path,
-                                       highest * descriptor.block_bytes)
+                pool = (self._peer_gpus.get(descriptor.remote_session, descriptor.cuda_ipc,
+                                            highest * descriptor.block_bytes) if path == "cuda_ipc"
+                        else self._peers.get(descriptor.remote_session, descriptor.shm_path,
+                                             highest * descriptor.block_bytes))
             except OSError as exc:
-                why = f"its pool cannot be mapped from here ({exc})"
+                why = f"its pool cannot be {'opened' if path == 'cuda_ipc' else 'mapped'} from here ({exc})"
         peer = descriptor.remote_session
         if why is not None:
-            if self.same_host == "shm":
+            if self.same_host != "auto":
                 raise KVTransferError(
-                    f"transfer {descriptor.transfer_id}: kv_same_host is 'shm' but the KV of prefill "
-                    f"peer {peer} cannot move through shared memory: {why}; run both stages on one "
-                    "host as one user (and kv_same_host not 'off' on the prefill stage), or set "
-                    "kv_same_host to 'auto'")
+                    f"transfer {descriptor.transfer_id}: kv_same_host is {self.same_host!r} but "
+                    f"the KV of prefill peer {peer} cannot move that way: {why}; run both stages "
+                    "on one host as one user (host memory: shm; GPUs: cuda_ipc) with kv_same_host "
+                    "not 'off' on the prefill stage, or set kv_same_host to 'auto'")
             if peer not in self._paths_said:
                 self._paths_said.add(peer)
-                log.info("KV from prefill peer %s moves over Mooncake %s: %s", peer,
-                         self.transport.protocol, why)
-            return None
+                log.info("KV from prefill peer %s moves over Mooncake %s%s: %s", peer,
+                         self.transport.protocol,
+                         "" if self.landing is self.pool else " through pinned host memory", why)
+            return "tcp", None
         if peer not in self._paths_said:
             self._paths_said.add(peer)
-            log.info("KV from prefill peer %s moves through shared memory (same host: %s)", peer,
-                     descriptor.shm_path)
-        return pool
+            log.info("KV from prefill peer %s moves %s (same host)", peer,
+                     "by CUDA IPC, device to device" if path == "cuda_ipc"
+                     else f"through shared memory ({descriptor.shm_path})")
+        return path, pool
 
     def _copy_shared(self, transfer: Transfer, peer_pool: torch.Tensor) -> None:
         """Copy each remote block's transferred bytes from the mapped peer pool into its
@@ -683,7 +745,7 @@ class KVReceiver:
         """The staging blocks as the remote blocks landed there, back to back (a view)."""
         remote = transfer.descriptor.kv_layout
         count = remote.num_blocks_for(transfer.descriptor.num_tokens)
-        raw = self.pool.gather(transfer.staging).reshape(-1)[:count * remote.block_bytes]
+        raw = self.landing.gather(transfer.staging).reshape(-1)[:count * remote.block_bytes]
         return raw.view(count, remote.block_bytes)
 
     def _verify_landed(self, transfer: Transfer) -> None:
@@ -713,13 +775,13 @@ class KVReceiver:
         """Remote block j's transferred bytes where they landed in the staging blocks: a view
         when they lie in one staging block, else its pieces joined (that block's bytes only,
         never a gather of the whole staging area at every poll)."""
-        pieces = [self.pool.block_view(block)[within:within + piece]
+        pieces = [self.landing.block_view(block)[within:within + piece]
                   for block, within, piece in self._staging_spans(transfer, j, transfer.lengths[j])]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _verify_blocks(self, transfer: Transfer, blocks: list[int]) -> None:
         views = {j: self._staged_block(transfer, j) if transfer.staging
-                 else self.pool.block_view(transfer.dest[j]) for j in blocks}
+                 else self.landing.block_view(transfer.dest[j]) for j in blocks}
         self._verify(transfer.descriptor, views, transfer.lengths)
         transfer.unverified.difference_update(blocks)
 
@@ -734,6 +796,8 @@ class KVReceiver:
             local_blocks = convert_blocks(staged, remote, self.layout, descriptor.num_tokens)
             for block, data in zip(transfer.dest, local_blocks):
                 self.pool.block_view(block).copy_(data)
+        elif self.landing is not self.pool:  # landed in the host copy: up to the GPU
+            self.pool.copy_blocks_from(self.landing, transfer.dest)
         transfer_ms = (time.perf_counter() - transfer.started) * 1e3
         return FetchResult(list(transfer.dest), sum(lengths), transfer_ms, transfer.read.num_segments,
                            converted=bool(transfer.staging))
@@ -747,13 +811,13 @@ class KVReceiver:
         block_of_piece: list[int] = []
         if not transfer.staging:
             for j, length in enumerate(lengths):
-                pieces.append((self.pool.block_address(transfer.dest[j]), descriptor.remote_address(j), length))
+                pieces.append((self.landing.block_address(transfer.dest[j]), descriptor.remote_address(j), length))
                 block_of_piece.append(j)
         else:
             for j, length in enumerate(lengths):
                 remote_addr = descriptor.remote_address(j)
                 for block, within, piece in self._staging_spans(transfer, j, length):
-                    pieces.append((self.pool.block_address(block) + within, remote_addr, piece))
+                    pieces.append((self.landing.block_address(block) + within, remote_addr, piece))
                     block_of_piece.append(j)
                     remote_addr += piece
         entries, groups = coalesce_groups(pieces, MAX_ENTRY_BYTES)
@@ -768,7 +832,7 @@ class KVReceiver:
     def _verify(descriptor: KVDescriptor, blocks: dict[int, torch.Tensor], lengths: list[int]) -> None:
         for j, view in blocks.items():
             expected = descriptor.block_checksums[j]
-            got = checksum(view[:lengths[j]])
+            got = checksum(view[:lengths[j]], descriptor.checksum_kind)
             if got != expected:
                 raise KVIntegrityError(
                     f"transfer {descriptor.transfer_id}: block {j} (remote block "
@@ -799,7 +863,8 @@ class KVReceiver:
                             len(self._transfers), len(self._quarantine))
                 # Mooncake may still write the pool (tcp does not check registration): never
                 # hand its memory back to the allocator.
-                _KEPT_ALIVE.append(self.pool)
+                _KEPT_ALIVE.append(self.landing)
             self._closed = True
-            self.transport.unregister(self.pool.base_address)
+            self.transport.unregister(self.landing.base_address)
             self._peers.close()
+            self._peer_gpus.close()

@@ -184,7 +184,7 @@ def pack_blocks(kv: torch.Tensor, layout: BlockLayout, out: torch.Tensor | None 
     num_blocks = layout.num_blocks_for(num_tokens)
     shape = (num_blocks, layout.block_bytes)
     if out is None:
-        out = torch.empty(shape, dtype=torch.uint8)
+        out = torch.empty(shape, dtype=torch.uint8, device=kv.device)
     elif out.dtype != torch.uint8 or tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous uint8 of shape {shape}, got {out.dtype} {tuple(out.shape)}")
     view = _canonical_view(out, layout)
@@ -206,7 +206,7 @@ def unpack_blocks(blocks: torch.Tensor, layout: BlockLayout, num_tokens: int) ->
                          f"{num_tokens} tokens, got {blocks.dtype} {tuple(blocks.shape)}")
     view = _canonical_view(blocks[:num_blocks, :layout.block_bytes].contiguous(), layout)
     kv = torch.empty(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim,
-                     dtype=layout.torch_dtype)
+                     dtype=layout.torch_dtype, device=blocks.device)
     full, rem = divmod(num_tokens, layout.block_size)
     if full:
         _token_blocks(kv, full, layout.block_size).copy_(view[:, :, :, :full])

@@ -14,6 +14,10 @@ is given up (evicted) when an allocation finds too few free blocks.
 A `shared` pool lives in an anonymous shared-memory file (`memfd_create`) that another process of
 the same user on the same host maps through ``/proc/<pid>/fd/<fd>`` (`shm_path`): the same-host
 KV path. It has no name in /dev/shm, so nothing is left behind when the process dies.
+
+A pool on a GPU (`device="cuda:N"`) is one device allocation; its same-host path is CUDA IPC
+(`cuda_ipc_handle`), and its blocks are checksummed on the device (`checksum_kind`). A `pinned`
+host pool is page-locked, for copies to and from a GPU (the host staging of a GPU pool).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 import torch
 
+from .checksum import checksum, kind_for
 from .errors import PoolExhausted
 from .layout import BlockLayout, pack_blocks, unpack_blocks
 
@@ -42,15 +47,24 @@ class BlockKeeper(Protocol):
 
 
 class BlockPool:
-    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False):
+    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False,
+                 device: str = "cpu", pinned: bool = False):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"kv_pool_blocks: expected a positive integer, got {num_blocks!r}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_bytes = layout.block_bytes
         self.nbytes = num_blocks * self.block_bytes
+        self.device = torch.device(device)
+        self.checksum_kind = kind_for(self.device)
         self.shm_path: str | None = None
-        if shared:
+        self._ipc_handle: str | None = None
+        if self.device.type != "cpu":
+            # One device allocation (the caching allocator aligns it to 512 bytes); shared or
+            # not, a GPU pool is shared by CUDA IPC handle.
+            self._storage = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            offset = 0
+        elif shared:
             # Page-aligned; untouched pages cost nothing, as with torch.empty.
             self._fd = os.memfd_create("omni-pd-kv-pool", os.MFD_CLOEXEC)
             os.ftruncate(self._fd, self.nbytes)
@@ -60,13 +74,32 @@ class BlockPool:
             offset = 0
         else:
             # torch.empty: untouched pages cost nothing; every block is fully written before it is read.
-            self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8)
+            self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8, device="cpu",
+                                        pin_memory=pinned)
             offset = (-self._storage.data_ptr()) % _ALIGN
         self._blocks = self._storage[offset:offset + self.nbytes].view(num_blocks, self.block_bytes)
         self.base_address = self._blocks.data_ptr()
         self._free = np.ones(num_blocks, dtype=bool)
         self._refs = np.zeros(num_blocks, dtype=np.int64)  # holders per block
         self.keeper: BlockKeeper | None = None
+
+    @property
+    def cuda_ipc_handle(self) -> str | None:
+        """A GPU pool's CUDA IPC handle (exported once); None for a host pool."""
+        if self.device.type == "cpu":
+            return None
+        if self._ipc_handle is None:
+            from .cuda_ipc import export_handle
+            self._ipc_handle = export_handle(self._blocks.view(-1))
+        return self._ipc_handle
+
+    def memory(self) -> torch.Tensor:
+        """The whole pool as one flat uint8 tensor (a view)."""
+        return self._blocks.view(-1)
+
+    def block_checksum(self, i: int, nbytes: int) -> str:
+        """The checksum of block i's first `nbytes` bytes, of this pool's kind."""
+        return checksum(self.block_view(i)[:nbytes], self.checksum_kind)
 
     # -- bookkeeping -------------------------------------------------------------------------
     @property
@@ -172,7 +205,7 @@ class BlockPool:
         start = self._run_start(block_ids)
         if start is not None:
             return self._blocks[start:start + len(block_ids)]
-        return self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long)]
+        return self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)]
 
     def write(self, block_ids: Sequence[int], kv_canonical: torch.Tensor) -> None:
         self._check_ids(block_ids)
@@ -185,7 +218,23 @@ class BlockPool:
             pack_blocks(kv_canonical, self.layout, out=self._blocks[start:start + len(block_ids)])
         else:
             packed = pack_blocks(kv_canonical, self.layout)
-            self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long)] = packed
+            self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = packed
+
+    def copy_blocks_from(self, other: "BlockPool", block_ids: Sequence[int]) -> None:
+        """Copy blocks `block_ids` of a pool of the same geometry (on any device) into the same
+        blocks here, a run of consecutive ids at a time (few large copies)."""
+        if other.block_bytes != self.block_bytes:
+            raise ValueError(f"copy between pools of {other.block_bytes} and {self.block_bytes} byte blocks")
+        ids = sorted(block_ids)
+        self._check_ids(ids)
+        start = 0
+        while start < len(ids):
+            end = start + 1
+            while end < len(ids) and ids[end] == ids[end - 1] + 1:
+                end += 1
+            first, count = ids[start], end - start
+            self._blocks[first:first + count].copy_(other._blocks[first:first + count])
+            start = end
 
     def read(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         return unpack_blocks(self.gather(block_ids), self.layout, num_tokens)

@@ -63,6 +63,16 @@ def _load_engine_class():
     return TransferEngine
 
 
+def registers_device_memory() -> bool:
+    """Whether the installed Mooncake transfer engine is a CUDA build, which registers GPU
+    memory (`mooncake-transfer-engine`, `-cuda13`, ...), rather than the CPU-only
+    `mooncake-transfer-engine-non-cuda`."""
+    from importlib import metadata
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+    builds = [n for n in names if n.startswith("mooncake-transfer-engine")]
+    return any("non-cuda" not in n for n in builds)
+
+
 # ---- Restricting Mooncake's listening sockets to the engine's host (see the module docstring) ----
 
 ANY_DESTINATION_ENV = "OMNI_PD_KV_ANY_DESTINATION"

@@ -114,8 +114,9 @@ class AsyncOmni:
                  *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
-        """`device`: "auto" refuses hf stages that ask for GPUs or tensor parallelism (the hf
-        engine runs on the CPU); "cpu" runs every hf stage on the CPU anyway. `model`: an
+        """`device`: "auto" runs an hf stage on the GPU its `runtime.devices` names (refused
+        before any worker starts where torch sees no such GPU, and for tensor parallelism);
+        "cpu" runs every hf stage on the CPU anyway. `model`: an
         embedded model's name or a checkpoint directory (omni_pd.registry finds the package that
         serves it); None serves the default embedded model."""
         model = model or registry.default_model()
@@ -127,7 +128,7 @@ class AsyncOmni:
         self.stage_configs_path = Path(deploy_config or stage_configs_path or default_stage_config())
         self.config: PipelineConfig = (load_deploy_config if deploy_config is not None
                                        else load_pipeline_config)(self.stage_configs_path)
-        check_devices(self.config, device)  # before any worker starts
+        self.config = check_devices(self.config, device)  # before any worker starts
         self.keep_stage_outputs = keep_stage_outputs
         self.request_timeout_s = request_timeout_s
         self.stages = {s.stage_id: s for s in self.config.stages}

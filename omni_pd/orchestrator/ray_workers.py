@@ -96,11 +96,17 @@ def actor_options(stage_config: Any) -> dict[str, Any]:
 
 
 def _on_this_node(stage_config: Any) -> Any:
-    """The config with its KV endpoint on this node's address (unless the file pins kv_ip)."""
+    """The config with its KV endpoint on this node's address (unless the file pins kv_ip),
+    and its GPUs as this actor sees them: Ray sets CUDA_VISIBLE_DEVICES to the GPUs it gave
+    the actor, so they are 0..n-1 here, whatever the file named."""
+    import ray
+    if stage_config.runtime.devices and ray.get_gpu_ids():
+        visible = ",".join(str(i) for i in range(len(ray.get_gpu_ids())))
+        stage_config = stage_config.model_copy(update={
+            "runtime": stage_config.runtime.model_copy(update={"devices": visible})})
     kv = stage_config.engine_args.kv_transfer_config
     if kv is None or kv.kv_ip:
         return stage_config
-    import ray
     args = stage_config.engine_args.model_copy(update={"kv_transfer_config": kv.model_copy(
         update={"kv_ip": ray.util.get_node_ip_address()})})
     return stage_config.model_copy(update={"engine_args": args})

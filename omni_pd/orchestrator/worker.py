@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..engines.base import StepOutput
+from ..engines.device import to_device
 from . import messages as msg
 from .heap import freeze_startup_heap
 
@@ -90,6 +91,11 @@ def thread_main(stage_config: Any, model: str, conn) -> None:
         serve(engine, conn, alive=lambda: True)
 
 
+def _onto(engine, value: Any) -> Any:
+    """A request's input on the engine's device (it arrives with host tensors)."""
+    return value if engine.device == "cpu" else to_device(value, engine.device)
+
+
 class _Loop:
     def __init__(self, engine, conn) -> None:
         self.engine = engine
@@ -116,14 +122,15 @@ class _Loop:
         engine = self.engine
         if isinstance(message, msg.AddRequest):
             try:
-                engine.add_request(message.request_id, message.prompt, message.params, message.stream,
-                                   message.chunks, message.chunk_sizes)
+                engine.add_request(message.request_id, _onto(engine, message.prompt),
+                                   message.params, message.stream, message.chunks, message.chunk_sizes)
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
                 self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(message, msg.AppendInput):
             try:
-                engine.append_input(message.request_id, message.data, message.final)
+                engine.append_input(message.request_id, _onto(engine, message.data),
+                                    message.final)
             except Exception as exc:  # the request cannot go on: fail it, free what it holds
                 log.debug("input for %s refused:\n%s", message.request_id, traceback.format_exc())
                 if message.request_id in engine.request_ids():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ...kv.errors import PoolExhausted
-from ...kv.handoff import checksum
 from ...kv.layout import BlockLayout
 from ...kv.pool import BlockPool
 from .prefix_cache import PrefixCache
@@ -24,9 +23,10 @@ from .prefix_cache import PrefixCache
 
 class PagedKVCache:
     def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, device: str = "cpu"):
         """`shared`: the pool in shared memory a decode process on this host can map (the
-        prefill leg's, for the same-host KV path). `prefix_caching`: full prompt blocks are
+        prefill leg's, for the same-host KV path; a GPU pool is shared by CUDA IPC handle).
+        `device`: where the blocks live (the model's device). `prefix_caching`: full prompt blocks are
         named by their content and kept after use (`prefix`, see prefix_cache.py)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
             raise ValueError(f"the paged cache stores fused token-major blocks, not {layout.kv_split} "
@@ -34,7 +34,7 @@ class PagedKVCache:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
-        self.pool = BlockPool(layout, num_blocks, shared=shared)
+        self.pool = BlockPool(layout, num_blocks, shared=shared, device=device)
         self.data = self.pool.typed_blocks().view(num_blocks, layout.block_size, layout.num_layers,
                                                   2, layout.num_kv_heads, layout.head_dim)
         self.prefix = PrefixCache(self.pool) if prefix_caching else None
@@ -82,7 +82,7 @@ class PagedKVCache:
             self.data[blocks[block], offset:offset + count] = by_token[done:done + count]
             if checksums:
                 filled = (offset + count) * self.layout.bytes_per_token
-                sums.append(checksum(self.pool.block_view(blocks[block])[:filled]))
+                sums.append(self.pool.block_checksum(blocks[block], filled))
             done += count
         return sums if checksums else None
 
@@ -92,7 +92,7 @@ class PagedKVCache:
         sums = []
         for index in range(first, self.blocks_for(length)):
             filled = min(self.block_size, length - index * self.block_size) * self.layout.bytes_per_token
-            sums.append(checksum(self.pool.block_view(blocks[index])[:filled]))
+            sums.append(self.pool.block_checksum(blocks[index], filled))
         return sums
 
     def read(self, blocks: list[int], length: int) -> torch.Tensor:

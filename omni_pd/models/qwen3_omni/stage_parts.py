@@ -60,6 +60,14 @@ class StageParts:
                    thinker_embedding=(model.thinker.get_input_embeddings()
                                       if "talker" in wanted else None))
 
+    def to(self, device: torch.device | str) -> "StageParts":
+        """The same parts moved to `device` (in place, as nn.Module.to)."""
+        for name in (*PARTS, "thinker_embedding"):
+            module = getattr(self, name)
+            if module is not None:
+                module.to(device)
+        return self
+
     def require(self, part: str) -> torch.nn.Module:
         module = getattr(self, part)
         if module is None:

@@ -8,7 +8,9 @@ import torch
 
 from ..factory import load_stage, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
+from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
+from omni_pd.engines.device import enter as enter_device, kernels_for
 from ..stage_parts import StageParts
 from .thinker import ThinkerRunner
 
@@ -37,6 +39,7 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
         log.warning("stage %d: engine_args.model %r is ignored; every stage runs the model given to "
                     "Omni / --model (%r)", stage_config.stage_id, args.model, model_name)
     dtype = _DTYPES[args.dtype]
+    device = stage_device(stage_config)  # raises, naming the stage, where its GPU is not visible
     began = time.perf_counter()
     # Only this stage's part (the talker also gets the thinker's token embedding, for the tts
     # special tokens); from a checkpoint nothing else is read.
@@ -47,8 +50,26 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
         log.info("stage %d: loaded %s part, %d tensors, %.1f MiB from %d of %d shards in %.2f s",
                  stage_config.stage_id, r.part, r.tensors, r.bytes / 2**20, len(r.shards_read),
                  r.shards_total, r.seconds)
-    log.info("stage %d: hf %s engine ready in %.1f s (model %s, load_format %s)", stage_config.stage_id,
-             model_stage, time.perf_counter() - began, name, args.load_format)
+    if device != "cpu":
+        enter_device(device)
+        model = model.to(device)
+        # The C kernels read host memory: torch's kernels stand in on the GPU (logged once).
+        args = args.model_copy(update={
+            "attention_kernels": kernels_for(device, args.attention_kernels, "attention",
+                                             stage_config.stage_id),
+            "code2wav_kernels": kernels_for(device, args.code2wav_kernels, "code2wav",
+                                            stage_config.stage_id)})
+        stage_config = stage_config.model_copy(update={"engine_args": args})
+    log.info("stage %d: hf %s engine ready in %.1f s on %s (model %s, load_format %s)",
+             stage_config.stage_id, model_stage, time.perf_counter() - began, device, name,
+             args.load_format)
+    engine = _build(stage_config, model, model_stage, name)
+    engine.device = device
+    return engine
+
+
+def _build(stage_config, model: StageParts, model_stage: str, name: str) -> StageEngine:
+    args = stage_config.engine_args
     if model_stage == "thinker":
         from .thinker_engine import HfDecodeEngine, HfPrefillEngine, HfThinkerEngine
         runner = thinker_runner(model, load_tokenizer(resolve_model(name)))

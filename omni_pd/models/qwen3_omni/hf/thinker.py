@@ -69,7 +69,7 @@ def audio_clips(prompt: ThinkerPrompt, audio_token_id: int, n_window: int) -> li
         if len(span) != length or span[-1] - span[0] != length - 1:
             raise ValueError(f"audio input {index} needs {length} consecutive placeholder "
                              f"positions; the prompt has {len(placeholders)} placeholders in all")
-        features = np.ascontiguousarray(prompt.input_features[index, :, :int(frames)].numpy())
+        features = np.ascontiguousarray(prompt.input_features[index, :, :int(frames)].cpu().numpy())
         digest = xxhash.xxh3_128(np.asarray(features.shape, dtype="<i8").tobytes())
         digest.update(features.astype("<f4", copy=False).tobytes())
         clips.append(AudioClip(index, span[0], length, digest.digest()))

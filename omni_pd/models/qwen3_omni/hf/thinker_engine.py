@@ -79,6 +79,13 @@ def _handoff_settings(stage_config) -> KVConnectorExtraConfig:
     return kv.kv_connector_extra_config if kv else KVConnectorExtraConfig()  # the defaults
 
 
+def _buffer_device(stage_config) -> str | None:
+    """vLLM's kv_buffer_device: where Mooncake moves a GPU stage's KV from ("cuda": the GPU
+    memory itself; "cpu": a pinned host copy; unset: the GPU where Mooncake can)."""
+    kv = stage_config.kv_transfer_config
+    return kv.kv_buffer_device if kv else None
+
+
 def _engine_id(stage_config, role: str) -> str:
     kv = stage_config.kv_transfer_config
     return kv.engine_id if kv and kv.engine_id else f"{role}-{uuid.uuid4().hex[:12]}"
@@ -189,9 +196,10 @@ class _ThinkerEngine(StageEngine):
         # it, the decode leg reads remote KV into it.
         # Prefix caching: vLLM's key, on unless the file turns it off.
         self.prefix_caching = args.enable_prefix_caching is not False
+        self.device = str(next(runner.thinker.parameters()).device)  # the cache lives with the model
         self.cache = PagedKVCache(thinker_layout(runner.thinker, self.block_size), args.kv_pool_blocks,
                                   shared=self.shares_cache(stage_config),
-                                  prefix_caching=self.prefix_caching)
+                                  prefix_caching=self.prefix_caching, device=self.device)
         self.layout = self.cache.layout
         # The talker's rows of cached prompt blocks (layer 0, where audio positions hold the
         # encoder's output, and the accept layer): kept beside the blocks, since a prompt
@@ -566,8 +574,10 @@ class HfPrefillEngine(_ThinkerEngine):
         self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, "prefill", self.fingerprint)
         # The paged cache is what is published: registered once, its blocks leased as they are.
+        handoff = _handoff_settings(stage_config)
         self.sender = KVSender(self.engine_id, self.layout, self.cache.pool, self.transport,
-                               args.kv_lease_timeout_s)
+                               args.kv_lease_timeout_s, buffer_device=_buffer_device(stage_config),
+                               same_host=handoff.kv_same_host != "off")
         self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
 
     def describe(self) -> dict[str, Any]:
@@ -679,7 +689,8 @@ class HfDecodeEngine(_ThinkerEngine):
         self.peers = PeerFingerprints(self.fingerprint)
         # The KV lands where it is used: the receiver reads into blocks of the paged cache.
         self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport,
-                                   same_host=handoff.kv_same_host)
+                                   same_host=handoff.kv_same_host,
+                                   buffer_device=_buffer_device(stage_config))
 
     def describe(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "kv_session": self.transport.session_id,
