@@ -21,7 +21,6 @@ import inspect
 import json
 import os
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -31,7 +30,6 @@ _REBUILD_PARAMS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset"
                    "dtype", "storage_device", "storage_handle", "storage_size_bytes",
                    "storage_offset_bytes", "requires_grad", "ref_counter_handle",
                    "ref_counter_offset", "event_handle", "event_sync_required")
-_MAX_OPEN = 2  # peers' pools kept open: one prefill peer, two across its restart
 _exported: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
@@ -111,26 +109,3 @@ def open_handle(handle: str) -> torch.Tensor:
     except Exception as exc:  # noqa: BLE001 - a bad or foreign handle: the caller falls back
         raise OSError(f"cannot open the CUDA IPC handle: {type(exc).__name__}: {exc}") from exc
 
-
-class PeerDeviceMemory:
-    """Peers' GPU pools opened by handle, by (session, handle); the least recently used is
-    closed past `_MAX_OPEN` (a restarted peer has a new session)."""
-
-    def __init__(self) -> None:
-        self._open: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
-
-    def get(self, session: str, handle: str, nbytes: int) -> torch.Tensor:
-        key = (session, handle)
-        if key in self._open:
-            self._open.move_to_end(key)
-            return self._open[key]
-        view = open_handle(handle)
-        if view.numel() < nbytes:
-            raise OSError(f"the peer's GPU pool has {view.numel()} bytes, the descriptor needs {nbytes}")
-        self._open[key] = view
-        while len(self._open) > _MAX_OPEN:
-            self._open.popitem(last=False)
-        return view
-
-    def close(self) -> None:
-        self._open.clear()

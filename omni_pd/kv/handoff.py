@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .checksum import CHECKSUM_KINDS, checksum
-from .cuda_ipc import PeerDeviceMemory
+from .cuda_ipc import open_handle
 from .errors import KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
@@ -481,7 +481,7 @@ class KVReceiver:
             raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
         self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
         self._peers = PeerPools()
-        self._peer_gpus = PeerDeviceMemory()
+        self._peer_gpus = PeerPools(open_handle)
         self._paths_said: set[str] = set()  # peers whose path was logged
         # Mooncake's reads land in `landing`: the pool, or its host copy (then copied up).
         self.pool, self.landing = _registered_pool(layout, pool, transport, "receiver",

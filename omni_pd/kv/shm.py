@@ -13,6 +13,7 @@ import functools
 import mmap
 import warnings
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -31,31 +32,38 @@ def host_id() -> str:
         return ""
 
 
+def map_readonly(path: str) -> torch.Tensor:
+    """A peer's shared pool file mapped read-only, as a uint8 tensor (which keeps the mapping
+    alive while in use); raises OSError when it cannot be mapped from here."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # read-only memory: the tensor is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
 class PeerPools:
-    """Read-only mappings of peers' shared pools, by (session, path); the least recently used
-    is dropped past `_MAX_MAPPED` (a restarted peer has a new session)."""
+    """Peers' pools opened by `opener` (a shared file mapped: `map_readonly`; a GPU pool by
+    CUDA IPC handle: `cuda_ipc.open_handle`), by (session, where); the least recently used is
+    dropped past `_MAX_MAPPED` (a restarted peer has a new session)."""
 
-    def __init__(self) -> None:
-        self._maps: OrderedDict[tuple[str, str], tuple[mmap.mmap, torch.Tensor]] = OrderedDict()
+    def __init__(self, opener: Callable[[str], torch.Tensor] = map_readonly) -> None:
+        self._opener = opener
+        self._maps: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
 
-    def get(self, session: str, path: str, nbytes: int) -> torch.Tensor:
+    def get(self, session: str, where: str, nbytes: int) -> torch.Tensor:
         """The peer's pool as a uint8 tensor of at least `nbytes`; raises OSError when it cannot
-        be mapped from here."""
-        key = (session, path)
+        be opened from here."""
+        key = (session, where)
         if key in self._maps:
             self._maps.move_to_end(key)
-            return self._maps[key][1]
-        with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        if len(mapped) < nbytes:
-            mapped.close()
-            raise OSError(f"{path} maps {len(mapped)} bytes, the descriptor needs {nbytes}")
-        with warnings.catch_warnings():  # read-only memory: the tensor is only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(mapped, dtype=torch.uint8)
-        self._maps[key] = (mapped, view)
+            return self._maps[key]
+        view = self._opener(where)
+        if view.numel() < nbytes:
+            raise OSError(f"the peer's pool has {view.numel()} bytes, the descriptor needs {nbytes}")
+        self._maps[key] = view
         while len(self._maps) > _MAX_MAPPED:
-            self._maps.popitem(last=False)  # the tensor keeps its mapping alive while in use
+            self._maps.popitem(last=False)  # the tensor keeps its memory alive while in use
         return view
 
     def close(self) -> None:
