@@ -95,7 +95,9 @@ def test_a_descriptor_names_its_checksum_kind_and_the_receiver_uses_it(transport
 
 def test_pools_copy_blocks_run_by_run():
     a, b = BlockPool(LAYOUT, 8), BlockPool(LAYOUT, 8)
-    a.write([0, 1, 2, 3, 4, 5], make_kv(96, seed=4))
+    # Every byte of `a` set (fresh pool memory is uninitialised and may happen to be zeros).
+    a.memory().copy_(torch.randint(1, 256, (a.nbytes,), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(4)))
     b.memory().zero_()
     b.copy_blocks_from(a, [4, 1, 2])
     for i in range(8):
