@@ -1,9 +1,12 @@
 """The tiled linear layer gives a row the same bits whatever else is in its batch; plain
 F.linear does not (the reason the tiles exist)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from omni_pd.engines.hf import batch_invariant as bi
+
+pytestmark = pytest.mark.exactness
 
 SHAPES = [(64, 1024), (64, 64), (64, 32), (32, 1152), (64, 272), (16, 64), (32, 1)]
 
@@ -87,3 +90,79 @@ def test_prompt_attention_rows_do_not_depend_on_the_call():
     shorter = F.scaled_dot_product_attention(q[:, :, :231], k[:, :, :231], v[:, :, :231],
                                              is_causal=True, scale=0.2, enable_gqa=True)
     assert not torch.equal(shorter[0].transpose(0, 1).reshape(231, -1), fused[:231])
+
+
+# -- elementwise ops: an element's bits must not depend on where it sits in its tensor ---------
+
+_LENGTHS = list(range(1, 97)) + [255, 1000, 4097, 32767, 32769, 70001]
+
+
+def _position_dependent(op, threads_list=(1, 2)) -> list[tuple[int, int, int]]:
+    """(threads, length, offset) for which `op` on a slice of a tensor differs from the same
+    elements of `op` on the whole tensor (torch splits big tensors across threads, and each
+    chunk has a tail of its own)."""
+    values = torch.randn(80000, generator=torch.Generator().manual_seed(5)) * 4
+    found = []
+    before = torch.get_num_threads()
+    try:
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            whole = op(values)
+            for length in _LENGTHS:
+                for offset in (0, 3, 17):
+                    if not torch.equal(op(values[offset:offset + length]), whole[offset:offset + length]):
+                        found.append((threads, length, offset))
+    finally:
+        torch.set_num_threads(before)
+    return found
+
+
+def test_the_engines_activations_are_position_invariant_on_this_cpu():
+    """The forms the engines use give an element the same bits at any position of a tensor of
+    any length, on any thread count, under this host's ATen dispatch (CI runs this file under
+    the default dispatch and under ATEN_CPU_CAPABILITY=avx2)."""
+    for name, op in {"silu": bi.silu, "sigmoid": bi.sigmoid}.items():
+        assert _position_dependent(op) == [], name
+    assert torch.allclose(bi.silu(torch.linspace(-30, 30, 601)), F.silu(torch.linspace(-30, 30, 601)),
+                          atol=1e-6, rtol=1e-6)
+    assert torch.allclose(bi.sigmoid(torch.linspace(-30, 30, 601)), torch.sigmoid(torch.linspace(-30, 30, 601)),
+                          atol=1e-7, rtol=1e-6)
+
+
+def test_rms_norm_and_rotary_are_row_count_invariant(tiny_model):
+    """transformers' RMSNorm and the rotary tables, which the engines call as they are."""
+    layer = tiny_model.thinker.model.layers[0]
+    norm = layer.input_layernorm
+    width = norm.weight.shape[0]
+    rows = _rows(300, width, 11)
+    rotary = tiny_model.thinker.model.rotary_emb
+    with torch.no_grad():
+        whole = norm(rows)
+        cos, sin = rotary(rows.unsqueeze(0), torch.arange(300).view(1, 1, -1).expand(3, 1, -1))
+        for count in list(range(1, 40)) + [127, 255]:
+            assert torch.equal(norm(rows[:count]), whole[:count]), count
+            c, s = rotary(rows[:count].unsqueeze(0), torch.arange(count).view(1, 1, -1).expand(3, 1, -1))
+            assert torch.equal(c, cos[:, :count]) and torch.equal(s, sin[:, :count]), count
+
+
+def test_negative_control_torch_sigmoid_and_silu_depend_on_position():
+    """What `bi.silu` / `bi.sigmoid` fix: torch's own kernels compute a tensor's tail with a
+    scalar formula that differs in the last bit for some inputs (seen on AVX2 and AVX-512)."""
+    dependent = _position_dependent(F.silu, threads_list=(1,)) + _position_dependent(torch.sigmoid, threads_list=(1,))
+    if not dependent:
+        pytest.skip(f"torch's sigmoid/SiLU are position-invariant under {torch.backends.cpu.get_cpu_capability()}")
+    assert dependent
+
+
+def test_an_activation_without_an_exact_form_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match="activation GELU"):
+        bi.activation(torch.nn.GELU())
+    with pytest.raises(NotImplementedError, match="activation Tanh"):
+        bi.check_activations(torch.nn.Sequential(_WithAct(torch.nn.Tanh())))
+    bi.check_activations(torch.nn.Sequential(_WithAct(torch.nn.SiLU())))
+
+
+class _WithAct(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act_fn = act

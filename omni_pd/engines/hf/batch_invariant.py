@@ -9,15 +9,15 @@ the same reduction order whatever the batch holds (tests/test_batch_invariant.py
 position and neighbours). MoE experts run on every row of a pass through the same tiles, and each
 row sums its experts' contributions in ascending expert order, as transformers does (0 for the
 experts it did not pick), so a row's sum does not depend on which other rows picked which experts.
-Per-row ops (RMSNorm, rotary, activations, softmax/top-k over one row) are invariant already;
-attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does not depend
+Per-row ops (RMSNorm, rotary, softmax/top-k over one row) are invariant already; elementwise
+activations are made so (`activation`, `sigmoid`: see there); attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does not depend
 on how much of its prompt is computed in the call either), `attend`, or the engines' native decode
 kernel.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +71,59 @@ def linear_module(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+# -- elementwise activations ------------------------------------------------------------------
+#
+# torch's CPU kernels for sigmoid and SiLU compute a contiguous tensor in vectors of 2 x the ISA's
+# width (32 floats with AVX-512, 16 with AVX2) and the elements past the last whole vector (and
+# past each thread's chunk) with a scalar formula whose last bit differs for some inputs. An
+# element's result then depends on its distance from the tensor's end: on how many rows the
+# batch holds. Which rows land in the tail depends on the ISA, so a batch that is exact on one
+# host is not on another (issue 36: the talker on AVX-512). exp, the basic arithmetic ops and
+# sqrt compute every element with the same code (exp through a vector map that also takes the
+# tail as a partial vector; the others correctly rounded in both forms), so the forms below,
+# built from them, give an element the same bits wherever it sits. tests/test_batch_invariant.py
+# checks both claims on the host it runs on.
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`torch.sigmoid`, to within rounding, the same bits at any position of any tensor."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """`F.silu`, to within rounding, the same bits at any position of any tensor."""
+    return x / (1.0 + torch.exp(-x))
+
+
+# transformers' activation modules (by class name) that have a position-invariant form here.
+_ACTIVATIONS = {"SiLUActivation": silu, "SiLU": silu, "Sigmoid": sigmoid}
+
+
+def activation(act_fn) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The position-invariant form of a model's activation module (`mlp.act_fn`). One without
+    such a form is refused by name: running it as it is would make a request's bits depend on
+    its batch."""
+    name = type(act_fn).__name__
+    form = _ACTIVATIONS.get(name)
+    if form is None:
+        raise NotImplementedError(
+            f"the batch-invariant hf engines have no exact form of the activation {name} (they "
+            f"have {', '.join(sorted(_ACTIVATIONS))}): add one to "
+            "omni_pd/engines/hf/batch_invariant.py, or serve this model with engine: vllm")
+    return form
+
+
+def check_activations(model: torch.nn.Module) -> None:
+    """Refuse, at start, a model whose activations have no position-invariant form here."""
+    for module in model.modules():
+        act_fn = getattr(module, "act_fn", None)
+        if isinstance(act_fn, torch.nn.Module):
+            activation(act_fn)
+
+
 def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     """transformers' gated MLP (gate_proj, up_proj, down_proj, act_fn)."""
-    return linear_module(mlp.down_proj, mlp.act_fn(linear_module(mlp.gate_proj, x)) * linear_module(mlp.up_proj, x))
+    act = activation(mlp.act_fn)
+    return linear_module(mlp.down_proj, act(linear_module(mlp.gate_proj, x)) * linear_module(mlp.up_proj, x))
 
 
 def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +153,7 @@ def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch
     inter = double // 2
     gate_up = linear(x, module.gate_up_proj.reshape(num_experts * double, width))
     gate_up = gate_up.view(count, num_experts, double)
-    hidden = module.act_fn(gate_up[..., :inter]) * gate_up[..., inter:]  # [rows, E, I]
+    hidden = activation(module.act_fn)(gate_up[..., :inter]) * gate_up[..., inter:]  # [rows, E, I]
     padded = _tiled_rows(count)
     hidden = F.pad(hidden.transpose(0, 1), (0, 0, 0, padded - count))  # [E, tiles of rows, I]
     down = module.down_proj.transpose(1, 2)  # [E, I, H]
@@ -121,7 +171,7 @@ def _routed_experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weight
     for expert in torch.unique(top_index).tolist():  # ascending, as transformers iterates
         rows, slot = torch.where(top_index == expert)
         gate, up = linear(x[rows], module.gate_up_proj[expert]).chunk(2, dim=-1)
-        hidden = linear(module.act_fn(gate) * up, module.down_proj[expert])
+        hidden = linear(activation(module.act_fn)(gate) * up, module.down_proj[expert])
         out.index_add_(0, rows, hidden * top_weights[rows, slot, None])
     return out
 
@@ -134,7 +184,7 @@ def sparse_moe(block, x: torch.Tensor) -> torch.Tensor:
     out = experts(block.experts, x, index, weights)
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
-        out = out + torch.sigmoid(linear_module(block.shared_expert_gate, x)) * dense_mlp(shared, x)
+        out = out + sigmoid(linear_module(block.shared_expert_gate, x)) * dense_mlp(shared, x)
     return out
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.native_build import check_choice
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class ExactCode2Wav:
 
     def __init__(self, module: torch.nn.Module, kernels: str = "native"):
         check_choice(kernels, "code2wav_kernels")
+        bi.check_activations(module.pre_transformer)
         self.m = module
         self.config = module.config
         self.geometry = geometry(self.config)
@@ -260,7 +262,7 @@ class ExactCode2Wav:
             x = x + layer.self_attn_layer_scale(attended)
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
-            h = tiled_linear(mlp.act_fn(tiled_linear(h, mlp.gate_proj.weight))
+            h = tiled_linear(bi.activation(mlp.act_fn)(tiled_linear(h, mlp.gate_proj.weight))
                              * tiled_linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
             x = x + layer.mlp_layer_scale(h)
         return model.norm(x), carried

@@ -55,7 +55,7 @@ class TalkerRunner:
         (fixed 16-row tiles): a streamed talker projects rows as they arrive, a whole one all at
         once, and both must get the same bits."""
         mlp = self.talker.text_projection
-        return bi.linear(mlp.act_fn(bi.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
+        return bi.linear(bi.activation(mlp.act_fn)(bi.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
                          mlp.linear_fc2.weight, mlp.linear_fc2.bias)
 
     def _assistant_start(self, prompt: TalkerPrompt) -> int:

@@ -210,6 +210,7 @@ class BatchedTalker:
                  trace: bool = False, kernels: str = "native"):
         self.talker = talker
         self.model = talker.model  # Qwen3OmniMoeTalkerModel
+        bi.check_activations(talker)
         self.predictor = talker.code_predictor
         self.config = talker_config
         text = talker_config.text_config

@@ -65,6 +65,7 @@ class BatchedThinkerDecoder:
     def __init__(self, thinker: torch.nn.Module, accept_hidden_layer: int, kernels: str = "native"):
         self.thinker = thinker
         self.text = thinker.model
+        bi.check_activations(self.text)
         config = thinker.config.text_config
         if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
             raise NotImplementedError("the batched thinker decoder has no sliding-window attention")
