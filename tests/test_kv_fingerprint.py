@@ -93,3 +93,45 @@ def test_the_cache_is_bounded():
     for name in ("p1", "p2", "p3"):
         peers.check(name, _fp(engine_id=name))
     assert [peers.is_verified(n) for n in ("p1", "p2", "p3")] == [False, True, True]
+
+
+COMPUTE = {"device": "cpu", "torch": "2.13.0+cpu", "cpu_capability": "avx512",
+           "native": {"attention": "avx512-0123456789abcdef"}}
+
+
+def _with_compute(engine_id, **changes):
+    return kv_fingerprint("tiny (Thinker)", weights_digest(_weights()), LAYOUT, engine_id,
+                          {**COMPUTE, **changes})
+
+
+def test_other_kernels_warn_once_naming_both_sides(caplog):
+    """A prefill that computes with other kernels (another CPU level, another native build)
+    is accepted, with one WARNING at its first handoff naming what differs on each side."""
+    peers = PeerFingerprints(_with_compute("decode-0"))
+    remote = _with_compute("prefill-0", cpu_capability="avx2",
+                           native={"attention": "avx2-fedcba9876543210"})
+    with caplog.at_level("WARNING", logger="omni_pd.kv.fingerprint"):
+        peers.check("prefill-0", remote)
+        peers.check("prefill-0", remote)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "cpu_capability: prefill 'avx2', decode 'avx512'" in warnings[0]
+    assert "avx2-fedcba9876543210" in warnings[0] and "prefill-0" in warnings[0]
+    assert "require_identical_kernels" in warnings[0]
+    # Negative control: the same kernels warn nothing.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="omni_pd.kv.fingerprint"):
+        PeerFingerprints(_with_compute("decode-0")).check("prefill-1", _with_compute("prefill-1"))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_require_identical_kernels_refuses_other_kernels():
+    peers = PeerFingerprints(_with_compute("decode-0"), require_identical_kernels=True)
+    peers.check("prefill-1", _with_compute("prefill-1"))  # the same kernels pass
+    with pytest.raises(KVIncompatibleError, match=r"device: prefill 'cuda H100 sm_90', decode 'cpu'.*"
+                                                  r"require_identical_kernels is true"):
+        peers.check("prefill-0", _with_compute("prefill-0", device="cuda H100 sm_90"))
+    assert not peers.is_verified("prefill-0")
+    # A peer that sends no compute identity (an older omni-pd) differs in every key.
+    with pytest.raises(KVIncompatibleError, match="cpu_capability: prefill <missing>"):
+        peers.check("prefill-2", _fp(engine_id="prefill-2"))

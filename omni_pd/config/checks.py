@@ -162,7 +162,7 @@ def check_kv_extra_keys(ctx: CheckContext) -> list[ConfigIssue]:
     """kv_connector_extra_config passes unknown keys to the connector, so a misspelt omni-pd
     key would be silently ignored: flag unknown keys that look like one of ours."""
     issues: list[ConfigIssue] = []
-    ours = KVConnectorExtraConfig.HANDOFF_KEYS
+    ours = KVConnectorExtraConfig.DECODE_GOVERNED_KEYS + ("kv_same_host",)
     for index, stage in ctx.stages:
         kv = stage.kv_transfer_config
         for key in (kv.kv_connector_extra_config.model_extra or {}) if kv else {}:
@@ -359,7 +359,7 @@ def _check_handoff_keys(
     (pi, ps), (_, ds) = p, d
     pextra, dextra = pkv.kv_connector_extra_config, dkv.kv_connector_extra_config
     issues = []
-    for key in KVConnectorExtraConfig.HANDOFF_KEYS:
+    for key in KVConnectorExtraConfig.DECODE_GOVERNED_KEYS:
         pv, dv = getattr(pextra, key), getattr(dextra, key)
         if key in pextra.model_fields_set and pv != dv:
             source = "sets" if key in dextra.model_fields_set else "uses the default"

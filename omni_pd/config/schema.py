@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator, model_validator
 
 from omni_pd.config.engine_keys import VLLM_ENGINE_ARG_NAMES, VLLM_OMNI_ENGINE_ARG_NAMES
 from omni_pd.sampling import SamplingParams
@@ -53,9 +53,16 @@ class KVConnectorExtraConfig(BaseModel):
     # by CUDA IPC handle, device to device. "shm" and "cuda_ipc" insist on that path (a request
     # whose KV cannot move so fails); "off" is Mooncake only.
     kv_same_host: Literal["auto", "shm", "cuda_ipc", "off"] = "auto"
+    # A prefill and a decode engine that compute with different kernels (CPU level, device,
+    # native build) hand over KV whose last bits the decode side would not have computed: P/D
+    # output may then differ from colocated. False: one WARNING at the first handoff; true:
+    # refused (the decode stage's value governs the pair).
+    require_identical_kernels: StrictBool = False
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
         "kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
         "kv_breaker_cooldown_s", "kv_fallback")
+    # Keys of the pair that the decode stage's value governs (a prefill stage may repeat them).
+    DECODE_GOVERNED_KEYS: ClassVar[tuple[str, ...]] = HANDOFF_KEYS + ("require_identical_kernels",)
 
     @field_validator("kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
                      "kv_breaker_cooldown_s", mode="before")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_build import SOURCES, NativeKernel, check_choice, load
+from .native_build import SOURCES, NativeKernel, build_id, check_choice, load
 
 ATTENTION = NativeKernel("attention", SOURCES / "attention.c",
                          "the autoregressive stages' engine_args.attention_kernels: torch")
@@ -38,6 +38,12 @@ def check_kernels(kernels: str) -> str:
     if check_choice(kernels, "attention_kernels") == "native":
         _library()  # build (or load) now: a missing compiler fails the stage at start
     return kernels
+
+
+def native_builds(kernels: str) -> dict[str, str]:
+    """The native builds a stage running decode attention on `kernels` computes with, for its
+    compute identity."""
+    return {ATTENTION.name: build_id(ATTENTION)} if kernels == "native" else {}
 
 
 @dataclass

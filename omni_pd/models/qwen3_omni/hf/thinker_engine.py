@@ -37,6 +37,8 @@ from omni_pd.engines.base import BatchStats, StageEngine, StepOutput
 from omni_pd.engines.sampler import sample_next_token, sample_next_tokens
 from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.attention_native import native_builds
+from omni_pd.engines.hf.compute_identity import compute_identity
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.engines.hf.prefix_cache import multimodal_extra_keys
 from .thinker import AudioClip, ThinkerRunner
@@ -98,9 +100,11 @@ def model_name(thinker: torch.nn.Module) -> str:
     return config.name_or_path or f"{config.model_type} ({type(thinker).__name__})"
 
 
-def thinker_fingerprint(thinker: torch.nn.Module, layout: BlockLayout, engine_id: str) -> dict[str, Any]:
+def thinker_fingerprint(thinker: torch.nn.Module, layout: BlockLayout, engine_id: str,
+                        kernels: str) -> dict[str, Any]:
+    device = next(thinker.parameters()).device
     return kv_fingerprint(model_name(thinker), weights_digest(thinker.named_parameters()), layout,
-                          engine_id)
+                          engine_id, compute_identity(device, native_builds(kernels)))
 
 
 def _log_fingerprint(stage_id: int, role: str, fingerprint: dict[str, Any]) -> None:
@@ -571,7 +575,8 @@ class HfPrefillEngine(_ThinkerEngine):
         self.engine_id = _engine_id(stage_config, "prefill")
         host, protocol = _kv_settings(stage_config)
         self.transport = MooncakeTransport(host=host, protocol=protocol)
-        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
+        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id,
+                                               self.decoder.kernels)
         _log_fingerprint(self.stage_id, "prefill", self.fingerprint)
         # The paged cache is what is published: registered once, its blocks leased as they are.
         handoff = _handoff_settings(stage_config)
@@ -684,9 +689,11 @@ class HfDecodeEngine(_ThinkerEngine):
         # it: make that the handoff deadline rather than Mooncake's 30 s.
         self.transport = MooncakeTransport(host=host, protocol=protocol,
                                            progress_timeout_s=handoff.kv_handoff_deadline_s)
-        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id)
+        self.fingerprint = thinker_fingerprint(runner.thinker, self.layout, self.engine_id,
+                                               self.decoder.kernels)
         _log_fingerprint(self.stage_id, "decode", self.fingerprint)
-        self.peers = PeerFingerprints(self.fingerprint)
+        self.peers = PeerFingerprints(self.fingerprint,
+                                      require_identical_kernels=handoff.require_identical_kernels)
         # The KV lands where it is used: the receiver reads into blocks of the paged cache.
         self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport,
                                    same_host=handoff.kv_same_host,
