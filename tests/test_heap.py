@@ -35,6 +35,9 @@ def test_a_worker_freezes_before_it_says_ready(monkeypatch):
     class Stage:
         stage_id = 7
 
+        class runtime:  # what the worker reads of the stage config before building
+            env: dict = {}
+
     monkeypatch.setattr(engine_factory, "build_engine", lambda stage, model: Engine())
     gc.unfreeze()
     try:

@@ -6,8 +6,9 @@ blocks on the pipe only while the engine is idle, so a busy engine steps back to
 requests join between steps.
 
 In a worker process (`runtime.process: true`, the default) the worker ignores SIGINT (Ctrl-C
-reaches the whole process group; the orchestrator decides when workers stop), sets torch's
-thread counts from the stage config, and exits on a Shutdown message, when the pipe closes, or
+reaches the whole process group; the orchestrator decides when workers stop), sets the stage's
+`runtime.env` before torch computes anything (so `ATEN_CPU_CAPABILITY` there picks the stage's
+CPU kernels, checked by name), sets torch's thread counts from the stage config, and exits on a Shutdown message, when the pipe closes, or
 when its parent is gone, so a killed orchestrator never leaves a worker (nor its Mooncake port)
 behind. `serve()` is the same loop for an engine on a thread of the orchestrator's process.
 """
@@ -47,8 +48,11 @@ def apply_threads(num_threads: int, num_interop_threads: int) -> None:
 
 
 def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int],
-                tag: str | None = None, watch_parent: bool = True, exit_process: bool = True) -> None:
+                tag: str | None = None, watch_parent: bool = True, exit_process: bool = True,
+                environ: dict[str, str] | None = None) -> None:
     """`tag`: how the log names this worker (stage0, or stage0.r1 for a replica).
+    `environ`: the orchestrator's environment when it started the worker (a worker forked from
+    the preloading server would otherwise have the server's; worker_start.py).
     `watch_parent`: exit when the parent process is gone (a local worker; a Ray actor's parent
     is its raylet, and it sees the orchestrator go by its connection closing). `exit_process`:
     end the process when done (a Ray actor's method returns instead)."""
@@ -56,6 +60,10 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
     tag = tag or f"stage{stage_config.stage_id}"
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    os.environ.update(stage_config.runtime.env)  # torch reads ATEN_CPU_CAPABILITY at its first op
     apply_threads(*threads)
     parent = os.getppid()
     engine = _build(stage_config, model, conn, freeze=True)
@@ -72,6 +80,13 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
 
 def _build(stage_config: Any, model: str, conn, freeze: bool = False):
     try:
+        from ..engines.hf.compute_identity import ENV, cpu_capability
+        wanted = stage_config.runtime.env.get(ENV)
+        if wanted is not None and wanted != os.environ.get(ENV):
+            raise ValueError(f"stage {stage_config.stage_id}: runtime.env sets {ENV}={wanted!r}, but "
+                             "the stage runs in the orchestrator's process, whose torch has its "
+                             "own; give the stage runtime.process: true")
+        log.info("torch computes with its %s CPU kernels", cpu_capability())  # checks the variable
         from .engine_factory import build_engine
         engine = build_engine(stage_config, model)
     except BaseException as exc:  # report, then exit: the orchestrator raises with this message
