@@ -86,6 +86,9 @@ class ModelSpec:
     topologies: Callable[[], Mapping[str, Any]] | None = None
     # The `pipeline:` a deploy file gets when it names none: (plain, P/D).
     default_topologies: tuple[str, str] | None = None
+    # Modules a stage worker of this model imports (its engines and their transformers modeling
+    # code): the server stage workers fork from imports them once (orchestrator/worker_start.py).
+    worker_preload: tuple[str, ...] = ()
     # The model's C kernels (engines.hf.native_build.NativeKernel), built ahead by the setup.
     native_kernels: Callable[[], tuple[Any, ...]] | None = None
     # Served when no model is given (Omni(), `omni-pd serve` without --model).
@@ -239,3 +242,8 @@ def vllm_model_classes() -> dict[str, str]:
 def native_kernels() -> tuple[Any, ...]:
     return tuple(kernel for spec in specs().values() if spec.native_kernels is not None
                  for kernel in spec.native_kernels())
+
+
+def worker_preload() -> list[str]:
+    """Every registered model's worker modules, in registration order, each once."""
+    return list(dict.fromkeys(m for spec in specs().values() for m in spec.worker_preload))

@@ -17,6 +17,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import signal
 import threading
 import time
@@ -27,6 +28,7 @@ from ..sampling import SamplingParams
 from . import messages as msg
 from .supervisor import RestartPolicy, StageStatus
 from .worker import thread_main, worker_main
+from .worker_start import ParentStdio, worker_context
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often the reader checks that the worker is still alive
@@ -153,12 +155,13 @@ class StageClient:
                                  self.startup_timeout_s)
             return _Worker(None, process=process, pid=process.pid)
         if self.stage_config.runtime.process:
-            context = mp.get_context("spawn")
+            context = worker_context()
             conn, child = context.Pipe(duplex=True)
             process = context.Process(
                 target=worker_main, name=name, daemon=True,
                 args=(self.stage_config, self.model, child,
-                      logging.getLogger().getEffectiveLevel(), self.threads, self.tag))
+                      logging.getLogger().getEffectiveLevel(), self.threads, self.tag),
+                kwargs={"environ": dict(os.environ), "stdio": ParentStdio()})
             process.start()
             child.close()
             return _Worker(conn, process=process, pid=process.pid)
@@ -488,8 +491,18 @@ class StageClient:
         try:
             self._worker.conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
-            raise StageError(f"{self.name}: its worker went away before the message was sent; "
-                             "it is restarted unless it died too often") from exc
+            raise StageError(f"{self.name}: {self._which(self._worker)} went away before the message "
+                             "was sent; it is restarted unless it died too often") from exc
+
+    @staticmethod
+    def _which(worker: _Worker) -> str:
+        """The worker as a message names it, without waiting on it (the send path holds a lock)."""
+        process = worker.process
+        if process is None:
+            return "its in-process engine thread"
+        if isinstance(process, mp.process.BaseProcess):
+            return f"its worker (pid {worker.pid})"
+        return f"its Ray actor (pid {process.pid} on {process.node_ip})"
 
     def submit(self, request_id: str, prompt: Any, params: SamplingParams,
                on_tokens: Callable[[list[int]], None] | None = None,

@@ -49,14 +49,17 @@ def apply_threads(num_threads: int, num_interop_threads: int) -> None:
 
 def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int],
                 tag: str | None = None, watch_parent: bool = True, exit_process: bool = True,
-                environ: dict[str, str] | None = None) -> None:
+                environ: dict[str, str] | None = None, stdio: Any = None) -> None:
     """`tag`: how the log names this worker (stage0, or stage0.r1 for a replica).
-    `environ`: the orchestrator's environment when it started the worker (a worker forked from
-    the preloading server would otherwise have the server's; worker_start.py).
+    `environ`, `stdio`: the orchestrator's environment, stdout and stderr when it started the
+    worker (a worker forked from the preloading server would otherwise have the server's;
+    worker_start.py).
     `watch_parent`: exit when the parent process is gone (a local worker; a Ray actor's parent
     is its raylet, and it sees the orchestrator go by its connection closing). `exit_process`:
     end the process when done (a Ray actor's method returns instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stdio is not None:
+        stdio.install()
     tag = tag or f"stage{stage_config.stage_id}"
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")

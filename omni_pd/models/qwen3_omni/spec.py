@@ -55,5 +55,7 @@ SPEC = ModelSpec(
     topologies=_topologies,
     default_topologies=("qwen3_omni_moe", "qwen3_omni_moe_pd"),
     native_kernels=_native_kernels,
+    worker_preload=("omni_pd.models.qwen3_omni.hf.stage_engines", "omni_pd.models.qwen3_omni.hf.thinker_engine",
+                    "omni_pd.models.qwen3_omni.hf.talker_engine", "omni_pd.models.qwen3_omni.hf.code2wav_engine"),
     default=True,
 )

@@ -1,0 +1,82 @@
+"""How stage worker processes start: forked from a server that has imported torch and the models.
+
+A spawned worker imports torch, transformers and its model's code before it can build an engine:
+about 6 s of CPU each on the 2-core CI machine, four workers per pipeline, again at every restart.
+multiprocessing's forkserver imports those modules once, in a server process that starts clean
+(it is spawned, never touches CUDA or threads, and holds no state of the orchestrator), and forks
+each worker from it: a worker then starts in a fraction of a second, and a killed one is back
+sooner. What the server preloads is generic (this package's worker module) plus what each
+registered model names (`ModelSpec.worker_preload`).
+
+Three things differ from spawning, and the worker undoes them: it inherits the environment and
+the stdout/stderr the server started with, so the orchestrator passes its environment and its
+current stdout and stderr (`ParentStdio`, duplicated into the worker as multiprocessing passes a
+pipe) when the worker starts (`worker_main(environ=..., stdio=...)`); and its parent is the
+server, which exits when the orchestrator does, so a worker still sees its orchestrator go.
+
+`OMNI_PD_WORKER_START=spawn` starts workers the old way (a platform without forkserver, or to
+rule it out when debugging).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+from multiprocessing.context import BaseContext
+
+from .. import registry
+
+log = logging.getLogger(__name__)
+ENV = "OMNI_PD_WORKER_START"
+METHODS = ("forkserver", "spawn")
+
+_lock = threading.Lock()
+_context: BaseContext | None = None
+
+
+def preload_modules() -> list[str]:
+    return ["omni_pd.orchestrator.worker", *registry.worker_preload()]
+
+
+def worker_context() -> BaseContext:
+    """The multiprocessing context stage workers start from (made once per process)."""
+    global _context
+    with _lock:
+        if _context is None:
+            method = os.environ.get(ENV, "forkserver")
+            if method not in METHODS:
+                raise ValueError(f"{ENV}={method!r}: use one of {', '.join(METHODS)}")
+            if method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+                raise ValueError(f"this platform has no forkserver start method: set {ENV}=spawn")
+            context = mp.get_context(method)
+            if method == "forkserver":
+                modules = preload_modules()
+                context.set_forkserver_preload(modules)
+                log.debug("stage workers fork from a server that preloads %s", ", ".join(modules))
+            _context = context
+        return _context
+
+
+class ParentStdio:
+    """The orchestrator's stdout and stderr as they are when a worker starts, for the worker to
+    write to (a worker forked from the server would otherwise write where the server's went).
+    Pickled as file descriptors, the way multiprocessing passes a Connection."""
+
+    def __init__(self, fds: tuple[int, int] | None = None):
+        self.fds = fds if fds is not None else (1, 2)
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return _rebuild_stdio, tuple(reduction.DupFd(fd) for fd in self.fds)
+
+    def install(self) -> None:
+        """In the worker: make fds 1 and 2 these."""
+        for target, fd in zip((1, 2), self.fds):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _rebuild_stdio(*dup_fds) -> ParentStdio:
+    return ParentStdio(tuple(d.detach() for d in dup_fds))
