@@ -14,7 +14,7 @@ from omni_pd.models.qwen3_omni.stage_input_processors import thinker2talker
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 # scripts/gpu_check.sh runs this file with OMNI_PD_E2E_DEVICE=cuda: the same prompts with every
 # hf stage on cuda:0 (colocated and P/D on the GPU are compared with each other).
 _CUDA = "_cuda" if os.environ.get("OMNI_PD_E2E_DEVICE", "cpu") == "cuda" else ""

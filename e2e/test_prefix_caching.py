@@ -15,7 +15,7 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 
 from test_pd_equivalence import differences
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
 # The test suite, end-to-end tests included, vLLM and Ray tests too (the setup installs both extras).
-# Extra arguments go to pytest.
+# Then the exactness suites (pytest -m exactness) a second time with torch dispatching to an older
+# CPU level than the host's best (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 host, the x86-64 baseline
+# on an AVX2 host), so that one host checks the bits of both kinds of CI host. Extra arguments go to
+# both pytest runs; OMNI_PD_SECOND_ISA=0 skips the second.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 OMNI_PD_VLLM=1 OMNI_PD_RAY=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+[ "${OMNI_PD_SECOND_ISA:-1}" = "1" ] || exit 0
+other="$(.venv/bin/python -m omni_pd.engines.hf.compute_identity --older)"
+if [ -z "$other" ]; then
+  echo "test.sh: torch has no older CPU level than this host's to check exactness under"
+  exit 0
+fi
+echo "test.sh: the exactness suites again under ATEN_CPU_CAPABILITY=$other"
+# 5: no test selected (extra arguments that name no exactness test).
+ATEN_CPU_CAPABILITY="$other" .venv/bin/python -m pytest -q -p no:cacheprovider -m exactness "$@" || [ $? -eq 5 ]

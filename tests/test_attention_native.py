@@ -12,6 +12,8 @@ from omni_pd.engines.hf import native_build
 from omni_pd.engines.hf.attention_native import (ATTENTION, CacheGeometry, DecodeRows, check_kernels,
                                                  decode_attention)
 
+pytestmark = pytest.mark.exactness
+
 HEADS, KV_HEADS, BLOCK = 4, 2, 8
 
 

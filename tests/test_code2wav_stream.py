@@ -13,6 +13,8 @@ from omni_pd.engines.types import AudioOutput
 from omni_pd.models.qwen3_omni.records import Code2WavPrompt
 from omni_pd.sampling import SamplingParams
 
+pytestmark = pytest.mark.exactness
+
 
 @pytest.fixture(scope="module", params=["native", "torch"])
 def exact(tiny_model, request):

@@ -20,6 +20,8 @@ from omni_pd.sampling import SamplingParams
 
 from test_thinker_engine import _engine, _run_together, runner  # noqa: F401
 
+pytestmark = pytest.mark.exactness
+
 BS = 16
 
 

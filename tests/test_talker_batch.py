@@ -19,6 +19,8 @@ from omni_pd.models.qwen3_omni.hf.talker_engine import HfTalkerEngine
 from omni_pd.models.qwen3_omni.records import TalkerPrompt
 from omni_pd.sampling import SamplingParams
 
+pytestmark = pytest.mark.exactness
+
 IM_END = 261
 MESSAGES = ["Say hello.", "Hi", "Tell me a long story about a cat and a dog, please.",
             "What is two plus two?", "ok", "Describe the weather today in three short words."]

@@ -8,6 +8,8 @@ from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerPrompt
 from test_talker_batch import PARAMS, _engine, _same  # noqa: F401 - shared fixtures below
 from test_talker_batch import _one_thread, alone, kernels, prompts  # noqa: F401
 
+pytestmark = pytest.mark.exactness
+
 
 def _opening(prompt: TalkerPrompt, tokens: int) -> TalkerPrompt:
     """What the talker gets when the thinker has generated `tokens` tokens (all but the latest

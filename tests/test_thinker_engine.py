@@ -19,6 +19,8 @@ from omni_pd.sampling import SamplingParams
 
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
+pytestmark = pytest.mark.exactness
+
 TINY_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 
 TEXTS = ["hi", "tell me about the sea", "x" * 50, "what is two plus two?", "a", "bonjour",
