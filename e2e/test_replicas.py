@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -101,10 +102,23 @@ def test_a_killed_replica_leaves_the_other_serving(colocated, pd22, stage_id):
     want = alone(colocated, "colocated", "short")
     victim = pd22.engine.pools[stage_id].clients[0]
     pid = victim.process.pid
-    os.kill(pid, signal.SIGKILL)
-    victim.process.join(10)
-    # Replica 0 is dead (restarting): requests go to replica 1, and the KV still moves.
-    outs = pd22.generate([prompt, prompt])
+    # Its restart waits until the requests below are served: a worker forked from the
+    # preloading server is back within a second, and the point is what happens meanwhile.
+    served, spawn = threading.Event(), victim._spawn
+
+    def held_spawn():
+        served.wait(60)
+        return spawn()
+
+    victim._spawn = held_spawn
+    try:
+        os.kill(pid, signal.SIGKILL)
+        victim.process.join(10)
+        # Replica 0 is dead (restarting): requests go to replica 1, and the KV still moves.
+        outs = pd22.generate([prompt, prompt])
+    finally:
+        served.set()
+        victim._spawn = spawn
     for out in outs:
         assert _replicas(out)[stage_id] == 1
         assert _handed_over(out), out.metrics
