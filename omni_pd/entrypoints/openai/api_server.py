@@ -657,11 +657,24 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
-    audio waits to learn whether it is the last."""
+    audio waits to learn whether it is the last.
+
+    The first chunk leaves with the first text or audio and carries `role`, as vLLM's does:
+    clients time the first token from the first chunk (vLLM's `bench serve`), and a role-only
+    chunk sent before the prompt has run would read as a first token in a few milliseconds."""
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.served_model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+    role_sent = False
+
+    def with_role(delta: dict) -> dict:
+        nonlocal role_sent
+        if role_sent:
+            return delta
+        role_sent = True
+        return {"role": "assistant", **delta}
 
     audio_id = f"audio-{secrets.token_hex(8)}"
     untranscribed, audio_sent, counted = "", False, False
@@ -669,7 +682,6 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     events = omni.stream(prepared, params, request_id=completion_id,
                          modalities=request.modalities)
     try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
         # A client that goes is noticed by starlette's StreamingResponse, which listens for the
         # disconnect while this generator runs and cancels it; `finally` then closes `events`,
         # which aborts the request everywhere. (Polling `is_disconnected()` per event as well
@@ -677,11 +689,11 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
         async for event in events:
             if isinstance(event, TextDelta):
                 untranscribed += event.text
-                yield _sse(chunk({"content": event.text}))
+                yield _sse(chunk(with_role({"content": event.text})))
             elif isinstance(event, AudioDelta) and event.audio.numel():
                 data = pcm16_base64(event.audio, event.sample_rate, state.pcm16_gain)
-                yield _sse(chunk({"audio": {"id": audio_id, "data": data,
-                                            "transcript": untranscribed}}))
+                yield _sse(chunk(with_role({"audio": {"id": audio_id, "data": data,
+                                                      "transcript": untranscribed}})))
                 untranscribed, audio_sent = "", True
             elif isinstance(event, Finished):
                 output = event.output
@@ -690,7 +702,9 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                     if untranscribed:
                         last["transcript"] = untranscribed
                     yield _sse(chunk({"audio": last}))
-                yield _sse(chunk({}, output.finish_reason))
+                # An answer with nothing to send still opens with the role.
+                yield _sse(chunk(with_role({"content": ""}) if not role_sent else {},
+                                 output.finish_reason))
                 if include_usage:
                     yield _sse({"id": completion_id, "object": "chat.completion.chunk",
                                 "created": created, "model": state.served_model, "choices": [],
