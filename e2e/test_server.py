@@ -16,6 +16,7 @@ import pytest
 import soundfile
 import torch
 
+from dashboard_check import Exposition, load_dashboard, problems
 from live_server import MODEL, Server, alive, omni_pd_serve_command, wait_for
 from omni_pd.audio_io import stage_config_pcm16_gain, to_pcm16
 from omni_pd.config import load_pipeline_config
@@ -485,7 +486,7 @@ def test_deadline_is_a_504_and_a_dead_stage_comes_back():
         assert reply.choices[0].message.audio.data
         assert time.monotonic() - killed < 15
         metrics = httpx.get(f"{srv.base}/metrics").text
-        assert 'omni_pd_stage_restarts_total{stage="2:talker"} 1.0' in metrics
+        assert 'omni_pd_stage_restarts_total{stage="2",stage_name="talker"} 1.0' in metrics
         assert "restarting it in" in srv.log_text()  # the WARNING a deployer sees
     finally:
         srv.stop()
@@ -522,3 +523,15 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
     text = wait_for(scraped_with_hits, 10, "the prefix cache hits on /metrics")
     assert total("omni_pd_prefix_cache_queries_total", text) >= \
         total("omni_pd_prefix_cache_hits_total", text) > 0
+
+
+def test_the_grafana_dashboard_queries_what_this_server_exports(server):
+    """examples/grafana_dashboard.json against a live P/D server's /metrics, after the requests
+    above: every metric name and label its queries use is exported (dashboard_check.py; its
+    negative controls are in tests/test_server_metrics.py)."""
+    list(_chat(server, "one more for the dashboard", max_tokens=4, stream=True,
+               modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    exposition = Exposition.parse(httpx.get(f"{server.base}/metrics").text)
+    # Per-stage series are labelled by id and name apart (they read stage="0:thinker prefill").
+    assert exposition.labels["omni_pd_stage_up"] == {"stage", "stage_name"}
+    assert problems(load_dashboard(), exposition) == []

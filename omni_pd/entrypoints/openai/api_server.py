@@ -319,6 +319,7 @@ async def _start_stages(state: ServerState, make_omni: Callable[[], AsyncOmni],
         freeze_startup_heap("server")  # before any request is served: it blocks the loop
         state.omni = omni  # no await until the gain is set: no request sees it unset
         state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
+        state.metrics.name_stages(omni.health())
         state.admission = _admission_for(omni, max_queued_requests)
         log.info("serving %s: every stage is up; %d requests at once, %d more may wait "
                  "(--max-queued-requests), then 429", state.served_model,
