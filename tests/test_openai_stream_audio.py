@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import time
 from types import SimpleNamespace
-from typing import Any, AsyncIterator
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 import openai
@@ -36,23 +37,27 @@ def _stage(stage_id: int, kind: str) -> SimpleNamespace:
 
 
 class ScriptedOmni:
-    """What the server reads of an AsyncOmni, answering every request with SCRIPT."""
+    """What the server reads of an AsyncOmni, answering every request with `script` (SCRIPT)."""
 
     text_stage_id, pd_pair, max_model_len = 0, None, 4096
 
-    def __init__(self) -> None:
+    def __init__(self, script: list[Any] = SCRIPT) -> None:
+        self.script = script
         self.stages = {0: _stage(0, "text"), 1: _stage(1, "audio")}
         self.config = SimpleNamespace(stages=list(self.stages.values()))
         self.pipeline = SimpleNamespace(voices=("ethan",))
         self.clients = {0: None, 1: None}
 
     def output(self) -> OmniRequestOutput:
+        text = "".join(e.text for e in self.script if isinstance(e, TextDelta))
+        pieces = [e.audio for e in self.script if isinstance(e, AudioDelta)]
         return OmniRequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[3, 4, 5],
-                                 text=TEXT, finish_reason="stop", audio=torch.cat(PIECES),
+                                 text=text, finish_reason="stop",
+                                 audio=torch.cat(pieces) if pieces else None,
                                  sample_rate=RATE, metrics={"e2e_ms": 1.0, "stage_ms": {}})
 
     async def stream(self, *_: Any, **__: Any) -> AsyncIterator[Any]:
-        for event in SCRIPT:
+        for event in self.script:
             yield event
         yield Finished(self.output())
 
@@ -69,14 +74,20 @@ class ScriptedOmni:
         pass
 
 
-@pytest.fixture(scope="module")
-def client():
-    with TestClient(create_app(ScriptedOmni, "m")) as http:
+@contextmanager
+def _client_for(script: list[Any]) -> Iterator[openai.OpenAI]:
+    with TestClient(create_app(lambda: ScriptedOmni(script), "m")) as http:
         deadline = time.monotonic() + 30
         while http.get("/health").status_code != 200:  # the scripted stages start at once
             assert time.monotonic() < deadline, "the app never became healthy"
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
                             max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with _client_for(SCRIPT) as scripted:
+        yield scripted
 
 
 def _audio_request(client, **kw):
@@ -113,3 +124,29 @@ def test_non_streamed_pcm16_is_the_whole_answer(client):
     got = np.frombuffer(base64.b64decode(audio.data), dtype="<i2")
     assert np.array_equal(got, to_pcm16(torch.cat(PIECES), DUMMY_WEIGHTS_PCM16_GAIN).numpy())
     assert audio.transcript == TEXT and audio.expires_at
+
+
+def _first_delta(chunks) -> dict:
+    first = next(c for c in chunks if c.choices)
+    return first.choices[0].delta.model_dump(exclude_none=True)
+
+
+def test_the_first_chunk_carries_the_role_with_the_first_text(client):
+    """No role-only chunk ahead of the answer: a client timing its first chunk (vLLM's bench)
+    would read that as the first token."""
+    chunks = [c for c in _audio_request(client, stream=True) if c.choices]
+    assert _first_delta(chunks) == {"role": "assistant", "content": "Hel"}
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])  # the role comes once
+
+
+def test_audio_before_any_text_carries_the_role():
+    with _client_for([AudioDelta(PIECES[0], RATE), TextDelta("Hi")]) as scripted:
+        first = _first_delta(_audio_request(scripted, stream=True))
+    assert first["role"] == "assistant" and first["audio"]["data"] and "content" not in first
+
+
+def test_an_empty_answer_still_opens_with_the_role():
+    with _client_for([]) as scripted:
+        chunks = [c for c in _audio_request(scripted, stream=True) if c.choices]
+    assert len(chunks) == 1 and chunks[0].choices[0].finish_reason == "stop"
+    assert _first_delta(chunks) == {"role": "assistant", "content": ""}

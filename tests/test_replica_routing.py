@@ -127,7 +127,7 @@ def test_per_replica_metrics_follow_the_health_report():
     metrics.observe_health(report([3, 1], [2, 0]))
     metrics.observe_health(report([5, 1], [0, 1]))
     text = generate_latest(metrics.registry).decode()
-    assert 'omni_pd_stage_requests_total{replica="0",stage="0:thinker prefill"} 5.0' in text
-    assert 'omni_pd_stage_requests_total{replica="1",stage="0:thinker prefill"} 1.0' in text
-    assert 'omni_pd_stage_load{replica="0",stage="0:thinker prefill"} 0.0' in text
-    assert 'omni_pd_stage_load{replica="1",stage="0:thinker prefill"} 1.0' in text
+    assert 'omni_pd_stage_requests_total{replica="0",stage="0",stage_name="thinker prefill"} 5.0' in text
+    assert 'omni_pd_stage_requests_total{replica="1",stage="0",stage_name="thinker prefill"} 1.0' in text
+    assert 'omni_pd_stage_load{replica="0",stage="0",stage_name="thinker prefill"} 0.0' in text
+    assert 'omni_pd_stage_load{replica="1",stage="0",stage_name="thinker prefill"} 1.0' in text

@@ -121,6 +121,27 @@ class AsyncOmni:
         serves it); None serves the default embedded model."""
         model = model or registry.default_model()
         self.model = model
+        self._load_config(stage_configs_path, deploy_config, device)
+        self.keep_stage_outputs = keep_stage_outputs
+        self.request_timeout_s = request_timeout_s
+        self.stages = {s.stage_id: s for s in self.config.stages}
+        self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
+                                        for s in self.config.stages})
+        self._plan_pd_pair()
+        self._background: set[asyncio.Task] = set()  # KV releases nobody waits for
+        self._warned_incompatible = False
+        self._note_unused_engine_keys()
+        self._load_pipeline(model)
+        self._requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.pools: dict[int, StagePool] = {}
+        self._torch_threads_before: int | None = None
+        self._set_orchestrator_threads()
+        self._on_ray = False  # holds the Ray connection (released at close)
+        self._start_workers(model, startup_timeout_s)
+
+    def _load_config(self, stage_configs_path: str | Path | None,
+                     deploy_config: str | Path | None, device: str) -> None:
         if stage_configs_path is not None and deploy_config is not None:
             raise ValueError("pass stage_configs_path or deploy_config, not both")
         # Either schema loads from stage_configs_path (told by its keys); deploy_config insists
@@ -129,37 +150,39 @@ class AsyncOmni:
         self.config: PipelineConfig = (load_deploy_config if deploy_config is not None
                                        else load_pipeline_config)(self.stage_configs_path)
         self.config = check_devices(self.config, device)  # before any worker starts
-        self.keep_stage_outputs = keep_stage_outputs
-        self.request_timeout_s = request_timeout_s
-        self.stages = {s.stage_id: s for s in self.config.stages}
-        self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
-                                        for s in self.config.stages})
+
+    def _plan_pd_pair(self) -> None:
+        """The P/D pair, if the config has one, with its handoff policy and breakers."""
         self.pd_pair = find_pd_pair(self.config)
         # One breaker per (prefill replica, decode replica): a bad link opens only its own.
         self.breakers: dict[tuple[int, int], CircuitBreaker] = {}
         self.handoff_failures = self.fallbacks = 0
-        if self.pd_pair:
-            self.handoff = handoff_policy(self.pd_pair)
-            x = self.stages[self.pd_pair.prefill_stage_id].runtime.num_replicas
-            y = self.stages[self.pd_pair.decode_stage_id].runtime.num_replicas
-            for p in range(x):
-                for d in range(y):
-                    self.breakers[(p, d)] = CircuitBreaker(
-                        self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
-                        "P/D handoff" if x * y == 1 else f"P/D handoff p{p}->d{d}")
-            log.info("prefill/decode pair detected: stage %d prefills (%d replica%s), stage %d "
-                     "decodes (%d replica%s); handoff miss window %g s, deadline %g s, breaker after "
-                     "%d failures (cooldown %g s), fallback %s", self.pd_pair.prefill_stage_id, x,
-                     "" if x == 1 else "s", self.pd_pair.decode_stage_id, y, "" if y == 1 else "s",
-                     self.handoff.miss_window_s, self.handoff.deadline_s,
-                     self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
-                     self.handoff.fallback)
-        self._background: set[asyncio.Task] = set()  # KV releases nobody waits for
-        self._warned_incompatible = False
+        if not self.pd_pair:
+            return
+        self.handoff = handoff_policy(self.pd_pair)
+        x = self.stages[self.pd_pair.prefill_stage_id].runtime.num_replicas
+        y = self.stages[self.pd_pair.decode_stage_id].runtime.num_replicas
+        for p in range(x):
+            for d in range(y):
+                self.breakers[(p, d)] = CircuitBreaker(
+                    self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
+                    "P/D handoff" if x * y == 1 else f"P/D handoff p{p}->d{d}")
+        log.info("prefill/decode pair detected: stage %d prefills (%d replica%s), stage %d "
+                 "decodes (%d replica%s); handoff miss window %g s, deadline %g s, breaker after "
+                 "%d failures (cooldown %g s), fallback %s", self.pd_pair.prefill_stage_id, x,
+                 "" if x == 1 else "s", self.pd_pair.decode_stage_id, y, "" if y == 1 else "s",
+                 self.handoff.miss_window_s, self.handoff.deadline_s,
+                 self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
+                 self.handoff.fallback)
+
+    def _note_unused_engine_keys(self) -> None:
         for stage in self.config.stages:  # keys from a vllm-omni file: said once, not ignored
             if stage.engine == "hf" and (unused := unused_by_hf(set(stage.engine_args.model_fields_set))):
                 log.info("stage %d (%s, hf engine) does not use %s", stage.stage_id,
                          stage.model_stage, "; ".join(f"{k} ({why})" for k, why in unused))
+
+    def _load_pipeline(self, model: str) -> None:
+        """The model's side in this process: its tokenizer, context and stage input processors."""
         self.pipeline: registry.ModelPipeline = registry.load_pipeline(model)
         self.text_stage_id = self._final_stage("text")
         self.model_config = self.pipeline.config
@@ -172,11 +195,8 @@ class AsyncOmni:
         if self.config.async_chunk:
             log.info("async_chunk: stages %s start with their source stage and take its output "
                      "in chunks", sorted(self.stream_processors) or "(none)")
-        self._requests: dict[str, RequestState] = {}
-        self._ids = itertools.count()
-        self.pools: dict[int, StagePool] = {}
-        threads = stage_threads(self.config.stages)
-        self._torch_threads_before: int | None = None
+
+    def _set_orchestrator_threads(self) -> None:
         wanted = orchestrator_threads(self.config.stages)
         if wanted is not None and torch.get_num_threads() != wanted:
             # Restored by close(): a library user's process gets its own setting back.
@@ -184,7 +204,11 @@ class AsyncOmni:
             torch.set_num_threads(wanted)
             log.info("orchestrator: torch runs on %d thread here (was %d) while the stages work "
                      "in their own processes", wanted, self._torch_threads_before)
-        self._on_ray = False  # holds the Ray connection (released at close)
+
+    def _start_workers(self, model: str, startup_timeout_s: float) -> None:
+        """Every stage's workers (each replica's), on Ray where a stage asks; on any failure
+        those already started are stopped."""
+        threads = stage_threads(self.config.stages)
         try:
             if any(s.engine_args.distributed_executor_backend == "ray" for s in self.config.stages):
                 from . import ray_workers
@@ -587,125 +611,7 @@ class AsyncOmni:
         """Run a group of stages at once. The first starts from its finished input; each later
         one is fed its source's chunks through its stream processor, starts as soon as that has
         an opening prompt, and gets the rest of its input as it comes."""
-        request_id = state.request_id
-        loop = asyncio.get_running_loop()
-        feeders = {sid: self.stream_processors[sid](self._stage_inputs(state, sid)) for sid in group[1:]}
-        waiters: dict[int, Any] = {}  # stage -> its StageClient waiter, once submitted
-        opened = {sid: loop.create_future() for sid in group[1:]}
-        closed: set[int] = set()  # stages that have had their last input
-
-        def consumer(sid: int) -> int | None:
-            index = group.index(sid) + 1
-            return group[index] if index < len(group) else None
-
-        def chunk_sizes(sid: int) -> tuple[int, int] | None:
-            """How the consumer of `sid` takes its input, when its stream processor says (the
-            group's first stage feeds a talker, which takes every token at once)."""
-            target = consumer(sid)
-            return getattr(feeders[target], "source_chunk_sizes", None) if target is not None else None
-
-        def pump(sid: int) -> None:
-            """Move what stage `sid`'s stream processor holds to that stage (synchronously, so
-            nothing sent for the request can overtake its submission)."""
-            feeder = feeders[sid]
-            if sid not in waiters:
-                prompt = feeder.prompt()
-                if prompt is None:
-                    return
-                state.stage_started(sid)
-                waiters[sid] = self._route(state, sid).submit(request_id, prompt, state.params[sid],
-                                                        on_chunk=forward(sid),
-                                                        chunk_sizes=chunk_sizes(sid))
-                opened[sid].set_result(None)
-                if prompt.final:
-                    closed.add(sid)
-                    return
-            if sid in closed:
-                return
-            data, final = feeder.take()
-            if data is None and not final:
-                return  # nothing worth a message yet
-            if final:
-                closed.add(sid)
-            self._route(state, sid).append(request_id, data, final)
-
-        def forward(sid: int) -> Callable[[Any], None]:
-            target = consumer(sid)
-
-            def on_chunk(chunk: Any) -> None:
-                if target is not None:
-                    feeders[target].feed(chunk)
-                    pump(target)
-                elif isinstance(chunk, AudioOutput):
-                    state.audio_chunk_ms.append(state.elapsed_ms())
-                    state.audio_pieces.append(chunk.audio)
-                    if on_audio is not None:
-                        on_audio(chunk.audio, chunk.sample_rate)
-            return on_chunk
-
-        def go_silent() -> None:
-            """Nothing to speak: the later stages end without their input (none has started:
-            a talker opens on a generated token that such an answer lacks; any that has is
-            stopped)."""
-            for later in group[1:]:
-                if later in waiters:
-                    self._route(state, later).abort(request_id)
-                if not opened[later].done():
-                    opened[later].set_result(None)
-
-        async def run(sid: int) -> None:
-            if sid == group[0]:
-                output = await self._run_stage(state, sid, text_prompt, deadline, on_text,
-                                               on_chunk=forward(sid))
-                if state.silent:
-                    return go_silent()
-            else:
-                await opened[sid]
-                if state.silent:
-                    return
-                began = time.perf_counter()
-                try:
-                    output = await self._route(state, sid).result(request_id, waiters[sid],
-                                                                  deadline - time.monotonic())
-                except StageError:
-                    if state.silent:  # stopped by go_silent
-                        return
-                    raise
-                if isinstance(output, AudioOutput) and output.samples_in_chunks:
-                    pieces, state.audio_pieces = state.audio_pieces, []
-                    output = dataclasses.replace(output, samples_in_chunks=False, audio=(
-                        torch.cat(pieces) if pieces else output.audio))
-                state.stage_finished(sid, began, output)
-            if sid in state.replicas:  # no longer this replica's load
-                state.replicas[sid].release()
-            target = consumer(sid)
-            if target is not None:  # the source is done: its consumer gets its last input
-                feeders[target].close(output)
-                pump(target)
-            if self.pd_pair and sid == self.pd_pair.decode_stage_id:
-                self._release_kv(state)  # the decode leg has its copy; after the hand-on
-
-        tasks = {asyncio.create_task(run(sid)): sid for sid in group}
-        state.active_stages.update(group)
-        try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-            if failed:
-                for task in pending:  # stop the rest of the group at their next step
-                    self._route(state, tasks[task]).abort(request_id)
-                    task.cancel()
-                if pending:
-                    await asyncio.wait(pending)
-                for task in pending:
-                    if not task.cancelled():
-                        task.exception()  # retrieved: they fail because we aborted them
-                # The upstream-most failure is the cause; downstream ones follow from it.
-                raise min(failed, key=lambda t: group.index(tasks[t])).exception()
-        finally:
-            state.active_stages.difference_update(group)
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
+        await _StreamedGroup(self, state, group, text_prompt, deadline, on_text, on_audio).run()
 
     def _stage_inputs(self, state: RequestState, stage_id: int) -> StageInputs:
         stage = self.stages[stage_id]
@@ -927,3 +833,174 @@ class AsyncOmni:
             token_ids=text.token_ids, text=text.text, finish_reason=text.finish_reason,
             audio=audio.audio if audio else None, sample_rate=audio.sample_rate if audio else None,
             metrics=metrics, stage_outputs=dict(state.outputs) if self.keep_stage_outputs else None)
+
+
+SILENT = object()  # a streamed group's stage that ended because the answer has nothing to speak
+
+
+class _StreamedGroup:
+    """One request's run of a streamed group of stages (`AsyncOmni._run_streamed`): what each
+    stage of the group has been sent, and the callbacks that move chunks down the group. Lives
+    only as long as that run."""
+
+    def __init__(self, omni: AsyncOmni, state: RequestState, group: list[int],
+                 text_prompt: TokenPrompt, deadline: float,
+                 on_text: Callable[[str], None] | None,
+                 on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
+        self.omni, self.state, self.group = omni, state, group
+        self.text_prompt, self.deadline = text_prompt, deadline
+        self.on_text, self.on_audio = on_text, on_audio
+        loop = asyncio.get_running_loop()
+        self.feeders = {sid: omni.stream_processors[sid](omni._stage_inputs(state, sid))
+                        for sid in group[1:]}
+        self.waiters: dict[int, Any] = {}  # stage -> its StageClient waiter, once submitted
+        self.opened = {sid: loop.create_future() for sid in group[1:]}
+        self.closed: set[int] = set()  # stages that have had their last input
+
+    def consumer(self, sid: int) -> int | None:
+        index = self.group.index(sid) + 1
+        return self.group[index] if index < len(self.group) else None
+
+    def chunk_sizes(self, sid: int) -> tuple[int, int] | None:
+        """How the consumer of `sid` takes its input, when its stream processor says (the
+        group's first stage feeds a talker, which takes every token at once)."""
+        target = self.consumer(sid)
+        return (getattr(self.feeders[target], "source_chunk_sizes", None)
+                if target is not None else None)
+
+    # ---- feeding the later stages ------------------------------------------------------------
+    def pump(self, sid: int) -> None:
+        """Move what stage `sid`'s stream processor holds to that stage (synchronously, so
+        nothing sent for the request can overtake its submission)."""
+        if sid not in self.waiters and not self._submit(sid):
+            return
+        if sid in self.closed:
+            return
+        data, final = self.feeders[sid].take()
+        if data is None and not final:
+            return  # nothing worth a message yet
+        if final:
+            self.closed.add(sid)
+        self.omni._route(self.state, sid).append(self.state.request_id, data, final)
+
+    def _submit(self, sid: int) -> bool:
+        """Start stage `sid` on the request once its stream processor has an opening prompt;
+        whether it has started."""
+        prompt = self.feeders[sid].prompt()
+        if prompt is None:
+            return False
+        state = self.state
+        state.stage_started(sid)
+        self.waiters[sid] = self.omni._route(state, sid).submit(
+            state.request_id, prompt, state.params[sid], on_chunk=self.forward(sid),
+            chunk_sizes=self.chunk_sizes(sid))
+        self.opened[sid].set_result(None)
+        if prompt.final:
+            self.closed.add(sid)
+        return True
+
+    def forward(self, sid: int) -> Callable[[Any], None]:
+        """Stage `sid`'s chunk callback: into its consumer's stream processor, or, from the
+        group's last stage, audio to the client."""
+        target = self.consumer(sid)
+
+        def on_chunk(chunk: Any) -> None:
+            if target is not None:
+                self.feeders[target].feed(chunk)
+                self.pump(target)
+            elif isinstance(chunk, AudioOutput):
+                self._deliver_audio(chunk)
+        return on_chunk
+
+    def _deliver_audio(self, chunk: AudioOutput) -> None:
+        state = self.state
+        state.audio_chunk_ms.append(state.elapsed_ms())
+        state.audio_pieces.append(chunk.audio)
+        if self.on_audio is not None:
+            self.on_audio(chunk.audio, chunk.sample_rate)
+
+    def go_silent(self) -> None:
+        """Nothing to speak: the later stages end without their input (none has started:
+        a talker opens on a generated token that such an answer lacks; any that has is
+        stopped)."""
+        for later in self.group[1:]:
+            if later in self.waiters:
+                self.omni._route(self.state, later).abort(self.state.request_id)
+            if not self.opened[later].done():
+                self.opened[later].set_result(None)
+
+    # ---- running each stage ------------------------------------------------------------------
+    async def _run_first(self) -> Any:
+        """The group's first stage, from its finished input; SILENT when the answer is."""
+        sid = self.group[0]
+        output = await self.omni._run_stage(self.state, sid, self.text_prompt, self.deadline,
+                                            self.on_text, on_chunk=self.forward(sid))
+        if self.state.silent:
+            self.go_silent()
+            return SILENT
+        return output
+
+    async def _run_fed(self, sid: int) -> Any:
+        """A later stage of the group: its result once its source has fed it all; SILENT when
+        the answer turned out to be."""
+        state = self.state
+        await self.opened[sid]
+        if state.silent:
+            return SILENT
+        began = time.perf_counter()
+        try:
+            output = await self.omni._route(state, sid).result(
+                state.request_id, self.waiters[sid], self.deadline - time.monotonic())
+        except StageError:
+            if state.silent:  # stopped by go_silent
+                return SILENT
+            raise
+        if isinstance(output, AudioOutput) and output.samples_in_chunks:
+            # The worker sent its samples as chunks only: the whole audio is their sum.
+            pieces, state.audio_pieces = state.audio_pieces, []
+            output = dataclasses.replace(output, samples_in_chunks=False, audio=(
+                torch.cat(pieces) if pieces else output.audio))
+        state.stage_finished(sid, began, output)
+        return output
+
+    async def _run_one(self, sid: int) -> None:
+        output = await (self._run_first() if sid == self.group[0] else self._run_fed(sid))
+        if output is SILENT:
+            return
+        state = self.state
+        if sid in state.replicas:  # no longer this replica's load
+            state.replicas[sid].release()
+        target = self.consumer(sid)
+        if target is not None:  # the source is done: its consumer gets its last input
+            self.feeders[target].close(output)
+            self.pump(target)
+        if self.omni.pd_pair and sid == self.omni.pd_pair.decode_stage_id:
+            self.omni._release_kv(state)  # the decode leg has its copy; after the hand-on
+
+    async def run(self) -> None:
+        """Every stage of the group at once; the first failure stops the rest and is raised."""
+        state, group = self.state, self.group
+        tasks = {asyncio.create_task(self._run_one(sid)): sid for sid in group}
+        state.active_stages.update(group)
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                await self._stop(tasks, pending)
+                # The upstream-most failure is the cause; downstream ones follow from it.
+                raise min(failed, key=lambda t: group.index(tasks[t])).exception()
+        finally:
+            state.active_stages.difference_update(group)
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+
+    async def _stop(self, tasks: dict[asyncio.Task, int], pending: set[asyncio.Task]) -> None:
+        for task in pending:  # stop the rest of the group at their next step
+            self.omni._route(self.state, tasks[task]).abort(self.state.request_id)
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for task in pending:
+            if not task.cancelled():
+                task.exception()  # retrieved: they fail because we aborted them

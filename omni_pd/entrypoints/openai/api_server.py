@@ -30,6 +30,7 @@ from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain,
 from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PreparedPrompt,
                                         PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
 from ...orchestrator.heap import freeze_startup_heap
+from ...orchestrator.outputs import OmniRequestOutput
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl, Slot
 from .metrics import ServerMetrics
@@ -192,6 +193,21 @@ class ServerState:
         self.admission: AdmissionControl | None = None  # set once the stages are up
         self.realtime_sessions: set[RealtimeSession] = set()  # open /v1/realtime sockets
 
+    def ready_omni(self) -> AsyncOmni:
+        """The orchestrator, or a 503 saying why there is none yet."""
+        if self.omni is None:
+            raise APIError(503, self.startup_error or "the stages are still starting; retry when "
+                           "GET /health answers 200", type="service_unavailable")
+        return self.omni
+
+    async def admit(self) -> Slot:
+        """A slot in the stages, or (counted as overloaded) the 429 the queue gives."""
+        try:
+            return await self.admission.enter()
+        except APIError:
+            self.metrics.requests.labels(outcome="overloaded").inc()
+            raise
+
 
 # Text longer than this many characters per token of context is tokenized only up to that many
 # characters at first: more tokens than the context there already refuses the request, after a
@@ -270,31 +286,62 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     state = ServerState(served_model)
+    app = FastAPI(title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests,
+                                                     on_startup_failure))
+    app.state.omni_pd = state
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state)
+    if enable_debug_endpoints:
+        _add_debug_routes(app, state)
+    _add_realtime_route(app, state)
+    _add_chat_route(app, state)
+    return app
 
-    async def start_stages() -> None:
-        try:
-            omni = await asyncio.to_thread(make_omni)
-            freeze_startup_heap("server")  # before any request is served: it blocks the loop
-            state.omni = omni  # no await until the gain is set: no request sees it unset
-            state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
-            capacity = min(s.max_num_seqs * s.runtime.num_replicas for s in omni.stages.values())
-            queued = (max_queued_requests if max_queued_requests is not None
-                      else DEFAULT_QUEUE_FACTOR * capacity)
-            state.admission = AdmissionControl(capacity, queued)
-            log.info("serving %s: every stage is up; %d requests at once, %d more may wait "
-                     "(--max-queued-requests), then 429", served_model, capacity, queued)
-            log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
-                     state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
-                     "near silent" if state.pcm16_gain != 1.0 else "real weights")
-        except Exception as exc:
-            state.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("the stages failed to start: %s", state.startup_error)
-            if on_startup_failure:
-                on_startup_failure()
 
+# ---- start-up and shutdown ------------------------------------------------------------------
+def _admission_for(omni: AsyncOmni, max_queued_requests: int | None) -> AdmissionControl:
+    """Every request passes through each stage, so the server admits what its narrowest stage
+    does; None queues DEFAULT_QUEUE_FACTOR x that."""
+    capacity = min(s.max_num_seqs * s.runtime.num_replicas for s in omni.stages.values())
+    queued = (max_queued_requests if max_queued_requests is not None
+              else DEFAULT_QUEUE_FACTOR * capacity)
+    return AdmissionControl(capacity, queued)
+
+
+async def _start_stages(state: ServerState, make_omni: Callable[[], AsyncOmni],
+                        max_queued_requests: int | None,
+                        on_startup_failure: Callable[[], None] | None) -> None:
+    """Build the orchestrator off the event loop (the server answers /health meanwhile); a
+    failure is kept for /health and handed to `on_startup_failure`."""
+    try:
+        omni = await asyncio.to_thread(make_omni)
+        freeze_startup_heap("server")  # before any request is served: it blocks the loop
+        state.omni = omni  # no await until the gain is set: no request sees it unset
+        state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
+        state.metrics.name_stages(omni.health())
+        state.admission = _admission_for(omni, max_queued_requests)
+        log.info("serving %s: every stage is up; %d requests at once, %d more may wait "
+                 "(--max-queued-requests), then 429", state.served_model,
+                 state.admission.capacity, state.admission.max_queued)
+        log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
+                 state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
+                 "near silent" if state.pcm16_gain != 1.0 else "real weights")
+    except Exception as exc:
+        state.startup_error = f"{type(exc).__name__}: {exc}"
+        log.error("the stages failed to start: %s", state.startup_error)
+        if on_startup_failure:
+            on_startup_failure()
+
+
+def _lifespan(state: ServerState, make_omni: Callable[[], AsyncOmni],
+              max_queued_requests: int | None, on_startup_failure: Callable[[], None] | None):
+    """Start the stages in the background as the app starts; stop them as it stops (after a
+    start still under way has ended)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        starting = asyncio.create_task(start_stages())
+        starting = asyncio.create_task(_start_stages(state, make_omni, max_queued_requests,
+                                                     on_startup_failure))
         try:
             yield
         finally:
@@ -303,66 +350,76 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             if state.omni is not None:
                 await asyncio.to_thread(state.omni.close)
                 log.info("all stages stopped")
+    return lifespan
 
-    app = FastAPI(title="omni-pd", lifespan=lifespan)
-    app.state.omni_pd = state
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
 
-    def count_bad_request(request: Request) -> None:
-        if request.url.path == CHAT_PATH:
-            state.metrics.requests.labels(outcome="bad_request").inc()
+# ---- errors in OpenAI's shape ---------------------------------------------------------------
+def _count_bad_request(state: ServerState, request: Request) -> None:
+    if request.url.path == CHAT_PATH:
+        state.metrics.requests.labels(outcome="bad_request").inc()
 
+
+def _validation_error_message(request: Request, exc: RequestValidationError) -> APIError:
+    """pydantic's first complaint about a body, as one 400 naming the field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc, kind = tuple(first.get("loc", ())), first.get("type")
+    if kind == "json_invalid":
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return APIError(
+            400, f"the request body is not valid JSON: {(first.get('ctx') or {}).get('error', '')}"
+            f"{at}", code="invalid_json")
+    where = _param_path(loc)
+    if where is None and kind == "missing":
+        message = "the request body is missing: send a JSON object with `model` and `messages`"
+    elif where is None:
+        content_type = request.headers.get("content-type", "application/json")
+        message = ("the request body must be a JSON object with `model` and `messages`" +
+                   ("" if "json" in content_type else
+                    f", sent with Content-Type: application/json, not {content_type!r}"))
+    else:
+        message = f"{where}: {first.get('msg', 'invalid')}"
+    return APIError(400, message, param=where)
+
+
+def _http_error_message(state: ServerState, request: Request,
+                        exc: StarletteHTTPException) -> APIError:
+    """Starlette's own errors (unknown URL or method, an unreadable body) in OpenAI's words."""
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    elif exc.status_code == 400 and exc.__cause__ is not None:  # the body could not be read
+        _count_bad_request(state, request)
+        message = (f"the request body could not be read as JSON ({type(exc.__cause__).__name__}: "
+                   f"{exc.__cause__}); send a UTF-8 JSON object")
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+    return APIError(exc.status_code, message, type=kind)
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error, ours or the framework's, leaves in OpenAI's error JSON."""
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        count_bad_request(request)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc, kind = tuple(first.get("loc", ())), first.get("type")
-        if kind == "json_invalid":
-            at = f" at character {loc[1]}" if len(loc) > 1 else ""
-            return _error_response(APIError(
-                400, f"the request body is not valid JSON: {(first.get('ctx') or {}).get('error', '')}"
-                f"{at}", code="invalid_json"))
-        where = _param_path(loc)
-        if where is None and kind == "missing":
-            message = "the request body is missing: send a JSON object with `model` and `messages`"
-        elif where is None:
-            content_type = request.headers.get("content-type", "application/json")
-            message = ("the request body must be a JSON object with `model` and `messages`" +
-                       ("" if "json" in content_type else
-                        f", sent with Content-Type: application/json, not {content_type!r}"))
-        else:
-            message = f"{where}: {first.get('msg', 'invalid')}"
-        return _error_response(APIError(400, message, param=where))
+        _count_bad_request(state, request)
+        return _error_response(_validation_error_message(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = str(exc.detail)
-        if exc.status_code == 404:
-            message = f"Invalid URL ({request.method} {request.url.path})"
-        elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        elif exc.status_code == 400 and exc.__cause__ is not None:  # the body could not be read
-            count_bad_request(request)
-            message = (f"the request body could not be read as JSON ({type(exc.__cause__).__name__}: "
-                       f"{exc.__cause__}); send a UTF-8 JSON object")
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        return _error_response(APIError(exc.status_code, message, type=kind), headers=exc.headers)
+        return _error_response(_http_error_message(state, request, exc), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):  # Starlette logs it, then re-raises
         return _error_response(APIError(500, f"{type(exc).__name__}: {exc}",
                                         type="internal_server_error"))
 
-    def ready_omni() -> AsyncOmni:
-        if state.omni is None:
-            raise APIError(503, state.startup_error or "the stages are still starting; retry when "
-                           "GET /health answers 200", type="service_unavailable")
-        return state.omni
 
+# ---- /health, /v1/models, /metrics, /debug/state --------------------------------------------
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         if state.omni is None:
@@ -374,7 +431,7 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model, "object": "model",
+        return {"object": "list", "data": [{"id": state.served_model, "object": "model",
                                             "created": 0, "owned_by": "omni-pd"}]}
 
     @app.get("/metrics")
@@ -385,37 +442,47 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         return PlainTextResponse(generate_latest(state.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
-    if enable_debug_endpoints:
-        @app.get("/debug/state")
-        async def debug_state():
-            omni = ready_omni()
-            counts = {**await omni.debug_state_counts(), **state.admission.counts()}
-            sessions = list(state.realtime_sessions)
-            counts["realtime.sessions"] = len(sessions)
-            for key in ("responses", "items", "buffer_bytes"):
-                counts[f"realtime.{key}"] = sum(s.counts()[key] for s in sessions)
-            return {"counts": counts, "worker_pids": omni.worker_pids}
 
+def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/debug/state")
+    async def debug_state():
+        omni = state.ready_omni()
+        counts = {**await omni.debug_state_counts(), **state.admission.counts()}
+        sessions = list(state.realtime_sessions)
+        counts["realtime.sessions"] = len(sessions)
+        for key in ("responses", "items", "buffer_bytes"):
+            counts[f"realtime.{key}"] = sum(s.counts()[key] for s in sessions)
+        return {"counts": counts, "worker_pids": omni.worker_pids}
+
+
+# ---- /v1/realtime ---------------------------------------------------------------------------
+def _realtime_refusal(state: ServerState, model: str | None) -> tuple[str, int] | None:
+    """Why a socket cannot have a session (and its close code), or None when it can."""
+    if state.omni is None:
+        return (state.startup_error or "the stages are still starting; retry when "
+                "GET /health answers 200"), WS_TRY_AGAIN_LATER
+    if model is not None and model != state.served_model:
+        return (f"the model {model!r} does not exist; this server serves "
+                f"{state.served_model!r}"), WS_POLICY_VIOLATION
+    return None
+
+
+def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
     @app.websocket(REALTIME_PATH)
     async def realtime(websocket: WebSocket):
         """The Realtime API: one session per socket (realtime/session.py)."""
         await websocket.accept()
         model = websocket.query_params.get("model")
-        reason = None
-        if state.omni is None:
-            reason, code = (state.startup_error or "the stages are still starting; retry when "
-                            "GET /health answers 200"), WS_TRY_AGAIN_LATER
-        elif model is not None and model != served_model:
-            reason, code = (f"the model {model!r} does not exist; this server serves "
-                            f"{served_model!r}"), WS_POLICY_VIOLATION
-        if reason is not None:
+        refusal = _realtime_refusal(state, model)
+        if refusal is not None:
+            reason, code = refusal
             await websocket.send_json({"type": "error", "event_id": "event_refused", "error": {
                 "type": "invalid_request_error", "code": "model_not_found" if model else None,
                 "message": reason, "param": "model", "event_id": None}})
             await websocket.close(code, reason[:120])
             return
         beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1")
-        session = RealtimeSession(websocket, state.omni, state, served_model,
+        session = RealtimeSession(websocket, state.omni, state, state.served_model,
                                   lambda exc: _as_api_error(state, exc), beta=beta)
         state.realtime_sessions.add(session)
         state.metrics.realtime_sessions.inc()
@@ -427,89 +494,112 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
             state.metrics.realtime_sessions.dec()
             log.debug("realtime session %s closed", session.id)
 
-    async def admit() -> Slot:
-        try:
-            return await state.admission.enter()
-        except APIError:
-            state.metrics.requests.labels(outcome="overloaded").inc()
-            raise
 
+# ---- /v1/chat/completions -------------------------------------------------------------------
+def _add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
-        omni = ready_omni()
-        slot = await admit()  # before any work: an overloaded server refuses at once
+        omni = state.ready_omni()
+        slot = await state.admit()  # before any work: an overloaded server refuses at once
         response = None
         try:
-            response = await serve_chat(omni, body, http_request, slot)
+            response = await _serve_chat(state, omni, body, http_request, slot)
             return response
         finally:
             if not isinstance(response, StreamingResponse):  # a stream releases it as it ends
                 slot.release()
 
-    async def serve_chat(omni: AsyncOmni, body: ChatCompletionRequest, http_request: Request,
-                         slot: Slot):
-        try:
-            if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
-                raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
-                               f"{list(omni.pipeline.voices)}", param="audio.voice")
-            if _prepare_inline(body):
-                request, prepared = _prepare(omni, body, served_model)
-            else:
-                request, prepared = await asyncio.to_thread(_prepare, omni, body, served_model)
-        except BaseException as exc:
-            raise _as_api_error(state, exc) from exc
-        params = [request.thinker_params if sid == omni.text_stage_id or
-                  (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id) else None
-                  for sid in (s.stage_id for s in omni.config.stages)]
-        completion_id = f"chatcmpl-{secrets.token_hex(12)}"
-        created = int(time.time())
-        if body.stream:
-            events = _stream(omni, state, request, prepared, params, completion_id, created,
-                             include_usage=bool(body.stream_options and body.stream_options.include_usage))
-            # The stream keeps the request's slot until it ends, or is collected unstarted when
-            # the client leaves before its first byte.
-            streamed = _holding(slot, events)
-            slot.release_with(streamed)
-            return StreamingResponse(streamed, media_type="text/event-stream")
-        state.metrics.in_flight.inc()
-        generation = asyncio.ensure_future(omni.generate(
-            prepared, params, request_id=completion_id, modalities=request.modalities))
-        client_gone = asyncio.ensure_future(_until_disconnected(http_request))
-        try:
-            await asyncio.wait([generation, client_gone], return_when=asyncio.FIRST_COMPLETED)
-            if not generation.done():  # the client left before its answer: free the stages
-                omni.abort(completion_id)
-                await asyncio.wait([generation])
-                if not generation.cancelled():
-                    generation.exception()  # retrieved: an aborted request's error is expected
-                state.metrics.requests.labels(outcome="aborted").inc()
-                return Response(status_code=499)  # nobody is there to read it
-            output = generation.result()
-        except BaseException as exc:
-            if not generation.done():  # this handler was cancelled (the server is stopping)
-                omni.abort(completion_id)
-            raise _as_api_error(state, exc) from exc
-        finally:
-            client_gone.cancel()
-            state.metrics.in_flight.dec()
-        state.metrics.requests.labels(outcome="success").inc()
-        state.metrics.observe(output.metrics)
-        message: dict[str, Any] = {"role": "assistant", "content": output.text}
-        if output.audio is not None and "audio" in request.modalities:
-            if request.audio_format == "pcm16":
-                data = pcm16_base64(output.audio, output.sample_rate, state.pcm16_gain)
-            else:
-                data = wav_base64(output.audio, output.sample_rate)
-            message["audio"] = {"id": f"audio-{secrets.token_hex(8)}",
-                                "expires_at": created + AUDIO_EXPIRES_S, "data": data,
-                                "transcript": output.text}
-        return {"id": completion_id, "object": "chat.completion", "created": created,
-                "model": served_model,
-                "choices": [{"index": 0, "message": message, "finish_reason": output.finish_reason,
-                             "logprobs": None}],
-                "usage": _usage(output)}
 
-    return app
+async def _prepare_checked(state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest
+                           ) -> tuple[TranslatedRequest, PreparedPrompt]:
+    """The request checked, translated and its prompt built; any refusal as an API error."""
+    try:
+        if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
+            raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
+                           f"{list(omni.pipeline.voices)}", param="audio.voice")
+        if _prepare_inline(body):
+            return _prepare(omni, body, state.served_model)
+        return await asyncio.to_thread(_prepare, omni, body, state.served_model)
+    except BaseException as exc:
+        raise _as_api_error(state, exc) from exc
+
+
+def _stage_params(omni: AsyncOmni, request: TranslatedRequest) -> list:
+    """The request's sampling params for the text stage (and a P/D pair's prefill leg); the
+    other stages keep their defaults (None)."""
+    return [request.thinker_params if sid == omni.text_stage_id or
+            (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id) else None
+            for sid in (s.stage_id for s in omni.config.stages)]
+
+
+async def _serve_chat(state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest,
+                      http_request: Request, slot: Slot):
+    request, prepared = await _prepare_checked(state, omni, body)
+    params = _stage_params(omni, request)
+    completion_id = f"chatcmpl-{secrets.token_hex(12)}"
+    created = int(time.time())
+    if body.stream:
+        events = _stream(omni, state, request, prepared, params, completion_id, created,
+                         include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        # The stream keeps the request's slot until it ends, or is collected unstarted when
+        # the client leaves before its first byte.
+        streamed = _holding(slot, events)
+        slot.release_with(streamed)
+        return StreamingResponse(streamed, media_type="text/event-stream")
+    output = await _generate_unless_gone(state, omni, request, prepared, params, completion_id,
+                                         http_request)
+    if output is None:
+        return Response(status_code=499)  # nobody is there to read it
+    state.metrics.requests.labels(outcome="success").inc()
+    state.metrics.observe(output.metrics)
+    return _completion(state, request, output, completion_id, created)
+
+
+async def _generate_unless_gone(state: ServerState, omni: AsyncOmni, request: TranslatedRequest,
+                                prepared: PreparedPrompt, params: list, completion_id: str,
+                                http_request: Request) -> OmniRequestOutput | None:
+    """The whole answer, or None (counted as aborted) when the client leaves before it: then
+    the request is aborted so that the stages stop working for nobody."""
+    state.metrics.in_flight.inc()
+    generation = asyncio.ensure_future(omni.generate(
+        prepared, params, request_id=completion_id, modalities=request.modalities))
+    client_gone = asyncio.ensure_future(_until_disconnected(http_request))
+    try:
+        await asyncio.wait([generation, client_gone], return_when=asyncio.FIRST_COMPLETED)
+        if not generation.done():  # the client left before its answer: free the stages
+            omni.abort(completion_id)
+            await asyncio.wait([generation])
+            if not generation.cancelled():
+                generation.exception()  # retrieved: an aborted request's error is expected
+            state.metrics.requests.labels(outcome="aborted").inc()
+            return None
+        return generation.result()
+    except BaseException as exc:
+        if not generation.done():  # this handler was cancelled (the server is stopping)
+            omni.abort(completion_id)
+        raise _as_api_error(state, exc) from exc
+    finally:
+        client_gone.cancel()
+        state.metrics.in_flight.dec()
+
+
+def _completion(state: ServerState, request: TranslatedRequest, output: OmniRequestOutput,
+                completion_id: str, created: int) -> dict[str, Any]:
+    """A non-streamed answer as OpenAI's `chat.completion`, the audio whole in the asked format."""
+    message: dict[str, Any] = {"role": "assistant", "content": output.text}
+    if output.audio is not None and "audio" in request.modalities:
+        if request.audio_format == "pcm16":
+            data = pcm16_base64(output.audio, output.sample_rate, state.pcm16_gain)
+        else:
+            data = wav_base64(output.audio, output.sample_rate)
+        message["audio"] = {"id": f"audio-{secrets.token_hex(8)}",
+                            "expires_at": created + AUDIO_EXPIRES_S, "data": data,
+                            "transcript": output.text}
+    return {"id": completion_id, "object": "chat.completion", "created": created,
+            "model": state.served_model,
+            "choices": [{"index": 0, "message": message, "finish_reason": output.finish_reason,
+                         "logprobs": None}],
+            "usage": _usage(output)}
 
 
 async def _holding(slot: Slot, events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -568,11 +658,24 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
-    audio waits to learn whether it is the last."""
+    audio waits to learn whether it is the last.
+
+    The first chunk leaves with the first text or audio and carries `role`, as vLLM's does:
+    clients time the first token from the first chunk (vLLM's `bench serve`), and a role-only
+    chunk sent before the prompt has run would read as a first token in a few milliseconds."""
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.served_model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+    role_sent = False
+
+    def with_role(delta: dict) -> dict:
+        nonlocal role_sent
+        if role_sent:
+            return delta
+        role_sent = True
+        return {"role": "assistant", **delta}
 
     audio_id = f"audio-{secrets.token_hex(8)}"
     untranscribed, audio_sent, counted = "", False, False
@@ -580,7 +683,6 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     events = omni.stream(prepared, params, request_id=completion_id,
                          modalities=request.modalities)
     try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
         # A client that goes is noticed by starlette's StreamingResponse, which listens for the
         # disconnect while this generator runs and cancels it; `finally` then closes `events`,
         # which aborts the request everywhere. (Polling `is_disconnected()` per event as well
@@ -588,11 +690,11 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
         async for event in events:
             if isinstance(event, TextDelta):
                 untranscribed += event.text
-                yield _sse(chunk({"content": event.text}))
+                yield _sse(chunk(with_role({"content": event.text})))
             elif isinstance(event, AudioDelta) and event.audio.numel():
                 data = pcm16_base64(event.audio, event.sample_rate, state.pcm16_gain)
-                yield _sse(chunk({"audio": {"id": audio_id, "data": data,
-                                            "transcript": untranscribed}}))
+                yield _sse(chunk(with_role({"audio": {"id": audio_id, "data": data,
+                                                      "transcript": untranscribed}})))
                 untranscribed, audio_sent = "", True
             elif isinstance(event, Finished):
                 output = event.output
@@ -601,7 +703,9 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                     if untranscribed:
                         last["transcript"] = untranscribed
                     yield _sse(chunk({"audio": last}))
-                yield _sse(chunk({}, output.finish_reason))
+                # An answer with nothing to send still opens with the role.
+                yield _sse(chunk(with_role({"content": ""}) if not role_sent else {},
+                                 output.finish_reason))
                 if include_usage:
                     yield _sse({"id": completion_id, "object": "chat.completion.chunk",
                                 "created": created, "model": state.served_model, "choices": [],

@@ -1,9 +1,15 @@
-"""Prometheus metrics of the OpenAI server (one registry per app, so tests can run several)."""
+"""Prometheus metrics of the OpenAI server (one registry per app, so tests can run several).
+
+Per-stage metrics carry two labels, as Prometheus users expect: `stage` (the stage id, "0") and
+`stage_name` (what it runs, "thinker prefill"), so a query can select or group by either; the
+replica metrics add `replica`."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STAGE = ["stage", "stage_name"]
+REPLICA = [*STAGE, "replica"]
 
 
 class ServerMetrics:
@@ -21,17 +27,17 @@ class ServerMetrics:
         self.e2e = Histogram("omni_pd_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.stage = Histogram("omni_pd_stage_latency_seconds", "Per-stage latency",
-                               ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                               STAGE, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttfa = Histogram("omni_pd_time_to_first_audio_seconds",
                               "Time to the first audio chunk handed to the client",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         # A request's timeline: when each stage started and ended, since the request arrived.
         self.stage_start = Histogram("omni_pd_stage_start_seconds",
                                      "When a stage started on a request, since its arrival",
-                                     ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                                     STAGE, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.stage_end = Histogram("omni_pd_stage_end_seconds",
                                    "When a stage finished a request, since its arrival",
-                                   ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                                   STAGE, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.audio_chunks = Counter("omni_pd_audio_chunks", "Audio chunks handed to clients",
                                     registry=self.registry)
         self.kv_bytes = Counter("omni_pd_kv_transferred_bytes", "KV bytes moved prefill -> decode",
@@ -43,9 +49,9 @@ class ServerMetrics:
                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         # Faults, read from the orchestrator's health report at each scrape.
         self.stage_up = Gauge("omni_pd_stage_up", "1 when the stage is up and answering",
-                              ["stage"], registry=self.registry)
+                              STAGE, registry=self.registry)
         self.stage_restarts = Counter("omni_pd_stage_restarts", "Worker restarts",
-                                      ["stage"], registry=self.registry)
+                                      STAGE, registry=self.registry)
         self.kv_breaker_open = Gauge("omni_pd_kv_breaker_open",
                                      "1 while the P/D handoff breaker is open or half-open",
                                      registry=self.registry)
@@ -56,18 +62,18 @@ class ServerMetrics:
                                     registry=self.registry)
         # Replicas: requests routed to each, and each one's load now (requests in flight).
         self.stage_requests = Counter("omni_pd_stage_requests", "Requests routed to a stage replica",
-                                      ["stage", "replica"], registry=self.registry)
+                                      REPLICA, registry=self.registry)
         self.stage_load = Gauge("omni_pd_stage_load",
                                 "Requests in flight on a stage replica (routed, not finished)",
-                                ["stage", "replica"], registry=self.registry)
+                                REPLICA, registry=self.registry)
         # Prefix caching (vLLM's counter names): prompt tokens looked up and found cached, per
         # stage replica; the hit rate is hits / queries.
         self.prefix_queries = Counter("omni_pd_prefix_cache_queries",
                                       "Prompt tokens looked up in a stage's prefix cache",
-                                      ["stage", "replica"], registry=self.registry)
+                                      REPLICA, registry=self.registry)
         self.prefix_hits = Counter("omni_pd_prefix_cache_hits",
                                    "Prompt tokens found in a stage's prefix cache",
-                                   ["stage", "replica"], registry=self.registry)
+                                   REPLICA, registry=self.registry)
         # The Realtime API: open sessions, and responses by how they ended.
         self.realtime_sessions = Gauge("omni_pd_realtime_sessions", "Open /v1/realtime sessions",
                                        registry=self.registry)
@@ -75,27 +81,35 @@ class ServerMetrics:
                                           "Realtime responses by status (completed, incomplete, "
                                           "cancelled, failed)", ["status"], registry=self.registry)
         self._seen: dict[str, float] = {}  # the orchestrator's counts at the previous scrape
+        self._stage_names: dict[str, str] = {}  # stage id -> name, from the health reports
+
+    def name_stages(self, report: dict) -> None:
+        """Learn each stage's name from a health report (`AsyncOmni.health`), for the requests'
+        per-stage latencies, which carry only ids."""
+        for stage_id, stage in report["stages"].items():
+            self._stage_names[stage_id] = stage["name"]
 
     def _advance(self, key: str, counter, value: float) -> None:
         counter.inc(max(value - self._seen.get(key, 0.0), 0.0))
         self._seen[key] = value
 
     def observe_health(self, report: dict) -> None:
+        self.name_stages(report)
         for stage_id, stage in report["stages"].items():
-            label = f"{stage_id}:{stage['name']}"
-            self.stage_up.labels(stage=label).set(1 if stage["responsive"] else 0)
-            self._advance(f"restarts:{label}", self.stage_restarts.labels(stage=label),
+            labels = {"stage": stage_id, "stage_name": stage["name"]}
+            self.stage_up.labels(**labels).set(1 if stage["responsive"] else 0)
+            self._advance(f"restarts:{stage_id}", self.stage_restarts.labels(**labels),
                           stage["restarts"])
             for k, replica in enumerate(stage.get("replicas", ())):
-                load = replica["load"]
-                self._advance(f"routed:{label}:{k}",
-                              self.stage_requests.labels(stage=label, replica=str(k)), load["routed"])
-                self.stage_load.labels(stage=label, replica=str(k)).set(load["in_flight"])
+                load, at = replica["load"], {**labels, "replica": str(k)}
+                self._advance(f"routed:{stage_id}:{k}", self.stage_requests.labels(**at),
+                              load["routed"])
+                self.stage_load.labels(**at).set(load["in_flight"])
                 if "prefix_cache_queries" in load:
-                    self._advance(f"prefix_q:{label}:{k}", self.prefix_queries.labels(
-                        stage=label, replica=str(k)), load["prefix_cache_queries"])
-                    self._advance(f"prefix_h:{label}:{k}", self.prefix_hits.labels(
-                        stage=label, replica=str(k)), load["prefix_cache_hits"])
+                    self._advance(f"prefix_q:{stage_id}:{k}", self.prefix_queries.labels(**at),
+                                  load["prefix_cache_queries"])
+                    self._advance(f"prefix_h:{stage_id}:{k}", self.prefix_hits.labels(**at),
+                                  load["prefix_cache_hits"])
         handoff = report.get("kv_handoff")
         if handoff is not None:
             self.kv_breaker_open.set(0 if handoff["breaker"] == "closed" else 1)
@@ -106,15 +120,18 @@ class ServerMetrics:
         if metrics.get("ttft_ms") is not None:
             self.ttft.observe(metrics["ttft_ms"] / 1e3)
         self.e2e.observe(metrics["e2e_ms"] / 1e3)
+        timeline = metrics.get("timeline") or {}
+        spans = timeline.get("stages", {})
         for stage, ms in metrics.get("stage_ms", {}).items():
-            self.stage.labels(stage=stage).observe(ms / 1e3)
+            # A stage whose span was dropped (a failed P/D handoff's prefill leg) has no name in
+            # the timeline; the health report's is the same.
+            name = spans[stage]["name"] if stage in spans else self._stage_names.get(stage, "")
+            self.stage.labels(stage=stage, stage_name=name).observe(ms / 1e3)
         if metrics.get("ttfa_ms") is not None:
             self.ttfa.observe(metrics["ttfa_ms"] / 1e3)
-        timeline = metrics.get("timeline") or {}
-        for stage, span in timeline.get("stages", {}).items():
-            label = f"{stage}:{span['name']}"
-            self.stage_start.labels(stage=label).observe(span["start_ms"] / 1e3)
-            self.stage_end.labels(stage=label).observe(span["end_ms"] / 1e3)
+        for stage, span in spans.items():
+            self.stage_start.labels(stage=stage, stage_name=span["name"]).observe(span["start_ms"] / 1e3)
+            self.stage_end.labels(stage=stage, stage_name=span["name"]).observe(span["end_ms"] / 1e3)
         self.audio_chunks.inc(len(timeline.get("audio_chunks_ms", ())))
         if "kv_bytes_reused" in metrics:
             self.kv_reused.inc(metrics["kv_bytes_reused"])
