@@ -6,7 +6,8 @@ import ctypes
 import pytest
 import torch
 
-from omni_pd.models.qwen3_omni.hf.code2wav_engine import HfCode2WavEngine
+from omni_pd.engines.core.chunked import ChunkedEngine
+from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavStageRunner
 from omni_pd.models.qwen3_omni.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
                                                tiled_linear)
 from omni_pd.engines.types import AudioOutput
@@ -169,10 +170,15 @@ def _drain(engine) -> list:
     return outputs
 
 
+def _engine(model, kernels="native", **chunking):
+    runner = Code2WavStageRunner(model.code2wav, model.config.code2wav_config.num_quantizers, kernels)
+    return ChunkedEngine(2, runner, **chunking)
+
+
 @pytest.mark.parametrize("left_context,kernels", [(None, "native"), (10, "native"), (None, "torch")])
 def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left_context, kernels):
-    engine = HfCode2WavEngine(2, tiny_model, initial_chunk_frames=3, chunk_frames=10,
-                              left_context_frames=left_context, kernels=kernels)
+    engine = _engine(tiny_model, kernels, initial_chunk_frames=3, chunk_frames=10,
+                     left_context_frames=left_context)
     assert engine.describe()["code2wav_kernels"] == kernels
     codes = _codes(tiny_model, 47, 4)
     params = SamplingParams()
@@ -201,7 +207,7 @@ def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left
 
 
 def test_engine_abort_mid_stream_frees_the_utterance(tiny_model):
-    engine = HfCode2WavEngine(2, tiny_model)
+    engine = _engine(tiny_model)
     codes = _codes(tiny_model, 30, 5)
     engine.add_request("a", Code2WavPrompt("a", codes[:, :0], final=False), SamplingParams(), stream=True)
     engine.append_input("a", codes[:, :10], final=False)
@@ -212,7 +218,7 @@ def test_engine_abort_mid_stream_frees_the_utterance(tiny_model):
 
 
 def test_engine_refuses_bad_frames(tiny_model):
-    engine = HfCode2WavEngine(2, tiny_model)
+    engine = _engine(tiny_model)
     codes = _codes(tiny_model, 8, 6)
     engine.add_request("a", Code2WavPrompt("a", codes[:, :0], final=False), SamplingParams(), stream=True)
     with pytest.raises(ValueError, match=r"codes must be a \[4, frames\] tensor"):

@@ -127,7 +127,7 @@ def test_a_request_decodes_to_the_same_bits_alone_and_in_a_batch_on_the_gpu(gpu_
     # Negative control: the comparison sees one changed bit in one request's KV.
     engine.add_request("n0", prompts[0], params[0])
     engine.step()  # prefilled: its blocks hold the prompt's KV
-    request = engine._requests["n0"]
+    request = engine.scheduler.requests["n0"]
     engine.cache.pool.block_view(request.blocks[0])[3] ^= 0x01
     while engine.has_unfinished_requests():
         outs = [o for o in engine.step() if o.finished]

@@ -18,8 +18,10 @@ torch.set_num_threads(1)
 
 from omni_pd.config import load_pipeline_config  # noqa: E402
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_engine import (FETCH_FAST_POLL_S, FETCH_POLL_S, HfDecodeEngine, HfPrefillEngine,  # noqa: E402
-                                               HfThinkerEngine, Phase)
+from omni_pd.engines.core.ar_engine import ArEngine  # noqa: E402
+from omni_pd.engines.core.pd_legs import FETCH_FAST_POLL_S, FETCH_POLL_S, DecodeEngine, PrefillEngine  # noqa: E402
+from omni_pd.engines.core.request import Phase  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.kv import BlockLayout, KVSender, MooncakeTransport  # noqa: E402
 from omni_pd.kv.fingerprint import FINGERPRINT_KEY  # noqa: E402
@@ -49,12 +51,12 @@ def runner(tiny_model, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def colocated(runner):
-    return HfThinkerEngine(load_pipeline_config(COLOCATED).stage(0), runner)
+    return ArEngine(load_pipeline_config(COLOCATED).stage(0), ThinkerStageRunner(runner))
 
 
 @pytest.fixture(scope="module")
 def prefill(runner):
-    engine = HfPrefillEngine(_pd_stage(0), runner)
+    engine = PrefillEngine(_pd_stage(0), ThinkerStageRunner(runner))
     yield engine
     engine.close()
 
@@ -63,8 +65,8 @@ def prefill(runner):
 def decode(runner):
     # Mooncake tcp (kv_same_host off): the path whose reads span steps; the same-host path has
     # a test of its own below.
-    engine = HfDecodeEngine(_pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S,
-                                      kv_same_host="off"), runner)
+    engine = DecodeEngine(_pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S,
+                                      kv_same_host="off"), ThinkerStageRunner(runner))
     yield engine
     engine.close()
 
@@ -156,7 +158,7 @@ def test_local_prefill_costs_its_prompt_in_the_token_budget(runner, tiny_tokeniz
     prompt = _prompts(tiny_tokenizer, ["x" * 50])[0]
     stage = _pd_stage(1)
     args = stage.engine_args.model_copy(update={"max_num_batched_tokens": len(prompt.prompt_token_ids) - 1})
-    engine = HfDecodeEngine(stage.model_copy(update={"engine_args": args}), runner)
+    engine = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerStageRunner(runner))
     try:
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             engine.add_request("long", prompt, _params(0))
@@ -180,7 +182,7 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
     for i, (params, _) in enumerate(handed):
         decode.add_request(f"h{i}", prompts[i], params)
     assert decode.step() == []  # admitted: reads submitted, nothing waited for
-    assert {decode._requests[f"h{i}"].phase for i in range(len(prompts))} == {Phase.FETCHING}
+    assert {decode.scheduler.requests[f"h{i}"].phase for i in range(len(prompts))} == {Phase.FETCHING}
     # Nothing decodes: the worker may sleep, briefly while the reads are young.
     assert decode.step_delay_s() in (FETCH_FAST_POLL_S, FETCH_POLL_S)
     outputs = {}
@@ -212,7 +214,7 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
     """kv_same_host 'auto' (the default) with both engines on this host: the KV is copied out of
     the prefill's shared cache while the request is admitted, so its first token leaves in that
     same step; the outputs equal the colocated engine's."""
-    shm = HfDecodeEngine(_pd_stage(1), runner)
+    shm = DecodeEngine(_pd_stage(1), ThinkerStageRunner(runner))
     try:
         prompt = _prompts(tiny_tokenizer)[1]
         params, transfer_id = _handoff(prefill, "shm0", prompt, _params(1))
@@ -450,7 +452,7 @@ def test_abort_while_fetching_quarantines_the_staging_blocks(decode, peer, clean
     peer.freeze()
     try:
         decode.add_request("aborted", prompt, params)
-        assert decode.step() == [] and decode._requests["aborted"].phase is Phase.FETCHING
+        assert decode.step() == [] and decode.scheduler.requests["aborted"].phase is Phase.FETCHING
         while not _submitted(decode, "t-abort"):  # in Mooncake's hands (a warm peer: at once)
             time.sleep(0.001)
         decode.abort_request("aborted")

@@ -12,10 +12,11 @@ import torch
 from transformers import DynamicCache
 
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.models.qwen3_omni.hf import talker_batch
 from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
 from omni_pd.models.qwen3_omni.hf.talker_batch import BatchedTalker
-from omni_pd.models.qwen3_omni.hf.talker_engine import HfTalkerEngine
+from omni_pd.config import load_pipeline_config
+from omni_pd.engines.core.build import ar_engine
+from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.models.qwen3_omni.records import TalkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -84,10 +85,16 @@ def alone(tiny_model, prompts, kernels):
     return results
 
 
-def _engine(model, kernels, **limits):
-    engine = HfTalkerEngine(2, model, attention_kernels=kernels, **limits)
-    engine.core.trace = True  # each request state records its raw logits, step by step
-    return engine
+def _engine(model, kernels="native", **engine_args):
+    """The talker stage of the tiny colocated config, `engine_args` changed; each request's
+    state records its raw logits, step by step."""
+    stage = load_pipeline_config(STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml").stage(1)
+    stage = stage.model_copy(update={"engine_args": stage.engine_args.model_copy(update=engine_args)})
+    runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
+    return ar_engine(stage, BatchedTalker(model.talker, runner, trace=True, kernels=kernels))
+
+
+CLEAN = {"talker.requests": 0, "talker.kv_blocks_in_use": 0}
 
 
 def _run(engine, batches, steps_between=3):
@@ -97,7 +104,7 @@ def _run(engine, batches, steps_between=3):
 
     def step():
         nonlocal widest
-        widest = max(widest, len(engine.running))
+        widest = max(widest, len(engine.scheduler.running))
         for out in engine.step():
             assert out.finished and out.error is None, out.error
             codes[out.request_id] = out.output.codes
@@ -105,12 +112,12 @@ def _run(engine, batches, steps_between=3):
     for index, batch in enumerate(batches):
         for prompt, params in batch:
             engine.add_request(prompt.request_id, prompt, params)
-            states[prompt.request_id] = engine.waiting[prompt.request_id]
+            states[prompt.request_id] = engine.scheduler.requests[prompt.request_id].model
         for _ in range(steps_between if index + 1 < len(batches) else 0):
             step()
     while engine.has_unfinished_requests():
         step()
-    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == CLEAN
     return {rid: (c, states[rid].trace) for rid, c in codes.items()}, widest
 
 
@@ -164,12 +171,32 @@ def test_staggered_and_limited_batches_match_alone(tiny_model, prompts, alone, k
     _assert_same(got, alone)
 
 
-def test_kv_cache_growth_does_not_change_results(tiny_model, prompts, alone, kernels, monkeypatch):
-    """Each request's KV cache grows on demand; growing one position at a time changes nothing."""
-    monkeypatch.setattr(talker_batch, "_MIN_CACHE_GROWTH", 1)
-    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
-    got, _ = _run(engine, [list(zip(prompts, PARAMS))])
-    _assert_same(got, alone)
+def test_kv_block_size_does_not_change_results(tiny_model, prompts, alone, kernels):
+    """The talker's KV lives in the engine's paged cache: blocks of one position each, or of 64,
+    scattered among other requests' blocks, change nothing."""
+    for block_size in (1, 64):
+        engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024,
+                         kv_block_size=block_size, kv_pool_blocks=8192 // block_size)
+        got, _ = _run(engine, [list(zip(prompts, PARAMS))])
+        _assert_same(got, alone)
+
+
+def test_admission_waits_for_free_kv_blocks(tiny_model, prompts, alone, kernels):
+    """A request is admitted when its prompt plus max_tokens fit the free blocks; with room for
+    about one at a time the requests run one after another and still give their solo codes."""
+    probe = _engine(tiny_model, kernels)
+    needs = [probe.kv.blocks_for(probe.runner.new_request(p.request_id, p, params, 16).prompt_len
+                                 + params.max_tokens) for p, params in zip(prompts, PARAMS)]
+    # The requests of which no two fit a pool as large as the largest of them.
+    chosen = [i for i, n in enumerate(needs) if n < 2 * min(needs)]
+    pool = max(needs[i] for i in chosen)
+    assert len(chosen) >= 3 and all(needs[i] + needs[j] > pool for i in chosen for j in chosen)
+    engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024, kv_pool_blocks=pool)
+    got, widest = _run(engine, [[(prompts[i], PARAMS[i]) for i in chosen]])
+    assert widest == 1
+    _assert_same(got, {prompts[i].request_id: alone[prompts[i].request_id] for i in chosen})
+    with pytest.raises(ValueError, match="kv_pool_blocks"):
+        _engine(tiny_model, kernels, kv_pool_blocks=1).add_request("big", prompts[0], PARAMS[0])
 
 
 def test_a_perturbed_input_is_noticed(tiny_model, tiny_tokenizer, prompts, alone, kernels):
@@ -209,19 +236,18 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts,
     the logits step by step (allclose: transformers runs other kernels, grouped_mm experts)."""
     talker = tiny_model.talker
     runner = TalkerRunner(talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
-    core = BatchedTalker(talker, tiny_model.config.talker_config, runner.suppressed, trace=True,
-                         kernels=kernels)
     prompt, params = prompts[0], SamplingParams(temperature=0, max_tokens=24)
     inputs = runner.build_inputs(prompt)
-    state = core.new_state(prompt.request_id, inputs, params)
     # Decode together with another request, so the batched path is what gets checked.
-    other = core.new_state("other", runner.build_inputs(prompts[1]), params)
-    core.prefill([state])
-    core.prefill([other])
-    while not state.finished:
-        core.decode([s for s in (state, other) if not s.finished])
+    engine = _engine(tiny_model, kernels, max_num_seqs=4, max_num_batched_tokens=1024)
+    engine.add_request(prompt.request_id, prompt, params)
+    engine.add_request("other", prompts[1], params)
+    request = engine.scheduler.requests[prompt.request_id]
+    state = request.model
+    while engine.has_unfinished_requests():
+        engine.step()
     frames = state.frames
-    assert len(frames) == len(state.code0s) - 1 >= 8
+    assert len(frames) == len(request.tokens) - 1 >= 8
     close = dict(atol=1e-5, rtol=1e-4)
 
     cache = DynamicCache(config=talker.config.text_config)
@@ -278,21 +304,21 @@ def test_eos_and_max_tokens_frame_bookkeeping(tiny_model, prompts, alone):
     prompt, params = prompts[0], PARAMS[0]
     full = alone[prompt.request_id][0]
     assert full.shape[1] == params.max_tokens - 1  # no EOS drawn: the last code0 has no frame
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
-    engine.core.codec_eos = int(full[0, 5])  # pretend the sixth frame's code0 is the EOS
-    first = full[0].tolist().index(engine.core.codec_eos)
+    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    engine.runner.codec_eos = int(full[0, 5])  # pretend the sixth frame's code0 is the EOS
+    first = full[0].tolist().index(engine.runner.codec_eos)
     codes = engine.generate(prompt.request_id, prompt, params).codes
     assert torch.equal(codes, full[:, :first])
-    short = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    short = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
     codes = short.generate(prompt.request_id, prompt, params.replace(max_tokens=1)).codes
     assert codes.shape == (full.shape[0], 0)
 
 
 def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alone):
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=3, max_num_batched_tokens=1024)
+    engine = _engine(tiny_model, max_num_seqs=3, max_num_batched_tokens=1024)
     for prompt, params in zip(prompts, PARAMS):
         engine.add_request(prompt.request_id, prompt, params)
-    assert engine.debug_state_counts() == {"talker.requests": len(prompts), "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == {"talker.requests": len(prompts), "talker.kv_blocks_in_use": 0}
     outputs = {}
 
     def step():
@@ -302,18 +328,19 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
 
     for _ in range(3):
         step()
-    running, waiting = list(engine.running), list(engine.waiting)
+    running, waiting = list(engine.scheduler.running), list(engine.scheduler.waiting)
     assert len(running) == 3 and waiting
     aborted = {running[1], waiting[-1]}  # one mid-decode, one never admitted
     for request_id in aborted:
         engine.abort_request(request_id)
     engine.abort_request("no-such-request")
-    assert engine.debug_state_counts() == {"talker.requests": len(prompts) - len(outputs) - 2, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == {"talker.requests": len(prompts) - len(outputs) - 2,
+                                           "talker.kv_blocks_in_use": engine.debug_state_counts()["talker.kv_blocks_in_use"]}
     assert not aborted & set(engine.request_ids())
     while engine.has_unfinished_requests():
         step()
-    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
-    assert engine.request_ids() == [] and not engine.running and not engine.waiting
+    assert engine.debug_state_counts() == CLEAN
+    assert engine.request_ids() == [] and not engine.scheduler.running and not engine.scheduler.waiting
     assert set(outputs) == set(alone) - aborted
     for request_id, codes in outputs.items():
         assert torch.equal(codes, alone[request_id][0]), request_id
@@ -326,14 +353,15 @@ def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, a
     that fails alone fails and the others give their solo codes."""
     engine = _engine(tiny_model, kernels, max_num_seqs=8, max_num_batched_tokens=1024)
     bad = prompts[2].request_id
-    real = engine.core.prefill
+    real = engine.runner.prefill
 
-    def prefill(states):
-        real(states)  # the pass runs (KV written, first codes picked), then fails
-        if any(state.request_id == bad for state in states):
+    def prefill(items, cache):
+        results = real(items, cache)  # the pass runs (state written), then fails
+        if any(item.request.request_id == bad for item in items):
             raise RuntimeError("injected prefill failure")
+        return results
 
-    monkeypatch.setattr(engine.core, "prefill", prefill)
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
     for prompt, params in zip(prompts, PARAMS):
         engine.add_request(prompt.request_id, prompt, params)
     codes, errors = {}, {}
@@ -347,15 +375,15 @@ def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, a
     assert set(codes) == set(alone) - {bad}
     for request_id, got in codes.items():
         assert torch.equal(got, alone[request_id][0]), request_id
-    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == CLEAN
 
 
 def test_add_request_validation(tiny_model, prompts):
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=16)
     prompt = prompts[0]
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine.add_request("long", prompt, PARAMS[0])
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
     bad_voice = TalkerPrompt("v", prompt.prompt_token_ids, prompt.output_token_ids,
                              prompt.thinker_embeds, prompt.thinker_hidden, speaker="nobody")
     with pytest.raises(ValueError, match="ethan"):
@@ -366,9 +394,9 @@ def test_add_request_validation(tiny_model, prompts):
     for sizes in ((0, 25), (4,), (4, 25, 1)):
         with pytest.raises(ValueError, match="chunk_sizes"):
             engine.add_request("sizes", prompt, PARAMS[0], stream=True, chunk_sizes=sizes)
-    assert engine.debug_state_counts() == {"talker.requests": 1, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == {"talker.requests": 1, "talker.kv_blocks_in_use": 0}
     engine.abort_request("dup")
-    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == CLEAN
     assert not engine.has_unfinished_requests()
 
 
@@ -391,7 +419,7 @@ def test_streamed_frames_leave_in_the_chunks_asked_for(tiny_model, prompts, chun
     """With chunk_sizes the talker sends its frames in code2wav's chunks (first, then later
     sizes; the remainder with the last step), and they add up to the final codes."""
     prompt, params = prompts[1], PARAMS[1].replace(ignore_eos=True, max_tokens=40)
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
     chunks, codes = _chunks(engine, prompt, params, chunk_sizes)
     first, later = chunk_sizes
     frames = codes.shape[1]
@@ -401,6 +429,6 @@ def test_streamed_frames_leave_in_the_chunks_asked_for(tiny_model, prompts, chun
     assert [len(c) for c in chunks] == expected
     assert torch.tensor([f for c in chunks for f in c], dtype=codes.dtype).t().equal(codes)
     # Without sizes, every step's frame is a chunk of its own (the control: sizes change it).
-    engine = HfTalkerEngine(2, tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
     unsized, same = _chunks(engine, prompt, params, None)
     assert [len(c) for c in unsized] == [1] * frames and torch.equal(same, codes)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerPrompt
-from test_talker_batch import PARAMS, _engine, _same  # noqa: F401 - shared fixtures below
+from test_talker_batch import CLEAN, PARAMS, _engine, _same  # noqa: F401 - shared fixtures below
 from test_talker_batch import _one_thread, alone, kernels, prompts  # noqa: F401
 
 pytestmark = pytest.mark.exactness
@@ -57,7 +57,7 @@ def test_streamed_talker_equals_the_whole_talker(tiny_model, prompts, alone, ker
     codes, waits = _run_streamed(engine, prompts[index], PARAMS[index], steps_per_token=1)
     want_codes, _ = alone[prompts[index].request_id]
     assert torch.equal(codes, want_codes)
-    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.unprojected_inputs": 0}
+    assert engine.debug_state_counts() == CLEAN
 
 
 def test_talker_waits_for_the_thinker_instead_of_guessing(tiny_model, prompts, alone, kernels):  # noqa: F811
@@ -81,7 +81,7 @@ def test_rows_projected_together_equal_rows_projected_per_request(tiny_model, pr
     """A step projects every request's new thinker rows in one pass: each request's trailing rows
     are the ones it gets alone. Control: plain F.linear over the same pass does not give every
     row its solo bits (what the tiles in the projection prevent)."""
-    runner = _engine(tiny_model, "native", max_num_seqs=8, max_num_batched_tokens=256).runner
+    runner = _engine(tiny_model, "native", max_num_seqs=8, max_num_batched_tokens=256).runner.runner
     wanted = [(_opening(p, min(len(p.output_token_ids), 6 + i)), i % 3, False)
               for i, p in enumerate(prompts)]
     together = runner.trailing_rows_many(wanted)

@@ -13,7 +13,8 @@ from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
 from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
-from omni_pd.models.qwen3_omni.hf.thinker_engine import HfThinkerEngine, cache_to_canonical, thinker_layout
+from omni_pd.engines.core.build import ar_engine
+from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner, cache_to_canonical, thinker_layout
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -39,7 +40,8 @@ def runner(tiny_model, tiny_tokenizer):
 
 
 def _engine(runner, **engine_args):
-    return HfThinkerEngine(_stage(**engine_args), runner)
+    stage = _stage(**engine_args)
+    return ar_engine(stage, ThinkerStageRunner(runner, stage.engine_args.attention_kernels))
 
 
 def _prompts(tokenizer):
@@ -194,8 +196,8 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
         theirs = runner.prefill(prompt, params)
         assert theirs.rope_deltas == 0
         assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
-        assert torch.equal(ours.embeds, theirs.prompt_embeds)
-        assert torch.allclose(ours.hidden, theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+        assert torch.equal(ours.rows['embeds'], theirs.prompt_embeds)
+        assert torch.allclose(ours.rows['hidden'], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
         assert int(ours.logits.argmax()) == theirs.first_token
 
 
@@ -206,7 +208,7 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_m
 
     def same(a, b):
         return (torch.equal(a.kv, b.kv) and torch.equal(a.logits, b.logits)
-                and torch.equal(a.embeds, b.embeds) and torch.equal(a.hidden, b.hidden))
+                and torch.equal(a.rows['embeds'], b.rows['embeds']) and torch.equal(a.rows['hidden'], b.rows['hidden']))
 
     for order in (prompts, prompts[::-1], prompts[2:5]):
         together = decoder.prefill(order)
@@ -238,9 +240,9 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
     [ours] = decoder.prefill([prompt.prompt_token_ids], inputs=[rows])
     theirs = runner.prefill(prompt, SamplingParams(temperature=0, max_tokens=4))
     assert theirs.rope_deltas == 0  # audio keeps text positions: the pass's rotary is right
-    assert torch.equal(ours.embeds, theirs.prompt_embeds)
+    assert torch.equal(ours.rows['embeds'], theirs.prompt_embeds)
     assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
-    assert torch.allclose(ours.hidden, theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(ours.rows['hidden'], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
     assert int(ours.logits.argmax()) == theirs.first_token
     # Negative control: the table's rows at the placeholders (no audio) give other KV.
     [blind] = decoder.prefill([prompt.prompt_token_ids])
@@ -249,4 +251,4 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
     together = decoder.prefill([texts[0], prompt.prompt_token_ids, *texts[1:]],
                                inputs=[None, rows, None, None])
     assert torch.equal(together[1].kv, ours.kv) and torch.equal(together[1].logits, ours.logits)
-    assert torch.equal(together[1].hidden, ours.hidden)
+    assert torch.equal(together[1].rows['hidden'], ours.rows['hidden'])

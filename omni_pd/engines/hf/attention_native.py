@@ -97,3 +97,17 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         rows.starts.data_ptr(), rows.lengths.data_ptr(), geometry.block, geometry.block_stride,
         geometry.pos_stride, geometry.head_stride, rows.scratch.data_ptr())
     return out
+
+
+def paged_geometry(cache, layer: int) -> tuple[int, int, CacheGeometry]:
+    """Addresses of layer `layer`'s K and V at block 0, position 0 of a `PagedKVCache`, and its
+    strides, for the kernel: blocks are [block_size, layers, 2, kv_heads, hd], float32."""
+    data = cache.data
+    if data.dtype != torch.float32 or not data.is_contiguous():
+        raise ValueError("the native decode attention reads a contiguous float32 paged cache")
+    block_size = data.shape[1]
+    k_base = data[0, 0, layer, 0].data_ptr()
+    v_base = data[0, 0, layer, 1].data_ptr()
+    geometry = CacheGeometry(block=block_size, block_stride=data.stride(0),
+                             pos_stride=data.stride(1), head_stride=data.stride(4))
+    return k_base, v_base, geometry

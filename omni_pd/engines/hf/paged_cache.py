@@ -1,4 +1,4 @@
-"""The thinker's paged KV cache, owned by its engine.
+"""An autoregressive stage's paged KV cache, owned by its engine.
 
 The cache is one `BlockPool` of the KV plane (one aligned buffer, registered with Mooncake by a
 P/D engine) in the KV plane's default block layout, fused and token-major: block b is the tensor
@@ -56,7 +56,7 @@ class PagedKVCache:
         cached prefix): the rest."""
         needed = self.blocks_for(positions) - have
         if needed > self.pool.num_free:
-            raise PoolExhausted(f"the thinker's KV cache has {self.pool.num_free} free blocks of "
+            raise PoolExhausted(f"the KV cache has {self.pool.num_free} free blocks of "
                                 f"{self.block_size} tokens, {needed} needed for {positions} positions")
         return self.pool.allocate(needed) if needed > 0 else []
 

@@ -35,3 +35,40 @@ class Code2WavRunner:
                      left_context: int | None = None) -> torch.Tensor:
         """The samples the next frames add to a streamed utterance (see ExactCode2Wav)."""
         return self.exact.decode_chunk(stream, codes, left_context).float().contiguous()
+
+
+class Code2WavStageRunner:
+    """code2wav as the generic chunked engine runs it (engines/core/runner.py `ChunkRunner`)."""
+
+    name = "code2wav"
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, code2wav: torch.nn.Module, num_quantizers: int, kernels: str = "native"):
+        self.runner = Code2WavRunner(code2wav, kernels)
+        self.num_quantizers = num_quantizers
+
+    def read_prompt(self, request_id: str, prompt: Code2WavPrompt) -> tuple[torch.Tensor, bool]:
+        return self.check_units(request_id, prompt.codes), prompt.final
+
+    def check_units(self, request_id: str, units) -> torch.Tensor:
+        if not isinstance(units, torch.Tensor) or units.dim() != 2 or units.shape[0] != self.num_quantizers:
+            shape = tuple(units.shape) if isinstance(units, torch.Tensor) else type(units).__name__
+            raise ValueError(f"request {request_id}: codes must be a [{self.num_quantizers}, frames] "
+                             f"tensor, got {shape}")
+        return units.to(torch.long)
+
+    def new_stream(self) -> Code2WavStream:
+        return Code2WavStream()
+
+    def decode_chunk(self, state: Code2WavStream, units: torch.Tensor,
+                     left_context: int | None) -> torch.Tensor:
+        return self.runner.decode_chunk(state, units, left_context)
+
+    def decode_whole(self, request_id: str, units: torch.Tensor) -> torch.Tensor:
+        return self.runner.generate(Code2WavPrompt(request_id, units)).audio
+
+    def exact_left_context(self) -> int:
+        return self.runner.geometry.decoder_frames
+
+    def describe(self) -> dict:
+        return {"code2wav_kernels": self.runner.exact.kernels}

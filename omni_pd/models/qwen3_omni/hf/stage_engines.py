@@ -1,4 +1,5 @@
-"""hf (transformers) engines for the three Qwen3-Omni stages, built from a stage config."""
+"""hf (transformers) engines for the three Qwen3-Omni stages: the generic engines of
+`engines/core` on this package's runners, built from a stage config."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,14 @@ from ..pipeline import thinker_eos_ids
 from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
 from omni_pd.engines.device import enter as enter_device, kernels_for
+from omni_pd.engines.core.build import ar_engine
+from omni_pd.engines.core.chunked import ChunkedEngine
 from ..stage_parts import StageParts
+from .code2wav import Code2WavStageRunner
+from .talker import TalkerRunner
+from .talker_batch import BatchedTalker
 from .thinker import ThinkerRunner
+from .thinker_stage import ThinkerStageRunner
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,7 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     if model_stage not in ("thinker", "talker", "code2wav"):
         raise ValueError(f"stage {stage_config.stage_id}: engine 'hf' runs model_stage thinker, "
                          f"talker or code2wav, not {model_stage!r}")
-    name = model_name
-    if args.model and args.model != model_name:
-        log.warning("stage %d: engine_args.model %r is ignored; every stage runs the model given to "
-                    "Omni / --model (%r)", stage_config.stage_id, args.model, model_name)
+    name = model_name  # the stage's engine_args.model, else the pipeline's (engine_factory)
     dtype = _DTYPES[args.dtype]
     device = stage_device(stage_config)  # raises, naming the stage, where its GPU is not visible
     began = time.perf_counter()
@@ -69,23 +73,20 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
 
 
 def _build(stage_config, model: StageParts, model_stage: str, name: str) -> StageEngine:
+    """The generic engines (engines/core) on this model's runners."""
     args = stage_config.engine_args
+    parts = StageParts.of(model)
     if model_stage == "thinker":
-        from .thinker_engine import HfDecodeEngine, HfPrefillEngine, HfThinkerEngine
-        runner = thinker_runner(model, load_tokenizer(resolve_model(name)))
-        if stage_config.is_prefill_only:
-            return HfPrefillEngine(stage_config, runner)
-        if stage_config.is_decode_only:
-            return HfDecodeEngine(stage_config, runner)
-        return HfThinkerEngine(stage_config, runner)
+        runner = ThinkerStageRunner(thinker_runner(parts, load_tokenizer(resolve_model(name))),
+                                    args.attention_kernels)
+        return ar_engine(stage_config, runner)
     if model_stage == "talker":
-        from .talker_engine import HfTalkerEngine
-        return HfTalkerEngine(stage_config.stage_id, model, max_num_seqs=stage_config.max_num_seqs,
-                              max_num_batched_tokens=stage_config.max_num_batched_tokens,
-                              attention_kernels=args.attention_kernels)
-    from .code2wav_engine import HfCode2WavEngine
-    return HfCode2WavEngine(stage_config.stage_id, model,
-                            initial_chunk_frames=args.initial_codec_chunk_frames,
-                            chunk_frames=args.codec_chunk_frames,
-                            left_context_frames=args.codec_left_context_frames,
-                            kernels=args.code2wav_kernels)
+        talker = parts.require("talker")
+        speech = TalkerRunner(talker, parts.require("thinker_embedding"), parts.config)
+        return ar_engine(stage_config, BatchedTalker(talker, speech, kernels=args.attention_kernels))
+    runner = Code2WavStageRunner(parts.require("code2wav"), parts.config.code2wav_config.num_quantizers,
+                                 args.code2wav_kernels)
+    return ChunkedEngine(stage_config.stage_id, runner,
+                         initial_chunk_frames=args.initial_codec_chunk_frames,
+                         chunk_frames=args.codec_chunk_frames,
+                         left_context_frames=args.codec_left_context_frames)

@@ -1,24 +1,24 @@
-"""The talker's continuously batched, batch-invariant core.
+"""The talker and its code predictor as the generic engines run them: an `ArRunner`
+(engines/core/runner.py) on the engine's paged KV cache.
 
-`TalkerRunner.generate` runs transformers' `generate` for one sequence at a time. This module
-computes the same model (the talker's MoE decoder, its codec head, and the code predictor that
-fills in the residual code groups of every frame) for many requests per step, such that a request's
-codes are bit-identical whether it runs alone or among any others:
+Many requests per step, each request's codes bit-identical whether it runs alone or among any
+others:
 
 * every linear layer and the MoE go through `batch_invariant` (fixed row tiles, experts summed in
   a fixed order), so a row's result never depends on how many rows share the matrix;
-* attention is computed per sequence, over exactly that sequence's cached positions: a decode
-  step's in one C kernel call per layer that computes each sequence alone
-  (`attention_native`, the default), or with torch's `scaled_dot_product_attention` per
-  sequence (`kernels="torch"`); never one padded batch;
+* attention is computed per sequence, over exactly that sequence's cached positions in its
+  blocks: a decode step's in one C kernel call per layer that computes each sequence alone
+  (`attention_native`, the default), or with torch's attention per sequence (`kernels="torch"`);
+  never one padded batch;
 * the prompts admitted in one step are prefilled in one pass on the same tiles, attention per
   prompt, so a prompt's prefill is the same bits alone or with others;
 * sampling draws one uniform number per row, `step_uniform(seed, step * num_code_groups + group)`
   (a hash of the request's seed and position), so a draw depends on the request's seed and
   position only, never on the batch or on the global RNG.
 
-Everything one request owns lives in one `TalkerRequestState` (its talker inputs, its KV cache,
-its codes, its step index): dropping the object frees the request.
+The engine holds the request (its blocks, its code0s as `tokens`); what the talker adds per
+request lives in one `TalkerState` (its inputs, its frames, its latest hidden state): dropping
+the request frees it.
 
 Semantics follow `Qwen3OmniMoeTalkerForConditionalGeneration.generate` (transformers 5.19):
 the step that samples code0 at position t feeds, at t + 1, the sum of the frame's code embeddings
@@ -30,90 +30,63 @@ frame's residual codes only when it feeds that frame back).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from omni_pd.sampling import SamplingParams
-from omni_pd.engines.sampler import step_uniform
+from omni_pd.engines.core.fallback import each_alone
+from omni_pd.engines.core.request import EngineRequest
+from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
+from omni_pd.engines.hf.attention_native import (DecodeRows, check_kernels, decode_attention, native_builds,
+                                                 paged_geometry)
+from omni_pd.engines.hf.paged_cache import PagedKVCache
+from omni_pd.engines.sampler import step_uniform
+from omni_pd.kv import BlockLayout
+from omni_pd.kv.fingerprint import weights_digest
+from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerOutput, TalkerPrompt
+from omni_pd.sampling import SamplingParams
+from .talker import TalkerRunner
 
 # What transformers' talker passes to the code predictor's generate when sampling.
 CODE_PREDICTOR_TOP_K = 50
 CODE_PREDICTOR_TOP_P = 0.8
-# The KV cache grows in chunks of at least this many positions (then doubles).
-_MIN_CACHE_GROWTH = 64
+_TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
-class TalkerRequestState:
-    """One request's whole state in the batched talker."""
+class TalkerState:
+    """What the talker keeps per request, beside the engine's record (whose `tokens` are the
+    sampled code0s, EOS included)."""
 
-    request_id: str
-    params: SamplingParams
     prompt_embeds: torch.Tensor  # [prompt_len, hidden]: the talker's prefill input
     trailing: torch.Tensor  # [T, hidden]: trailing_text_hidden, one row per decode step
     tts_pad: torch.Tensor  # [hidden]
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [capacity, kv_heads, hd]
-    values: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0  # positions cached
-    code0s: list[int] = field(default_factory=list)  # every sampled code0, EOS included
     frames: list[list[int]] = field(default_factory=list)  # [code0, code1, ..., code_{G-1}]
     hidden: torch.Tensor | None = None  # [hidden]: final-norm hidden of the latest position
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (codec EOS) | "length"
-    error: str | None = None
-    admitted_at: float | None = None
-    stream: bool = False  # send new frames as they come (streaming to code2wav)
+    error: str | None = None  # its own sampling failed (the others go on)
     frames_sent: int = 0
-    chunk_sizes: tuple[int, int] | None = None  # frames per chunk sent, first and later
-    # A talker fed while its thinker runs: the thinker output so far (None once complete), and
-    # whether `trailing` has every row (else a decode step waits for its row to arrive).
+    # A talker fed while its thinker runs: the thinker output so far (None once complete),
+    # whether `trailing` has every row (else a decode step waits for its row to arrive), and
+    # whether output arrived since the last step (None: no; else whether it was the last).
     thinker_so_far: Any = None
     trailing_complete: bool = True
-    trace: dict[str, list] | None = None  # raw logits, when the core traces (tests)
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt_embeds.shape[0]
-
-    @property
-    def step(self) -> int:
-        """The talker step index: how many code0s have been sampled."""
-        return len(self.code0s)
-
-    @property
-    def seed(self) -> int:
-        return self.params.seed if self.params.seed is not None else 0
-
-    def codes(self, num_code_groups: int) -> torch.Tensor:
-        """[num_code_groups, frames], int64."""
-        if not self.frames:
-            return torch.zeros((num_code_groups, 0), dtype=torch.long)
-        return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
-
-    def forget_prefill(self) -> None:
-        """Back to before its prefill, so that it can run again (after a failed batched pass):
-        its cached rows are rewritten, its first pick taken again."""
-        self.length, self.hidden, self.code0s = 0, None, []
-        self.finished, self.finish_reason, self.error = False, None, None
+    stale: bool | None = None
+    trace: dict[str, list] | None = None  # raw logits, when the runner traces (tests)
 
     @property
     def ready_to_decode(self) -> bool:
         """Its next step's trailing row is known (or the trailing text is complete)."""
         return self.trailing_complete or len(self.frames) < self.trailing.shape[0]
 
-    def take_new_frames(self) -> list[list[int]] | None:
-        """Frames made since the last call, for a streamed request (None when there are none):
-        plain lists, which cost a fraction of a tensor to send."""
-        if len(self.frames) == self.frames_sent:
-            return None
-        new = self.frames[self.frames_sent:]
-        self.frames_sent = len(self.frames)
-        return new
+    def codes(self, num_code_groups: int) -> torch.Tensor:
+        """[num_code_groups, frames], int64."""
+        if not self.frames:
+            return torch.zeros((num_code_groups, 0), dtype=torch.long)
+        return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
 
 
 def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penalties: list[float],
@@ -203,15 +176,19 @@ def _draw(scores: torch.Tensor, specs: list[RowSampling], width: int) -> list[in
     return candidates.gather(1, chosen).squeeze(1).tolist()
 
 
-class BatchedTalker:
+class BatchedTalker(ArRunnerBase):
     """The talker and its code predictor, run for many requests per step."""
 
-    def __init__(self, talker: torch.nn.Module, talker_config, suppressed: list[int],
-                 trace: bool = False, kernels: str = "native"):
+    name = "talker"
+
+    def __init__(self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False,
+                 kernels: str = "native"):
         self.talker = talker
+        self.runner = runner  # builds each request's inputs (thinker rows projected)
+        talker_config = runner.config.talker_config
         self.model = talker.model  # Qwen3OmniMoeTalkerModel
-        bi.check_activations(talker)
         self.predictor = talker.code_predictor
+        bi.check_activations(talker)
         self.config = talker_config
         text = talker_config.text_config
         self.num_code_groups = talker_config.num_code_groups
@@ -225,213 +202,297 @@ class BatchedTalker:
         if getattr(text, "sliding_window", None) or getattr(cp_config, "sliding_window", None):
             raise NotImplementedError("the batched talker has no sliding-window attention")
         self.suppress_mask = torch.zeros(text.vocab_size, dtype=torch.bool)
-        if suppressed:
-            self.suppress_mask[torch.tensor(suppressed, dtype=torch.long)] = True
+        if runner.suppressed:
+            self.suppress_mask[torch.tensor(runner.suppressed, dtype=torch.long)] = True
         # The code predictor samples with its own generation config's temperature (top_k / top_p
         # are passed explicitly by transformers' talker).
         temperature = getattr(self.predictor.generation_config, "temperature", None)
         self.cp_temperature = 1.0 if temperature is None else float(temperature)
         self.trace = trace
         self.kernels = check_kernels(kernels)
-        # Each request's cache is one "block" as long as the cache, token-major.
-        self._geometry = CacheGeometry(block=1 << 40, block_stride=0,
-                                       pos_stride=self.kv_heads * self.head_dim, head_stride=self.head_dim)
+        self.row_dtype = next(talker.parameters()).dtype
 
-    # -- request state --------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return str(next(self.talker.parameters()).device)
 
-    def new_state(self, request_id: str, inputs: dict[str, torch.Tensor],
-                  params: SamplingParams) -> TalkerRequestState:
-        """A request's state from `TalkerRunner.build_inputs`' output (batch of one)."""
-        state = TalkerRequestState(
-            request_id=request_id, params=params,
-            prompt_embeds=inputs["inputs_embeds"][0].detach().contiguous(),
-            trailing=inputs["trailing_text_hidden"][0].detach().contiguous(),
-            tts_pad=inputs["tts_pad_embed"].reshape(-1).detach().contiguous())
+    def kv_layout(self, block_size: int) -> BlockLayout:
+        text = self.config.text_config
+        return BlockLayout.default_for(text.num_hidden_layers, self.kv_heads, self.head_dim,
+                                       _TORCH_TO_NAME[self.row_dtype], block_size=block_size)
+
+    def identity(self) -> RunnerIdentity:
+        return RunnerIdentity(f"{self.config.model_type} talker", weights_digest(self.talker.named_parameters()),
+                              self.device, native_builds(self.kernels))
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "hf-talker-batched", "attention_kernels": self.kernels}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
+                    block_size: int) -> EngineRequest:
+        """A request from the thinker's output (`prompt.final`), or from its first part while
+        it runs (later tokens arrive through `append_input`)."""
+        self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
+        try:
+            if prompt.final:
+                inputs = self.runner.build_inputs(prompt)
+            else:  # the thinker still runs: its later tokens arrive through append_input
+                inputs = self.runner.prefill_inputs(prompt)
+                inputs["trailing_text_hidden"] = self.runner.trailing_rows(prompt, 0, final=False).unsqueeze(0)
+        except ValueError:
+            raise
+        except Exception as exc:  # a malformed prompt this engine can never run
+            raise ValueError(f"request {request_id}: cannot build the talker input: {exc}") from exc
+        state = TalkerState(prompt_embeds=inputs["inputs_embeds"][0].detach().contiguous(),
+                            trailing=inputs["trailing_text_hidden"][0].detach().contiguous(),
+                            tts_pad=inputs["tts_pad_embed"].reshape(-1).detach().contiguous())
+        if not prompt.final:
+            state.thinker_so_far, state.trailing_complete = prompt, False
         if self.trace:
             state.trace = {"code0_logits": [], "cp_logits": [], "hidden": []}
-        return state
+        return EngineRequest(request_id, prompt, params, prompt_len=state.prompt_embeds.shape[0],
+                             token_ids=None, model=state)
 
-    def _reserve(self, state: TalkerRequestState, needed: int) -> None:
-        """Make room for `needed` positions in the request's own KV cache."""
-        capacity = state.keys[0].shape[0] if state.keys else 0
-        if needed <= capacity:
-            return
-        limit = state.prompt_len + state.params.max_tokens
-        new_capacity = min(max(needed, 2 * capacity, state.prompt_len + _MIN_CACHE_GROWTH), limit)
-        new_capacity = max(new_capacity, needed)
-        dtype = state.prompt_embeds.dtype
-        for layer in range(len(self.model.layers)):
-            for cache in (state.keys, state.values):
-                grown = torch.zeros((new_capacity, self.kv_heads, self.head_dim), dtype=dtype)
-                if layer < len(cache):
-                    grown[:state.length] = cache[layer][:state.length]
-                    cache[layer] = grown
-                else:
-                    cache.append(grown)
+    def append_input(self, request: EngineRequest, data: TalkerInputDelta, final: bool) -> None:
+        """More thinker output for a talker started while its thinker runs: the trailing text
+        grows by the rows that output now determines (all of them when `final`), projected at
+        the next step with every other request's new rows in one pass."""
+        state = request.model
+        prompt = state.thinker_so_far
+        if prompt is None:
+            raise ValueError(f"request {request.request_id}: thinker output arrived after the last of it")
+        if data.thinker_embeds.shape[0]:
+            prompt.thinker_embeds = torch.cat([prompt.thinker_embeds, data.thinker_embeds])
+        prompt.output_token_ids = prompt.output_token_ids + list(data.output_token_ids)
+        state.stale = final
+
+    def pending(self, requests: Sequence[EngineRequest]) -> bool:
+        return any(r.model.stale is not None for r in requests)
+
+    def ready(self, request: EngineRequest) -> bool:
+        return request.model.ready_to_decode
+
+    def before_step(self, requests: Sequence[EngineRequest]) -> list[tuple[EngineRequest, str]]:
+        """The trailing rows the thinker output appended since the last step, for every request
+        at once (one append per request per thinker token: projecting them one by one was a
+        tenth of the talker's time at 16 requests); a request whose rows cannot be built fails
+        alone."""
+        stale = [r for r in requests if r.model.stale is not None]
+        failed: list[tuple[EngineRequest, str]] = []
+
+        def rows_of(batch: Sequence[EngineRequest]) -> list[torch.Tensor]:
+            return self.runner.trailing_rows_many(
+                [(r.model.thinker_so_far, r.model.trailing.shape[0], r.model.stale) for r in batch])
+
+        def fail(request: EngineRequest, exc: Exception) -> None:
+            request.model.stale = None
+            failed.append((request, f"talker input: {type(exc).__name__}: {exc}"))
+
+        for request, rows in each_alone(stale, rows_of, fail, "talker input rows"):
+            state, final = request.model, request.model.stale
+            state.stale = None
+            if rows.shape[0]:
+                state.trailing = torch.cat([state.trailing, rows])
+            if final:
+                state.thinker_so_far, state.trailing_complete = None, True
+        return failed
 
     # -- steps ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, states: list[TalkerRequestState]) -> None:
-        """The requests' prompts in one pass: fills their KV caches and samples their first
-        code0s. Linear layers and the MoE run on the fixed tiles, attention per prompt, so a
-        prompt's results are the same bits in a pass of its own or with others (requests that
-        arrive together cost one pass: at 8, ~1 ms each one by one)."""
-        for state in states:
-            if state.length:
-                raise RuntimeError(f"request {state.request_id} is already prefilled")
-        counts = [state.prompt_len for state in states]
-        hidden = self._talker_forward(torch.cat([s.prompt_embeds for s in states]), states, counts)
+    def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
+        """The prompts in one pass: their KV and first code0 logits. Linear layers and the MoE
+        run on the fixed tiles, attention per prompt, so a prompt's results are the same bits in
+        a pass of its own or with others."""
+        requests = [item.request for item in items]
+        counts = [r.prompt_len for r in requests]
+        x = torch.cat([r.model.prompt_embeds for r in requests])
+        positions = torch.cat([torch.arange(c) for c in counts])
+        hidden, kv = self._talker_forward(x, positions, requests, counts, cache, prefill=True)
         last = hidden[torch.tensor(counts).cumsum(0) - 1]
-        for state, row in zip(states, last):
-            state.hidden = row.clone()
-        self._take_code0s(states, bi.linear_module(self.talker.codec_head, last))
+        logits = bi.linear_module(self.talker.codec_head, last)
+        for request, row in zip(requests, last):
+            request.model.hidden = row.clone()
+        return [Prefilled(logits[i], kv[i]) for i in range(len(requests))]
 
     @torch.no_grad()
-    def decode(self, states: list[TalkerRequestState]) -> None:
-        """One step for every state (all prefilled, none finished): the code predictor fills the
-        pending frame's residual codes, the frame is fed back, and the talker samples the next
-        code0. A failure confined to one request sets that state's `error`."""
-        if not states:
-            return
-        for state in states:
-            if state.finished or state.hidden is None:
-                raise RuntimeError(f"request {state.request_id} cannot decode "
-                                   f"(finished={state.finished}, prefilled={state.hidden is not None})")
-        residuals, frame_embeds = self._predict_residuals(states)
+    def decode(self, requests: Sequence[EngineRequest], cache: PagedKVCache) -> DecodeResult:
+        """One step for every request: the code predictor fills the pending frame's residual
+        codes, the frame is fed back, and the talker gives the next code0's logits. A request
+        whose own sampling failed gets no forward pass (its `error` says why)."""
+        states = [r.model for r in requests]
+        residuals, frame_embeds = self._predict_residuals(requests)
+        vocab = self.talker.codec_head.weight.shape[0]
+        logits = torch.zeros((len(requests), vocab), dtype=frame_embeds.dtype)
+        alive = [i for i, state in enumerate(states) if state.error is None]
+        if not alive:
+            return DecodeResult(logits)
         # The text row each fed-back frame gets: trailing_text_hidden at the frame's index, or
         # tts_pad past its end.
         text_rows = [s.trailing[len(s.frames)] if len(s.frames) < s.trailing.shape[0] else s.tts_pad
                      for s in states]
-        alive = [i for i, state in enumerate(states) if state.error is None]
-        if not alive:
-            return
         for i in alive:
-            states[i].frames.append([states[i].code0s[-1]] + residuals[i])
+            states[i].frames.append([requests[i].tokens[-1]] + residuals[i])
         inputs = frame_embeds + torch.stack(text_rows)  # elementwise: per row
         if len(alive) < len(states):
             inputs = inputs[alive]
-        live = [states[i] for i in alive]
-        hidden = self._talker_forward(inputs, live, [1] * len(live))
-        logits = bi.linear_module(self.talker.codec_head, hidden)
-        for row, state in enumerate(live):
-            state.hidden = hidden[row]  # a view: each step's hidden is a fresh tensor
-        self._take_code0s(live, logits)
+        live = [requests[i] for i in alive]
+        positions = torch.tensor([r.position for r in live])
+        hidden, _ = self._talker_forward(inputs, positions, live, [1] * len(live), cache, prefill=False)
+        logits[alive] = bi.linear_module(self.talker.codec_head, hidden)
+        for row, request in enumerate(live):
+            request.model.hidden = hidden[row]  # a view: each step's hidden is a fresh tensor
+        return DecodeResult(logits)
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def _take_code0s(self, states: list[TalkerRequestState], logits: torch.Tensor) -> None:
-        """Sample the next code0 of every state (row i of `logits` is state i's)."""
+    def sample(self, requests: Sequence[EngineRequest], logits: torch.Tensor,
+               first: bool) -> list[int | Exception]:
+        """The next code0 of every request (row i of `logits` is request i's)."""
+        states = [r.model for r in requests]
         for state, row in zip(states, logits):
-            if state.trace is not None:
+            if state.trace is not None and state.error is None:
                 state.trace["code0_logits"].append(row.detach().clone())
                 state.trace["hidden"].append(state.hidden.detach().clone())
         # ignore_eos: an EOS code0 has no frame to decode, so rather than go on past it (vLLM's
         # meaning for text), the talker never samples it and runs to max_tokens.
-        scores = process_code0_scores(logits, [s.code0s for s in states],
-                                      [s.params.repetition_penalty for s in states], self.suppress_mask,
-                                      [s.params.ignore_eos for s in states], self.codec_eos)
-        specs = [RowSampling(s.params.greedy, s.params.temperature, max(s.params.top_k, 0),
-                             s.params.top_p, s.seed, s.step * self.num_code_groups) for s in states]
-        for state, code0 in zip(states, self._sample(states, scores, specs, "talker sampling")):
-            if code0 is None:
-                continue
-            state.code0s.append(code0)
-            if code0 == self.codec_eos:
-                state.finished, state.finish_reason = True, "stop"
-            elif len(state.code0s) >= state.params.max_tokens:
-                state.finished, state.finish_reason = True, "length"
+        scores = process_code0_scores(logits, [r.tokens for r in requests],
+                                      [r.params.repetition_penalty for r in requests], self.suppress_mask,
+                                      [r.params.ignore_eos for r in requests], self.codec_eos)
+        specs = [RowSampling(r.params.greedy, r.params.temperature, max(r.params.top_k, 0),
+                             r.params.top_p, _seed(r), len(r.tokens) * self.num_code_groups)
+                 for r in requests]
+        picks = self._sample(requests, scores, specs, "talker sampling")
+        return [pick if pick is not None else RuntimeError(s.error) for pick, s in zip(picks, states)]
 
-    def _take_residuals(self, states: list[TalkerRequestState], group: int,
+    def finish_reason(self, request: EngineRequest) -> str | None:
+        if request.tokens[-1] == self.codec_eos:
+            return "stop"
+        if len(request.tokens) >= request.params.max_tokens:
+            return "length"
+        return None
+
+    def _take_residuals(self, requests: Sequence[EngineRequest], group: int,
                         logits: torch.Tensor) -> list[int]:
         # transformers mirrors the talker's do_sample onto the code predictor.
-        specs = [RowSampling(s.params.greedy, self.cp_temperature, CODE_PREDICTOR_TOP_K,
-                             CODE_PREDICTOR_TOP_P, s.seed, (s.step - 1) * self.num_code_groups + group)
-                 for s in states]
-        picks = self._sample(states, logits.float(), specs, f"code predictor sampling (group {group})")
+        specs = [RowSampling(r.params.greedy, self.cp_temperature, CODE_PREDICTOR_TOP_K,
+                             CODE_PREDICTOR_TOP_P, _seed(r), (len(r.tokens) - 1) * self.num_code_groups + group)
+                 for r in requests]
+        picks = self._sample(requests, logits.float(), specs, f"code predictor sampling (group {group})")
         return [0 if pick is None else pick for pick in picks]
 
-    def _sample(self, states: list[TalkerRequestState], scores: torch.Tensor,
+    @staticmethod
+    def _sample(requests: Sequence[EngineRequest], scores: torch.Tensor,
                 specs: list[RowSampling], what: str) -> list[int | None]:
         """All rows at once; if that raises (a NaN row, say), row by row, so that only the
-        requests whose rows fail are failed (their pick is None)."""
-        live = [i for i, s in enumerate(states) if s.error is None]
-        picks: list[int | None] = [None] * len(states)
-        try:
-            for i, pick in zip(live, sample_rows(scores[live], [specs[i] for i in live])):
-                picks[i] = pick
-            return picks
-        except Exception:  # noqa: BLE001 - find the failing rows below
-            pass
-        for i in live:
-            try:
-                picks[i] = sample_rows(scores[i:i + 1], [specs[i]])[0]
-            except Exception as exc:  # noqa: BLE001 - confined to this request
-                self._fail(states[i], f"{what} failed at step {states[i].step}: {exc}")
+        requests whose rows fail are failed (their pick is None, their state's `error` set)."""
+        picks: list[int | None] = [None] * len(requests)
+        live = [i for i, r in enumerate(requests) if r.model.error is None]
+
+        def draw(rows: Sequence[int]) -> list[int]:
+            return sample_rows(scores[list(rows)], [specs[i] for i in rows])
+
+        def fail(i: int, exc: Exception) -> None:
+            requests[i].model.error = f"{what} failed at step {len(requests[i].tokens)}: {exc}"
+
+        for i, pick in each_alone(live, draw, fail, what):
+            picks[i] = pick
         return picks
 
-    @staticmethod
-    def _fail(state: TalkerRequestState, error: str) -> None:
-        state.error = error
-        state.finished, state.finish_reason = True, "error"
+    # -- results --------------------------------------------------------------------------------
+
+    def output(self, request: EngineRequest, reason: str) -> TalkerOutput:
+        elapsed = (time.perf_counter() - request.admitted_at) * 1e3
+        return TalkerOutput(request_id=request.request_id,
+                            codes=request.model.codes(self.num_code_groups),
+                            metrics={"talker_ms": elapsed})
+
+    def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
+        """The frames to send now: none until a whole chunk is there (or the request is done).
+        One message per downstream chunk instead of one per frame: the orchestrator handled 63
+        messages per request that only its stream processor's buffer saw."""
+        state = request.model
+        if request.chunk_sizes is not None and not finished:
+            first, later = request.chunk_sizes
+            due = first if state.frames_sent == 0 else later
+            if len(state.frames) - state.frames_sent < due:
+                return [], None
+        if len(state.frames) == state.frames_sent:
+            return [], None
+        new = state.frames[state.frames_sent:]  # plain lists: a fraction of a tensor to send
+        state.frames_sent = len(state.frames)
+        return [], new
 
     # -- the talker -----------------------------------------------------------------------------
 
-    def _talker_forward(self, x: torch.Tensor, states: list[TalkerRequestState],
-                        counts: list[int]) -> torch.Tensor:
-        """`counts[i]` new rows of `x` ([rows, hidden]) per state, in order; returns the final-norm
-        hidden states ([rows, hidden]: what transformers' `hidden_states[0][-1]` holds and what the
-        codec head reads)."""
-        positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in zip(states, counts)])
-        for state, count in zip(states, counts):
-            self._reserve(state, state.length + count)
+    def _talker_forward(self, x: torch.Tensor, positions: torch.Tensor, requests: Sequence[EngineRequest],
+                        counts: list[int], cache: PagedKVCache, prefill: bool
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`counts[i]` new rows of `x` ([rows, hidden]) per request, in order, at `positions`;
+        returns the final-norm hidden states ([rows, hidden]: what transformers'
+        `hidden_states[0][-1]` holds and what the codec head reads) and, for a prefill, each
+        request's KV ([layers, 2, kv_heads, rows, hd]; a decode step writes its KV into the
+        blocks itself)."""
         # Text-only talker input: the three multimodal rotary rows are all the plain position.
         rope_positions = positions.view(1, 1, -1).expand(3, 1, -1)
         cos, sin = self.model.rotary_emb(x.unsqueeze(0), rope_positions)  # [1, rows, hd]
         rows = None
-        if self.kernels == "native" and all(count == 1 for count in counts):
-            rows = DecodeRows([[0]] * len(states), [s.length + 1 for s in states])
+        if not prefill and self.kernels == "native":
+            rows = DecodeRows([r.blocks for r in requests], [r.position + 1 for r in requests])
+        kv: list[list[torch.Tensor]] = [[] for _ in requests]
         for index, layer in enumerate(self.model.layers):
             x = x + self._talker_attention(layer.self_attn, layer.input_layernorm(x), cos, sin,
-                                           states, counts, index, rows)
+                                           requests, counts, index, rows, cache, kv if prefill else None)
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
-        for state, count in zip(states, counts):
-            state.length += count
-        return self.model.norm(x)
+        return self.model.norm(x), [torch.stack(layers).contiguous() for layers in kv] if prefill else []
 
     def _talker_attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          states: list[TalkerRequestState], counts: list[int], layer: int,
-                          rows: DecodeRows | None) -> torch.Tensor:
+                          requests: Sequence[EngineRequest], counts: list[int], layer: int,
+                          rows: DecodeRows | None, cache: PagedKVCache,
+                          kv: list[list[torch.Tensor]] | None) -> torch.Tensor:
         q, k, v = bi.projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
         if rows is not None:  # a decode step on the kernel: one new row per sequence
-            k_bases = torch.tensor([s.keys[layer].data_ptr() for s in states], dtype=torch.long)
-            v_bases = torch.tensor([s.values[layer].data_ptr() for s in states], dtype=torch.long)
-            out = decode_attention(_row_major(q), _row_major(k), _row_major(v), rows, k_bases,
-                                   v_bases, self._geometry, attn.scaling)
+            k_base, v_base, geometry = paged_geometry(cache, layer)
+            count = len(requests)
+            out = decode_attention(_row_major(q), _row_major(k), _row_major(v), rows,
+                                   torch.full((count,), k_base, dtype=torch.long),
+                                   torch.full((count,), v_base, dtype=torch.long), geometry, attn.scaling)
             return bi.linear_module(attn.o_proj, out.reshape(out.shape[0], -1))
         outputs, start = [], 0
-        for state, count in zip(states, counts):
-            begin, end = state.length, state.length + count
-            keys, values = state.keys[layer], state.values[layer]
-            keys[begin:end] = k[0, :, start:start + count].transpose(0, 1)
-            values[begin:end] = v[0, :, start:start + count].transpose(0, 1)
-            outputs.append(bi.attend(q[:, :, start:start + count], _head_major(keys[:end]),
-                                   _head_major(values[:end]), attn.scaling, begin))
+        for i, (request, count) in enumerate(zip(requests, counts)):
+            new_k = k[0, :, start:start + count].transpose(0, 1).contiguous()  # [count, kvh, hd]
+            new_v = v[0, :, start:start + count].transpose(0, 1).contiguous()
+            if kv is not None:  # a prompt: its KV goes to the cache with the engine's write
+                kv[i].append(torch.stack([new_k.transpose(0, 1), new_v.transpose(0, 1)]))
+                keys, values, cached = _head_major(new_k), _head_major(new_v), 0
+            else:  # one new position after the request's cached ones
+                position = request.position
+                cache.write_token(layer, request.blocks, position, new_k[0], new_v[0])
+                keys, values = cache.layer_kv(layer, request.blocks, position + 1)
+                # Position-major as one sequence's own cache lies (the layout the torch path
+                # has always given attention), then head-major views of it.
+                keys = _head_major(keys.transpose(0, 1).contiguous())
+                values = _head_major(values.transpose(0, 1).contiguous())
+                cached = position
+            outputs.append(bi.attend(q[:, :, start:start + count], keys, values, attn.scaling, cached))
             start += count
         return bi.linear_module(attn.o_proj, torch.cat(outputs))
 
     # -- the code predictor ---------------------------------------------------------------------
 
-    def _predict_residuals(self, states: list[TalkerRequestState]
+    def _predict_residuals(self, requests: Sequence[EngineRequest]
                            ) -> tuple[list[list[int]], torch.Tensor]:
         """Codes 1..G-1 of every state's pending frame, batched: every request has the same
         predictor length at a given group. Returns the codes and the frames' summed code
         embeddings ([B, hidden]: the talker's codec embedding of code0 plus the predictor's
         embedding of each later group, added in group order, elementwise, as transformers sums
         the G concatenated embeddings)."""
+        states = [r.model for r in requests]
         batch, groups = len(states), self.num_code_groups
         cp = self.predictor.model
-        code0 = torch.tensor([s.code0s[-1] for s in states], dtype=torch.long)
+        code0 = torch.tensor([r.tokens[-1] for r in requests], dtype=torch.long)
         first = self.model.codec_embedding(code0)  # [B, hidden]
         total = first
         codes: list[list[int]] = [[] for _ in range(batch)]
@@ -453,7 +514,7 @@ class BatchedTalker:
                     if group == 1:
                         state.trace["cp_logits"].append([])
                     state.trace["cp_logits"][-1].append(logits[b].detach().clone())
-            picks = self._take_residuals(states, group, logits)
+            picks = self._take_residuals(requests, group, logits)
             x = cp.codec_embedding[group - 1](torch.tensor(picks, dtype=torch.long))  # [B, hidden]
             total = total + x
             for b in range(batch):
@@ -497,3 +558,7 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor:
 def _per_request(t: torch.Tensor, batch: int, width: int) -> torch.Tensor:
     """[1, heads, batch * width, hd] (rows request-major) -> [batch, heads, width, hd]."""
     return t[0].unflatten(1, (batch, width)).transpose(0, 1)
+
+
+def _seed(request: EngineRequest) -> int:
+    return request.params.seed if request.params.seed is not None else 0

@@ -16,6 +16,7 @@ import xxhash
 from transformers import DynamicCache
 
 from omni_pd.sampling import SamplingParams
+from omni_pd.engines.core.text import TextStops
 from omni_pd.engines.sampler import sample_next_token
 from omni_pd.models.qwen3_omni.prompt import audio_token_count
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
@@ -24,6 +25,7 @@ from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 @dataclass
 class PrefillResult:
     cache: DynamicCache
+    logits: torch.Tensor  # [vocab]: the last prompt position's
     first_token: int
     rope_deltas: int
     prompt_embeds: torch.Tensor  # [prompt_len, hidden]
@@ -87,6 +89,7 @@ class ThinkerRunner:
         self.tokenizer = tokenizer
         self.accept_hidden_layer = accept_hidden_layer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stops = TextStops(tokenizer, self.eos_token_ids)
         self.text_config = thinker.config.text_config
 
     def audio_clips(self, prompt: ThinkerPrompt) -> list[AudioClip]:
@@ -148,6 +151,7 @@ class ThinkerRunner:
                                   seen_token_ids=prompt.prompt_token_ids)
         return PrefillResult(
             cache=cache,
+            logits=out.logits[0, -1],
             first_token=first,
             rope_deltas=rope_deltas,
             prompt_embeds=out.hidden_states[0][0].clone(),
@@ -156,32 +160,10 @@ class ThinkerRunner:
         )
 
     def finish_reason(self, tokens: list[int], params: SamplingParams) -> str | None:
-        last = tokens[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in params.stop_token_ids:
-            return "stop"
-        if params.stop and self._stop_string_at(tokens, params) is not None:
-            return "stop"
-        if len(tokens) >= params.max_tokens:
-            return "length"
-        return None
-
-    def _stop_string_at(self, tokens: list[int], params: SamplingParams) -> int | None:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in params.stop if s and s in text]
-        if not hits:
-            return None
-        index, stop = min(hits)
-        return index + len(stop) if params.include_stop_str_in_output else index
+        return self.stops.finish_reason(tokens, params)
 
     def detokenize(self, tokens: list[int], params: SamplingParams) -> str:
-        if not params.detokenize:
-            return ""
-        ids = [t for t in tokens if t not in self.eos_token_ids and t not in params.stop_token_ids]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = self._stop_string_at(tokens, params) if params.stop else None
-        return text if cut is None else text[:cut]
+        return self.stops.detokenize(tokens, params)
 
     @torch.no_grad()
     def decode(self, prompt_token_ids: list[int], cache: DynamicCache, rope_deltas: int,

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
+from omni_pd.engines.core.runner import Prefilled
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import CacheGeometry, DecodeRows, check_kernels, decode_attention
+from omni_pd.engines.hf.attention_native import DecodeRows, check_kernels, decode_attention, paged_geometry
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 
 
@@ -33,17 +34,6 @@ class DecodeRow:
     position: int  # its position in the sequence (= positions already cached)
     rope_deltas: int
     blocks: list[int]
-
-
-@dataclass
-class PrefilledPrompt:
-    """One prompt's share of a batched prefill pass."""
-
-    logits: torch.Tensor  # [vocab]: the last prompt position's
-    # The positions computed (all of the prompt, or those after its cached prefix):
-    kv: torch.Tensor  # [layers, 2, kv_heads, positions, head_dim], as the paged cache writes it
-    embeds: torch.Tensor  # [positions, hidden]: layer 0
-    hidden: torch.Tensor  # [positions, hidden]: the talker's accept layer
 
 
 @dataclass
@@ -80,7 +70,7 @@ class BatchedThinkerDecoder:
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], prefixes: list[CachedPrefix | None] | None = None,
                 cache: PagedKVCache | None = None,
-                inputs: list[torch.Tensor | None] | None = None) -> list[PrefilledPrompt]:
+                inputs: list[torch.Tensor | None] | None = None) -> list[Prefilled]:
         """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
         layer and the MoE on tiles over all their rows, attention causal within each prompt.
         A prompt's results do not depend on the others in the pass (the same premise as the
@@ -139,8 +129,10 @@ class BatchedThinkerDecoder:
             accept = embeds
         last = torch.tensor([b - 1 for b in bounds[1:]])
         logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h[last]))
-        return [PrefilledPrompt(logits=logits[i], kv=torch.stack(kv[i]).contiguous(),
-                                embeds=embeds[a:b].clone(), hidden=accept[a:b].clone())
+        # Per prompt: its last position's logits, the KV of the positions it computed, their rows
+        # (layer 0 and the accept layer); a text or audio prompt has no rotary offset.
+        return [Prefilled(logits[i], torch.stack(kv[i]).contiguous(),
+                          {"embeds": embeds[a:b].clone(), "hidden": accept[a:b].clone()}, {"rope_deltas": 0})
                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     @torch.no_grad()
@@ -177,7 +169,7 @@ class BatchedThinkerDecoder:
         v = bi.linear_module(attn.v_proj, x).view(count, -1, hd)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
         if native is not None:
-            k_base, v_base, geometry = _paged(cache, layer)
+            k_base, v_base, geometry = paged_geometry(cache, layer)
             out = decode_attention(q[:, :, 0].contiguous(), k[:, :, 0].contiguous(), v.contiguous(),
                                    native, torch.full((count,), k_base, dtype=torch.long),
                                    torch.full((count,), v_base, dtype=torch.long), geometry,
@@ -192,17 +184,3 @@ class BatchedThinkerDecoder:
                 enable_gqa=True))
         out = torch.cat(outputs).transpose(1, 2).reshape(count, -1)
         return bi.linear_module(attn.o_proj, out)
-
-
-def _paged(cache: PagedKVCache, layer: int) -> tuple[int, int, CacheGeometry]:
-    """Addresses of layer `layer`'s K and V at block 0, position 0, and the cache's strides, for
-    the native kernel: blocks are [block_size, layers, 2, kv_heads, hd], float32."""
-    data = cache.data
-    if data.dtype != torch.float32 or not data.is_contiguous():
-        raise ValueError("the native decode attention reads a contiguous float32 paged cache")
-    _, block_size, _, _, kv_heads, hd = data.shape
-    k_base = data[0, 0, layer, 0].data_ptr()
-    v_base = data[0, 0, layer, 1].data_ptr()
-    geometry = CacheGeometry(block=block_size, block_stride=data.stride(0),
-                             pos_stride=data.stride(1), head_stride=data.stride(4))
-    return k_base, v_base, geometry

@@ -1,0 +1,346 @@
+"""An autoregressive stage as a continuously batched engine, for any model's `ArRunner`.
+
+The loop is vLLM's: schedule, execute, update. Each step
+1. lets the runner take input appended since the last step (`before_step`), and picks the
+   running requests that decode (ready ones, before this step's KV reads complete);
+2. admits waiting requests (`Scheduler.admit`: seats, token budget, KV blocks, the prefix
+   cache's blocks first);
+3. prefills the admitted prompts the batched pass takes in one pass (`runner.prefill`), then
+   starts each admitted request: this role prefills it here (its share of that pass, or alone),
+   the prefill leg publishes its KV, the decode leg reads its KV from the prefill engine
+   (`pd_legs.py`);
+4. advances every decoding request by one token in one batched pass (`runner.decode`), samples
+   (`runner.sample`) and stops the finished ones (`runner.finish_reason`).
+
+A request's state lives in one `EngineRequest` (request.py has its lifecycle), held by the
+scheduler from `add_request` until it finishes, fails or is aborted; its blocks go back to the
+KV manager on each of those paths. A batched prefill that fails is retried request by request at
+each request's start, so only the requests that fail alone fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ...sampling import SamplingParams
+from ..base import BatchStats, StageEngine, StepOutput
+from ..hf import batch_invariant as bi
+from .kv_manager import KVManager
+from .request import EngineRequest
+from .runner import ArRunner, PrefillItem, Prefilled
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class ArEngine(StageEngine):
+    """The colocated role: prefill, then batched decode, in one engine."""
+
+    control_calls = StageEngine.control_calls | {"set_batch_invariant"}
+    decodes = True  # the prefill leg never decodes
+    # Whether a prompt this engine prefills may start from cached blocks (and so needs the rows
+    # of cached blocks kept); the decode leg's fallback prefills whole.
+    prefills_over_cache = True
+
+    def __init__(self, stage_config, runner: ArRunner):
+        self.stage_id = stage_config.stage_id
+        self.runner = runner
+        self.name = runner.name
+        args = stage_config.engine_args
+        self.block_size = args.kv_block_size
+        self.max_num_seqs = stage_config.max_num_seqs
+        self.max_num_batched_tokens = stage_config.max_num_batched_tokens
+        # vLLM's key, on unless the file turns it off, for a runner whose prompts have ids.
+        self.prefix_caching = args.enable_prefix_caching is not False and runner.caches_prefixes
+        self.device = runner.device  # the cache lives with the model
+        keep_rows = self.prefix_caching and self.prefills_over_cache
+        self.kv = KVManager(runner.kv_layout(self.block_size), args.kv_pool_blocks,
+                            shared=self.shares_cache(stage_config), prefix_caching=self.prefix_caching,
+                            device=self.device, row_widths=runner.row_widths if keep_rows else None,
+                            row_dtype=runner.row_dtype)
+        self.cache = self.kv.cache
+        self.layout = self.kv.layout
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
+        self._stats = BatchStats()
+        log.info("stage %d: %s engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
+                 "of %d tokens, prefix caching %s", self.stage_id, self.name, self.max_num_seqs,
+                 self.max_num_batched_tokens, args.kv_pool_blocks, self.block_size,
+                 "on" if self.prefix_caching else "off")
+
+    # ---- the request lifecycle ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    stream: bool = False, chunks: bool = False,
+                    chunk_sizes: tuple[int, int] | None = None) -> None:
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
+        if chunk_sizes is not None and (len(chunk_sizes) != 2 or min(chunk_sizes) < 1):
+            raise ValueError(f"request {request_id}: chunk_sizes must be two counts >= 1 (first "
+                             f"chunk, later chunks), got {chunk_sizes!r}")
+        request = self.runner.new_request(request_id, prompt, params, self.block_size)
+        request.stream, request.chunks = stream or chunks, chunks
+        request.chunk_sizes = (chunk_sizes[0], chunk_sizes[1]) if chunk_sizes is not None else None
+        if request.prompt_len == 0:
+            raise ValueError(f"request {request_id}: the prompt has no tokens")
+        self._check(request)
+        if request.prefills_here and request.prompt_len > self.max_num_batched_tokens:
+            raise ValueError(f"request {request_id}: the prompt has {request.prompt_len} positions, "
+                             f"over stage {self.stage_id}'s max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
+                             "the prompt")
+        needed = self.kv.blocks_for(request.prompt_len + params.max_tokens)
+        if needed > self.kv.num_blocks:
+            raise ValueError(f"request {request_id}: prompt plus max_tokens need {needed} KV "
+                             f"blocks, stage {self.stage_id} has {self.kv.num_blocks}; raise "
+                             "engine_args.kv_pool_blocks or lower max_tokens")
+        self.scheduler.add(request)
+
+    def append_input(self, request_id: str, data: Any, final: bool) -> None:
+        request = self.scheduler.get(request_id)
+        if request is None:
+            raise ValueError(f"stage {self.stage_id} holds no request {request_id}")
+        self.runner.append_input(request, data, final)
+
+    @staticmethod
+    def shares_cache(stage_config) -> bool:
+        """Whether the paged cache lives in shared memory (the prefill leg's, same-host path)."""
+        return False
+
+    def _check(self, request: EngineRequest) -> None:
+        """Role-specific validation (kv_transfer_params); may set `request.kv`."""
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.scheduler.get(request_id)
+        if request is not None:
+            self._drop(request)
+            log.debug("stage %d: request %s aborted", self.stage_id, request_id)
+
+    def _drop(self, request: EngineRequest) -> None:
+        self.scheduler.remove(request)
+        self._release(request)
+        if request.blocks:
+            self.kv.free(request.blocks)
+            request.blocks = []
+
+    def _release(self, request: EngineRequest) -> None:
+        """Role-specific resources of a request that leaves (the decode leg's KV read)."""
+
+    def has_unfinished_requests(self) -> bool:
+        s = self.scheduler
+        if s.waiting or s.fetching:
+            return True
+        running = [s.requests[r] for r in s.running]
+        return any(self.runner.ready(r) for r in running) or self.runner.pending(running)
+
+    def request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def debug_state_counts(self) -> dict[str, int]:
+        return {f"{self.name}.requests": len(self.scheduler.requests),
+                f"{self.name}.kv_blocks_in_use": self.kv.num_used - self._blocks_lent()}
+
+    def load(self) -> dict[str, int]:
+        load = {"requests": len(self.scheduler.requests), "waiting": len(self.scheduler.waiting),
+                "free_kv_blocks": self.kv.num_free, "kv_blocks": self.kv.num_blocks,
+                "kv_block_size": self.block_size}
+        if self.prefix_caching:  # counters since start: Prometheus derives the hit rate
+            load.update(prefix_cache_queries=self.kv.query_tokens,
+                        prefix_cache_hits=self.kv.hit_tokens,
+                        prefix_cached_blocks=self.kv.num_cached)
+        return load
+
+    def _blocks_lent(self) -> int:
+        """Cache blocks another owner holds now (the decode leg's KV reads)."""
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return self.runner.describe()
+
+    def batch_stats(self) -> dict[str, int]:
+        return dataclasses.asdict(self._stats)
+
+    @staticmethod
+    def set_batch_invariant(enabled: bool) -> None:
+        """Test hook: plain (batch-dependent) linear layers in this worker when False."""
+        bi.set_enabled(enabled)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        s = self.scheduler
+        outputs = [self._fail(r, why) for r, why in
+                   self.runner.before_step([s.requests[r] for r in s.running + list(s.waiting)])]
+        decoding = s.decoding(self.runner.ready)
+        # Requests whose KV arrived get their first token now and decode from the next step, as
+        # an admitted prompt does.
+        outputs.extend(self._progress())
+        admitted = s.admit(len(decoding), self._match_prefix, self._can_start)
+        for request in admitted:
+            if self.prefix_caching and request.prefills_here and request.batchable:
+                self.kv.count_query(request.prompt_len, request.cached_len)
+        self._stats.record(len(admitted), len(decoding))
+        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable])
+        for request in admitted:
+            try:
+                outputs.extend(self._start(request))
+            except Exception as exc:
+                log.debug("stage %d: request %s failed to start", self.stage_id, request.request_id,
+                          exc_info=True)
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        if decoding:
+            outputs.extend(self._decode(decoding))
+        return outputs
+
+    def _fail(self, request: EngineRequest, error: str) -> StepOutput:
+        if self.scheduler.get(request.request_id) is request:
+            self._drop(request)
+        return StepOutput.failed(request.request_id, error)
+
+    def _progress(self) -> list[StepOutput]:
+        """Advance requests that wait on I/O (the decode leg's KV reads); none here."""
+        return []
+
+    def _can_start(self, request: EngineRequest) -> bool:
+        """Role-specific resources a request needs to be admitted (beyond cache blocks)."""
+        return True
+
+    def _start(self, request: EngineRequest) -> list[StepOutput]:
+        return self._prefill_here(request)
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+    def _match_prefix(self, request: EngineRequest) -> list[int]:
+        """The cached blocks holding the longest prefix of a prompt this engine prefills, held
+        for it now; none without prefix caching, and none for prompts the batched pass does not
+        take (whose rows depend on the prompt's length). Blocks with multimodal inputs match
+        only the same inputs (their extra keys). The last prompt position is always computed:
+        its logits give the first token."""
+        if not (self.prefix_caching and request.prefills_here and request.batchable
+                and request.cacheable):
+            return []
+        return self.kv.match(request.token_ids, request.extra_keys, limit=request.prompt_len - 1)
+
+    def _cache_prompt(self, request: EngineRequest, pre: Prefilled, checksums: Sequence[str] = ()) -> None:
+        """Name the prompt's full blocks for later prompts, with their rows (and, on the prefill
+        leg, the checksums they were published with)."""
+        if not (self.prefix_caching and request.batchable and request.cacheable):
+            return
+        full = request.prompt_len // self.block_size
+        if self.kv.keeps_rows:
+            self.kv.keep_rows(request.blocks, request.cached_len // self.block_size, full, pre.rows, 0)
+        self.kv.register(request.blocks[:full], request.token_ids, request.extra_keys, checksums=checksums)
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _prefill_together(self, requests: list[EngineRequest]) -> None:
+        """One batched pass for the batchable prompts admitted in this step; each request's
+        share waits on it until its start. If the pass fails, each prompt runs the same pass
+        alone at its start, so only the prompts that fail alone fail."""
+        if not requests:
+            return
+        began = time.perf_counter()
+        try:
+            results = self.runner.prefill([PrefillItem(r, r.cached_len) for r in requests], self.cache)
+        except Exception:  # noqa: BLE001 - retried per request at its start
+            log.debug("stage %d: batched prefill of %d prompts failed; each runs alone", self.stage_id,
+                      len(requests), exc_info=True)
+            return
+        elapsed = (time.perf_counter() - began) * 1e3
+        for request, result in zip(requests, results):
+            try:
+                request.prefilled = self._take_first_token(request, result, elapsed)
+            except Exception:  # noqa: BLE001 - its start prefills it again and fails it alone
+                log.debug("stage %d: request %s: first token failed", self.stage_id,
+                          request.request_id, exc_info=True)
+
+    def _take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled:
+        [first] = self.runner.sample([request], result.logits.unsqueeze(0), first=True)
+        if isinstance(first, Exception):
+            raise first
+        if request.cached_len and result.rows:
+            # The cached positions' rows were kept beside their blocks.
+            cached = self.kv.cached_rows(request.blocks[:request.cached_len // self.block_size])
+            result.rows = {name: _cat(cached[name], rows) for name, rows in result.rows.items()}
+        result.first_token, result.prefill_ms = first, elapsed_ms
+        return result
+
+    def _prefill(self, request: EngineRequest) -> Prefilled:
+        """The request's prefill: its share of the step's batched pass, or run now (alone
+        through the batched pass, or the runner's whole-prompt path)."""
+        pre, request.prefilled = request.prefilled, None
+        if pre is not None:
+            return pre
+        began = time.perf_counter()
+        if request.batchable:
+            [result] = self.runner.prefill([PrefillItem(request, request.cached_len)], self.cache)
+            return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
+        result = self.runner.prefill_alone(request)
+        return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
+
+    def _prefill_here(self, request: EngineRequest) -> list[StepOutput]:
+        """Prefill the prompt into the request's blocks and take its first token."""
+        pre = self._prefill(request)
+        self.kv.write(request.blocks, request.cached_len, pre.kv)
+        self._cache_prompt(request, pre)
+        self.runner.prefilled(request, pre)
+        request.metrics["prefill_ms"] = pre.prefill_ms
+        return self._first_token(request, pre.first_token)
+
+    def _first_token(self, request: EngineRequest, token: int) -> list[StepOutput]:
+        """A request has its first token: it runs (decodes from the next step) or is done."""
+        request.tokens.append(token)
+        request.metrics["first_token_ms"] = request.elapsed_ms()
+        reason = self.runner.finish_reason(request)
+        if reason is not None:
+            return [self._finish(request, reason)]
+        if request.request_id not in self.scheduler.running:
+            self.scheduler.running.append(request.request_id)
+        delta = self._delta(request)
+        return [delta] if delta is not None else []
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _decode(self, batch: list[EngineRequest]) -> list[StepOutput]:
+        try:
+            result = self.runner.decode(batch, self.cache)
+            tokens = self.runner.sample(batch, result.logits, first=False)
+        except Exception as exc:  # noqa: BLE001 - the batched pass: fail its requests
+            log.exception("stage %d: %s decode step failed for %d requests", self.stage_id,
+                          self.name, len(batch))
+            return [self._fail(r, f"{self.name} decode step failed: {exc}") for r in batch]
+        outputs = []
+        for request, token in zip(batch, tokens):
+            if isinstance(token, Exception):
+                outputs.append(self._fail(request, f"{self.name}: {token}"))
+                continue
+            request.tokens.append(token)
+            reason = self.runner.finish_reason(request)
+            if reason is not None:
+                outputs.append(self._finish(request, reason))
+            elif (delta := self._delta(request)) is not None:
+                outputs.append(delta)
+        return outputs
+
+    def _delta(self, request: EngineRequest) -> StepOutput | None:
+        """A streamed request's new tokens and chunk since the last one (the runner says what
+        they are); None when it has nothing new to send."""
+        if not request.stream:
+            return None
+        new, chunk = self.runner.chunk(request, False)
+        if not new and chunk is None:
+            return None
+        return StepOutput(request.request_id, new_token_ids=new, chunk=chunk)
+
+    def _finish(self, request: EngineRequest, reason: str) -> StepOutput:
+        request.metrics["e2e_ms"] = request.elapsed_ms()
+        output = self._output(request, reason)
+        self._drop(request)
+        new, chunk = self.runner.chunk(request, True) if request.stream else ([], None)
+        return StepOutput(request.request_id, new_token_ids=new, chunk=chunk, finished=True,
+                          output=output)
+
+    def _output(self, request: EngineRequest, reason: str) -> Any:
+        return self.runner.output(request, reason)
+
+
+def _cat(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return torch.cat([first, second])

@@ -1,0 +1,355 @@
+"""The two legs of a P/D pair, for any autoregressive runner.
+
+The prefill leg only prefills: it writes each admitted prompt's KV into its paged cache, leases
+those blocks to its decode engine (`kv.KVSender`: registered with Mooncake once, and in shared
+memory for the same-host path), and answers with the first token, vLLM's kv_transfer_params keys
+and its own (block table, layout, checksums, the runner's handoff state). The decode leg admits
+a request whose kv_transfer_params carry do_remote_prefill by submitting the KV read into the
+request's blocks (`kv.KVReceiver`); each step polls the reads without blocking, bounded by the
+request's miss window, and a request whose KV arrived and checked out takes its first token from
+the prefill and decodes. A request without remote KV is prefilled on the decode leg, as the
+colocated engine does (the orchestrator's fallback when the prefill peer is dead, frozen or
+broken). Both legs check each other's KV fingerprint (model, weights, geometry, and what they
+compute with) at the first handoff between them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from ...kv import KVDescriptor, KVReceiver, KVSender, MooncakeTransport
+from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
+from ..base import StepOutput
+from ..hf.compute_identity import compute_identity
+from .ar_engine import ArEngine
+from .request import EngineRequest, Phase
+from .runner import ArRunner
+from .transfer_settings import TransferSettings
+
+log = logging.getLogger(__name__)
+
+# How long a decode worker whose every request waits on a KV read sleeps between polls: far
+# below a transfer's milliseconds of latency, far above a poll's microseconds of CPU.
+FETCH_POLL_S = 0.002
+# A small read lands within a few milliseconds: poll it closely at first, so the poll interval
+# does not add to the handoff (the 2 ms interval tripled the tiny model's 40-token handoff).
+FETCH_FAST_POLL_S, FETCH_FAST_WINDOW_S = 0.0002, 0.010
+
+
+def engine_fingerprint(runner: ArRunner, layout, engine_id: str) -> dict[str, Any]:
+    identity = runner.identity()
+    return kv_fingerprint(identity.model, identity.weights, layout, engine_id,
+                          compute_identity(identity.device, dict(identity.native_kernels)))
+
+
+def _log_fingerprint(stage_id: int, name: str, role: str, fingerprint: dict[str, Any]) -> None:
+    log.info("stage %d: %s %s engine KV fingerprint %s", stage_id, name, role,
+             json.dumps(fingerprint, sort_keys=True))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class PrefillEngine(ArEngine):
+    """The prefill leg: prefills each admitted prompt and publishes its KV for the decode leg,
+    answering with the first token."""
+
+    decodes = False
+    control_calls = ArEngine.control_calls | {"release_kv", "inject_kv_fault"}
+
+    @staticmethod
+    def shares_cache(stage_config) -> bool:
+        return TransferSettings.of(stage_config).handoff.kv_same_host != "off"
+
+    def __init__(self, stage_config, runner: ArRunner):
+        super().__init__(stage_config, runner)
+        settings = TransferSettings.of(stage_config)
+        self.engine_id = settings.engine_id or f"prefill-{uuid.uuid4().hex[:12]}"
+        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol)
+        self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
+        _log_fingerprint(self.stage_id, self.name, "prefill", self.fingerprint)
+        # The paged cache is what is published: registered once, its blocks leased as they are.
+        self.sender = KVSender(self.engine_id, self.layout, self.cache.pool, self.transport,
+                               stage_config.engine_args.kv_lease_timeout_s,
+                               buffer_device=settings.buffer_device,
+                               same_host=settings.handoff.kv_same_host != "off")
+        self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "engine_id": self.engine_id,
+                "kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict(),
+                FINGERPRINT_KEY: self.fingerprint}
+
+    def _check(self, request: EngineRequest) -> None:
+        kv_params = request.params.kv_transfer_params or {}
+        if not kv_params.get("do_remote_decode") or not kv_params.get("transfer_id"):
+            raise ValueError(f"request {request.request_id}: a prefill-only stage needs "
+                             "kv_transfer_params with do_remote_decode=true and a transfer_id (the "
+                             "orchestrator's P/D planning sets them)")
+        request.publishes = True
+
+    def _start(self, request: EngineRequest) -> list[StepOutput]:
+        transfer_id = request.params.kv_transfer_params["transfer_id"]
+        pre = self._prefill(request)
+        if request.cached_len:
+            # Cached blocks go with the checksums they were named with (memory that changed
+            # since fails the handoff); the rest are checksummed as they now lie.
+            self.kv.write(request.blocks, request.cached_len, pre.kv)
+            reused = request.cached_len // self.block_size
+            sums = ([self.kv.checksum(b) for b in request.blocks[:reused]]
+                    + self.kv.checksums(request.blocks, request.prompt_len, first=reused))
+        else:  # block by block as written (each still in cache): no second pass at publish
+            sums = self.kv.write(request.blocks, 0, pre.kv, checksums=True)
+        self._cache_prompt(request, pre, sums)
+        prompt_blocks = self.kv.blocks_for(request.prompt_len)
+        descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
+                                                request.prompt_len, checksums=sums)
+        request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
+        out_params = {
+            **descriptor.to_params(),
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_bootstrap_addr": f"mooncake://{self.transport.session_id}",
+            "remote_request_id": request.request_id,
+            "first_token": pre.first_token,
+            **{key: pre.state[key] for key in self.runner.handoff_keys},
+            FINGERPRINT_KEY: self.fingerprint,
+            # False: the decode side must neither reuse cached blocks for it nor cache these.
+            "kv_cacheable": request.cacheable,
+        }
+        log.debug("request %s: published %d prompt tokens as transfer %s", request.request_id,
+                  request.prompt_len, transfer_id)
+        self.runner.prefilled(request, pre)
+        request.tokens.append(pre.first_token)
+        request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
+        output = self.runner.output(request, "length")  # the prompt's (request.publishes)
+        output.kv_transfer_params = out_params
+        self._drop(request)
+        return [StepOutput(request.request_id, finished=True, output=output)]
+
+    def _match_prefix(self, request: EngineRequest) -> list[int]:
+        if self._fault_pending:  # the oldest waiting request is the next one published
+            request.cacheable, self._fault_pending = False, False
+        return super()._match_prefix(request)
+
+    def release_kv(self, transfer_id: str) -> bool:
+        return self.sender.release(transfer_id)
+
+    def inject_kv_fault(self, block_index: int = 0, byte_offset: int = 3,
+                        after_checksum: bool = False) -> None:
+        """Test hook: the next published request gets one flipped byte. Its blocks stay out of
+        the prefix cache both ways, so the flip corrupts that request alone, as a fault in
+        transit would, and not the cached prefix of the requests after it."""
+        self.sender.inject_fault_once(block_index, byte_offset, after_checksum)
+        self._fault_pending = True
+
+    def housekeeping(self) -> None:
+        self.sender.expire_leases()
+
+    def debug_state_counts(self) -> dict[str, int]:
+        return {**super().debug_state_counts(), **self.sender.debug_state_counts()}
+
+    def _blocks_lent(self) -> int:
+        return self.sender.blocks_held
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class DecodeEngine(ArEngine):
+    """The decode leg. The wait for a request's KV is bounded by `kv_wait_s` from its
+    kv_transfer_params, else the stage's kv_miss_window_s; past it the request fails with
+    KVMissError (and the orchestrator falls back)."""
+
+    prefills_over_cache = False  # its blocks are named without their rows (_match_prefix)
+
+    def __init__(self, stage_config, runner: ArRunner):
+        super().__init__(stage_config, runner)
+        self._last_fetch_start = 0.0  # when the newest KV read started (perf_counter)
+        settings = TransferSettings.of(stage_config)
+        handoff = settings.handoff
+        self.kv_miss_window_s = handoff.kv_miss_window_s
+        self.engine_id = settings.engine_id or f"decode-{uuid.uuid4().hex[:12]}"
+        # A read abandoned on a frozen peer holds its blocks until Mooncake gives up on
+        # it: make that the handoff deadline rather than Mooncake's 30 s.
+        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol,
+                                           progress_timeout_s=handoff.kv_handoff_deadline_s)
+        self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
+        _log_fingerprint(self.stage_id, self.name, "decode", self.fingerprint)
+        self.peers = PeerFingerprints(self.fingerprint,
+                                      require_identical_kernels=handoff.require_identical_kernels)
+        # The KV lands where it is used: the receiver reads into blocks of the paged cache.
+        self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport,
+                                   same_host=handoff.kv_same_host,
+                                   buffer_device=settings.buffer_device)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "engine_id": self.engine_id,
+                "kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict(),
+                FINGERPRINT_KEY: self.fingerprint, "kv_miss_window_s": self.kv_miss_window_s}
+
+    def _check(self, request: EngineRequest) -> None:
+        kv_params = request.params.kv_transfer_params
+        if not kv_params or not kv_params.get("do_remote_prefill"):
+            return  # no remote KV: prefilled here
+        descriptor = KVDescriptor.from_params(kv_params)
+        if descriptor.num_tokens != request.prompt_len:
+            raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} holds "
+                             f"KV for {descriptor.num_tokens} tokens but the prompt has "
+                             f"{request.prompt_len}")
+        for key in ("first_token", *self.runner.handoff_keys):
+            if not _is_int(kv_params.get(key)):
+                raise ValueError(f"request {request.request_id}: kv_transfer_params[{key!r}] for "
+                                 f"transfer {descriptor.transfer_id}: expected an int from the "
+                                 f"prefill stage, got {kv_params.get(key)!r:.80}")
+        self._wait_s(request.request_id, kv_params)
+        staging = self.receiver.staging_blocks(descriptor)
+        needed = staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
+        if staging and needed > self.kv.num_blocks:
+            raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} "
+                             f"stages into {staging} KV blocks besides the request's own, "
+                             f"{needed} in all; stage {self.stage_id} has {self.kv.num_blocks}; "
+                             "raise engine_args.kv_pool_blocks")
+        request.kv = descriptor
+
+    def _wait_s(self, request_id: str, kv_params: dict[str, Any]) -> float:
+        value = kv_params.get("kv_wait_s")
+        if value is None:
+            return self.kv_miss_window_s
+        # 0 is a wait that has run out already (the orchestrator's deadline): a miss, unless
+        # the KV is there by the first poll.
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ValueError(f"request {request_id}: kv_transfer_params['kv_wait_s'] must be a "
+                             f"number of seconds >= 0, got {value!r:.80}")
+        return float(value)
+
+    def _match_prefix(self, request: EngineRequest) -> list[int]:
+        """For a prompt whose KV arrives from the prefill leg: the blocks of it this engine
+        holds already (an earlier turn's), so that only the rest moves. Blocks are named here
+        without their rows, which stay with the prefill leg, so a prompt this engine prefills
+        itself (the fallback) does not reuse them."""
+        if (request.prefills_here or not self.prefix_caching
+                or request.kv.kv_layout != self.layout):
+            return []
+        if request.params.kv_transfer_params.get("kv_cacheable") is False:
+            request.cacheable = False
+            return []
+        return self.kv.match(request.token_ids, request.extra_keys, limit=request.prompt_len)
+
+    def _resume(self, request: EngineRequest) -> list[StepOutput]:
+        kv_params = request.params.kv_transfer_params
+        self.runner.resume(request, {key: int(kv_params[key]) for key in self.runner.handoff_keys})
+        return self._first_token(request, int(kv_params["first_token"]))
+
+    def _start(self, request: EngineRequest) -> list[StepOutput]:
+        if request.prefills_here:
+            log.debug("request %s: no remote KV, prefilling %d prompt positions here",
+                      request.request_id, request.prompt_len)
+            return self._prefill_here(request)
+        kv_params = request.params.kv_transfer_params
+        self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
+        # The blocks this engine holds already stay; only the rest of the prompt moves.
+        reused = request.cached_len // self.block_size
+        request.reused, request.cached_len = request.blocks[:reused], 0
+        request.metrics.update(kv_reused_tokens=reused * self.block_size,
+                               kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token)
+        if reused == len(request.kv.remote_block_ids):  # the whole prompt is here
+            request.reused = []  # they stay among the request's blocks
+            request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
+            return self._resume(request)
+        descriptor = request.kv.without_first(reused) if reused else request.kv
+        # The prompt's blocks go to the receiver for the read and come back with the result;
+        # the request keeps the blocks its output will fill.
+        prompt_blocks = self.receiver.dest_blocks(descriptor)
+        self.receiver.start(descriptor, self._wait_s(request.request_id, kv_params),
+                            into=request.blocks[reused:reused + prompt_blocks])
+        request.blocks = request.blocks[reused + prompt_blocks:]
+        request.phase = Phase.FETCHING
+        self._last_fetch_start = time.perf_counter()
+        self.scheduler.fetching.append(request.request_id)
+        log.debug("request %s: reading %d prompt positions of KV as transfer %s from %s",
+                  request.request_id, request.prompt_len, request.kv.transfer_id,
+                  request.kv.remote_session)
+        # A same-host copy is complete already: the first token leaves in this step.
+        fetched = self.receiver.poll(request.kv.transfer_id)
+        return self._fetched(request, fetched) if fetched is not None else []
+
+    def _name_blocks(self, request: EngineRequest) -> None:
+        """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
+        if self.prefix_caching and request.kv.kv_layout == self.layout and request.cacheable:
+            full = request.prompt_len // self.block_size
+            self.kv.register(request.blocks[:full], request.token_ids, request.extra_keys)
+
+    def _progress(self) -> list[StepOutput]:
+        self.receiver.reclaim()
+        outputs: list[StepOutput] = []
+        for request in [self.scheduler.requests[r] for r in self.scheduler.fetching]:
+            try:
+                fetched = self.receiver.poll(request.kv.transfer_id)
+                if fetched is not None:
+                    outputs.extend(self._fetched(request, fetched))
+            except Exception as exc:  # this request's transfer failed or timed out
+                log.debug("stage %d: request %s: %s: %s", self.stage_id, request.request_id,
+                          type(exc).__name__, exc)
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _fetched(self, request: EngineRequest, fetched) -> list[StepOutput]:
+        self.scheduler.fetching.remove(request.request_id)
+        request.phase = Phase.RUNNING
+        # The KV is in them already: the reused blocks, the arrived ones, then the output's.
+        request.blocks = request.reused + fetched.blocks + request.blocks
+        request.reused = []
+        self._name_blocks(request)
+        request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
+                               kv_bytes_transferred=fetched.bytes_transferred, kv_path=fetched.path)
+        return self._resume(request)
+
+    def _can_start(self, request: EngineRequest) -> bool:
+        # Blocks in quarantine come back only when Mooncake ends their reads: wait. A read in
+        # place needs only the request's own blocks; one whose layout differs stages too.
+        if request.prefills_here:
+            return True
+        staging = self.receiver.staging_blocks(request.kv)
+        return staging == 0 or staging + self.kv.blocks_for(
+            request.prompt_len + request.params.max_tokens) <= self.kv.num_free
+
+    def _release(self, request: EngineRequest) -> None:
+        if request.phase is Phase.FETCHING:
+            # Mooncake may still write the prompt's blocks: the receiver quarantines them.
+            self.receiver.abandon(request.kv.transfer_id, f"request {request.request_id} left")
+        self.kv.free(request.reused)  # the cached blocks it held while the rest moved
+        request.reused = []
+
+    def step_delay_s(self) -> float:
+        # Nothing decodes: every admitted request waits on its read, and a request still
+        # waiting after a step could not be admitted (it waits for slots or blocks that only
+        # the end of a read or quarantine frees). Stepping again at once would only spin.
+        if not self.scheduler.requests or self.scheduler.running:
+            return 0.0
+        young = time.perf_counter() - self._last_fetch_start < FETCH_FAST_WINDOW_S
+        return FETCH_FAST_POLL_S if young else FETCH_POLL_S
+
+    def housekeeping(self) -> None:
+        self.receiver.reclaim()
+
+    def _output(self, request: EngineRequest, reason: str) -> Any:
+        output = super()._output(request, reason)
+        if not request.prefills_here:
+            output.num_cached_prompt_tokens = request.prompt_len  # its KV came from the prefill
+        return output
+
+    def debug_state_counts(self) -> dict[str, int]:
+        return {**super().debug_state_counts(), **self.receiver.debug_state_counts()}
+
+    def _blocks_lent(self) -> int:
+        return self.receiver.blocks_held
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,83 @@
+"""One request's whole state in an autoregressive engine, and its lifecycle.
+
+    add_request ──> WAITING ──admit──> RUNNING ──finish / fail / abort──> gone
+                       │                  ▲
+                       └──admit (decode leg, remote KV)──> FETCHING ──KV arrived──┘
+
+* WAITING: added, not admitted (no KV blocks held). Admission is oldest first, within the step's
+  seats (`max_num_seqs`), token budget (`max_num_batched_tokens`) and free KV blocks.
+* FETCHING (decode leg only): admitted, its prompt's KV read from the prefill engine is in
+  flight; each step polls it without blocking, bounded by the request's miss window.
+* RUNNING: admitted and prefilled (or its KV arrived): it has its first token and decodes one
+  token per step until the runner says it is finished.
+
+Everything a request holds lives in its `EngineRequest`: its blocks go back to the KV manager,
+and the object leaves the engine's map, on each of the three ways out. The runner keeps what its
+model needs per request in `model` (nothing per request outside this object).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...kv import KVDescriptor
+from ...sampling import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    FETCHING = "fetching"
+    RUNNING = "running"
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: Any  # the model's prompt record, as the stage input processor built it
+    params: SamplingParams
+    prompt_len: int  # positions the prompt fills (tokens, or embedding rows)
+    # The prompt's token ids, when it has them: what the prefix cache names blocks by, and what
+    # a repetition penalty sees. None for a prompt of embeddings.
+    token_ids: list[int] | None
+    stream: bool = False  # send new output as it comes (text deltas and/or chunks)
+    chunks: bool = False  # send chunks for a stage that runs alongside, not only text deltas
+    chunk_sizes: tuple[int, int] | None = None  # units per chunk (first, later), or every step's
+    arrived: float = field(default_factory=time.perf_counter)
+    admitted_at: float = 0.0  # perf_counter() when it was admitted
+    phase: Phase = Phase.WAITING
+    kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
+    # Prefill leg: the request ends with its prompt's KV published and its first token; its
+    # output describes the prompt, not a generation (the decode leg's output has that).
+    publishes: bool = False
+    blocks: list[int] = field(default_factory=list)  # its block table: prompt, then output
+    cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
+    cacheable: bool = True  # False: its blocks neither come from nor go to the prefix cache
+    reused: list[int] = field(default_factory=list)  # decode leg: cached blocks while the rest moves
+    extra_keys: list[bytes] = field(default_factory=list)  # per full prompt block (multimodal)
+    batchable: bool = True  # False: its prefill runs alone (the runner's `prefill_alone`)
+    tokens: list[int] = field(default_factory=list)  # sampled so far (the first from the prefill)
+    streamed: int = 0  # tokens already sent as deltas
+    chunks_sent: int = 0
+    prefilled: Any = None  # its share of the step's batched prefill, until its start takes it
+    error: str | None = None  # set when its own computation failed (the others go on)
+    model: Any = None  # the runner's per-request state
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefills_here(self) -> bool:
+        return self.kv is None
+
+    @property
+    def position(self) -> int:
+        """Where the latest token goes: prompt plus the tokens already fed back."""
+        return self.prompt_len + len(self.tokens) - 1
+
+    @property
+    def seen_token_ids(self) -> list[int]:
+        """The ids a repetition penalty counts: the prompt's (when it has ids) and the output's."""
+        return (self.token_ids or []) + self.tokens
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.arrived) * 1e3
