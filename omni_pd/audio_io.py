@@ -4,9 +4,12 @@ Float WAVs keep the model's samples exactly: random-weight audio peaks near 1e-6
 PCM without a gain."""
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
+import numpy as np
 import soundfile
 import torch
 
@@ -14,6 +17,24 @@ PCM16_SAMPLE_RATE = 24_000  # OpenAI's pcm16: 24 kHz mono little-endian int16
 # The tiny random-weight code2wav's waveform peaks at 0.8e-6 to 1.0e-6 (RMS 1.5e-7) over varied
 # prompts; this gain puts its peaks near half of full scale (RMS about -22 dBFS), clipping nothing.
 DUMMY_WEIGHTS_PCM16_GAIN = 5e5
+
+
+# What speech encoders read (Whisper's log-mel features): the rate audio inputs are decoded to.
+INPUT_SAMPLE_RATE = 16_000
+
+
+def decode_audio(data: str | bytes, fmt: str | None = None,
+                 sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
+    """Base64 (or raw bytes) of a WAV/FLAC/OGG file -> mono float32 at `sample_rate`. `fmt` (the
+    client's name for the format) is informational: libsndfile reads the container itself."""
+    import librosa
+
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    mono = samples.mean(axis=1)
+    if rate != sample_rate:
+        mono = librosa.resample(mono, orig_sr=rate, target_sr=sample_rate)
+    return np.ascontiguousarray(mono, dtype=np.float32)
 
 
 # libsndfile's SFC_SET_ADD_PEAK_CHUNK (sndfile.h): whether a float file gets a PEAK chunk.

@@ -107,7 +107,7 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
 
 def test_audio_turns_carry_a_distinct_seeded_clip_the_server_decodes():
     from omni_pd.bench.multi_turn import _text_chars, conversation_turn, spoken_clip
-    from omni_pd.models.qwen3_omni.prompt import decode_audio
+    from omni_pd.audio_io import decode_audio
 
     clip = spoken_clip(0, 1, seconds=0.5)
     samples = decode_audio(clip["input_audio"]["data"], clip["input_audio"]["format"])

@@ -39,7 +39,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ..audio_io import write_wav
-    from ..models.qwen3_omni.prompt import decode_audio
+    from ..audio_io import decode_audio
     from ..orchestrator.omni import Omni
 
     content: object = args.prompt

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...models.qwen3_omni.prompt import decode_audio
+from ...audio_io import decode_audio
 from ...sampling import SamplingParams
 from .protocol import APIError, ChatCompletionRequest
 

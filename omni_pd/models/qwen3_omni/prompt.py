@@ -6,8 +6,6 @@ Qwen3-Omni's processor does.
 """
 from __future__ import annotations
 
-import base64
-import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +13,7 @@ import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 
+from omni_pd.audio_io import decode_audio
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
 AUDIO_SAMPLE_RATE = 16_000
@@ -36,19 +35,6 @@ class OmniPrompt:
     prompt_token_ids: list[int] | None = None
     audios: list[np.ndarray] = field(default_factory=list)  # 16 kHz mono float32, in order
     speaker: str = "ethan"
-
-
-def decode_audio(data: str | bytes, fmt: str | None = None) -> np.ndarray:
-    """Base64 (or raw bytes) of a WAV/FLAC/OGG file -> 16 kHz mono float32."""
-    import librosa
-    import soundfile
-
-    raw = base64.b64decode(data) if isinstance(data, str) else data
-    samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
-    mono = samples.mean(axis=1)
-    if rate != AUDIO_SAMPLE_RATE:
-        mono = librosa.resample(mono, orig_sr=rate, target_sr=AUDIO_SAMPLE_RATE)
-    return np.ascontiguousarray(mono, dtype=np.float32)
 
 
 def normalize_prompt(prompt: Any) -> OmniPrompt:
@@ -93,7 +79,7 @@ class PromptBuilder:
                 for part in content:
                     if part.get("type") == "input_audio":
                         spec = part["input_audio"]
-                        found.append(decode_audio(spec["data"], spec.get("format")))
+                        found.append(decode_audio(spec["data"], spec.get("format"), AUDIO_SAMPLE_RATE))
                     elif part.get("type") == "audio":
                         if part.get("audio") is None:
                             raise ValueError("an audio part needs 'audio' (16 kHz mono float "
