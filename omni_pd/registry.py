@@ -56,6 +56,22 @@ class ModelPipeline:
     speech_text: Callable[[str, float], str] | None = None
 
 
+# The kinds of hf stage a model may have, each run by one generic engine (engines/core): an
+# autoregressive stage (continuous batching over a paged KV cache, and its P/D legs), or a
+# decoder fed its input in chunks.
+AUTOREGRESSIVE, CHUNKED = "autoregressive", "chunked"
+STAGE_KINDS = (AUTOREGRESSIVE, CHUNKED)
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """An engine_args key a model's hf stages read: the config schema takes it from here."""
+
+    annotation: Any  # its type, as pydantic checks it
+    default: Any
+    why_hf_only: str  # what a vLLM stage that sets it is told (vLLM would ignore it)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model package gives the generic layers. Callables import their model code when
@@ -70,8 +86,16 @@ class ModelSpec:
     # model that only serves as a stage's checkpoint (a vLLM stage's stand-in).
     load_pipeline: Callable[[str], ModelPipeline] | None = None
     # Engine family (`engine_args.engine`) -> builder(stage_config, model) -> a StageEngine, for
-    # families whose engines are written per model (hf). vLLM's engine is generic.
+    # families whose engines are built on the model's runners (hf). vLLM's engine is generic.
     engine_builders: Mapping[str, Callable[[Any, str], Any]] = field(default_factory=dict)
+    # The model stages (`engine_args.model_stage`) its hf engines run, and each one's kind.
+    hf_stages: Mapping[str, str] = field(default_factory=dict)
+    # engine_args keys its hf stages read beyond the generic ones (config/schema.py).
+    engine_args: Mapping[str, EngineArg] = field(default_factory=dict)
+    # vllm-omni engine_args keys of this model's stage files that omni-pd passes over.
+    vllm_omni_engine_args: tuple[str, ...] = ()
+    # vllm-omni's dotted names of this model's stage input processors -> this package's.
+    processor_aliases: Mapping[str, str] = field(default_factory=dict)
     # (An embedded model's name, weights seed) -> a checkpoint directory written for engines that
     # load from disk; the seed is the one hf stages build the same model's dummy weights with.
     materialize: Callable[[str, int], str] | None = None
@@ -247,3 +271,32 @@ def native_kernels() -> tuple[Any, ...]:
 def worker_preload() -> list[str]:
     """Every registered model's worker modules, in registration order, each once."""
     return list(dict.fromkeys(m for spec in specs().values() for m in spec.worker_preload))
+
+
+def hf_stages() -> dict[str, str]:
+    """Every registered model's hf model stages and their kinds."""
+    found: dict[str, str] = {}
+    for spec in specs().values():
+        for stage, kind in spec.hf_stages.items():
+            if kind not in STAGE_KINDS:
+                raise TypeError(f"model {spec.name}: stage {stage!r} has kind {kind!r}, not one of "
+                                f"{', '.join(STAGE_KINDS)}")
+            found.setdefault(stage, kind)
+    return found
+
+
+def model_engine_args() -> dict[str, EngineArg]:
+    """Every registered model's own engine_args keys (the first model to declare a key wins)."""
+    found: dict[str, EngineArg] = {}
+    for spec in specs().values():
+        for name, arg in spec.engine_args.items():
+            found.setdefault(name, arg)
+    return found
+
+
+def vllm_omni_engine_args() -> frozenset[str]:
+    return frozenset(key for spec in specs().values() for key in spec.vllm_omni_engine_args)
+
+
+def processor_aliases() -> dict[str, str]:
+    return {alias: ours for spec in specs().values() for alias, ours in spec.processor_aliases.items()}

@@ -1,4 +1,4 @@
-"""VllmThinkerEngine's step loop, in-process on the CI's colocated vLLM config (run by
+"""VllmEngine's step loop, in-process on the CI's colocated vLLM config (run by
 tests/test_vllm_engine_step.py in a fresh interpreter): requests added at once are stepped
 together (vLLM batches them) and give the same tokens as each run alone.
 

@@ -251,7 +251,7 @@ def test_the_tiny_files_load(tmp_path):
     ({"session_mode": "duplex"}, ("session_mode", "duplex sessions")),
     ({"duplex_session": {"max_sessions": 2}}, ("duplex_session", "duplex sessions")),
     ({"model_runner": "v2"}, ("model_runner", "model runner v2")),
-    ({"active_stream_window": 2}, ("active_stream_window", "talker batches")),
+    ({"active_stream_window": 2}, ("active_stream_window", "engines batch every running request")),
     ({"forced_aligner": {"model": "x"}}, ("forced_aligner", "forced-aligner stage")),
     ({"custom_voice_dir": "/voices"}, ("custom_voice_dir", "checkpoint's voices")),
     ({"pipeline": "qwen3_omni_mo"}, ("pipeline", "did you mean 'qwen3_omni_moe'?")),

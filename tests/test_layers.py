@@ -138,3 +138,52 @@ def test_negative_control_the_checks_see_an_arrow_back_up_and_a_circle(tmp_path,
         test_no_import_circles()
     with pytest.raises(AssertionError):
         test_model_free_layers_name_no_model("engines")
+
+
+# The generic layers name no stage of a model either (issue 37): which stages a model has, and
+# what each is, comes from its ModelSpec. Comments and docstrings may use the names as examples.
+STAGE_FREE = ("engines", "kv", "orchestrator", "config")
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+
+
+def _code_without_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every token of `path` but comments and docstrings."""
+    import io
+    import tokenize
+
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                docstrings.add((body[0].lineno, body[0].col_offset))
+    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type != tokenize.COMMENT and (tok.start[0], tok.start[1]) not in docstrings]
+
+
+def _stage_names_in(root: Path, layer: str) -> list[str]:
+    found = []
+    for path in sorted((root / layer).rglob("*.py")):
+        for line, text in _code_without_comments(path):
+            hits = [name for name in STAGE_NAMES if name in text.lower()]
+            if hits:
+                found.append(f"{path.relative_to(root)}:{line}: {text[:60]!r} names {hits}")
+    return found
+
+
+@pytest.mark.parametrize("layer", STAGE_FREE)
+def test_generic_layers_name_no_model_stage(layer):
+    assert _stage_names_in(ROOT, layer) == []
+
+
+def test_negative_control_a_stage_name_in_code_is_seen_in_a_comment_is_not(tmp_path):
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "a.py").write_text(
+        '"""The talker, in a docstring."""\n# the thinker, in a comment\n'
+        'def f():\n    """code2wav in a docstring"""\n    return 1\n')
+    assert _stage_names_in(tmp_path, "engines") == []
+    (tmp_path / "engines" / "b.py").write_text('NAME = "thinker.requests"\nclass HfTalkerEngine:\n    pass\n')
+    found = _stage_names_in(tmp_path, "engines")
+    assert len(found) == 2 and "thinker" in found[0] and "talker" in found[1]

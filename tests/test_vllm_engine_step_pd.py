@@ -1,4 +1,4 @@
-"""VllmThinkerEngine's step loop on a P/D pair (MooncakeConnector, CPU), each engine in its own
+"""VllmEngine's step loop on a P/D pair (MooncakeConnector, CPU), each engine in its own
 process driven like a stage worker drives it (add_request, then step() while it has requests,
 idle otherwise): prefills batched together, their KV sent by the offline_drain thread while the
 prefill engine's caller idles (and while it steps a later batch), decodes batched together, and

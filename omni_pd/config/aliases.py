@@ -1,4 +1,5 @@
-"""vllm-omni's names for its Qwen3-Omni stage input processors, resolved to omni-pd's own.
+"""vllm-omni's names for its stage input processors, resolved to omni-pd's own (each model package
+declares its aliases in its `ModelSpec.processor_aliases`).
 
 vllm-omni's stage files name processors by dotted path into `vllm_omni`, which omni-pd does not
 need installed. Two keys carry them:
@@ -14,29 +15,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from omni_pd import registry
+
 log = logging.getLogger(__name__)
-
-_VLLM_OMNI = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
-_OURS = "omni_pd.models.qwen3_omni.stage_input_processors"
-
-PROCESSOR_ALIASES: dict[str, str] = {
-    # vllm-omni <= 0.18 legacy stage_args files
-    f"{_VLLM_OMNI}.thinker2talker": f"{_OURS}.thinker2talker",
-    f"{_VLLM_OMNI}.talker2code2wav": f"{_OURS}.talker2code2wav",
-    f"{_VLLM_OMNI}.thinker2talker_async_chunk": f"{_OURS}.thinker2talker",
-    f"{_VLLM_OMNI}.talker2code2wav_async_chunk": f"{_OURS}.talker2code2wav",
-    # vllm-omni 0.30 (the deploy schema's pipeline in code)
-    f"{_VLLM_OMNI}.thinker2talker_full_payload": f"{_OURS}.thinker2talker",
-    f"{_VLLM_OMNI}.thinker2talker_token_only": f"{_OURS}.thinker2talker",
-    f"{_VLLM_OMNI}.talker2code2wav_full_payload": f"{_OURS}.talker2code2wav",
-}
 
 _logged: set[str] = set()
 
 
 def resolve_processor(dotted: str) -> str:
     """omni-pd's processor for a vllm-omni name (logged at INFO once per name), else `dotted`."""
-    ours = PROCESSOR_ALIASES.get(dotted)
+    ours = registry.processor_aliases().get(dotted)
     if ours is None:
         return dotted
     if dotted not in _logged:

@@ -12,22 +12,23 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from omni_pd import registry
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.pydantic_issues import suggest
 from omni_pd.config.schema import KVConnectorExtraConfig, KVTransferConfig, PipelineRuntime, StageConfig
 
-# Model stages the embedded hf engine implements.
-HF_MODEL_STAGES: frozenset[str] = frozenset({"thinker", "talker", "code2wav"})
-# omni-pd's engine_args keys that only its hf engines read: on a vLLM stage they would do nothing.
+# omni-pd's engine_args keys that only its hf engines read: on a vLLM stage they would do nothing
+# (and those each registered model declares, with its reason).
+_CHUNKED = "a chunked decoder stage runs on engine: hf"
 HF_ONLY_KEYS: dict[str, str] = {
     "kv_block_size": "set vLLM's block_size instead",
     "kv_pool_blocks": "vLLM sizes its KV cache itself (VLLM_CPU_KVCACHE_SPACE on CPU, "
                       "gpu_memory_utilization on GPUs)",
     "attention_kernels": "vLLM picks its own attention backend",
-    "code2wav_kernels": "a code2wav stage runs on engine: hf",
-    "initial_codec_chunk_frames": "a code2wav stage runs on engine: hf",
-    "codec_chunk_frames": "a code2wav stage runs on engine: hf",
-    "codec_left_context_frames": "a code2wav stage runs on engine: hf",
+    "initial_codec_chunk_frames": _CHUNKED,
+    "codec_chunk_frames": _CHUNKED,
+    "codec_left_context_frames": _CHUNKED,
+    **{name: arg.why_hf_only for name, arg in registry.model_engine_args().items()},
 }
 PREFILL_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
 DECODE_ROLES: frozenset[str] = frozenset({"kv_consumer", "kv_both"})
@@ -131,12 +132,13 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     for index, stage in ctx.stages:
         args = stage.engine_args
-        if args.engine == "hf" and args.model_stage not in HF_MODEL_STAGES:
-            hint = suggest(args.model_stage, HF_MODEL_STAGES)
+        hf_stages = registry.hf_stages()
+        if args.engine == "hf" and args.model_stage not in hf_stages:
+            hint = suggest(args.model_stage, hf_stages)
             issues.append(ctx.issue(
                 stage, _ek(index, "engine_args.model_stage"), args.model_stage,
-                ", ".join(sorted(HF_MODEL_STAGES)),
-                "the hf engine does not implement this model stage"
+                ", ".join(sorted(hf_stages)),
+                "no registered model has an hf engine for this model stage"
                 + (f"; did you mean '{hint}'?" if hint else "")))
         if args.engine == "vllm":
             for key in sorted(args.model_fields_set & HF_ONLY_KEYS.keys()):

@@ -44,15 +44,14 @@ NOOP_TOP_KEYS: dict[str, tuple[Any, str]] = {
                              "vllm-omni's; omni-pd serves one turn per request"),
     "model_runner": ("v1", "vLLM's model runner v2 is not used: omni-pd's hf engine is its own "
                            "model runner and its vllm stages run v1"),
-    "active_stream_window": (0, "vllm-omni's active talker stream slots; omni-pd's talker batches "
+    "active_stream_window": (0, "vllm-omni's active speech stream slots; omni-pd's engines batch "
                                 "every running request"),
 }
 REFUSED_TOP_KEYS: dict[str, str] = {
     "duplex_session": "it configures duplex sessions, which omni-pd does not implement",
     "forced_aligner": "it appends vllm-omni's forced-aligner stage (TTS word timestamps); "
                       "omni-pd's pipelines have no such stage",
-    "custom_voice_dir": "vllm-omni's TTS custom voices; omni-pd's talker speaks the checkpoint's "
-                        "voices",
+    "custom_voice_dir": "vllm-omni's TTS custom voices; omni-pd speaks the checkpoint's voices",
 }
 _HANDLED_TOP_KEYS = ("stages", "platforms", "pipeline", "async_chunk", "connectors", "edges",
                      "base_config")
@@ -377,12 +376,14 @@ class _Converter:
 
     def _codec_chunks(self, topo: Topology, stages: dict[int, dict[str, Any]],
                       out: dict[int, dict[str, Any]], connectors: Mapping[str, Any] | None) -> None:
-        """vllm-omni sets code2wav's chunking in the `extra` of the connector that feeds it:
-        map those keys onto code2wav's engine_args, which omni-pd's code2wav engine reads."""
-        code2wav = next((s for s in topo.stages if s.model_stage == "code2wav"), None)
-        if code2wav is None or not connectors:
+        """vllm-omni sets a chunked decoder's chunking in the `extra` of the connector that feeds
+        it: map those keys onto that stage's engine_args, which omni-pd's chunked engine reads."""
+        kinds = registry.hf_stages()
+        decoder = next((s for s in topo.stages if kinds.get(s.model_stage) == registry.CHUNKED), None)
+        if decoder is None or not connectors:
             return
-        sid, src = code2wav.stage_id, code2wav.engine_input_source[0]
+        sid, src = decoder.stage_id, decoder.engine_input_source[0]
+        name_of = f"stage {sid} ({decoder.model_stage})"
         names = []
         for stage_id, field, slot in ((sid, "input_connectors", f"from_stage_{src}"),
                                       (src, "output_connectors", f"to_stage_{sid}")):
@@ -399,20 +400,20 @@ class _Converter:
                 if key in found and found[key][0] != extra[key]:
                     self._top(f"connectors.{name}.extra.{key}", extra[key],
                               f"{found[key][0]!r} (as connector {found[key][1]})",
-                              f"two connectors feed code2wav (stage {sid}) with different {key}")
+                              f"two connectors feed {name_of} with different {key}")
                 found.setdefault(key, (extra[key], name))
         engine = out[sid]["engine_args"]
         mapped = []
         for key, (value, name) in found.items():
             if key in engine:
-                self.notes.append(f"stage {sid} (code2wav): its own {key} ({engine[key]!r}) wins "
+                self.notes.append(f"{name_of}: its own {key} ({engine[key]!r}) wins "
                                   f"over connector {name}'s ({value!r})")
                 continue
             engine[key] = value
             self.keys.engine_sources[(sid, key)] = ("connector", name)
             mapped.append(f"{key}={value!r} (connector {name})")
         if mapped:
-            self.notes.append(f"stage {sid} (code2wav) chunking from its connector: "
+            self.notes.append(f"{name_of} chunking from its connector: "
                               f"{', '.join(mapped)}")
 
     def _edges(self, topo: Topology) -> list[dict[str, Any]]:

@@ -8,11 +8,14 @@ being silently ignored by an engine.
   v0.11-era, plus those vLLM 0.32.0 has: `moe_backend`, `attention_config`, ...), minus private
   `_api_*` fields. Forwarded to vLLM for `engine: vllm` stages.
 - `VLLM_OMNI_ENGINE_ARG_NAMES`: keys vllm-omni adds in `OmniEngineArgs` (vllm_omni/engine/
-  arg_utils.py). Accepted so vllm-omni stage files load; omni-pd does not forward them to vLLM.
+  arg_utils.py), and those a model's stage files carry (`ModelSpec.vllm_omni_engine_args`).
+  Accepted so vllm-omni stage files load; omni-pd does not forward them to vLLM.
 
 When vLLM adds an engine argument, add its name to the first set.
 """
 from __future__ import annotations
+
+from omni_pd import registry
 
 VLLM_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
     {
@@ -118,7 +121,7 @@ VLLM_OMNI_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
     {
         "model_stage", "model_arch", "engine_output_type", "hf_config_name", "worker_type",
         "custom_process_next_stage_input_func", "requires_full_payload_input",
-        "stage_connector_spec", "subtalker_sampling_params", "silence_ban_frames", "async_chunk",
+        "stage_connector_spec", "silence_ban_frames", "async_chunk",
         "session_mode", "retains_state_across_chunks", "use_v2_model_runner",
         "supports_native_mrv2_data_plane", "active_stream_window", "duplex_max_sessions",
         "omni_kv_config", "quantization_config", "force_cutlass_fp8", "pooling_output_decoder",
@@ -127,7 +130,7 @@ VLLM_OMNI_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
         "omni_heartbeat_timeout", "output_modalities", "log_stats", "custom_pipeline_args",
         "has_sampling_extra_args", "sampling_extra_args_keys",
     }
-)
+) | registry.vllm_omni_engine_args()
 
 
 # Keys an hf stage reads (the rest of its engine_args mean something to vLLM / vllm-omni only).
@@ -136,10 +139,10 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset({
     "load_format", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s", "kv_transfer_config",
     "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames",
-    "code2wav_kernels", "attention_kernels",
+    "attention_kernels",
     "distributed_executor_backend",  # mp: a local worker process; ray: a Ray actor
-    "enable_prefix_caching",  # the thinker engines' prefix cache (default on)
-})
+    "enable_prefix_caching",  # the autoregressive engines' prefix cache (default on)
+}) | frozenset(registry.model_engine_args())  # and the keys each model's hf stages read
 
 _WHY_UNUSED: dict[str, str] = {
     "gpu_memory_utilization": "GPU memory sizing; the hf engine's KV pool is kv_pool_blocks",

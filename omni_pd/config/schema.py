@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator, model_validator
 
+from omni_pd import registry
 from omni_pd.config.engine_keys import VLLM_ENGINE_ARG_NAMES, VLLM_OMNI_ENGINE_ARG_NAMES
 from omni_pd.sampling import SamplingParams
 
@@ -130,10 +131,7 @@ class _TypedEngineArgs(_Model):
     initial_codec_chunk_frames: int = Field(default=4, ge=1)
     codec_chunk_frames: int = Field(default=25, ge=1)
     codec_left_context_frames: int | None = Field(default=None, ge=1)
-    # hf code2wav: the convolutional decoder on omni-pd's C kernels (built with the system C
-    # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
-    code2wav_kernels: Literal["native", "torch"] = "native"
-    # hf thinker and talker: a decode step's attention for all sequences in one call of
+    # hf autoregressive stages: a decode step's attention for all sequences in one call of
     # omni-pd's C kernel, or one torch attention call per sequence; both batch-invariant.
     attention_kernels: Literal["native", "torch"] = "native"
     # vllm-omni keys omni-pd reads
@@ -184,15 +182,20 @@ class _TypedEngineArgs(_Model):
         return out
 
 
+# The keys each registered model's hf stages read, typed as the model declares them.
+_MODEL_KEYS = {name: (arg.annotation, arg.default) for name, arg in registry.model_engine_args().items()
+               if name not in _TypedEngineArgs.model_fields}
 # The remaining allowed keys are declared as untyped optional fields (vLLM validates them) so that
 # `extra="forbid"` rejects anything outside the allow-list with the key's exact location.
 _PASSTHROUGH = sorted(
-    (VLLM_ENGINE_ARG_NAMES | VLLM_OMNI_ENGINE_ARG_NAMES) - set(_TypedEngineArgs.model_fields)
+    (VLLM_ENGINE_ARG_NAMES | VLLM_OMNI_ENGINE_ARG_NAMES) - set(_TypedEngineArgs.model_fields) - set(_MODEL_KEYS)
 )
 EngineArgsConfig = create_model(  # type: ignore[call-overload]
     "EngineArgsConfig",
     __base__=_TypedEngineArgs,
-    __doc__="A stage's engine_args: typed omni-pd keys plus allow-listed vLLM / vllm-omni keys.",
+    __doc__="A stage's engine_args: typed omni-pd keys (generic, and those the registered models "
+            "declare) plus allow-listed vLLM / vllm-omni keys.",
+    **_MODEL_KEYS,
     **{name: (Any, None) for name in _PASSTHROUGH},
 )
 

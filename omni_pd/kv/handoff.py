@@ -264,7 +264,7 @@ def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: Moon
         direct = registers_device_memory()
         if buffer_device == "cuda" and not direct:
             raise KVTransferError(
-                f"kv_buffer_device is 'cuda' but this Mooncake build cannot register GPU memory "
+                "kv_buffer_device is 'cuda' but this Mooncake build cannot register GPU memory "
                 "(mooncake-transfer-engine-non-cuda); install a CUDA build of the transfer engine, "
                 "or set kv_buffer_device to 'cpu' (or leave it unset) to stage through host memory")
         host_staging = buffer_device == "cpu" or not direct

@@ -233,4 +233,4 @@ def check_compatible(src_layout: BlockLayout, dst_layout: BlockLayout) -> None:
             "KV layouts are incompatible: prefill has "
             f"{src_layout.num_layers} layers x {src_layout.num_kv_heads} kv heads x {src_layout.head_dim} "
             f"head_dim, decode has {dst_layout.num_layers} x {dst_layout.num_kv_heads} x "
-            f"{dst_layout.head_dim}; both stages must serve the same thinker model")
+            f"{dst_layout.head_dim}; both stages must serve the same model")

@@ -114,7 +114,7 @@ class _RequestState:
     chunks_sent: int = 0
 
 
-class VllmThinkerEngine(StageEngine):
+class VllmEngine(StageEngine):
     control_calls = frozenset({"debug_state_counts", "release_kv", "patch_status"})
 
     def __init__(self, stage, model: str, hooks: VllmModelHooks | None = None):
@@ -476,4 +476,4 @@ def build_vllm_engine(stage, model: str, hooks: VllmModelHooks | None = None) ->
     except ImportError as exc:
         from . import INSTALL_HINT
         raise RuntimeError(f"stage {stage.stage_id} has engine: vllm, but {INSTALL_HINT} ({exc})") from exc
-    return VllmThinkerEngine(stage, model, hooks)
+    return VllmEngine(stage, model, hooks)

@@ -36,8 +36,8 @@ def check_vllm_version(version: str | None = None) -> None:
     version = version or vllm_version()
     if base_version(version) not in SUPPORTED_VLLM:
         raise RuntimeError(
-            f"omni-pd records a vLLM model's per-token rows (an omni thinker's embeddings and "
-            f"hidden states for its talker) through vLLM internals written for vLLM "
+            f"omni-pd records a vLLM model's per-token rows (the embeddings and hidden states an "
+            f"omni model's next stage reads) through vLLM internals written for vLLM "
             f"{', '.join(SUPPORTED_VLLM)}, but vLLM {version} is installed: install a supported "
             "vLLM (`pip install 'omni-pd[vllm]'`), or port omni_pd/engines/vllm/rows.py")
 

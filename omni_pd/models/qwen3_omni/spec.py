@@ -2,9 +2,9 @@
 `omni_pd.models` entry points. Each callable imports the model code it needs when called."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from omni_pd.registry import ModelPipeline, ModelSpec
+from omni_pd.registry import AUTOREGRESSIVE, CHUNKED, EngineArg, ModelPipeline, ModelSpec
 
 from .tiny_config import TINY_MODEL_NAME
 from .vllm import ARCHITECTURE, MODEL_CLASS
@@ -43,19 +43,41 @@ def _native_kernels() -> tuple[Any, ...]:
     return (CODE2WAV,)
 
 
+_VLLM_OMNI = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
+_OURS = "omni_pd.models.qwen3_omni.stage_input_processors"
+
 SPEC = ModelSpec(
     name="qwen3_omni",
     model_types=("qwen3_omni_moe",),
     embedded=(TINY_MODEL_NAME,),
     load_pipeline=_pipeline,
     engine_builders={"hf": _build_hf_engine},
+    hf_stages={"thinker": AUTOREGRESSIVE, "talker": AUTOREGRESSIVE, "code2wav": CHUNKED},
+    engine_args={
+        # code2wav's convolutional decoder on omni-pd's C kernels (built with the system C
+        # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
+        "code2wav_kernels": EngineArg(Literal["native", "torch"], "native",
+                                      "a code2wav stage runs on engine: hf"),
+    },
+    vllm_omni_engine_args=("subtalker_sampling_params",),
+    # vllm-omni's names for this model's stage input processors (config/aliases.py): its legacy
+    # stage_args files, and vllm-omni 0.30's (the deploy schema's pipeline in code). omni-pd
+    # picks the streamed variant itself, so every flavour maps to the one processor.
+    processor_aliases={
+        f"{_VLLM_OMNI}.thinker2talker": f"{_OURS}.thinker2talker",
+        f"{_VLLM_OMNI}.talker2code2wav": f"{_OURS}.talker2code2wav",
+        f"{_VLLM_OMNI}.thinker2talker_async_chunk": f"{_OURS}.thinker2talker",
+        f"{_VLLM_OMNI}.talker2code2wav_async_chunk": f"{_OURS}.talker2code2wav",
+        f"{_VLLM_OMNI}.thinker2talker_full_payload": f"{_OURS}.thinker2talker",
+        f"{_VLLM_OMNI}.thinker2talker_token_only": f"{_OURS}.thinker2talker",
+        f"{_VLLM_OMNI}.talker2code2wav_full_payload": f"{_OURS}.talker2code2wav",
+    },
     materialize=_materialize,
     vllm_hooks=_vllm_hooks,
     vllm_model_classes={ARCHITECTURE: MODEL_CLASS},
     topologies=_topologies,
     default_topologies=("qwen3_omni_moe", "qwen3_omni_moe_pd"),
     native_kernels=_native_kernels,
-    worker_preload=("omni_pd.models.qwen3_omni.hf.stage_engines", "omni_pd.models.qwen3_omni.hf.thinker_engine",
-                    "omni_pd.models.qwen3_omni.hf.talker_engine", "omni_pd.models.qwen3_omni.hf.code2wav_engine"),
+    worker_preload=("omni_pd.models.qwen3_omni.hf.stage_engines",),
     default=True,
 )

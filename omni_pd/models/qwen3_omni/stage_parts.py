@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConfig,
-                          Qwen3OmniMoeForConditionalGeneration,
                           Qwen3OmniMoeTalkerForConditionalGeneration,
                           Qwen3OmniMoeThinkerForConditionalGeneration)
 
