@@ -33,6 +33,7 @@ from ...orchestrator.heap import freeze_startup_heap
 from ...orchestrator.outputs import OmniRequestOutput
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl, Slot
+from .demo import add_demo_routes
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
 from .realtime import subprotocols
@@ -299,9 +300,10 @@ async def _until_disconnected(http_request: Request) -> None:
 def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None,
                api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-               max_queued_requests: int | None = None) -> FastAPI:
+               max_queued_requests: int | None = None, demo_page: bool = True) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
-    default, DEFAULT_QUEUE_FACTOR x what the stages admit at once."""
+    default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
+    demo page at /demo/ (demo.py)."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     state = ServerState(served_model)
@@ -315,6 +317,8 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         _add_debug_routes(app, state)
     _add_realtime_route(app, state)
     _add_chat_route(app, state)
+    if demo_page:
+        add_demo_routes(app, state, api_key_required=bool(api_key), realtime_path=REALTIME_PATH)
     return app
 
 
