@@ -31,7 +31,7 @@ FLAGS = (
     "--disable-sync",
     "--disable-default-apps",
     "--disable-extensions",
-    "--window-size=1000,1100",
+    "--window-size=1000,800",
     "--use-fake-ui-for-media-stream",
     "--use-fake-device-for-media-stream",
 )

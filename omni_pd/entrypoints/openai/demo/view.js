@@ -73,7 +73,8 @@ export class View {
       you.append(element('b', '', 'You '), element('span'));
       const answer = element('p', 'assistant');
       answer.append(element('b', '', 'Assistant '), element('span'));
-      nodes = {article, you: you.lastChild, answer: answer.lastChild, stats: element('p', 'stats')};
+      nodes = {article, you: you.lastChild, answerLine: answer, answer: answer.lastChild,
+               stats: element('p', 'stats')};
       article.append(you, answer, nodes.stats);
       this.turns.append(article);
       this.turnNodes.set(turn.n, nodes);
@@ -81,6 +82,7 @@ export class View {
     }
     nodes.you.textContent = userLine(turn);
     const response = turn.response;
+    nodes.answerLine.hidden = !response;
     nodes.answer.textContent = response ? response.text || '…' : '';
     nodes.stats.textContent = response ? statsLine(response) : '';
     nodes.article.classList.toggle('interrupted', Boolean(response && response.interrupted));
