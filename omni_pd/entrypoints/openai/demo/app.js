@@ -88,7 +88,7 @@ function startResponse(id) {
   turn.speaking = false;
   const response = {id, itemId: null, status: 'in_progress', reason: null, text: '', received: 0,
                     played: 0, ttfaMs: null, createdAt: performance.now(), interrupted: null,
-                    playedFinal: false, truncateSent: false, truncatedMs: null};
+                    playedFinal: false, truncateSent: false, truncatedMs: null, ended: false};
   turn.response = response;
   responses.set(id, {turn, response});
 }
@@ -108,7 +108,7 @@ function audioDelta(event) {
 function speakingResponse() {
   for (let i = demo.turns.length - 1; i >= 0; i--) {
     const response = demo.turns[i].response;
-    if (response && !response.interrupted &&
+    if (response && !response.interrupted && !response.ended &&
         (response.status === 'in_progress' || response.played < response.received)) return response;
   }
   return null;
@@ -137,13 +137,11 @@ function truncateIfCut(response) {
 }
 
 function onPlayed(report) {
-  let total = 0;
   for (const [id, played] of Object.entries(report.counts)) {
-    total += played;
     const entry = responses.get(id);
     if (entry) entry.response.played = played;
   }
-  demo.playedSamples = total;
+  demo.playedSamples = demo.turns.reduce((sum, turn) => sum + (turn.response ? turn.response.played : 0), 0);
   if (report.cleared) {
     for (const {response} of responses.values()) {
       if (response.interrupted && !response.playedFinal) {
@@ -330,6 +328,13 @@ async function connect() {
 }
 
 function teardown() {
+  // The session's answers end with it: none is played, cancelled or truncated any more.
+  for (const {response} of responses.values()) {
+    response.ended = true;
+    if (response.status === 'in_progress') response.status = 'disconnected';
+  }
+  responses.clear();
+  for (const turn of demo.turns) turn.speaking = false;
   demo.micOn = false;
   demo.holding = false;
   if (connection) connection.close();
