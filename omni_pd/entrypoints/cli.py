@@ -171,7 +171,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                      served, enable_debug_endpoints=args.enable_debug_endpoints,
                      on_startup_failure=fail_startup, api_key=args.api_key or None,
                      max_request_bytes=args.max_request_bytes or None,
-                     max_queued_requests=args.max_queued_requests)
+                     max_queued_requests=args.max_queued_requests,
+                     demo_page=not args.no_demo_page)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
     holder["server"] = server
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait while the stages serve as many as they admit "
                        "(the smallest max_num_seqs x num_replicas of the stages); past them a "
                        "request gets a 429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)")
+    serve.add_argument("--no-demo-page", action="store_true",
+                       help="do not serve the voice demo page (default: served at /demo/, and / "
+                       "redirects to it)")
     serve.set_defaults(func=_cmd_serve)
 
     from ..bench.serve import add_arguments as add_bench_serve_arguments

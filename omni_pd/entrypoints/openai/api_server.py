@@ -33,8 +33,10 @@ from ...orchestrator.heap import freeze_startup_heap
 from ...orchestrator.outputs import OmniRequestOutput
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl, Slot
+from .demo import add_demo_routes
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatCompletionRequest
+from .realtime import subprotocols
 from .realtime.session import RealtimeSession
 from .translate import TranslatedRequest, translate
 
@@ -148,19 +150,37 @@ class RequestGuard:
             if not refused:
                 raise
 
+    def _subprotocol_authorized(self, scope: Scope) -> bool:
+        key = subprotocols.offered_api_key(scope)
+        return key is not None and secrets.compare_digest(key.encode(), self.api_key)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The same key rule for /v1 websockets (the Realtime API), checked at the handshake:
-        refused with a 401 where the server can answer a handshake with HTTP (uvicorn can),
-        else closed with 1008."""
+        """The same key rule for /v1 websockets (the Realtime API), checked at the handshake; the
+        key comes as the header or, from browsers, as the subprotocol
+        `openai-insecure-api-key.<key>` (realtime/subprotocols.py). A client that offered
+        subprotocols (a browser, which cannot read a refused handshake's status) is refused in
+        the protocol: the socket opens, one `error` event (code `invalid_api_key`), then a close
+        with 1008. Other clients get a 401 where the server can answer a handshake with HTTP
+        (uvicorn can), else the 1008 close."""
         if not self.api_key or not scope["path"].startswith("/v1") \
-                or self._authorized(Headers(scope=scope)):
+                or self._authorized(Headers(scope=scope)) or self._subprotocol_authorized(scope):
             return await self.app(scope, receive, send)
         await receive()  # websocket.connect
-        if "websocket.http.response" in scope.get("extensions", {}):
+        if subprotocols.offered(scope):
+            await send({"type": "websocket.accept", "subprotocol": subprotocols.chosen(scope)})
+            await send({"type": "websocket.send", "text": json.dumps({
+                "type": "error", "event_id": "event_refused", "error": {
+                    "type": "invalid_request_error", "code": "invalid_api_key", "param": None,
+                    "event_id": None, "message": "missing or incorrect API key: offer the "
+                    "subprotocol `openai-insecure-api-key.<key>` (or send the header "
+                    "`Authorization: Bearer <key>`) with the key the server was started with"}})})
+            await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION,
+                        "reason": "missing or incorrect API key"})
+        elif "websocket.http.response" in scope.get("extensions", {}):
             body = json.dumps(APIError(401, "missing or incorrect API key: send the header "
-                                       "`Authorization: Bearer <key>` with the key the server was "
-                                       "started with (--api-key or OMNI_PD_API_KEY)",
+                                       "`Authorization: Bearer <key>` (browsers: the subprotocol "
+                                       "`openai-insecure-api-key.<key>`) with the key the server "
+                                       "was started with (--api-key or OMNI_PD_API_KEY)",
                                        code="invalid_api_key").body.model_dump()).encode()
             await send({"type": "websocket.http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"),
@@ -280,9 +300,10 @@ async def _until_disconnected(http_request: Request) -> None:
 def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
                enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None,
                api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-               max_queued_requests: int | None = None) -> FastAPI:
+               max_queued_requests: int | None = None, demo_page: bool = True) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
-    default, DEFAULT_QUEUE_FACTOR x what the stages admit at once."""
+    default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
+    demo page at /demo/ (demo.py)."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     state = ServerState(served_model)
@@ -296,6 +317,8 @@ def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
         _add_debug_routes(app, state)
     _add_realtime_route(app, state)
     _add_chat_route(app, state)
+    if demo_page:
+        add_demo_routes(app, state, api_key_required=bool(api_key), realtime_path=REALTIME_PATH)
     return app
 
 
@@ -471,7 +494,8 @@ def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
     @app.websocket(REALTIME_PATH)
     async def realtime(websocket: WebSocket):
         """The Realtime API: one session per socket (realtime/session.py)."""
-        await websocket.accept()
+        # A browser offers `realtime` (and its key, checked by RequestGuard): it must be answered.
+        await websocket.accept(subprotocol=subprotocols.chosen(websocket.scope))
         model = websocket.query_params.get("model")
         refusal = _realtime_refusal(state, model)
         if refusal is not None:
@@ -481,7 +505,8 @@ def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
                 "message": reason, "param": "model", "event_id": None}})
             await websocket.close(code, reason[:120])
             return
-        beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1")
+        beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1") \
+            or subprotocols.wants_beta(websocket.scope)
         session = RealtimeSession(websocket, state.omni, state, state.served_model,
                                   lambda exc: _as_api_error(state, exc), beta=beta)
         state.realtime_sessions.add(session)
