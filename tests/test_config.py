@@ -230,8 +230,9 @@ def test_error_text_puts_each_issue_on_its_own_line(tmp_path: Path) -> None:
         load_pipeline_config(path)
     lines = str(info.value).splitlines()
     assert lines[0].startswith(f"2 problems in stage config {path}")
-    assert any(str(path) in l and "stage 1" in l and "stage_args[1].engine_input_sourc" in l and "engine_input_source" in l for l in lines[1:])
-    assert any(str(path) in l and "stage 2" in l and "tensor_parallel_size" in l for l in lines[1:])
+    assert any(str(path) in line and "stage 1" in line and "stage_args[1].engine_input_sourc" in line
+               and "engine_input_source" in line for line in lines[1:])
+    assert any(str(path) in line and "stage 2" in line and "tensor_parallel_size" in line for line in lines[1:])
 
 
 # --- 2./3. ids and graph ------------------------------------------------------------------------

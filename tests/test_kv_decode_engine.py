@@ -369,7 +369,7 @@ def test_frozen_peer_costs_the_window_and_no_core(decode, colocated, peer, tiny_
     expected = colocated.generate("ref", local_prompt, _params(0, max_tokens=16))
     peer.freeze()
     try:
-        began, cpu_began = time.monotonic(), _cpu_s()
+        began = time.monotonic()
         decode.add_request("frozen", prompt, params)  # no kv_wait_s: the stage's window
         decode.add_request("local", local_prompt, _params(0, max_tokens=16))
         outputs, marks = {}, {}

@@ -1,7 +1,6 @@
 """The continuously batched thinker: a request decodes to the same bits alone or in any batch,
 the scheduler honours max_num_seqs / max_num_batched_tokens / the KV cache, aborts free
 everything, and the batched decoder computes transformers' thinker."""
-import dataclasses
 
 import pytest
 import torch

@@ -313,7 +313,7 @@ class StageClient:
         future = loop.create_future()
         with self._lock:
             # Drop waits given up on (timed out), so a long outage does not grow the list.
-            self._status_waiters = [(l, f) for l, f in self._status_waiters if not f.done()]
+            self._status_waiters = [(loop, f) for loop, f in self._status_waiters if not f.done()]
             self._status_waiters.append((loop, future))
         return future
 
