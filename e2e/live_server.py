@@ -1,4 +1,5 @@
 """A live omni-pd server process on loopback for the end-to-end tests, with an `openai` client."""
+
 from __future__ import annotations
 
 import os
@@ -40,16 +41,29 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
 
 
 def omni_pd_serve_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "INFO", "serve", MODEL,
-            "--port", str(port), "--enable-debug-endpoints", "--request-timeout", "120"]
+    return [
+        sys.executable,
+        "-m",
+        "omni_pd.entrypoints.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        MODEL,
+        "--port",
+        str(port),
+        "--enable-debug-endpoints",
+        "--request-timeout",
+        "120",
+    ]
 
 
 class Server:
     """Starts `command(port)` (default: `omni-pd serve` on the tiny P/D config) and waits until
     GET /health answers 200."""
 
-    def __init__(self, command=omni_pd_serve_command, env: dict[str, str] | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self, command=omni_pd_serve_command, env: dict[str, str] | None = None, api_key: str | None = None
+    ):
         """`api_key`: started with OMNI_PD_API_KEY set to it; `client` and `headers` send it."""
         self.port = free_port()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -57,10 +71,16 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix=f"omni-pd-server-{self.port}-", suffix=".log")
         self.log = os.fdopen(fd, "w")
-        self.proc = subprocess.Popen(command(self.port), stdout=self.log, stderr=self.log,
-                                     env={**{k: v for k, v in os.environ.items()
-                                             if k != "OMNI_PD_API_KEY"},
-                                          "MC_LOG_LEVEL": "ERROR", **env})
+        self.proc = subprocess.Popen(
+            command(self.port),
+            stdout=self.log,
+            stderr=self.log,
+            env={
+                **{k: v for k, v in os.environ.items() if k != "OMNI_PD_API_KEY"},
+                "MC_LOG_LEVEL": "ERROR",
+                **env,
+            },
+        )
 
         def healthy():
             try:
@@ -68,13 +88,15 @@ class Server:
             except httpx.HTTPError:
                 assert self.proc.poll() is None, f"the server exited during start-up:\n{self.log_text()}"
                 return False
+
         try:
             wait_for(healthy, 180, "GET /health to answer 200")
         except BaseException:
             self.stop()
             raise
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=api_key or "unused",
-                                    max_retries=0, timeout=120)
+        self.client = openai.OpenAI(
+            base_url=f"{self.base}/v1", api_key=api_key or "unused", max_retries=0, timeout=120
+        )
 
     def log_text(self) -> str:
         self.log.flush()

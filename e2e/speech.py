@@ -2,6 +2,7 @@
 bundles libespeak-ng and its voice data), called through ctypes. Only the first utterance of a
 process is bit for bit reproducible (libespeak-ng keeps state between calls), which the tests do
 not need: they compare what the server does with the samples they send."""
+
 from __future__ import annotations
 
 import ctypes
@@ -15,8 +16,7 @@ _SYNCHRONOUS = 2  # AUDIO_OUTPUT_SYNCHRONOUS: espeak_Synth returns when the call
 _CHARS_UTF8 = 1
 _POS_CHARACTER = 1
 _DONT_EXIT = 0x8000  # espeakINITIALIZE_DONT_EXIT: report errors instead of exiting
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int,
-                             ctypes.c_void_p)
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
 _chunks: list[np.ndarray] = []
 
 
@@ -33,8 +33,16 @@ def _library() -> tuple[ctypes.CDLL, int]:
     lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.espeak_SetSynthCallback.argtypes = [_CALLBACK]
     lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-    lib.espeak_Synth.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
-                                 ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    lib.espeak_Synth.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     rate = lib.espeak_Initialize(_SYNCHRONOUS, 0, espeakng_loader.get_data_path().encode(), _DONT_EXIT)
     if rate <= 0:
         raise RuntimeError(f"espeak_Initialize failed ({rate})")

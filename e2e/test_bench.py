@@ -1,6 +1,7 @@
 """`omni-pd bench serve --quick` as a user runs it: it starts a server per default config, drives it
 with the openai client and writes a complete JSON and a PNG. No timing thresholds: only that every
 number is there, sane and consistent."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,19 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = ("qwen3_omni_tiny", "qwen3_omni_tiny_pd")
 LEVELS = (1, 4)  # what --quick runs
-METRICS = ("req_per_s", "output_tok_per_s", "ttft_ms_p50", "ttft_ms_p99", "ttfa_ms_p50",
-           "ttfa_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "errors")
+METRICS = (
+    "req_per_s",
+    "output_tok_per_s",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "ttfa_ms_p50",
+    "ttfa_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "e2e_ms_p50",
+    "e2e_ms_p99",
+    "errors",
+)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -22,17 +34,34 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "bench.json", out / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
-         "--quick", "--json", str(json_path), "--plot", str(png_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+        [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "--log-level",
+            "WARNING",
+            "bench",
+            "serve",
+            "--quick",
+            "--json",
+            str(json_path),
+            "--plot",
+            str(png_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
     return proc, json_path, png_path
 
 
 def test_quick_run_exits_cleanly_and_prints_a_row_per_config_and_level(quick_run):
     proc, _, _ = quick_run
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] and
-            line.split()[0] in CONFIGS]
+    rows = [
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in CONFIGS
+    ]
     assert sorted((r[0], int(r[1])) for r in rows) == sorted((c, n) for c in CONFIGS for n in LEVELS)
 
 
@@ -45,12 +74,14 @@ def test_json_has_every_key_for_every_config_and_level(quick_run):
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["python"]
     assert "bench serve" in report["command"] and report["date"]
     results = report["results"]
-    assert sorted((r["config"], r["concurrency"]) for r in results) == \
-        sorted((c, n) for c in CONFIGS for n in LEVELS)
+    assert sorted((r["config"], r["concurrency"]) for r in results) == sorted(
+        (c, n) for c in CONFIGS for n in LEVELS
+    )
     for r in results:
         where = f"{r['config']} c={r['concurrency']}"
-        assert {"config", "concurrency", "num_requests", *METRICS,
-                "req_per_s_vs_c1", "e2e_p50_vs_c1"} <= set(r), where
+        assert {"config", "concurrency", "num_requests", *METRICS, "req_per_s_vs_c1", "e2e_p50_vs_c1"} <= set(
+            r
+        ), where
         assert r["num_requests"] >= r["concurrency"], where
         assert r["errors"] == 0, where
         assert r["req_per_s"] > 0 and r["output_tok_per_s"] > 0, where
@@ -90,11 +121,36 @@ def xpyd_run(tmp_path_factory):
     replicas, a closed-loop level, then Poisson arrivals at half the measured capacity."""
     json_path = tmp_path_factory.mktemp("bench") / "xpyd.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
-         "--xpyd", "1P1D", "--concurrency", "2", "--num-requests", "4", "--request-rate", "50%",
-         "--open-loop-requests", "4", "--slo-ttft-ms", "60000", "--slo-ttfa-ms", "60000",
-         "--json", str(json_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+        [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "--log-level",
+            "WARNING",
+            "bench",
+            "serve",
+            "--xpyd",
+            "1P1D",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--request-rate",
+            "50%",
+            "--open-loop-requests",
+            "4",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-ttfa-ms",
+            "60000",
+            "--json",
+            str(json_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
     return proc, json_path
 
 
@@ -125,10 +181,30 @@ def test_realtime_mode_runs_each_level_through_both_endpoints(tmp_path):
     realtime row with its TTFA against the chat row's."""
     json_path = tmp_path / "realtime.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "serve",
-         "--configs", "stage_configs/ci/qwen3_omni_tiny.yaml", "--realtime", "--ignore-eos",
-         "--concurrency", "2", "--num-requests", "4", "--json", str(json_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+        [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "--log-level",
+            "WARNING",
+            "bench",
+            "serve",
+            "--configs",
+            "stage_configs/ci/qwen3_omni_tiny.yaml",
+            "--realtime",
+            "--ignore-eos",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--json",
+            str(json_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     rows = {r["endpoint"]: r for r in json.loads(json_path.read_text())["results"]}
     assert set(rows) == {"chat", "realtime"} and json.loads(json_path.read_text())["realtime"]
@@ -138,6 +214,5 @@ def test_realtime_mode_runs_each_level_through_both_endpoints(tmp_path):
         assert row["errors"] == 0 and row["num_requests"] == 4 and row["no_speech"] == 0
         assert 0 < row["ttft_ms_p50"] <= row["ttfa_ms_p50"] <= row["e2e_ms_p50"]
         assert row["output_tok_per_s"] > 0
-    assert realtime["ttfa_vs_chat"] == pytest.approx(realtime["ttfa_ms_p50"] / chat["ttfa_ms_p50"],
-                                                     rel=1e-2)
+    assert realtime["ttfa_vs_chat"] == pytest.approx(realtime["ttfa_ms_p50"] / chat["ttfa_ms_p50"], rel=1e-2)
     assert "ttfa vs chat" in proc.stdout

@@ -1,4 +1,5 @@
 """The `omni-pd` console script as a user runs it, in a subprocess."""
+
 import hashlib
 import json
 import os
@@ -21,21 +22,26 @@ DEPLOY_PD = STAGE_CONFIGS_DIR / "deploy" / "qwen3_omni_tiny_pd.yaml"
 
 def _run(*args, check=True):
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=check, env=env,
-                          timeout=300)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=check, env=env, timeout=300)
 
 
 def _generate_json(tmp_path, *extra):
-    out = _run("generate", "--prompt", "Tell me about the sea.", "--json",
-               "--output", str(tmp_path / "out.wav"), *extra)
+    out = _run(
+        "generate",
+        "--prompt",
+        "Tell me about the sea.",
+        "--json",
+        "--output",
+        str(tmp_path / "out.wav"),
+        *extra,
+    )
     return json.loads(out.stdout)  # exactly one JSON object, nothing else on stdout
 
 
 def test_generate_json_reports_text_audio_and_timings(tmp_path):
     # The default config: P/D across processes, streaming between stages.
     result = _generate_json(tmp_path, "--timeline", str(tmp_path / "timeline.png"))
-    for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256",
-                "metrics"):
+    for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256", "metrics"):
         assert key in result
     assert result["sample_rate"] == 24_000 and result["num_samples"] > 0
     samples, rate = soundfile.read(result["audio_path"], dtype="float32")
@@ -91,8 +97,16 @@ def test_generate_plain_prints_text_and_timings(tmp_path):
 
 
 def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path):
-    streamed = _run("generate", "--prompt", "Tell me about the sea.", "--stream",
-                    "--stage-configs-path", str(TINY), "--output", str(tmp_path / "s.wav"))
+    streamed = _run(
+        "generate",
+        "--prompt",
+        "Tell me about the sea.",
+        "--stream",
+        "--stage-configs-path",
+        str(TINY),
+        "--output",
+        str(tmp_path / "s.wav"),
+    )
     plain = _generate_json(tmp_path, "--stage-configs-path", str(TINY))
     printed, _, rest = streamed.stdout.partition("\ntokens: ")
     assert printed == "text: " + _printable(plain["text"]) and "timings: ttft" in rest
@@ -143,8 +157,18 @@ def test_broken_checkpoint_is_one_start_up_error(tmp_path):
     shard.unlink()
     config = tmp_path / "from_files.yaml"
     config.write_text(TINY.read_text().replace("load_format: dummy", "load_format: auto"))
-    result = _run("generate", "--prompt", "hi", "--model", str(ckpt), "--stage-configs-path",
-                  str(config), "--output", str(tmp_path / "o.wav"), check=False)
+    result = _run(
+        "generate",
+        "--prompt",
+        "hi",
+        "--model",
+        str(ckpt),
+        "--stage-configs-path",
+        str(config),
+        "--output",
+        str(tmp_path / "o.wav"),
+        check=False,
+    )
     assert result.returncode == 1
     assert "failed to start: CheckpointError" in result.stderr and shard.name in result.stderr
     assert "Traceback" not in result.stderr

@@ -6,6 +6,7 @@ left anywhere, and that the next requests are served.
 Times are bounded generously for a loaded 2-core machine; the closing note of issue 11 has the
 measured ones (`pytest e2e/test_faults.py -s` prints them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,16 @@ PREFILL, DECODE, TALKER, CODE2WAV = 0, 1, 2, 3
 WINDOW_S = 0.5  # kv_miss_window_s in this suite's config
 COOLDOWN_S = 1.0
 RESTART_BOUND_S = 10.0  # the issue's bar: a killed worker serves again within 10 s
-PROMPTS = ["Hi", "Tell me about the sea.", "Count to five.", "What is rain?",
-           "Name a colour.", "Say something kind.", "Why is the sky blue?", "A short poem."]
+PROMPTS = [
+    "Hi",
+    "Tell me about the sea.",
+    "Count to five.",
+    "What is rain?",
+    "Name a colour.",
+    "Say something kind.",
+    "Why is the sky blue?",
+    "A short poem.",
+]
 
 
 def _fault_config(tmp_path) -> str:
@@ -47,8 +56,11 @@ def _fault_config(tmp_path) -> str:
         kv = stage["engine_args"].get("kv_transfer_config")
         if kv is not None:
             kv["kv_connector_extra_config"].update(
-                kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=2 * WINDOW_S,
-                kv_breaker_threshold=3, kv_breaker_cooldown_s=COOLDOWN_S)
+                kv_miss_window_s=WINDOW_S,
+                kv_handoff_deadline_s=2 * WINDOW_S,
+                kv_breaker_threshold=3,
+                kv_breaker_cooldown_s=COOLDOWN_S,
+            )
         # This suite kills the prefill worker more often than a deployment should tolerate.
         stage["runtime"]["max_restarts"] = 100
         if stage["stage_id"] == PREFILL:
@@ -129,8 +141,10 @@ def _decode_start_ms(output) -> float:
 
 
 def _report(case: str, **figures) -> None:
-    print(f"\n[faults] {case}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                              for k, v in figures.items()))
+    print(
+        f"\n[faults] {case}: "
+        + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+    )
 
 
 def test_prefill_killed_between_requests_falls_back_then_restarts(pd, reference):
@@ -147,8 +161,12 @@ def test_prefill_killed_between_requests_falls_back_then_restarts(pd, reference)
     out, _ = _one(pd, PROMPTS[1])  # the restarted prefill worker serves the handoff again
     assert not out.metrics["kv_fallback"] and out.metrics["num_cached_prompt_tokens"] > 0
     _same_as_colocated(out, reference[PROMPTS[1]])
-    _report("prefill SIGKILL between requests", fallback_request_s=took,
-            serving_again_s=time.monotonic() - killed, healthy_after_s=back)
+    _report(
+        "prefill SIGKILL between requests",
+        fallback_request_s=took,
+        serving_again_s=time.monotonic() - killed,
+        healthy_after_s=back,
+    )
 
 
 def test_prefill_killed_during_the_handoff_fails_over_at_once(pd, reference):
@@ -157,6 +175,7 @@ def test_prefill_killed_during_the_handoff_fails_over_at_once(pd, reference):
 
     def in_prefill_leg():
         return any(PREFILL in s.active_stages for s in list(pd.engine._requests.values()))
+
     _wait_for(in_prefill_leg, 5, "the request to enter its prefill leg")
     _kill(pd, PREFILL)
     killed = time.monotonic()
@@ -197,10 +216,15 @@ def test_frozen_prefill_costs_one_window_per_request_until_the_breaker_opens(pd,
         out = pd.generate(PROMPTS[4])[0]
         _same_as_colocated(out, reference[PROMPTS[4]])
         return out if not out.metrics["kv_fallback"] else None
+
     out = _wait_for(remote_again, 10 * COOLDOWN_S, "the breaker to close after SIGCONT")
     assert engine.breaker.state.value == "closed" and out.metrics["num_cached_prompt_tokens"] > 0
-    _report("prefill SIGSTOP then SIGCONT", windows_s=str([round(w, 3) for w in windows]),
-            failover_after_open_ms=failover_ms, remote_again_after_resume_s=time.monotonic() - resumed)
+    _report(
+        "prefill SIGSTOP then SIGCONT",
+        windows_s=str([round(w, 3) for w in windows]),
+        failover_after_open_ms=failover_ms,
+        remote_again_after_resume_s=time.monotonic() - resumed,
+    )
 
 
 def test_corrupted_block_is_caught_and_served_by_the_fallback(pd, reference):
@@ -224,6 +248,7 @@ def test_deadlines_hold_while_the_decode_worker_is_frozen(pd, reference):
     engine.request_timeout_s = deadline_s
     pid = _kill(pd, DECODE, signal.SIGSTOP)
     try:
+
         async def timed(prompt: str, delay: float) -> float:
             await asyncio.sleep(delay)  # staggered arrivals: some queue behind the frozen worker
             began = time.monotonic()
@@ -234,6 +259,7 @@ def test_deadlines_hold_while_the_decode_worker_is_frozen(pd, reference):
 
         async def all_of_them():
             return await asyncio.gather(*(timed(p, 0.4 * i) for i, p in enumerate(PROMPTS[:4])))
+
         answered = asyncio.run_coroutine_threadsafe(all_of_them(), pd._loop).result(60)
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -244,8 +270,7 @@ def test_deadlines_hold_while_the_decode_worker_is_frozen(pd, reference):
     _report("decode SIGSTOP, 1.5 s deadline", answered_s=str([round(t, 3) for t in answered]))
 
 
-def test_incompatible_peers_are_refused_by_name_and_served_by_the_fallback(tmp_path, reference,
-                                                                          caplog):
+def test_incompatible_peers_are_refused_by_name_and_served_by_the_fallback(tmp_path, reference, caplog):
     """A prefill engine with other weights (seed 7) than its decode engine (seed 42): the first
     handoff compares fingerprints and refuses it naming the field; the decode engine computes
     the prompt itself, so the answer is still the colocated one."""
@@ -271,6 +296,7 @@ def test_incompatible_peers_are_refused_by_name_and_served_by_the_fallback(tmp_p
 def _stream(omni, prompt, on_event=None, params=None, modalities=("text", "audio")):
     """Stream one request on the Omni's loop; `on_event(event)` runs for each event. Returns a
     future of (events, the exception that ended the stream or None)."""
+
     async def run():
         events, seen = omni.engine.stream(prompt, params, modalities=modalities), []
         try:
@@ -283,22 +309,28 @@ def _stream(omni, prompt, on_event=None, params=None, modalities=("text", "audio
         finally:
             await events.aclose()
         return seen, None
+
     return asyncio.run_coroutine_threadsafe(run(), omni._loop)
 
 
-@pytest.mark.parametrize("stage_id,name,wait_for_event", [
-    (DECODE, "stage 1 (thinker)", TextDelta),
-    (TALKER, "stage 2 (talker)", AudioDelta),
-    (CODE2WAV, "stage 3 (code2wav)", AudioDelta),
-])
+@pytest.mark.parametrize(
+    "stage_id,name,wait_for_event",
+    [
+        (DECODE, "stage 1 (thinker)", TextDelta),
+        (TALKER, "stage 2 (talker)", AudioDelta),
+        (CODE2WAV, "stage 3 (code2wav)", AudioDelta),
+    ],
+)
 def test_a_worker_killed_mid_stream_ends_the_stream_naming_it_and_comes_back(
-        pd, reference, stage_id, name, wait_for_event):
+    pd, reference, stage_id, name, wait_for_event
+):
     killed: list[float] = []
 
     def kill_on_first(event):
         if isinstance(event, wait_for_event) and not killed:
             _kill(pd, stage_id)
             killed.append(time.monotonic())
+
     params = [SamplingParams(temperature=0, max_tokens=400, seed=42), None, None]
     if stage_id == DECODE:  # a long answer, so the kill lands mid-generation
         future = _stream(pd, "Go on and on.", kill_on_first, params, modalities=("text",))
@@ -316,8 +348,12 @@ def test_a_worker_killed_mid_stream_ends_the_stream_naming_it_and_comes_back(
     assert back < RESTART_BOUND_S
     out, _ = _one(pd, PROMPTS[6])
     _same_as_colocated(out, reference[PROMPTS[6]])
-    _report(f"{name} SIGKILL mid-stream", error_after_s=ended, healthy_after_s=back,
-            serving_again_s=time.monotonic() - killed[0])
+    _report(
+        f"{name} SIGKILL mid-stream",
+        error_after_s=ended,
+        healthy_after_s=back,
+        serving_again_s=time.monotonic() - killed[0],
+    )
 
 
 def test_eight_streams_while_the_prefill_worker_is_killed(pd, reference):
@@ -327,6 +363,7 @@ def test_eight_streams_while_the_prefill_worker_is_killed(pd, reference):
         if isinstance(event, TextDelta) and not killed:
             _kill(pd, PREFILL)
             killed.append(time.monotonic())
+
     began = time.monotonic()
     futures = [_stream(pd, p, kill_once) for p in PROMPTS]
     results = [f.result(60) for f in futures]
@@ -353,8 +390,10 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     no worker grew by more than 10%."""
     total, concurrency = 1000, 8
     rng = random.Random(1234)
-    plan = [(PROMPTS[i % len(PROMPTS)], rng.random() < 0.25, rng.random() < 0.25,
-             rng.uniform(0.0, 0.1)) for i in range(total)]
+    plan = [
+        (PROMPTS[i % len(PROMPTS)], rng.random() < 0.25, rng.random() < 0.25, rng.uniform(0.0, 0.1))
+        for i in range(total)
+    ]
     pd.generate(PROMPTS[:4])  # warm every stage before the baseline
     baseline = {sid: _rss_kib(_pid(pd, sid)) for sid in (PREFILL, DECODE, TALKER, CODE2WAV)}
     engine = pd.engine
@@ -364,8 +403,7 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     async def one(index: int, prompt: str, abort: bool, audio: bool, delay: float) -> None:
         request_id = f"soak-{index}"
         modalities = ("text", "audio") if audio else ("text",)
-        task = asyncio.ensure_future(engine.generate(prompt, request_id=request_id,
-                                                     modalities=modalities))
+        task = asyncio.ensure_future(engine.generate(prompt, request_id=request_id, modalities=modalities))
         if abort:
             await asyncio.wait([task], timeout=delay)
             engine.abort(request_id)
@@ -388,6 +426,7 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
                 if index == total // 2:
                     os.kill(_pid(pd, PREFILL), signal.SIGKILL)
                 await one(index, prompt, abort, audio, delay)
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
     began = time.monotonic()
@@ -397,7 +436,13 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     _wait_for(lambda: _clean_counts(pd), 10, "every per-request count to return to zero")
     grown = {sid: _rss_kib(_pid(pd, sid)) / baseline[sid] for sid in baseline}
     assert engine.clients[PREFILL].restarts == restarts_before + 1
-    _report("soak", requests=total, seconds=took, **outcome, fallbacks=engine.fallbacks,
-            **{f"rss_ratio_stage{k}": v for k, v in grown.items()})
+    _report(
+        "soak",
+        requests=total,
+        seconds=took,
+        **outcome,
+        fallbacks=engine.fallbacks,
+        **{f"rss_ratio_stage{k}": v for k, v in grown.items()},
+    )
     assert outcome["failed"] == 0
     assert all(ratio <= 1.10 for ratio in grown.values()), grown

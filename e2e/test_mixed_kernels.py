@@ -2,6 +2,7 @@
 `ATEN_CPU_CAPABILITY` (through the stage's `runtime.env`) compute with different kernels. The
 first handoff names the pair in one WARNING; `require_identical_kernels: true` refuses it, and
 the decode engine serves the request by prefilling it itself."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,10 +67,11 @@ def test_mixed_kernels_warn_once_and_strict_pairs_refuse(tmp_path, capfd, caplog
 
     # Strict: the first handoff is refused naming the pair, and the decode engine prefills the
     # prompt itself, so the answer is the one the same-kernel pair gave.
-    outputs, counts = _run(_thinker_pd(tmp_path, "strict.yaml", {"ATEN_CPU_CAPABILITY": OTHER},
-                                       strict=True))
+    outputs, counts = _run(_thinker_pd(tmp_path, "strict.yaml", {"ATEN_CPU_CAPABILITY": OTHER}, strict=True))
     assert outputs[0].metrics.get("kv_fallback")
-    refused = [r.getMessage() for r in caplog.records if "require_identical_kernels is true" in r.getMessage()]
+    refused = [
+        r.getMessage() for r in caplog.records if "require_identical_kernels is true" in r.getMessage()
+    ]
     assert len(refused) == 1 and "KVIncompatibleError" in refused[0], refused
     assert f"cpu_capability: prefill '{OTHER}', decode '{HOST}'" in refused[0]
     assert [o.token_ids for o in outputs][:1] == reference[:1]
@@ -78,6 +80,9 @@ def test_mixed_kernels_warn_once_and_strict_pairs_refuse(tmp_path, capfd, caplog
 
 def test_an_unknown_capability_fails_the_stage_by_name(tmp_path):
     path = _thinker_pd(tmp_path, "bogus.yaml", {"ATEN_CPU_CAPABILITY": "avx9000"})
-    with pytest.raises(Exception, match=r"stage 0.*ATEN_CPU_CAPABILITY='avx9000' is not a CPU "
-                                        r"capability torch knows.*use one of default"):
+    with pytest.raises(
+        Exception,
+        match=r"stage 0.*ATEN_CPU_CAPABILITY='avx9000' is not a CPU "
+        r"capability torch knows.*use one of default",
+    ):
         Omni(stage_configs_path=path, request_timeout_s=60)

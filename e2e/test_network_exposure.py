@@ -9,6 +9,7 @@ server and of every process it started (/proc/<pid>/net/tcp{,6}, socket inodes m
 /proc/<pid>/fd), require exactly the documented set (anything new listening fails them), and then
 try to connect to each port on loopback and on every other address of this machine.
 """
+
 import ctypes
 import ipaddress
 import os
@@ -24,13 +25,16 @@ from live_server import MODEL, Server, omni_pd_serve_command
 pytestmark = pytest.mark.slow
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT_S = 1.0
-SESSION_LOG = re.compile(r"\[stage(\d+)\] omni_pd\.kv\.transport: Mooncake engine (\S+):(\d+) listening "
-                         r"on ports (\d+), (\d+) \(tcp\), accepting (.+)$", re.M)
+SESSION_LOG = re.compile(
+    r"\[stage(\d+)\] omni_pd\.kv\.transport: Mooncake engine (\S+):(\d+) listening "
+    r"on ports (\d+), (\d+) \(tcp\), accepting (.+)$",
+    re.M,
+)
 
 
 def _address(hex_address: str) -> str:
     raw = bytes.fromhex(hex_address)  # 32-bit words in host (little-endian) order
-    return str(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return str(ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
 
 
 def listening_sockets(pid: int) -> set[tuple[str, int]]:
@@ -82,8 +86,11 @@ def other_addresses() -> list[str]:
         with open("/proc/net/if_inet6") as handle:
             for line in handle:
                 addresses.add(str(ipaddress.ip_address(bytes.fromhex(line.split()[0]))))
-    return sorted(a for a in addresses
-                  if not ipaddress.ip_address(a).is_loopback and not ipaddress.ip_address(a).is_link_local)
+    return sorted(
+        a
+        for a in addresses
+        if not ipaddress.ip_address(a).is_loopback and not ipaddress.ip_address(a).is_link_local
+    )
 
 
 def connects(host: str, port: int) -> bool:
@@ -109,15 +116,20 @@ def server():
 def test_pd_server_listens_only_where_it_was_told(server):
     # One request through prefill -> Mooncake KV fetch -> decode, with the filters in place.
     reply = server.client.chat.completions.create(
-        model=MODEL, max_tokens=4, modalities=["text"],
-        messages=[{"role": "user", "content": "Where does the KV cache go?"}])
+        model=MODEL,
+        max_tokens=4,
+        modalities=["text"],
+        messages=[{"role": "user", "content": "Where does the KV cache go?"}],
+    )
     assert reply.choices[0].message.content is not None
 
     workers = server.state()["worker_pids"]
     assert len(workers) == 4, workers  # thinker prefill, thinker decode, talker, code2wav
     _, _, talker, code2wav = workers
     sessions = {int(stage): rest for stage, *rest in SESSION_LOG.findall(server.log_text())}
-    assert sorted(sessions) == [0, 1], f"expected one Mooncake engine per thinker worker:\n{server.log_text()}"
+    assert sorted(sessions) == [0, 1], (
+        f"expected one Mooncake engine per thinker worker:\n{server.log_text()}"
+    )
 
     expected = {server.proc.pid: {(HOST, server.port)}, talker: set(), code2wav: set()}
     for stage, (host, rpc_port, logged_rpc, data_port, accepted) in sessions.items():
@@ -132,12 +144,16 @@ def test_pd_server_listens_only_where_it_was_told(server):
 
     ports = sorted(port for sockets in expected.values() for _, port in sockets)
     elsewhere = other_addresses()
-    result = reachability([("127.0.0.1", port) for port in ports] +
-                          [(address, port) for address in elsewhere for port in ports])
+    result = reachability(
+        [("127.0.0.1", port) for port in ports] + [(address, port) for address in elsewhere for port in ports]
+    )
     assert all(result[("127.0.0.1", port)] for port in ports), result
-    assert not any(result[(address, port)] for address in elsewhere for port in ports), \
-        {pair: ok for pair, ok in result.items() if ok and pair[0] != "127.0.0.1"}
-    assert [accepted for *_, accepted in sessions.values()] == ["connections addressed to 127.0.0.0/8, ::1"] * 2
+    assert not any(result[(address, port)] for address in elsewhere for port in ports), {
+        pair: ok for pair, ok in result.items() if ok and pair[0] != "127.0.0.1"
+    }
+    assert [accepted for *_, accepted in sessions.values()] == [
+        "connections addressed to 127.0.0.0/8, ::1"
+    ] * 2
 
 
 def test_mooncake_engine_on_a_named_host_answers_only_there():
@@ -148,6 +164,7 @@ def test_mooncake_engine_on_a_named_host_answers_only_there():
         pytest.skip("this machine has no non-loopback IPv4 address")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from omni_pd.kv.transport import MooncakeTransport
+
     host = v4[0]
     owner, reader = MooncakeTransport(host=host), MooncakeTransport(host=host)
     ports = [port for _, port in owner.listeners]

@@ -2,6 +2,7 @@
 colocated pipeline byte for byte: thinker tokens, merged talker inputs, codec codes, audio. And
 batching changes nothing: requests run all at once equal the same requests run alone, in both
 pipelines."""
+
 import asyncio
 import os
 
@@ -46,8 +47,7 @@ def _whole_config(tmp_path_factory, path):
 
 @pytest.fixture(scope="module")
 def colocated_whole(tmp_path_factory):
-    with Omni(stage_configs_path=_whole_config(tmp_path_factory, COLOCATED),
-              keep_stage_outputs=True) as omni:
+    with Omni(stage_configs_path=_whole_config(tmp_path_factory, COLOCATED), keep_stage_outputs=True) as omni:
         yield omni
 
 
@@ -68,10 +68,12 @@ def no_leaks(request):
 
 def _block_aligned_prompt(omni, tokens=2 * BLOCK):
     tokenizer = omni.tokenizer
+
     def ids(text):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
     overhead = len(ids(""))
     prompt = ids("x" * (tokens - overhead))  # byte-level tokenizer: one ASCII char, one token
     assert len(prompt) == tokens
@@ -84,21 +86,37 @@ def _prompts(omni):
         "short": "Hi",
         "over_one_block": "Please describe, in a few sentences, how tides are made by the moon.",
         "block_aligned": _block_aligned_prompt(omni),
-        "multi_turn": [{"role": "system", "content": "You are terse."},
-                       {"role": "user", "content": "Name a colour."},
-                       {"role": "assistant", "content": "Blue."},
-                       {"role": "user", "content": "And another one?"}],
+        "multi_turn": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "And another one?"},
+        ],
         "long_1000": "The quick brown fox jumps over the lazy dog. " * 24,
-        "audio": [{"role": "user", "content": [{"type": "text", "text": "What is this sound?"},
-                                                {"type": "audio", "audio": tone}]}],
+        "audio": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this sound?"},
+                    {"type": "audio", "audio": tone},
+                ],
+            }
+        ],
     }
 
 
 def _talker_input(omni, out):
     talker_stage = next(s.stage_id for s in omni.config.stages if s.model_stage == "talker")
     stage = omni.stages[talker_stage]
-    return thinker2talker(StageInputs(out.request_id, talker_stage, tuple(stage.engine_input_source),
-                                      out.stage_outputs, omni.model_config))
+    return thinker2talker(
+        StageInputs(
+            out.request_id,
+            talker_stage,
+            tuple(stage.engine_input_source),
+            out.stage_outputs,
+            omni.model_config,
+        )
+    )
 
 
 def _codes(omni, out):
@@ -173,6 +191,7 @@ def test_negative_control_one_flipped_byte_is_noticed(colocated, pd):
 
 def test_sampled_requests_match_too(colocated, pd):
     from omni_pd.sampling import SamplingParams
+
     thinker = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1234)
     want = colocated.generate(["Tell me a story."], [thinker, None, None])[0]
     got = pd.generate(["Tell me a story."], [thinker, None, None])[0]  # N-1 params, expanded
@@ -219,6 +238,7 @@ def test_an_answer_that_stops_at_once_is_text_without_speech_not_an_error(reques
     answers with that text and no audio, streamed or not, and the audio stages never see it."""
     from omni_pd.orchestrator.async_omni import AudioDelta, Finished
     from omni_pd.sampling import SamplingParams
+
     omni = request.getfixturevalue(which)
     prompt = _prompts(omni)["over_one_block"]
     spoken = alone(omni, which, "over_one_block")
@@ -235,29 +255,42 @@ def test_an_answer_that_stops_at_once_is_text_without_speech_not_an_error(reques
     assert isinstance(events[-1], Finished) and events[-1].output.token_ids == [first]
 
 
-MIXED_TEXTS = ["Hi", "Tell me a story.", "What is the capital of France?", "Count to five.",
-               "Describe the sea at night.", "Why is the sky blue?", "Sing me a song.", "Bonjour!"]
+MIXED_TEXTS = [
+    "Hi",
+    "Tell me a story.",
+    "What is the capital of France?",
+    "Count to five.",
+    "Describe the sea at night.",
+    "Why is the sky blue?",
+    "Sing me a song.",
+    "Bonjour!",
+]
 
 
 def _mixed_requests(omni):
     """16 requests: greedy and seeded-sampled thinkers, talkers with different seeds, several
     lengths, an audio prompt among them."""
     from omni_pd.sampling import SamplingParams
+
     requests = []
     for i in range(16):
         prompt = MIXED_TEXTS[i % len(MIXED_TEXTS)] if i != 5 else _prompts(omni)["audio"]
-        thinker = (SamplingParams(temperature=0, max_tokens=8 + i % 5) if i % 2 == 0 else
-                   SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1000 + i))
-        talker = SamplingParams(temperature=0.9, top_k=50, max_tokens=24 + i, seed=i,
-                                repetition_penalty=1.05)
+        thinker = (
+            SamplingParams(temperature=0, max_tokens=8 + i % 5)
+            if i % 2 == 0
+            else SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1000 + i)
+        )
+        talker = SamplingParams(temperature=0.9, top_k=50, max_tokens=24 + i, seed=i, repetition_penalty=1.05)
         requests.append((prompt, [thinker, talker, None]))
     return requests
 
 
 def _at_once(omni, requests):
     """Every request submitted at once (concurrency = len(requests)), each with its own params."""
-    futures = [asyncio.run_coroutine_threadsafe(omni.engine.generate(prompt, params), omni._loop)
-               for prompt, params in requests]
+    futures = [
+        asyncio.run_coroutine_threadsafe(omni.engine.generate(prompt, params), omni._loop)
+        for prompt, params in requests
+    ]
     return [f.result(300) for f in futures]
 
 
@@ -273,6 +306,7 @@ def test_sixteen_mixed_requests_at_concurrency_16_equal_their_solo_runs(colocate
 
 
 # -- streaming between stages (async_chunk) ---------------------------------------------------------
+
 
 def _stage_of(omni, model_stage: str) -> int:
     return next(s.stage_id for s in omni.config.stages if s.model_stage == model_stage)

@@ -1,4 +1,5 @@
 """P/D failure paths: every one ends in one clear error and leaves no state or lease behind."""
+
 import asyncio
 import os
 import signal
@@ -48,6 +49,7 @@ def _stage_of(omni, model_stage: str) -> int:
 def _stream_until(omni, prompt, stop_after_audio: int):
     """Stream a request; close it after `stop_after_audio` audio deltas (0: read it all).
     Returns (audio deltas seen, the exception that ended the stream or None)."""
+
     async def run():
         seen, events = 0, omni.engine.stream(prompt)
         try:
@@ -61,6 +63,7 @@ def _stream_until(omni, prompt, stop_after_audio: int):
         finally:
             await events.aclose()
         return seen, None
+
     return asyncio.run_coroutine_threadsafe(run(), omni._loop).result(120)
 
 

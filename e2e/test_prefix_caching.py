@@ -2,6 +2,7 @@
 history, equal the same turns with caching off byte for byte (tokens, talker inputs, codec codes,
 audio), colocated and P/D, streamed between stages and not, alone and all at once; the later
 turns really reuse the history's blocks, and in P/D only the blocks the decode side lacks move."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,9 @@ def _variant(tmp_path_factory, path, *, caching=True, streamed=True):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    with Omni(stage_configs_path=_variant(tmp_path_factory, COLOCATED, caching=False),
-              keep_stage_outputs=True) as omni:
+    with Omni(
+        stage_configs_path=_variant(tmp_path_factory, COLOCATED, caching=False), keep_stage_outputs=True
+    ) as omni:
         yield omni
 
 
@@ -98,8 +100,7 @@ def test_each_turn_equals_the_uncached_pipeline_and_reuses_the_history(reference
 
 def test_turns_all_at_once_equal_the_uncached_pipeline(reference, cached):
     turns = _turns(3)
-    futures = [asyncio.run_coroutine_threadsafe(cached.engine.generate(m), cached._loop)
-               for m in turns]
+    futures = [asyncio.run_coroutine_threadsafe(cached.engine.generate(m), cached._loop) for m in turns]
     for turn, future in enumerate(futures):
         got = future.result(300)
         assert differences(reference, _reference_turn(reference, turn, turns[turn]), cached, got) == []
@@ -112,8 +113,15 @@ def _audio_turns(count: int) -> list[list[dict]]:
     for turn in range(count):
         samples = np.arange(12_000 + 4_000 * turn) / 16_000
         clip = (0.3 * np.sin(2 * np.pi * (440 + 220 * turn) * samples)).astype(np.float32)
-        messages = messages + [{"role": "user", "content": [
-            {"type": "text", "text": f"What is sound {turn}?"}, {"type": "audio", "audio": clip}]}]
+        messages = messages + [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"What is sound {turn}?"},
+                    {"type": "audio", "audio": clip},
+                ],
+            }
+        ]
         turns.append(messages)
         messages = messages + [{"role": "assistant", "content": f"Sound {turn} is a tone."}]
     return turns

@@ -1,6 +1,7 @@
 """A second architecture through the same engine core (issue 37): the dense Qwen3 text model on
 omni-pd's hf engines, colocated and P/D. Its runner (omni_pd/models/qwen3_text/hf.py) is all it
 adds: the generic engine, scheduler, KV manager and P/D legs are the Qwen3-Omni thinker's."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,16 @@ from omni_pd.sampling import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_hf.yaml"
 PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_hf_pd.yaml"
-PROMPTS = ["Hi", "Tell me about the sea.", "The quick brown fox jumps over the lazy dog. " * 8,
-           "Count to five."]
-PARAMS = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.8, top_p=0.9,
-                                                                       max_tokens=12, seed=7)]
+PROMPTS = [
+    "Hi",
+    "Tell me about the sea.",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "Count to five.",
+]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=16),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7),
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +80,20 @@ def test_the_runner_computes_transformers_qwen3(colocated):
         out = colocated.generate([prompt], [PARAMS[0]])[0]
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
-            theirs = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out.token_ids),
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert theirs[0, ids.shape[1]:].tolist() == out.token_ids
+            theirs = llm.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=len(out.token_ids),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert theirs[0, ids.shape[1] :].tolist() == out.token_ids
 
 
 def test_audio_prompts_are_refused_up_front(colocated):
     import numpy as np
+
     tone = (0.2 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
     with pytest.raises(Exception, match="audio|multimodal|token ids"):
         colocated.generate([[{"role": "user", "content": [{"type": "audio", "audio": tone}]}]])

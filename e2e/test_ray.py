@@ -2,6 +2,7 @@
 own test utility): prefill on one node, decode on the other, placed by Ray resources, the KV over
 Mooncake tcp between them (the same-host path off). Outputs equal the colocated pipeline's; a
 killed actor is restarted, its request fails naming the stage, and nothing leaks."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,7 @@ def ray_config(path: Path, *, same_host: str = "off") -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    nodes = Cluster(initialize_head=True,
-                    head_node_args={"num_cpus": 2, "resources": {"prefill_node": 1}})
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"prefill_node": 1}})
     nodes.add_node(num_cpus=2, resources={"decode_node": 1})
     before = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = nodes.address
@@ -113,8 +113,11 @@ def test_a_killed_actor_fails_its_request_naming_the_stage_and_is_restarted(on_r
     with pytest.raises(StageError, match=r"stage 2 \(talker\).*Ray actor"):
         for _ in on_ray.audio_chunks(_prompts(on_ray)["long_1000"]):
             on_chunk_kill()
-    wait_for(lambda: talker.process.pid not in (None, pid) and on_ray.health()["status"] == "ok",
-             60, "a new talker actor")
+    wait_for(
+        lambda: talker.process.pid not in (None, pid) and on_ray.health()["status"] == "ok",
+        60,
+        "a new talker actor",
+    )
     assert talker.restarts >= 1
     out = on_ray.generate([_prompts(on_ray)["short"]])[0]
     assert out.audio is not None and out.audio.numel() > 0
@@ -124,11 +127,9 @@ def test_an_unreachable_cluster_is_a_clear_error_at_start(tmp_path):
     """A fresh process (this one is already on a cluster): no hang, one message naming the
     address and what to do."""
     path = ray_config(tmp_path / "ray_pd.yaml")
-    code = ("from omni_pd.orchestrator.omni import Omni\n"
-            f"Omni(stage_configs_path={str(path)!r})\n")
+    code = f"from omni_pd.orchestrator.omni import Omni\nOmni(stage_configs_path={str(path)!r})\n"
     env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9"}  # the discard port: nothing listens
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "RayUnavailable: no Ray cluster answers at RAY_ADDRESS=127.0.0.1:9" in last, done.stderr

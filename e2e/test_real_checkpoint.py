@@ -1,6 +1,7 @@
 """A real-layout checkpoint: the medium random model (1.1 GB of float32) written by
 `omni-pd make-tiny-model --size medium`, sharded and whole, gives bit-identical tokens and audio
 through the P/D pipeline, and each stage's load stays within its memory target."""
+
 import json
 import shutil
 import subprocess
@@ -21,16 +22,25 @@ SHARD_BYTES = 200 * 10**6
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "omni_pd.entrypoints.cli", *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "omni_pd.entrypoints.cli", *args], capture_output=True, text=True
+    )
 
 
 @pytest.fixture(scope="session")
 def medium(tmp_path_factory):
     """The medium checkpoint, built once per session: sharded (through the CLI) and whole."""
     root = tmp_path_factory.mktemp("medium")
-    done = _cli("make-tiny-model", str(root / "sharded"), "--size", "medium", "--seed", "42",
-                "--max-shard-size", "200MB")
+    done = _cli(
+        "make-tiny-model",
+        str(root / "sharded"),
+        "--size",
+        "medium",
+        "--seed",
+        "42",
+        "--max-shard-size",
+        "200MB",
+    )
     assert done.returncode == 0, done.stderr
     save_tiny_model(root / "whole", seed=42, size="medium")
     return {"sharded": root / "sharded", "whole": root / "whole"}
@@ -43,8 +53,9 @@ def test_medium_checkpoint_has_hf_sharded_layout(medium):
     sizes = [(sharded / s).stat().st_size for s in index.shards]
     data = [size - _header_bytes(sharded / s) for size, s in zip(sizes, index.shards)]
     assert all(d <= SHARD_BYTES for d in data) and sum(data) >= 2**30  # max_shard_size: tensor bytes
-    assert all(s.startswith("model-") and s.endswith(f"-of-{len(sizes):05d}.safetensors")
-               for s in index.shards)
+    assert all(
+        s.startswith("model-") and s.endswith(f"-of-{len(sizes):05d}.safetensors") for s in index.shards
+    )
     assert {"config.json", "tokenizer.json"} <= {p.name for p in sharded.iterdir()}
     assert (medium["whole"] / SINGLE_FILE).is_file() and not (medium["whole"] / INDEX_FILE).exists()
     total = json.loads((sharded / INDEX_FILE).read_text())["metadata"]["total_size"]
@@ -77,8 +88,7 @@ def test_perturbed_shard_changes_the_part_fingerprint(medium, tmp_path):
 
 
 def _outputs(model_dir, config):
-    prompts = [{"messages": [{"role": "user", "content": text}]}
-               for text in ("Hi", "Tell me about the sea.")]
+    prompts = [{"messages": [{"role": "user", "content": text}]} for text in ("Hi", "Tell me about the sea.")]
     with Omni(model=str(model_dir), stage_configs_path=config) as omni:
         return [(r.token_ids, r.audio) for r in omni.generate(prompts, use_tqdm=False)]
 

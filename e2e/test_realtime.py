@@ -3,6 +3,7 @@
 Each answer is checked against the chat endpoint of the same server given the same history (the
 thinker is greedy): equal text and equal prompt length mean the realtime session built the
 prompt the chat request spells out. Speech comes from espeak-ng (e2e/speech.py)."""
+
 from __future__ import annotations
 
 import base64
@@ -33,6 +34,7 @@ def server(request):
     def command(port):
         extra = ["--stage-configs-path", str(COLOCATED)] if request.param == "colocated" else []
         return omni_pd_serve_command(port) + extra
+
     srv = Server(command=command, api_key=API_KEY)
     try:
         yield srv
@@ -43,8 +45,11 @@ def server(request):
 @pytest.fixture(autouse=True)
 def nothing_left(server):
     yield
-    wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
-             "every per-request and per-session count to return to zero")
+    wait_for(
+        lambda: all(v == 0 for v in server.state()["counts"].values()),
+        30,
+        "every per-request and per-session count to return to zero",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +59,10 @@ def speech_text():
 
 @pytest.fixture(scope="module")
 def utterances():
-    return {"weather": speak("Hello, what is the weather like today?"),
-            "again": speak("Could you say that once more, please?")}
+    return {
+        "weather": speak("Hello, what is the weather like today?"),
+        "again": speak("Could you say that once more, please?"),
+    }
 
 
 def _connect(server):
@@ -84,8 +91,9 @@ def _until(conn, kind: str, also=None) -> list:
 
 
 def _say(conn, text: str) -> None:
-    conn.conversation.item.create(item={"type": "message", "role": "user",
-                                        "content": [{"type": "input_text", "text": text}]})
+    conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
     _until(conn, "conversation.item.done")
 
 
@@ -94,10 +102,12 @@ def _answer(conn, **response):
     pcm16 bytes)."""
     conn.response.create(**({"response": response} if response else {}))
     events = _until(conn, "response.done")
-    text = "".join(e.delta for e in events if e.type in ("response.output_audio_transcript.delta",
-                                                           "response.output_text.delta"))
-    audio = b"".join(base64.b64decode(e.delta) for e in events
-                     if e.type == "response.output_audio.delta")
+    text = "".join(
+        e.delta
+        for e in events
+        if e.type in ("response.output_audio_transcript.delta", "response.output_text.delta")
+    )
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     return events[-1], text, audio
 
 
@@ -108,8 +118,7 @@ def _chat(server, messages):
 
 def _wav(samples: np.ndarray) -> str:
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.frombuffer(pcm16(samples), dtype="<i2"), RATE, format="WAV",
-                    subtype="PCM_16")
+    soundfile.write(buffer, np.frombuffer(pcm16(samples), dtype="<i2"), RATE, format="WAV", subtype="PCM_16")
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -146,17 +155,36 @@ def test_an_audio_turn_is_the_thinkers_audio_input(server, utterances):
         _open(conn, audio={"input": {"turn_detection": None}})
         data = pcm16(spoken)
         for start in range(0, len(data), 9600):  # 200 ms a chunk
-            conn.input_audio_buffer.append(audio=base64.b64encode(data[start:start + 9600]).decode())
+            conn.input_audio_buffer.append(audio=base64.b64encode(data[start : start + 9600]).decode())
         conn.input_audio_buffer.commit()
         committed = _until(conn, "input_audio_buffer.committed")[-1]
         added = _until(conn, "conversation.item.added")[-1]
         assert added.item.id == committed.item_id and added.item.content[0].type == "input_audio"
         done, text, _ = _answer(conn)
-    want, usage = _chat(server, [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": _wav(spoken), "format": "wav"}}]}])
+    want, usage = _chat(
+        server,
+        [
+            {
+                "role": "user",
+                "content": [{"type": "input_audio", "input_audio": {"data": _wav(spoken), "format": "wav"}}],
+            }
+        ],
+    )
     assert text == want and done.response.usage.input_tokens == usage.prompt_tokens
-    other, other_usage = _chat(server, [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": _wav(utterances["again"]), "format": "wav"}}]}])
+    other, other_usage = _chat(
+        server,
+        [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "input_audio",
+                        "input_audio": {"data": _wav(utterances["again"]), "format": "wav"},
+                    }
+                ],
+            }
+        ],
+    )
     assert other != want or other_usage.prompt_tokens != usage.prompt_tokens
 
 
@@ -168,8 +196,11 @@ def test_the_second_turn_carries_the_first(server):
         _, answer, _ = _answer(conn)
         _say(conn, second)
         done, text, _ = _answer(conn)
-    history = [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
-               {"role": "user", "content": second}]
+    history = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": second},
+    ]
     want, usage = _chat(server, history)
     assert text == want and done.response.usage.input_tokens == usage.prompt_tokens
     # The first turn's blocks came from the prefix cache.
@@ -190,8 +221,9 @@ def test_cancel_stops_the_answer_and_keeps_what_was_heard(server, speech_text):
         assert done.response.status == "cancelled"
         assert done.response.status_details.reason == "client_cancelled"
         text = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
-        samples = sum(len(base64.b64decode(e.delta)) // 2 for e in events
-                      if e.type == "response.output_audio.delta")
+        samples = sum(
+            len(base64.b64decode(e.delta)) // 2 for e in events if e.type == "response.output_audio.delta"
+        )
         deltas = sum(e.type == "response.output_audio_transcript.delta" for e in events)
         assert deltas < LONG  # it stopped: the answer had LONG tokens to go
         heard = done.response.output[0].content[0].transcript
@@ -208,21 +240,32 @@ def test_cancel_stops_the_answer_and_keeps_what_was_heard(server, speech_text):
 
 def test_server_vad_commits_speech_then_silence_and_barges_in(server, utterances):
     with _connect(server) as conn:
-        session = _open(conn, max_output_tokens=LONG, audio={"input": {"turn_detection": {
-            "type": "server_vad", "threshold": 0.8, "silence_duration_ms": 400}}})
+        session = _open(
+            conn,
+            max_output_tokens=LONG,
+            audio={
+                "input": {
+                    "turn_detection": {"type": "server_vad", "threshold": 0.8, "silence_duration_ms": 400}
+                }
+            },
+        )
         assert session.audio.input.turn_detection.type == "server_vad"
 
         def append(samples):
             data = pcm16(samples)
             for start in range(0, len(data), 960):  # 20 ms a chunk, as a microphone sends
-                conn.input_audio_buffer.append(audio=base64.b64encode(data[start:start + 960]).decode())
+                conn.input_audio_buffer.append(audio=base64.b64encode(data[start : start + 960]).decode())
 
         silence = np.zeros(RATE, dtype=np.float32)
-        append(np.concatenate([silence[:RATE // 2], utterances["weather"], silence]))
+        append(np.concatenate([silence[: RATE // 2], utterances["weather"], silence]))
         events = _until(conn, "response.output_audio.delta")
         kinds = [e.type for e in events]
-        for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                     "input_audio_buffer.committed", "response.created"):
+        for kind in (
+            "input_audio_buffer.speech_started",
+            "input_audio_buffer.speech_stopped",
+            "input_audio_buffer.committed",
+            "response.created",
+        ):
             assert kind in kinds, kinds
         assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
         started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
@@ -256,18 +299,33 @@ def test_hostile_input_gets_one_error_each_and_the_session_goes_on(server):
         assert error_for(json.dumps({"type": "session.explode"})).param == "type"
         bad = error_for(json.dumps({"type": "input_audio_buffer.append", "audio": "%%%", "event_id": "e1"}))
         assert bad.param == "audio" and bad.event_id == "e1"
-        assert error_for(json.dumps({"type": "session.update", "session": {
-            "type": "realtime", "audio": {"output": {"voice": "nobody"}}}})).param == "session.audio.output.voice"
-        assert error_for(json.dumps({"type": "session.update", "session": {"temperature": 2}})
-                         ).param == "session.temperature"
+        assert (
+            error_for(
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {"type": "realtime", "audio": {"output": {"voice": "nobody"}}},
+                    }
+                )
+            ).param
+            == "session.audio.output.voice"
+        )
+        assert (
+            error_for(json.dumps({"type": "session.update", "session": {"temperature": 2}})).param
+            == "session.temperature"
+        )
         assert error_for(json.dumps({"type": "response.cancel"})).code == "response_cancel_not_active"
-        assert error_for(json.dumps({"type": "input_audio_buffer.commit"})
-                         ).code == "input_audio_buffer_commit_empty"
+        assert (
+            error_for(json.dumps({"type": "input_audio_buffer.commit"})).code
+            == "input_audio_buffer_commit_empty"
+        )
         ten_seconds = base64.b64encode(bytes(RATE * 2 * 10)).decode()
         for _ in range(12):
             conn.input_audio_buffer.append(audio=ten_seconds)
-        assert error_for(json.dumps({"type": "input_audio_buffer.append", "audio": ten_seconds})
-                         ).code == "input_audio_buffer_too_large"
+        assert (
+            error_for(json.dumps({"type": "input_audio_buffer.append", "audio": ten_seconds})).code
+            == "input_audio_buffer_too_large"
+        )
         conn.input_audio_buffer.clear()
         assert conn.recv().type == "input_audio_buffer.cleared"
         for _ in range(1000):  # one sample each: accepted, in order, silently
@@ -282,11 +340,20 @@ def test_hostile_input_gets_one_error_each_and_the_session_goes_on(server):
 
 def test_an_abrupt_disconnect_mid_answer_frees_everything(server):
     url = server.base.replace("http", "ws") + f"/v1/realtime?model={MODEL}"
-    with websockets.sync.client.connect(url, additional_headers={
-            "Authorization": f"Bearer {API_KEY}"}) as ws:
+    with websockets.sync.client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) as ws:
         assert json.loads(ws.recv())["type"] == "session.created"
-        ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk."}]}}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "Talk."}],
+                    },
+                }
+            )
+        )
         ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": LONG}}))
         while json.loads(ws.recv())["type"] != "response.output_audio.delta":
             pass
@@ -310,16 +377,21 @@ def test_the_api_key_and_the_model_are_checked(server):
 
 def test_a_beta_client_gets_the_beta_event_names(server):
     # The beta client always dials wss:// from base_url; a plain-ws server names its URL.
-    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0,
-                           websocket_base_url=server.base.replace("http", "ws") + "/v1")
+    client = openai.OpenAI(
+        base_url=f"{server.base}/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        websocket_base_url=server.base.replace("http", "ws") + "/v1",
+    )
     with client.beta.realtime.connect(model=MODEL) as conn:
         assert conn.recv().type == "session.created"
         conn.recv()  # conversation.created
         conn.session.update(session={"modalities": ["text", "audio"], "turn_detection": None})
         updated = _until(conn, "session.updated")[-1]
         assert updated.session.turn_detection is None and updated.session.voice == "ethan"
-        conn.conversation.item.create(item={"type": "message", "role": "user",
-                                            "content": [{"type": "input_text", "text": "Hi."}]})
+        conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+        )
         conn.response.create()
         kinds = [e.type for e in _until(conn, "response.done")]
     assert "conversation.item.created" in kinds and "conversation.item.added" not in kinds

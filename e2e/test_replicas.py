@@ -2,6 +2,7 @@
 decode replica pulls the KV from the prefill replica that computed it, and the outputs equal the
 colocated pipeline's byte for byte whichever replicas serve them. A replica that is down leaves
 the others serving."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,9 @@ def _replicas(out) -> tuple[int, int]:
 
 def _handed_over(out) -> bool:
     """The KV of every prompt position came from the prefill replica (no local fallback)."""
-    return (not out.metrics["kv_fallback"]
-            and out.metrics["num_cached_prompt_tokens"] == len(out.prompt_token_ids))
+    return not out.metrics["kv_fallback"] and out.metrics["num_cached_prompt_tokens"] == len(
+        out.prompt_token_ids
+    )
 
 
 def test_the_equivalence_prompts_at_once_on_2p2d_equal_colocated(colocated, pd22):
@@ -123,6 +125,9 @@ def test_a_killed_replica_leaves_the_other_serving(colocated, pd22, stage_id):
         assert _replicas(out)[stage_id] == 1
         assert _handed_over(out), out.metrics
         assert differences(colocated, want, pd22, out) == []
-    wait_for(lambda: victim.process.pid != pid and pd22.health()["status"] == "ok", 60,
-             "the killed replica to be restarted")
+    wait_for(
+        lambda: victim.process.pid != pid and pd22.health()["status"] == "ok",
+        60,
+        "the killed replica to be restarted",
+    )
     assert pd22.health()["stages"][str(stage_id)]["replicas"][0]["restarts"] >= 1

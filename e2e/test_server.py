@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client."""
+
 import base64
 import io
 import json
@@ -48,22 +49,31 @@ def no_leaks(request):
     yield
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        wait_for(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
-              "every per-request count on the server to return to zero")
+        wait_for(
+            lambda: all(v == 0 for v in srv.state()["counts"].values()),
+            30,
+            "every per-request count on the server to return to zero",
+        )
 
 
 def _chat(server, text, **kw):
     return server.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], **kw)
+        model=MODEL, messages=[{"role": "user", "content": text}], **kw
+    )
 
 
 def test_models_health_and_metrics(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     _chat(server, "warm up", max_tokens=3)
     metrics = httpx.get(f"{server.base}/metrics").text
-    for name in ("omni_pd_requests_total", "omni_pd_time_to_first_token_seconds_bucket",
-                 "omni_pd_stage_latency_seconds_bucket", "omni_pd_kv_transferred_bytes_total",
-                 "omni_pd_kv_handoff_seconds_bucket", "omni_pd_requests_in_flight"):
+    for name in (
+        "omni_pd_requests_total",
+        "omni_pd_time_to_first_token_seconds_bucket",
+        "omni_pd_stage_latency_seconds_bucket",
+        "omni_pd_kv_transferred_bytes_total",
+        "omni_pd_kv_handoff_seconds_bucket",
+        "omni_pd_requests_in_flight",
+    ):
         assert name in metrics, name
     assert 'omni_pd_requests_total{outcome="success"}' in metrics
     assert server.log_text().count("pcm16 audio: 24000 Hz mono int16 after a gain of") == 1
@@ -71,8 +81,9 @@ def test_models_health_and_metrics(server):
 
 def test_text_only_matches_offline(server, offline):
     reply = _chat(server, "Tell me about the sea.", max_tokens=12, temperature=0)
-    want = offline.generate("Tell me about the sea.",
-                            [SamplingParams(temperature=0, max_tokens=12, seed=42), None, None])[0]
+    want = offline.generate(
+        "Tell me about the sea.", [SamplingParams(temperature=0, max_tokens=12, seed=42), None, None]
+    )[0]
     assert reply.choices[0].message.content == want.text
     assert reply.choices[0].message.audio is None
     assert reply.usage.completion_tokens == len(want.token_ids)
@@ -80,12 +91,19 @@ def test_text_only_matches_offline(server, offline):
 
 
 def test_text_and_audio_wav_equals_offline_audio(server, offline):
-    reply = _chat(server, "Say something.", max_tokens=10, temperature=0,
-                  modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+    reply = _chat(
+        server,
+        "Say something.",
+        max_tokens=10,
+        temperature=0,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+    )
     audio = reply.choices[0].message.audio
     samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)), dtype="float32")
-    want = offline.generate("Say something.",
-                            [SamplingParams(temperature=0, max_tokens=10, seed=42), None, None])[0]
+    want = offline.generate(
+        "Say something.", [SamplingParams(temperature=0, max_tokens=10, seed=42), None, None]
+    )[0]
     assert rate == want.sample_rate == 24_000
     assert torch.equal(torch.from_numpy(samples), want.audio)
     assert audio.transcript == reply.choices[0].message.content == want.text
@@ -95,11 +113,25 @@ def test_audio_input(server):
     tone = (0.2 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     buffer = io.BytesIO()
     soundfile.write(buffer, tone, 16000, format="WAV")
-    reply = server.client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{
-        "role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "input_audio", "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(),
-                                                    "format": "wav"}}]}])
+    reply = server.client.chat.completions.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {
+                        "type": "input_audio",
+                        "input_audio": {
+                            "data": base64.b64encode(buffer.getvalue()).decode(),
+                            "format": "wav",
+                        },
+                    },
+                ],
+            }
+        ],
+    )
     assert reply.usage.prompt_tokens > 20  # the audio became many prompt positions
 
 
@@ -124,8 +156,15 @@ def _int16(*pieces: str) -> np.ndarray:
 
 def test_streaming_deltas_add_up_to_the_full_answer(server):
     full = _chat(server, "Stream this please.", max_tokens=16, temperature=0)
-    stream = _chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
-                   modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"})
+    stream = _chat(
+        server,
+        "Stream this please.",
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+    )
     text, audio, finish = _collect_stream(stream)
     assert len(text) > 1 and "".join(text) == full.choices[0].message.content
     assert any(a.data for a in audio)
@@ -135,11 +174,15 @@ def test_streaming_deltas_add_up_to_the_full_answer(server):
 def test_streamed_pcm16_equals_the_non_streamed_audio(server):
     kwargs = dict(max_tokens=10, temperature=0, modalities=["text", "audio"])
     pcm16 = {"voice": "ethan", "format": "pcm16"}
-    text, audio, finish = _collect_stream(_chat(server, "Say it in pieces.", stream=True,
-                                                audio=pcm16, **kwargs))
+    text, audio, finish = _collect_stream(
+        _chat(server, "Say it in pieces.", stream=True, audio=pcm16, **kwargs)
+    )
     whole = _chat(server, "Say it in pieces.", audio=pcm16, **kwargs).choices[0]
-    wav = _chat(server, "Say it in pieces.", audio={"voice": "ethan", "format": "wav"},
-                **kwargs).choices[0].message.audio
+    wav = (
+        _chat(server, "Say it in pieces.", audio={"voice": "ethan", "format": "wav"}, **kwargs)
+        .choices[0]
+        .message.audio
+    )
     data = [a.data for a in audio if a.data]
     streamed, want = _int16(*data), _int16(whole.message.audio.data)
     assert data and streamed.size > 0 and np.array_equal(streamed, want)
@@ -162,8 +205,10 @@ def test_streamed_pcm16_equals_the_non_streamed_audio(server):
 def _ttft_totals(server) -> tuple[float, float]:
     """The server's time-to-first-token histogram: (sum of seconds, count of requests)."""
     text = httpx.get(f"{server.base}/metrics").text
-    values = [float(re.search(rf"^omni_pd_time_to_first_token_seconds_{part} (\S+)$", text, re.M)
-                    .group(1)) for part in ("sum", "count")]
+    values = [
+        float(re.search(rf"^omni_pd_time_to_first_token_seconds_{part} (\S+)$", text, re.M).group(1))
+        for part in ("sum", "count")
+    ]
     return values[0], values[1]
 
 
@@ -179,8 +224,10 @@ def _first_chunk_problems(first: dict, first_chunk_s: float, first_token_s: floa
     if not delta.get("content") and not (delta.get("audio") or {}).get("data"):
         problems.append(f"the first chunk carries no text or audio: {delta}")
     if first_chunk_s < first_token_s:
-        problems.append(f"the first chunk came {first_chunk_s * 1e3:.1f} ms after the request, "
-                        f"before the server's first token ({first_token_s * 1e3:.1f} ms)")
+        problems.append(
+            f"the first chunk came {first_chunk_s * 1e3:.1f} ms after the request, "
+            f"before the server's first token ({first_token_s * 1e3:.1f} ms)"
+        )
     return problems
 
 
@@ -189,8 +236,17 @@ def test_the_first_chunk_arrives_with_the_first_token(server):
     response headers (a role-only chunk read ~3 ms)."""
     ttft_before, count_before = _ttft_totals(server)
     start = time.perf_counter()
-    stream = iter(_chat(server, "Stream this please.", max_tokens=16, temperature=0, stream=True,
-                        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    stream = iter(
+        _chat(
+            server,
+            "Stream this please.",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"},
+        )
+    )
     first = next(stream)
     first_chunk_s = time.perf_counter() - start
     rest = list(stream)
@@ -212,9 +268,22 @@ def test_the_first_chunk_check_catches_an_early_empty_chunk():
     assert _first_chunk_problems({"choices": [{"delta": {"content": "Hi"}}]}, 0.030, 0.020)
 
 
-@pytest.mark.parametrize("case", ["unknown_model", "empty_messages", "bad_modality", "bad_audio_format",
-                                  "stream_wav", "temperature", "top_p", "max_tokens", "too_long", "bad_voice",
-                                  "bad_part"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown_model",
+        "empty_messages",
+        "bad_modality",
+        "bad_audio_format",
+        "stream_wav",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "too_long",
+        "bad_voice",
+        "bad_part",
+    ],
+)
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     expect_status, param = 400, None
@@ -228,8 +297,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
         kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "mp3"})
         param = "audio.format"
     elif case == "stream_wav":  # OpenAI streams audio as pcm16 only
-        kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
-                      stream=True)
+        kwargs.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}, stream=True)
         param = "audio.format"
     elif case == "temperature":
         kwargs["temperature"], param = 5.0, "temperature"
@@ -257,8 +325,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
 
 
 def _post(server, body: bytes, content_type="application/json", timeout=60) -> httpx.Response:
-    return httpx.post(f"{server.base}/v1/chat/completions", content=body, timeout=timeout,
-                      headers={**server.headers, "content-type": content_type})
+    return httpx.post(
+        f"{server.base}/v1/chat/completions",
+        content=body,
+        timeout=timeout,
+        headers={**server.headers, "content-type": content_type},
+    )
 
 
 def _openai_error(response: httpx.Response) -> dict:
@@ -268,8 +340,11 @@ def _openai_error(response: httpx.Response) -> dict:
 
 
 def _counter(server, outcome: str) -> float:
-    found = re.search(rf'^omni_pd_requests_total{{outcome="{outcome}"}} (\S+)$',
-                      httpx.get(f"{server.base}/metrics").text, re.M)
+    found = re.search(
+        rf'^omni_pd_requests_total{{outcome="{outcome}"}} (\S+)$',
+        httpx.get(f"{server.base}/metrics").text,
+        re.M,
+    )
     return float(found.group(1)) if found else 0.0
 
 
@@ -283,20 +358,28 @@ def test_malformed_json_is_a_400(server):
 # encoder). Each is a 400 in OpenAI's shape naming the field; none reaches a stage.
 OK_MESSAGES = '"messages": [{"role": "user", "content": "hi"}]'
 HOSTILE_BODIES = {
-    "null_audio": ('{"model": "%s", "messages": [{"role": "user", "content": [{"type": "input_audio", '
-                   '"input_audio": {"data": null, "format": "wav"}}]}]}',
-                   "messages[0].content[0].input_audio.data"),
-    "lone_surrogate": ('{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}',
-                       "messages[0].content"),
+    "null_audio": (
+        '{"model": "%s", "messages": [{"role": "user", "content": [{"type": "input_audio", '
+        '"input_audio": {"data": null, "format": "wav"}}]}]}',
+        "messages[0].content[0].input_audio.data",
+    ),
+    "lone_surrogate": (
+        '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        "messages[0].content",
+    ),
     "nan_temperature": ('{"model": "%s", ' + OK_MESSAGES + ', "temperature": NaN}', "temperature"),
-    "tools": ('{"model": "%s", ' + OK_MESSAGES + ', "tools": [{"type": "function", "function": '
-              '{"name": "get_weather", "parameters": {}}}]}', "tools"),
-    "logprobs": ('{"model": "%s", ' + OK_MESSAGES + ', "logprobs": true, "top_logprobs": 2}',
-                 "logprobs"),
+    "tools": (
+        '{"model": "%s", ' + OK_MESSAGES + ', "tools": [{"type": "function", "function": '
+        '{"name": "get_weather", "parameters": {}}}]}',
+        "tools",
+    ),
+    "logprobs": ('{"model": "%s", ' + OK_MESSAGES + ', "logprobs": true, "top_logprobs": 2}', "logprobs"),
     "n": ('{"model": "%s", ' + OK_MESSAGES + ', "n": 2}', "n"),
     "wrong_type": ('{"model": "%s", ' + OK_MESSAGES + ', "max_tokens": "ten"}', "max_tokens"),
-    "wrong_nested_type": ('{"model": "%s", "messages": [{"role": "user", "content": 5}]}',
-                          "messages[0].content"),
+    "wrong_nested_type": (
+        '{"model": "%s", "messages": [{"role": "user", "content": 5}]}',
+        "messages[0].content",
+    ),
     "not_an_object": ('["%s"]', None),
     "missing_messages": ('{"model": "%s"}', "messages"),
 }
@@ -362,6 +445,7 @@ def _health_while(server, action) -> tuple[object, float, int]:
             result["value"] = action()
         finally:
             done.set()
+
     thread = threading.Thread(target=run)
     thread.start()
     while not done.is_set():
@@ -378,12 +462,14 @@ def test_a_body_over_the_limit_is_a_413_at_once_and_health_keeps_answering(serve
 
     def chunked():  # no Content-Length: the server counts the body as it comes
         for start in range(0, len(big), 1 << 20):
-            yield big[start:start + (1 << 20)]
+            yield big[start : start + (1 << 20)]
             time.sleep(0.005)
+
     for body in (big, chunked):
         start = time.monotonic()
         response, slowest, polls = _health_while(
-            server, lambda: _post(server, big if body is big else chunked()))
+            server, lambda: _post(server, big if body is big else chunked())
+        )
         assert response.status_code == 413, response.text[:200]
         error = _openai_error(response)
         assert error["code"] == "request_too_large" and "--max-request-bytes" in error["message"]
@@ -395,8 +481,9 @@ def test_a_body_over_the_limit_is_a_413_at_once_and_health_keeps_answering(serve
 def test_a_huge_prompt_is_refused_without_stalling_the_server(server):
     """A 15 MB text took 20 s to tokenize on the event loop, and /health waited as long: now its
     length is checked off the loop, on a bounded prefix."""
-    body = json.dumps({"model": MODEL, "max_tokens": 2,
-                       "messages": [{"role": "user", "content": "z " * 7_500_000}]}).encode()
+    body = json.dumps(
+        {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "z " * 7_500_000}]}
+    ).encode()
     start = time.monotonic()
     response, slowest, _ = _health_while(server, lambda: _post(server, body))
     assert response.status_code == 400 and _openai_error(response)["code"] == "context_length_exceeded"
@@ -413,10 +500,19 @@ def test_eight_concurrent_requests_equal_offline(server, offline):
 
 def test_client_disconnect_mid_stream_frees_the_request(server):
     aborted = _counter(server, "aborted")
-    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=60, headers=server.headers,
-                      json={"model": MODEL, "stream": True, "max_tokens": 2000, "temperature": 0,
-                            "messages": [{"role": "user", "content": "a long answer please"}]}
-                      ) as response:
+    with httpx.stream(
+        "POST",
+        f"{server.base}/v1/chat/completions",
+        timeout=60,
+        headers=server.headers,
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "a long answer please"}],
+        },
+    ) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
@@ -429,8 +525,18 @@ def test_client_gone_before_a_non_streamed_answer_aborts_and_counts_it(server):
     aborted, success = _counter(server, "aborted"), _counter(server, "success")
     start = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):  # 2000 tokens take far longer than the client waits
-        _post(server, json.dumps({"model": MODEL, "max_tokens": 2000, "temperature": 0, "messages": [
-            {"role": "user", "content": "a long answer please"}]}).encode(), timeout=1.0)
+        _post(
+            server,
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "max_tokens": 2000,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "a long answer please"}],
+                }
+            ).encode(),
+            timeout=1.0,
+        )
     # Aborted in every stage (no_leaks checks the counts) well before 2000 tokens would be done.
     wait_for(lambda: _counter(server, "aborted") == aborted + 1, 30, "the abort to be counted")
     assert time.monotonic() - start < 10 and _counter(server, "success") == success
@@ -465,24 +571,40 @@ def test_deadline_is_a_504_and_a_dead_stage_comes_back():
         assert error["type"] == "timeout" and "stage 1 (thinker)" in error["message"], error
         # The timed-out request was aborted in its worker: the next one is served in time.
         assert _chat(srv, "short", max_tokens=2).usage.completion_tokens == 2
-        wait_for(lambda: all(v == 0 for v in srv.state()["counts"].values()), 30,
-                 "every per-request count to return to zero after the timeout")
+        wait_for(
+            lambda: all(v == 0 for v in srv.state()["counts"].values()),
+            30,
+            "every per-request count to return to zero after the timeout",
+        )
 
         talker_pid = srv.state()["worker_pids"][2]
         os.kill(talker_pid, signal.SIGKILL)
         killed = time.monotonic()
         # /health names the stage while it is restarting...
-        health = wait_for(lambda: (lambda r: r if r.status_code == 503 else None)(
-            httpx.get(f"{srv.base}/health", timeout=5)), 5, "GET /health to answer 503")
+        health = wait_for(
+            lambda: (lambda r: r if r.status_code == 503 else None)(
+                httpx.get(f"{srv.base}/health", timeout=5)
+            ),
+            5,
+            "GET /health to answer 503",
+        )
         talker = health.json()["stages"]["2"]
         assert talker["status"] == "restarting" and "SIGKILL" in talker["reason"], talker
         # ... text alone does not need the talker: served meanwhile ...
         assert _chat(srv, "text only", max_tokens=2).usage.completion_tokens == 2
         # ... and the talker serves again within 10 s.
-        wait_for(lambda: httpx.get(f"{srv.base}/health", timeout=5).status_code == 200, 10,
-                 "GET /health to answer 200 after the restart")
-        reply = _chat(srv, "speak", max_tokens=2, modalities=["text", "audio"],
-                      audio={"voice": "ethan", "format": "wav"})
+        wait_for(
+            lambda: httpx.get(f"{srv.base}/health", timeout=5).status_code == 200,
+            10,
+            "GET /health to answer 200 after the restart",
+        )
+        reply = _chat(
+            srv,
+            "speak",
+            max_tokens=2,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"},
+        )
         assert reply.choices[0].message.audio.data
         assert time.monotonic() - killed < 15
         metrics = httpx.get(f"{srv.base}/metrics").text
@@ -497,23 +619,24 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
     prefix cache counters on /metrics."""
     system = {"role": "system", "content": "You are a patient teacher of geography. " * 4}
     first = [system, {"role": "user", "content": "Name a river."}]
-    second = first + [{"role": "assistant", "content": "The Nile."},
-                      {"role": "user", "content": "And a mountain?"}]
+    second = first + [
+        {"role": "assistant", "content": "The Nile."},
+        {"role": "user", "content": "And a mountain?"},
+    ]
     cold = server.client.chat.completions.create(model=MODEL, messages=first, max_tokens=4)
     assert cold.usage.prompt_tokens_details.cached_tokens % 16 == 0
     warm = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=4)
     # The system prompt and the first turn, in whole 16-token blocks, came from the cache.
     assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 16
     assert warm.usage.prompt_tokens_details.cached_tokens < warm.usage.prompt_tokens
-    stream = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=4,
-                                                   stream=True, stream_options={"include_usage": True})
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=second, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
-    assert usage[-1].prompt_tokens_details.cached_tokens >= \
-        warm.usage.prompt_tokens_details.cached_tokens
+    assert usage[-1].prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens_details.cached_tokens
 
     def total(name: str, text: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith(f"{name}{{"))
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name}{{"))
 
     def scraped_with_hits() -> str | None:
         text = httpx.get(f"{server.base}/metrics").text
@@ -521,16 +644,27 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
 
     # The engines' counters reach /metrics with their heartbeats (every 0.5 s).
     text = wait_for(scraped_with_hits, 10, "the prefix cache hits on /metrics")
-    assert total("omni_pd_prefix_cache_queries_total", text) >= \
-        total("omni_pd_prefix_cache_hits_total", text) > 0
+    assert (
+        total("omni_pd_prefix_cache_queries_total", text)
+        >= total("omni_pd_prefix_cache_hits_total", text)
+        > 0
+    )
 
 
 def test_the_grafana_dashboard_queries_what_this_server_exports(server):
     """examples/grafana_dashboard.json against a live P/D server's /metrics, after the requests
     above: every metric name and label its queries use is exported (dashboard_check.py; its
     negative controls are in tests/test_server_metrics.py)."""
-    list(_chat(server, "one more for the dashboard", max_tokens=4, stream=True,
-               modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    list(
+        _chat(
+            server,
+            "one more for the dashboard",
+            max_tokens=4,
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"},
+        )
+    )
     exposition = Exposition.parse(httpx.get(f"{server.base}/metrics").text)
     # Per-stage series are labelled by id and name apart (they read stage="0:thinker prefill").
     assert exposition.labels["omni_pd_stage_up"] == {"stage", "stage_name"}

@@ -2,6 +2,7 @@
 more allowed to wait, a burst of requests gets 429s (OpenAI's error JSON, Retry-After,
 code server_overloaded), never a 5xx or a stall; the admitted requests are answered; /metrics
 counts the refusals; nothing is left behind."""
+
 from __future__ import annotations
 
 import sys
@@ -25,9 +26,22 @@ def server(tmp_path_factory):
         stage["runtime"]["max_batch_size"] = 1  # the stages admit one request at a time
     path = tmp_path_factory.mktemp("overload") / "one_at_a_time.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    srv = Server(command=lambda port: [
-        sys.executable, "-m", "omni_pd.entrypoints.cli", "serve", MODEL, "--port", str(port),
-        "--stage-configs-path", str(path), "--enable-debug-endpoints", "--max-queued-requests", "1"])
+    srv = Server(
+        command=lambda port: [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "serve",
+            MODEL,
+            "--port",
+            str(port),
+            "--stage-configs-path",
+            str(path),
+            "--enable-debug-endpoints",
+            "--max-queued-requests",
+            "1",
+        ]
+    )
     try:
         yield srv
     finally:
@@ -35,8 +49,11 @@ def server(tmp_path_factory):
 
 
 def _post(server, i):
-    return httpx.post(f"{server.base}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"Request {i}"}]})
+    return httpx.post(
+        f"{server.base}/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"Request {i}"}]},
+    )
 
 
 def test_a_burst_past_the_queue_gets_429s_at_once_and_the_rest_are_served(server):
@@ -56,17 +73,31 @@ def test_a_burst_past_the_queue_gets_429s_at_once_and_the_rest_are_served(server
     # only race the served requests.
     metrics = httpx.get(f"{server.base}/metrics").text
     assert f'omni_pd_requests_total{{outcome="overloaded"}} {float(len(refused))}' in metrics
-    wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
-             "every per-request count, admission included, to return to zero")
+    wait_for(
+        lambda: all(v == 0 for v in server.state()["counts"].values()),
+        30,
+        "every per-request count, admission included, to return to zero",
+    )
     assert "admission.running" in server.state()["counts"]
 
 
 def test_a_streamed_request_holds_its_slot_until_it_ends(server):
-    with httpx.stream("POST", f"{server.base}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "max_tokens": 16, "stream": True,
-            "messages": [{"role": "user", "content": "Stream it"}]}) as reply:
+    with httpx.stream(
+        "POST",
+        f"{server.base}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "max_tokens": 16,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Stream it"}],
+        },
+    ) as reply:
         assert reply.status_code == 200
         lines = [line for line in reply.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
-    wait_for(lambda: server.state()["counts"]["admission.running"] == 0, 30,
-             "the streamed request's slot to come back")
+    wait_for(
+        lambda: server.state()["counts"]["admission.running"] == 0,
+        30,
+        "the streamed request's slot to come back",
+    )

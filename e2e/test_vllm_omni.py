@@ -11,6 +11,7 @@ decode engine over vLLM's MooncakeConnector (qwen3_omni_tiny_vllm_pd.yaml):
 
 Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); see e2e/vllm_required.py for when it skips.
 """
+
 from __future__ import annotations
 
 import base64
@@ -45,11 +46,17 @@ VLLM = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm.yaml"
 VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm_pd.yaml"
 HF = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
-PROMPTS = ["Hi", "Please describe, in a few sentences, how tides are made by the moon.",
-           [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a colour."}],
-           [{"role": "user", "content": [{"type": "text", "text": "What is this sound?"},
-                                         {"type": "audio", "audio": TONE}]}]]
+PROMPTS = [
+    "Hi",
+    "Please describe, in a few sentences, how tides are made by the moon.",
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this sound?"}, {"type": "audio", "audio": TONE}],
+        }
+    ],
+]
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +109,22 @@ def test_text_and_speech_equal_the_hf_thinker_pipeline(vllm_omni, hf_omni):
 def test_cli_generate_writes_text_and_speech(tmp_path):
     wav = tmp_path / "answer.wav"
     done = subprocess.run(
-        [sys.executable, "-m", "omni_pd.entrypoints.cli", "generate", "--prompt", "Tell me about the sea.",
-         "--stage-configs-path", str(VLLM), "--output", str(wav)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "generate",
+            "--prompt",
+            "Tell me about the sea.",
+            "--stage-configs-path",
+            str(VLLM),
+            "--output",
+            str(wav),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens: " in done.stdout and "audio: " in done.stdout
     samples, rate = soundfile.read(wav)
@@ -113,10 +133,24 @@ def test_cli_generate_writes_text_and_speech(tmp_path):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(command=lambda port: [
-        sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "INFO", "serve", MODEL,
-        "--port", str(port), "--stage-configs-path", str(VLLM), "--enable-debug-endpoints",
-        "--request-timeout", "120"])
+    srv = Server(
+        command=lambda port: [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "--log-level",
+            "INFO",
+            "serve",
+            MODEL,
+            "--port",
+            str(port),
+            "--stage-configs-path",
+            str(VLLM),
+            "--enable-debug-endpoints",
+            "--request-timeout",
+            "120",
+        ]
+    )
     try:
         yield srv
     finally:
@@ -125,14 +159,21 @@ def server():
 
 def test_server_answers_with_text_and_audio_and_frees_every_request(server):
     reply = server.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8,
-        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=8,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+    )
     message = reply.choices[0].message
     assert reply.usage.completion_tokens == 8 and message.audio is not None
     samples, rate = soundfile.read(io.BytesIO(base64.b64decode(message.audio.data)))
     assert rate == 24000 and len(samples) > 0
-    wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
-             "every per-request count on the server to return to zero")
+    wait_for(
+        lambda: all(v == 0 for v in server.state()["counts"].values()),
+        30,
+        "every per-request count on the server to return to zero",
+    )
 
 
 def _wav_tone(seconds: float = 0.5, hz: float = 440.0) -> str:
@@ -144,14 +185,27 @@ def _wav_tone(seconds: float = 0.5, hz: float = 440.0) -> str:
 
 def test_server_takes_audio_input_on_the_vllm_thinker(server):
     reply = server.client.chat.completions.create(
-        model=MODEL, max_tokens=4, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
-        messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "input_audio", "input_audio": {"data": _wav_tone(), "format": "wav"}}]}])
+        model=MODEL,
+        max_tokens=4,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "input_audio", "input_audio": {"data": _wav_tone(), "format": "wav"}},
+                ],
+            }
+        ],
+    )
     assert reply.usage.prompt_tokens > 20  # the audio became many prompt positions
     assert reply.choices[0].message.audio is not None
-    wait_for(lambda: all(v == 0 for v in server.state()["counts"].values()), 30,
-             "every per-request count on the server to return to zero")
+    wait_for(
+        lambda: all(v == 0 for v in server.state()["counts"].values()),
+        30,
+        "every per-request count on the server to return to zero",
+    )
 
 
 def test_pd_equals_colocated_byte_for_byte(vllm_omni, vllm_pd):
@@ -166,15 +220,20 @@ def test_pd_equals_colocated_byte_for_byte(vllm_omni, vllm_pd):
 
 def _legs(omni, prompts, params, transfer_id, request_id, timeout_s=60):
     """The prefill and decode legs driven directly (what AsyncOmni does per request)."""
+
     async def legs():
-        prefill = await omni.clients[0].generate(request_id, prompts[0],
-                                                 build_prefill_sampling_params(params, transfer_id),
-                                                 timeout_s, None)
+        prefill = await omni.clients[0].generate(
+            request_id, prompts[0], build_prefill_sampling_params(params, transfer_id), timeout_s, None
+        )
         decode = await omni.clients[1].generate(
-            request_id, prompts[1].tokens_only(),
+            request_id,
+            prompts[1].tokens_only(),
             build_decode_sampling_params(params, prefill.kv_transfer_params, transfer_id),
-            timeout_s, None)
+            timeout_s,
+            None,
+        )
         return prefill, decode
+
     result = asyncio.run_coroutine_threadsafe(legs(), omni._loop).result(timeout_s * 2 + 10)
     omni.control(0, "release_kv", transfer_id=transfer_id)
     return result
@@ -208,8 +267,9 @@ def test_a_stop_token_first_still_hands_the_kv_over(vllm_omni, vllm_pd):
     assert decode.token_ids == [first] and decode.finish_reason == "stop"
     assert decode.num_cached_prompt_tokens == len(prompt.prompt_token_ids)
     # Through the pipeline, text only (a one-token answer has no speech for the talker).
-    whole = asyncio.run_coroutine_threadsafe(vllm_pd.engine.generate(
-        PROMPTS[1], [stop, None, None], modalities=["text"]), vllm_pd._loop).result(120)
+    whole = asyncio.run_coroutine_threadsafe(
+        vllm_pd.engine.generate(PROMPTS[1], [stop, None, None], modalities=["text"]), vllm_pd._loop
+    ).result(120)
     assert whole.token_ids == [first] and whole.finish_reason == "stop"
     assert not whole.metrics["kv_fallback"]
 
@@ -225,9 +285,11 @@ def test_a_killed_prefill_worker_is_answered_by_the_fallback(vllm_omni, vllm_pd)
     assert differences(vllm_omni, want, vllm_pd, got) == []
     wait_for(lambda: vllm_pd.health()["status"] == "ok", 120, "the prefill worker to come back")
     assert vllm_pd.engine.clients[0].process.pid != pid
+
     # Once the breaker's cooldown has passed, the restarted prefill worker serves the handoff.
     def handed_off():
         out = vllm_pd.generate([PROMPTS[0]], use_tqdm=False)[0]
         return out if not out.metrics["kv_fallback"] else None
+
     again = wait_for(handed_off, 60, "a request served by the restarted prefill worker")
     assert differences(vllm_omni, want, vllm_pd, again) == []

@@ -2,6 +2,7 @@
 deploy/qwen3_omni_moe.yaml (written for GPUs 0 and 1) with the tiny model on the CPU
 (`device="cpu"`) gives the same tokens and audio as omni-pd's own tiny config, for the same
 sampling parameters."""
+
 import zipfile
 from pathlib import Path
 
@@ -22,10 +23,11 @@ PROMPTS = ["Tell me about the sea.", "Hi"]
 def _params(talker_seed: int = 42) -> list:
     # Stated for every stage, so both files run with the same ones (the deploy file's own
     # defaults ask for 2048 thinker tokens and 4096 codec frames).
-    return [SamplingParams(temperature=0.0, max_tokens=24, seed=42),
-            SamplingParams(temperature=0.9, top_k=50, max_tokens=64, seed=talker_seed,
-                           repetition_penalty=1.05),
-            None]
+    return [
+        SamplingParams(temperature=0.0, max_tokens=24, seed=42),
+        SamplingParams(temperature=0.9, top_k=50, max_tokens=64, seed=talker_seed, repetition_penalty=1.05),
+        None,
+    ]
 
 
 @pytest.fixture(scope="module")

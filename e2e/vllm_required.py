@@ -2,6 +2,7 @@
 
 `require_vllm`: skipped with an install hint outside CI when vLLM is missing, failed under CI=true
 (the test command installs vLLM, so a missing one there is a broken setup, never a skip)."""
+
 from __future__ import annotations
 
 import os

@@ -1,7 +1,8 @@
 """Offline use of omni-pd: text and speech for a few prompts, WAVs written next to this file.
 
-    .venv/bin/python examples/offline_generate.py
+.venv/bin/python examples/offline_generate.py
 """
+
 from pathlib import Path
 
 from omni_pd import Omni, SamplingParams
@@ -10,9 +11,13 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 
 if __name__ == "__main__":
     config = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
-    prompts = ["Tell me about the sea.",
-               [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "What is a prefill engine?"}]]
+    prompts = [
+        "Tell me about the sea.",
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is a prefill engine?"},
+        ],
+    ]
     with Omni(model="tiny-qwen3-omni", stage_configs_path=config) as omni:
         thinker = SamplingParams(temperature=0.0, max_tokens=16)
         for i, out in enumerate(omni.generate(prompts, [thinker, None, None])):

@@ -8,6 +8,7 @@ spoken answer to a WAV file, print its transcript.
 followed by a second of silence, as a microphone would send it); without it the turn is
 committed by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ def pcm16_chunks(path: str, chunk_ms: int) -> list[bytes]:
     mono = librosa.resample(samples.mean(axis=1), orig_sr=rate, target_sr=RATE)
     data = (np.clip(mono, -1, 1) * 32767).round().astype("<i2").tobytes()
     step = RATE * 2 * chunk_ms // 1000
-    return [data[i:i + step] for i in range(0, len(data), step)]
+    return [data[i : i + step] for i in range(0, len(data), step)]
 
 
 def main() -> None:
@@ -43,9 +44,14 @@ def main() -> None:
     client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OMNI_PD_API_KEY", "unused"))
     with client.realtime.connect(model=args.model) as conn:
         turn_detection = {"type": "server_vad"} if args.vad else None
-        conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
-                                     "instructions": args.instructions,
-                                     "audio": {"input": {"turn_detection": turn_detection}}})
+        conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "instructions": args.instructions,
+                "audio": {"input": {"turn_detection": turn_detection}},
+            }
+        )
         chunks = pcm16_chunks(args.question, 20 if args.vad else 200)
         if args.vad:
             chunks += [bytes(RATE * 2 // 50)] * 50  # a second of silence ends the turn

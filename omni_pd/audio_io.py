@@ -2,6 +2,7 @@
 
 Float WAVs keep the model's samples exactly: random-weight audio peaks near 1e-6, silence in 16-bit
 PCM without a gain."""
+
 from __future__ import annotations
 
 import base64
@@ -23,8 +24,9 @@ DUMMY_WEIGHTS_PCM16_GAIN = 5e5
 INPUT_SAMPLE_RATE = 16_000
 
 
-def decode_audio(data: str | bytes, fmt: str | None = None,
-                 sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
+def decode_audio(
+    data: str | bytes, fmt: str | None = None, sample_rate: int = INPUT_SAMPLE_RATE
+) -> np.ndarray:
     """Base64 (or raw bytes) of a WAV/FLAC/OGG file -> mono float32 at `sample_rate`. `fmt` (the
     client's name for the format) is informational: libsndfile reads the container itself."""
     import librosa
@@ -50,12 +52,12 @@ def open_wav(target: str | Path | BinaryIO, sample_rate: int) -> soundfile.Sound
         target = Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         target = str(target)
-    wav = soundfile.SoundFile(target, "w", samplerate=sample_rate, channels=1, format="WAV",
-                              subtype="FLOAT")
+    wav = soundfile.SoundFile(target, "w", samplerate=sample_rate, channels=1, format="WAV", subtype="FLOAT")
     # soundfile has no wrapper for this command: its libsndfile handle (`_file`) and cffi
     # library (`_snd`) are how soundfile itself calls sf_command.
-    soundfile._snd.sf_command(wav._file, _SFC_SET_ADD_PEAK_CHUNK, soundfile._ffi.NULL,
-                              soundfile._snd.SF_FALSE)
+    soundfile._snd.sf_command(
+        wav._file, _SFC_SET_ADD_PEAK_CHUNK, soundfile._ffi.NULL, soundfile._snd.SF_FALSE
+    )
     return wav
 
 
@@ -88,6 +90,8 @@ def to_pcm16(audio: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
 def pcm16_bytes(audio: torch.Tensor, sample_rate: int, gain: float = 1.0) -> bytes:
     """`to_pcm16` as little-endian bytes; refuses audio not at `PCM16_SAMPLE_RATE`."""
     if sample_rate != PCM16_SAMPLE_RATE:
-        raise RuntimeError(f"pcm16 is {PCM16_SAMPLE_RATE} Hz mono, but this model's audio is at "
-                           f"{sample_rate} Hz (no resampler here); request audio.format 'wav' with stream: false")
+        raise RuntimeError(
+            f"pcm16 is {PCM16_SAMPLE_RATE} Hz mono, but this model's audio is at "
+            f"{sample_rate} Hz (no resampler here); request audio.format 'wav' with stream: false"
+        )
     return to_pcm16(audio, gain).numpy().astype("<i2", copy=False).tobytes()

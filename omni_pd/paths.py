@@ -1,4 +1,5 @@
 """Where the shipped stage configs live (the repository's `stage_configs/`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,8 @@ DEFAULT_STAGE_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 
 def default_stage_config() -> Path:
     if not DEFAULT_STAGE_CONFIG.is_file():
-        raise FileNotFoundError(f"the default stage config {DEFAULT_STAGE_CONFIG} is missing; "
-                                "pass --stage-configs-path (stage_configs_path=...) explicitly")
+        raise FileNotFoundError(
+            f"the default stage config {DEFAULT_STAGE_CONFIG} is missing; "
+            "pass --stage-configs-path (stage_configs_path=...) explicitly"
+        )
     return DEFAULT_STAGE_CONFIG

@@ -9,6 +9,7 @@ in every process that asks (stage workers are spawned and ask for themselves).
 
 This module sits at the bottom of the layers: it imports nothing else of omni-pd.
 """
+
 from __future__ import annotations
 
 import json
@@ -132,8 +133,10 @@ def _load_entry_points() -> dict[str, ModelSpec]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         spec = ep.load()
         if not isinstance(spec, ModelSpec):
-            raise TypeError(f"entry point {ep.name} = {ep.value} in group {ENTRY_POINT_GROUP!r} "
-                            f"is a {type(spec).__name__}, not an omni_pd.registry.ModelSpec")
+            raise TypeError(
+                f"entry point {ep.name} = {ep.value} in group {ENTRY_POINT_GROUP!r} "
+                f"is a {type(spec).__name__}, not an omni_pd.registry.ModelSpec"
+            )
         found[spec.name] = spec
     return found
 
@@ -149,7 +152,8 @@ def specs() -> dict[str, ModelSpec]:
             raise ModelNotFound(
                 f"no model package is registered in the {ENTRY_POINT_GROUP!r} entry points: "
                 "install omni-pd (`pip install -e .`, which scripts/setup.sh runs) so that its "
-                "models are registered")
+                "models are registered"
+            )
         return _specs
 
 
@@ -163,8 +167,9 @@ def default_model() -> str:
     """The embedded model served when none is given."""
     chosen = [s for s in specs().values() if s.default and s.embedded]
     if len(chosen) != 1:
-        raise ModelNotFound(f"expected one default model among the registered ones, found "
-                            f"{[s.name for s in chosen]}")
+        raise ModelNotFound(
+            f"expected one default model among the registered ones, found {[s.name for s in chosen]}"
+        )
     return chosen[0].embedded[0]
 
 
@@ -175,8 +180,10 @@ def _checkpoint_model_type(model: str) -> str | None:
     try:
         return json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError) as exc:
-        raise ModelNotFound(f"model {model!r}: {config} is not readable JSON ({exc}); write it "
-                            "again (`omni-pd make-tiny-model DIR` writes a valid one)") from exc
+        raise ModelNotFound(
+            f"model {model!r}: {config} is not readable JSON ({exc}); write it "
+            "again (`omni-pd make-tiny-model DIR` writes a valid one)"
+        ) from exc
 
 
 def spec_for(model: str) -> ModelSpec:
@@ -193,29 +200,38 @@ def spec_for(model: str) -> ModelSpec:
     embedded = sorted(name for spec in registered.values() for name in spec.embedded)
     types = sorted(t for spec in registered.values() for t in spec.model_types)
     if model_type is not None:
-        raise ModelNotFound(f"model {model!r}: its config.json has model_type {model_type!r}, "
-                            f"which no registered model serves (served: {', '.join(types)})")
+        raise ModelNotFound(
+            f"model {model!r}: its config.json has model_type {model_type!r}, "
+            f"which no registered model serves (served: {', '.join(types)})"
+        )
     if Path(model).expanduser().is_dir():
-        raise ModelNotFound(f"model directory {model} has no config.json; write one with "
-                            f"`omni-pd make-tiny-model {model}`")
-    raise ModelNotFound(f"model {model!r} is neither the embedded {' or '.join(embedded)} "
-                        "nor a local checkpoint directory (omni-pd never downloads from a model "
-                        "hub: pass a checkpoint directory)")
+        raise ModelNotFound(
+            f"model directory {model} has no config.json; write one with `omni-pd make-tiny-model {model}`"
+        )
+    raise ModelNotFound(
+        f"model {model!r} is neither the embedded {' or '.join(embedded)} "
+        "nor a local checkpoint directory (omni-pd never downloads from a model "
+        "hub: pass a checkpoint directory)"
+    )
 
 
 def load_pipeline(model: str) -> ModelPipeline:
     spec = spec_for(model)
     if spec.load_pipeline is None:
-        raise ModelNotFound(f"model {model!r} ({spec.name}) serves only as a stage's checkpoint, "
-                            "not as a pipeline's model; give Omni / --model a pipeline's model")
+        raise ModelNotFound(
+            f"model {model!r} ({spec.name}) serves only as a stage's checkpoint, "
+            "not as a pipeline's model; give Omni / --model a pipeline's model"
+        )
     return spec.load_pipeline(model)
 
 
 def engine_builder(model: str, engine: str) -> Callable[[Any, str], Any]:
     spec = spec_for(model)
     if engine not in spec.engine_builders:
-        raise ModelNotFound(f"model {model!r} ({spec.name}) has no {engine!r} engines; it has "
-                            f"{', '.join(sorted(spec.engine_builders)) or 'none'}")
+        raise ModelNotFound(
+            f"model {model!r} ({spec.name}) has no {engine!r} engines; it has "
+            f"{', '.join(sorted(spec.engine_builders)) or 'none'}"
+        )
     return spec.engine_builders[engine]
 
 
@@ -236,8 +252,10 @@ def checkpoint_dir(model: str, seed: int = 0) -> str:
     for spec in specs().values():
         if model in spec.embedded:
             if spec.materialize is None:
-                raise ModelNotFound(f"embedded model {model!r} cannot be written to a directory "
-                                    f"({spec.name} has no materialize); pass a checkpoint directory")
+                raise ModelNotFound(
+                    f"embedded model {model!r} cannot be written to a directory "
+                    f"({spec.name} has no materialize); pass a checkpoint directory"
+                )
             return spec.materialize(model, seed)
     return model
 
@@ -264,8 +282,12 @@ def vllm_model_classes() -> dict[str, str]:
 
 
 def native_kernels() -> tuple[Any, ...]:
-    return tuple(kernel for spec in specs().values() if spec.native_kernels is not None
-                 for kernel in spec.native_kernels())
+    return tuple(
+        kernel
+        for spec in specs().values()
+        if spec.native_kernels is not None
+        for kernel in spec.native_kernels()
+    )
 
 
 def worker_preload() -> list[str]:
@@ -279,8 +301,10 @@ def hf_stages() -> dict[str, str]:
     for spec in specs().values():
         for stage, kind in spec.hf_stages.items():
             if kind not in STAGE_KINDS:
-                raise TypeError(f"model {spec.name}: stage {stage!r} has kind {kind!r}, not one of "
-                                f"{', '.join(STAGE_KINDS)}")
+                raise TypeError(
+                    f"model {spec.name}: stage {stage!r} has kind {kind!r}, not one of "
+                    f"{', '.join(STAGE_KINDS)}"
+                )
             found.setdefault(stage, kind)
     return found
 

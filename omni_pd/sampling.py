@@ -3,6 +3,7 @@
 A frozen dataclass: P/D planning derives new objects with `dataclasses.replace`, so a caller's
 parameters are never mutated.
 """
+
 from __future__ import annotations
 
 import dataclasses

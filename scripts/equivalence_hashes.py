@@ -6,6 +6,7 @@ change behaviour gives the same JSON before and after (issue 37):
     .venv/bin/python scripts/equivalence_hashes.py > after.json    # on the new one
     diff before.json after.json
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,9 +41,12 @@ def main() -> None:
                 out = omni.generate([prompts[case]])[0]
                 talker = _talker_input(omni, out)
                 result[name][case] = {
-                    "tokens": _sha(out.token_ids), "talker_embeds": _sha(talker.thinker_embeds),
-                    "talker_hidden": _sha(talker.thinker_hidden), "codes": _sha(_codes(omni, out)),
-                    "audio": out.audio_sha256[:16]}
+                    "tokens": _sha(out.token_ids),
+                    "talker_embeds": _sha(talker.thinker_embeds),
+                    "talker_hidden": _sha(talker.thinker_hidden),
+                    "codes": _sha(_codes(omni, out)),
+                    "audio": out.audio_sha256[:16],
+                }
     same = all(result["pd"][case] == result["colocated"][case] for case in CASES)
     print(json.dumps({"pd_equals_colocated": same, **result}, indent=1, sort_keys=True))
 

@@ -19,8 +19,10 @@ def pytest_collection_modifyitems(config, items):
     """`gpu` tests skip, with one line, where torch sees no CUDA device (CI never has one)."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here (scripts/gpu_check.sh "
-                                   "runs the gpu tests where one is lent)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU: torch sees none here (scripts/gpu_check.sh "
+        "runs the gpu tests where one is lent)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -29,12 +31,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model():
     from omni_pd.models.qwen3_omni.factory import load_model
+
     return load_model("tiny-qwen3-omni", "dummy", seed=42)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from omni_pd.models.qwen3_omni.factory import load_tokenizer, resolve_model
+
     return load_tokenizer(resolve_model("tiny-qwen3-omni"))
 
 

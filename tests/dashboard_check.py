@@ -4,6 +4,7 @@ share it; pytest puts this folder on the path).
 A dashboard that names a metric the server does not export (a renamed metric, a counter without
 its `_total`) shows an empty panel and no error, so each query's metric names and the labels it
 groups or filters by are checked against an exposition: the text `/metrics` serves."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,35 @@ from prometheus_client.parser import text_string_to_metric_families
 DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana_dashboard.json"
 
 # PromQL words that look like metric names: keywords and label-list modifiers.
-KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-                      "and", "or", "unless", "offset", "inf", "nan", "Inf", "NaN"})
+KEYWORDS = frozenset(
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "inf",
+        "nan",
+        "Inf",
+        "NaN",
+    }
+)
 # The sample names each metric type exposes (prometheus_client's text format).
-SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
-            "histogram": ("_bucket", "_count", "_sum", "_created"),
-            "summary": ("", "_count", "_sum", "_created"), "info": ("_info",),
-            "stateset": ("",), "unknown": ("",)}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "summary": ("", "_count", "_sum", "_created"),
+    "info": ("_info",),
+    "stateset": ("",),
+    "unknown": ("",),
+}
 _IDENTIFIER = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 
@@ -64,7 +87,7 @@ def metric_names(expr: str) -> set[str]:
         before = stripped[found.start() - 1] if found.start() else " "
         if before.isdigit() or before == ".":
             continue  # an exponent or a duration unit (1e3, 5m)
-        if stripped[found.end():].lstrip().startswith("(") or found.group() in KEYWORDS:
+        if stripped[found.end() :].lstrip().startswith("(") or found.group() in KEYWORDS:
             continue  # a function or aggregation, or a keyword
         names.add(found.group())
     return names
@@ -90,9 +113,9 @@ def queries(dashboard: dict) -> list[tuple[str, str, str]]:
         for panel in panels:
             for target in panel.get("targets", ()):
                 if "expr" in target:
-                    found.append((panel.get("title", "?"), target["expr"],
-                                  target.get("legendFormat", "")))
+                    found.append((panel.get("title", "?"), target["expr"], target.get("legendFormat", "")))
             walk(panel.get("panels", ()))
+
     walk(dashboard.get("panels", ()))
     return found
 

@@ -4,6 +4,7 @@ together (vLLM batches them) and give the same tokens as each run alone.
 
 Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); see e2e/vllm_required.py for when it skips.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ PROMPTS = TOKEN_PROMPTS
 @pytest.fixture(scope="module")
 def engine():
     from omni_pd.engines.vllm.engine import build_vllm_engine
+
     (stage,) = load_pipeline_config(CONFIG).stages
     eng = build_vllm_engine(stage, TINY_MODEL_NAME)  # the YAML's engine_args.model wins
     yield eng
@@ -122,8 +124,7 @@ def test_abort_one_others_finish(engine, solo):
 
 def test_refused_requests(engine):
     with pytest.raises(ValueError, match="token ids only"):
-        engine.add_request("audio", ThinkerPrompt([1, 2, 3], input_features=torch.zeros(1, 4, 8)),
-                           GREEDY)
+        engine.add_request("audio", ThinkerPrompt([1, 2, 3], input_features=torch.zeros(1, 4, 8)), GREEDY)
     engine.add_request("dup", TokenPrompt([5, 6, 7]), GREEDY)
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("dup", TokenPrompt([5, 6, 7]), GREEDY)

@@ -10,6 +10,7 @@ transformers', so the rows agree to rounding, not to the bit. Measured here: lay
 audio too: vLLM's audio tower on the prompt builder's features), accept layer ~2e-8, log-
 probabilities ~5e-7.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,6 +46,7 @@ def stage():
 @pytest.fixture(scope="module")
 def engine(stage):
     from omni_pd.engines.vllm.engine import build_vllm_engine
+
     eng = build_vllm_engine(stage, TINY_MODEL_NAME, registry.vllm_hooks(TINY_MODEL_NAME))
     yield eng
     eng.close()
@@ -118,8 +120,8 @@ def test_negative_control_a_neighbouring_layer_does_not_agree(batched, reference
 
 def test_logits_agree_and_greedy_tokens_match_where_they_are_not_tied(engine, prompts, reference):
     import vllm
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
-                                 logprobs=20)
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=20)
     for i, prompt in enumerate(prompts):
         engine.engine.add_request(f"lp{i}", {"prompt_token_ids": list(prompt.prompt_token_ids)}, params)
     done = {}
@@ -167,18 +169,36 @@ def test_audio_prompts_take_the_prompt_builders_features(engine, reference):
     """Two audios of different lengths, through vLLM's multimodal input as the prompt builder's
     own features: the same rows as transformers, which merges the same features itself."""
     import numpy as np
+
     pipeline = registry.load_pipeline(TINY_MODEL_NAME)
-    tones = [(0.2 * np.sin(np.arange(n) / 16000 * 2 * np.pi * hz)).astype(np.float32)
-             for n, hz in ((24000, 330), (9000, 500))]
-    prompt = pipeline.build_prompt(pipeline.normalize_prompt([{"role": "user", "content": [
-        {"type": "text", "text": "What are these?"}, *({"type": "audio", "audio": t} for t in tones)]}]))
+    tones = [
+        (0.2 * np.sin(np.arange(n) / 16000 * 2 * np.pi * hz)).astype(np.float32)
+        for n, hz in ((24000, 330), (9000, 500))
+    ]
+    prompt = pipeline.build_prompt(
+        pipeline.normalize_prompt(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What are these?"},
+                        *({"type": "audio", "audio": t} for t in tones),
+                    ],
+                }
+            ]
+        )
+    )
     assert prompt.input_features.shape[0] == 2
     out = engine.generate("audio", prompt, GREEDY)
     fed = out.prompt_token_ids + out.token_ids[:-1]
     with torch.no_grad():
-        ref = reference(input_ids=torch.tensor([fed]), input_features=prompt.input_features,
-                        feature_attention_mask=prompt.feature_attention_mask,
-                        output_hidden_states=True, use_cache=False)
+        ref = reference(
+            input_ids=torch.tensor([fed]),
+            input_features=prompt.input_features,
+            feature_attention_mask=prompt.feature_attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
+        )
     embeds = torch.cat([out.prompt_embeds, out.output_embeds])
     accept = torch.cat([out.prompt_hidden, out.output_hidden])
     assert embeds.shape[0] == len(fed)
@@ -191,8 +211,11 @@ def test_audio_prompts_take_the_prompt_builders_features(engine, reference):
 
 
 def test_too_many_audios_are_refused_by_name(engine):
-    many = ThinkerPrompt([1, 2, 3], input_features=torch.zeros(5, 128, 8),
-                         feature_attention_mask=torch.ones(5, 8, dtype=torch.long))
+    many = ThinkerPrompt(
+        [1, 2, 3],
+        input_features=torch.zeros(5, 128, 8),
+        feature_attention_mask=torch.ones(5, 8, dtype=torch.long),
+    )
     with pytest.raises(ValueError, match="5 audio inputs; the vLLM thinker takes at most 4"):
         engine.add_request("many", many, GREEDY)
     assert engine.request_ids() == []

@@ -1,5 +1,6 @@
 """Admission control without a server: slots up to the capacity, a bounded FIFO queue, a 429 at
 once past it, and every slot back however its request ends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ def test_capacity_then_queue_then_429_and_fifo_hand_over():
             slot = await control.enter()
             order.append(name)
             return slot
+
         first = asyncio.ensure_future(waiter("first"))
         second = asyncio.ensure_future(waiter("second"))
         await asyncio.sleep(0)  # let both reach the queue (an event-loop turn, not a wait)
@@ -39,6 +41,7 @@ def test_capacity_then_queue_then_429_and_fifo_hand_over():
         assert order == ["first", "second"]
         slot.release(), other.release()
         assert control.counts() == {"admission.running": 0, "admission.queued": 0}
+
     asyncio.run(scenario())
 
 
@@ -54,6 +57,7 @@ def test_a_waiter_cancelled_in_line_leaves_no_trace():
         assert control.counts() == {"admission.running": 1, "admission.queued": 0}
         held.release()
         assert control.counts() == {"admission.running": 0, "admission.queued": 0}
+
     asyncio.run(scenario())
 
 
@@ -64,6 +68,7 @@ def test_a_slot_tied_to_a_body_that_never_starts_comes_back_when_it_is_collected
 
         async def body():
             yield "never"
+
         stream = body()
         slot.release_with(stream)
         del stream
@@ -73,6 +78,7 @@ def test_a_slot_tied_to_a_body_that_never_starts_comes_back_when_it_is_collected
             held = await control.enter()
             await control.enter()
         held.release()
+
     asyncio.run(scenario())
 
 

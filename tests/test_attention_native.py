@@ -4,13 +4,19 @@ place in it; the cache write lands where the cache keeps that position; bad inpu
 
 The engines' own batched-vs-solo tests run with it too (test_thinker_engine.py,
 test_talker_batch.py, both kernel paths)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from omni_pd.engines.hf import native_build
-from omni_pd.engines.hf.attention_native import (ATTENTION, CacheGeometry, DecodeRows, check_kernels,
-                                                 decode_attention)
+from omni_pd.engines.hf.attention_native import (
+    ATTENTION,
+    CacheGeometry,
+    DecodeRows,
+    check_kernels,
+    decode_attention,
+)
 
 pytestmark = pytest.mark.exactness
 
@@ -24,12 +30,18 @@ class Paged:
         generator = torch.Generator().manual_seed(seed)
         self.d = d
         self.data = torch.randn(blocks, BLOCK, layers, 2, KV_HEADS, d, generator=generator)
-        self.geometry = CacheGeometry(block=BLOCK, block_stride=self.data.stride(0),
-                                      pos_stride=self.data.stride(1), head_stride=self.data.stride(4))
+        self.geometry = CacheGeometry(
+            block=BLOCK,
+            block_stride=self.data.stride(0),
+            pos_stride=self.data.stride(1),
+            head_stride=self.data.stride(4),
+        )
 
     def bases(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.full((count,), self.data[0, 0, layer, 0].data_ptr(), dtype=torch.long),
-                torch.full((count,), self.data[0, 0, layer, 1].data_ptr(), dtype=torch.long))
+        return (
+            torch.full((count,), self.data[0, 0, layer, 0].data_ptr(), dtype=torch.long),
+            torch.full((count,), self.data[0, 0, layer, 1].data_ptr(), dtype=torch.long),
+        )
 
     def kv(self, table: list[int], length: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[kv_heads, length, d] keys and values of a sequence."""
@@ -50,15 +62,18 @@ def _sequences(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 def _inputs(count: int, d: int, seed: int = 2):
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(count, HEADS, d, generator=generator),
-            torch.randn(count, KV_HEADS, d, generator=generator),
-            torch.randn(count, KV_HEADS, d, generator=generator))
+    return (
+        torch.randn(count, HEADS, d, generator=generator),
+        torch.randn(count, KV_HEADS, d, generator=generator),
+        torch.randn(count, KV_HEADS, d, generator=generator),
+    )
 
 
 def _run(cache: Paged, tables, lengths, q, k, v, layer: int = 1) -> torch.Tensor:
     k_bases, v_bases = cache.bases(layer, len(lengths))
-    return decode_attention(q, k, v, DecodeRows(tables, lengths), k_bases, v_bases, cache.geometry,
-                            cache.d ** -0.5)
+    return decode_attention(
+        q, k, v, DecodeRows(tables, lengths), k_bases, v_bases, cache.geometry, cache.d**-0.5
+    )
 
 
 @pytest.mark.parametrize("d", [16, 24])  # whole vectors, and a remainder past them
@@ -71,9 +86,9 @@ def test_kernel_computes_torch_attention_and_writes_the_new_position(d):
     for b, (table, length) in enumerate(zip(tables, lengths)):
         keys, values = cache.kv(table, length, layer=1)
         assert torch.equal(keys[:, -1], k[b]) and torch.equal(values[:, -1], v[b])
-        expected = F.scaled_dot_product_attention(q[b:b + 1].unsqueeze(2), keys.unsqueeze(0),
-                                                  values.unsqueeze(0), scale=d ** -0.5,
-                                                  enable_gqa=True)[0, :, 0]
+        expected = F.scaled_dot_product_attention(
+            q[b : b + 1].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5, enable_gqa=True
+        )[0, :, 0]
         assert torch.allclose(out[b], expected, atol=1e-6, rtol=1e-5), b
 
 
@@ -83,11 +98,17 @@ def test_a_sequence_gets_the_same_bits_alone_and_anywhere_in_any_batch():
     q, k, v = _inputs(len(lengths), 16)
     batched = _run(Paged(16), tables, lengths, q, k, v)
     for b in range(len(lengths)):
-        alone = _run(Paged(16), [tables[b]], [lengths[b]], q[b:b + 1], k[b:b + 1], v[b:b + 1])
+        alone = _run(Paged(16), [tables[b]], [lengths[b]], q[b : b + 1], k[b : b + 1], v[b : b + 1])
         assert torch.equal(alone[0], batched[b]), b
     order = list(reversed(range(len(lengths))))
-    reordered = _run(Paged(16), [tables[i] for i in order], [lengths[i] for i in order],
-                     q[order].contiguous(), k[order].contiguous(), v[order].contiguous())
+    reordered = _run(
+        Paged(16),
+        [tables[i] for i in order],
+        [lengths[i] for i in order],
+        q[order].contiguous(),
+        k[order].contiguous(),
+        v[order].contiguous(),
+    )
     assert torch.equal(reordered, batched[order])
 
 
@@ -112,14 +133,25 @@ def test_contiguous_per_sequence_caches_as_the_talker_keeps_them():
     values = [torch.randn(16, KV_HEADS, 16, generator=generator) for _ in lengths]
     q, k, v = _inputs(len(lengths), 16)
     geometry = CacheGeometry(block=1 << 40, block_stride=0, pos_stride=KV_HEADS * 16, head_stride=16)
-    out = decode_attention(q, k, v, DecodeRows([[0], [0]], lengths),
-                           torch.tensor([t.data_ptr() for t in keys]),
-                           torch.tensor([t.data_ptr() for t in values]), geometry, 0.25)
+    out = decode_attention(
+        q,
+        k,
+        v,
+        DecodeRows([[0], [0]], lengths),
+        torch.tensor([t.data_ptr() for t in keys]),
+        torch.tensor([t.data_ptr() for t in values]),
+        geometry,
+        0.25,
+    )
     for b, n in enumerate(lengths):
         assert torch.equal(keys[b][n - 1], k[b]) and torch.equal(values[b][n - 1], v[b])
         expected = F.scaled_dot_product_attention(
-            q[b:b + 1].unsqueeze(2), keys[b][:n].transpose(0, 1).unsqueeze(0),
-            values[b][:n].transpose(0, 1).unsqueeze(0), scale=0.25, enable_gqa=True)[0, :, 0]
+            q[b : b + 1].unsqueeze(2),
+            keys[b][:n].transpose(0, 1).unsqueeze(0),
+            values[b][:n].transpose(0, 1).unsqueeze(0),
+            scale=0.25,
+            enable_gqa=True,
+        )[0, :, 0]
         assert torch.allclose(out[b], expected, atol=1e-6, rtol=1e-5)
 
 
@@ -140,6 +172,8 @@ def test_without_a_compiler_the_error_names_the_torch_path(monkeypatch, tmp_path
     monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    with pytest.raises(native_build.NativeBuildError,
-                       match="no C compiler found for the attention kernels.*attention_kernels: torch"):
+    with pytest.raises(
+        native_build.NativeBuildError,
+        match="no C compiler found for the attention kernels.*attention_kernels: torch",
+    ):
         native_build.build(ATTENTION)

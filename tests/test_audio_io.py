@@ -2,8 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from omni_pd.audio_io import (DUMMY_WEIGHTS_PCM16_GAIN, PCM16_SAMPLE_RATE, pcm16_bytes, pcm16_gain,
-                              stage_config_pcm16_gain, to_pcm16)
+from omni_pd.audio_io import (
+    DUMMY_WEIGHTS_PCM16_GAIN,
+    PCM16_SAMPLE_RATE,
+    pcm16_bytes,
+    pcm16_gain,
+    stage_config_pcm16_gain,
+    to_pcm16,
+)
 from omni_pd.config import load_pipeline_config
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
@@ -20,10 +26,12 @@ def test_chunks_converted_one_by_one_equal_the_whole():
     assert whole.dtype == torch.int16 and torch.equal(pieces, whole)
     joined = b"".join(pcm16_bytes(c, PCM16_SAMPLE_RATE, gain) for c in torch.split(audio, 3333))
     assert joined == pcm16_bytes(audio, PCM16_SAMPLE_RATE, gain)
+
     # Negative controls: a chunk-dependent conversion (each chunk scaled to its own peak) and
     # another gain are noticed by the same comparison.
     def normalised(x: torch.Tensor) -> torch.Tensor:
         return to_pcm16(x / x.abs().max())
+
     chunked = torch.cat([normalised(c) for c in torch.split(audio, 3333)])
     assert chunked.numel() == audio.numel() and not torch.equal(chunked, normalised(audio))
     assert not torch.equal(to_pcm16(audio, gain * 1.01), whole)
@@ -61,8 +69,8 @@ def _riff_chunks(data: bytes) -> list[bytes]:
     assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
     ids, at = [], 12
     while at + 8 <= len(data):
-        ids.append(data[at:at + 4])
-        size = int.from_bytes(data[at + 4:at + 8], "little")
+        ids.append(data[at : at + 4])
+        size = int.from_bytes(data[at + 4 : at + 8], "little")
         at += 8 + size + (size & 1)
     return ids
 
@@ -75,6 +83,7 @@ def test_a_wav_is_a_function_of_its_samples(tmp_path):
     import soundfile
 
     from omni_pd.audio_io import open_wav, write_wav
+
     audio = _waveform(4800)
     whole = write_wav(tmp_path / "a.wav", audio, 24000).read_bytes()
     buffer = io.BytesIO()

@@ -1,5 +1,6 @@
 """The tiled linear layer gives a row the same bits whatever else is in its batch; plain
 F.linear does not (the reason the tiles exist)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ def test_prompt_attention_rows_do_not_depend_on_the_call():
     cached prefix on (any start), or as the prefix of a longer prompt; and they are attention
     (to float tolerance against torch's). Negative control: torch's fused attention is not."""
     import torch.nn.functional as F
+
     gen = torch.Generator().manual_seed(3)
     n = 300
     q = torch.randn(1, 4, n, 32, generator=gen)
@@ -87,8 +89,9 @@ def test_prompt_attention_rows_do_not_depend_on_the_call():
     fused = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
     fused = fused[0].transpose(0, 1).reshape(n, -1)
     assert torch.allclose(fused, longest, atol=1e-5)
-    shorter = F.scaled_dot_product_attention(q[:, :, :231], k[:, :, :231], v[:, :, :231],
-                                             is_causal=True, scale=0.2, enable_gqa=True)
+    shorter = F.scaled_dot_product_attention(
+        q[:, :, :231], k[:, :, :231], v[:, :, :231], is_causal=True, scale=0.2, enable_gqa=True
+    )
     assert not torch.equal(shorter[0].transpose(0, 1).reshape(231, -1), fused[:231])
 
 
@@ -110,7 +113,7 @@ def _position_dependent(op, threads_list=(1, 2)) -> list[tuple[int, int, int]]:
             whole = op(values)
             for length in _LENGTHS:
                 for offset in (0, 3, 17):
-                    if not torch.equal(op(values[offset:offset + length]), whole[offset:offset + length]):
+                    if not torch.equal(op(values[offset : offset + length]), whole[offset : offset + length]):
                         found.append((threads, length, offset))
     finally:
         torch.set_num_threads(before)
@@ -123,10 +126,15 @@ def test_the_engines_activations_are_position_invariant_on_this_cpu():
     the default dispatch and under ATEN_CPU_CAPABILITY=avx2)."""
     for name, op in {"silu": bi.silu, "sigmoid": bi.sigmoid}.items():
         assert _position_dependent(op) == [], name
-    assert torch.allclose(bi.silu(torch.linspace(-30, 30, 601)), F.silu(torch.linspace(-30, 30, 601)),
-                          atol=1e-6, rtol=1e-6)
-    assert torch.allclose(bi.sigmoid(torch.linspace(-30, 30, 601)), torch.sigmoid(torch.linspace(-30, 30, 601)),
-                          atol=1e-7, rtol=1e-6)
+    assert torch.allclose(
+        bi.silu(torch.linspace(-30, 30, 601)), F.silu(torch.linspace(-30, 30, 601)), atol=1e-6, rtol=1e-6
+    )
+    assert torch.allclose(
+        bi.sigmoid(torch.linspace(-30, 30, 601)),
+        torch.sigmoid(torch.linspace(-30, 30, 601)),
+        atol=1e-7,
+        rtol=1e-6,
+    )
 
 
 def test_rms_norm_and_rotary_are_row_count_invariant(tiny_model):
@@ -148,9 +156,13 @@ def test_rms_norm_and_rotary_are_row_count_invariant(tiny_model):
 def test_negative_control_torch_sigmoid_and_silu_depend_on_position():
     """What `bi.silu` / `bi.sigmoid` fix: torch's own kernels compute a tensor's tail with a
     scalar formula that differs in the last bit for some inputs (seen on AVX2 and AVX-512)."""
-    dependent = _position_dependent(F.silu, threads_list=(1,)) + _position_dependent(torch.sigmoid, threads_list=(1,))
+    dependent = _position_dependent(F.silu, threads_list=(1,)) + _position_dependent(
+        torch.sigmoid, threads_list=(1,)
+    )
     if not dependent:
-        pytest.skip(f"torch's sigmoid/SiLU are position-invariant under {torch.backends.cpu.get_cpu_capability()}")
+        pytest.skip(
+            f"torch's sigmoid/SiLU are position-invariant under {torch.backends.cpu.get_cpu_capability()}"
+        )
     assert dependent
 
 

@@ -1,5 +1,6 @@
 """The open-loop and xPyD parts of `omni-pd bench serve`: arrivals, goodput, EOS-first answers
 counted apart, the layouts and their colocated baselines, the rate flag."""
+
 from __future__ import annotations
 
 import statistics
@@ -23,14 +24,18 @@ def test_poisson_arrivals_are_reproducible_and_have_the_rate():
 
 
 def _ok(ttft, ttfa, no_speech=False):
-    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=1.0, no_speech=no_speech,
-                         output_tokens=1)
+    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=1.0, no_speech=no_speech, output_tokens=1)
 
 
 def test_goodput_counts_requests_within_both_slos_and_no_speech_apart():
-    records = [_ok(0.1, 0.2), _ok(0.1, 0.9), _ok(0.6, 0.2), _ok(0.05, None, no_speech=True),
-               RequestRecord(ok=False, error="boom"),
-               RequestRecord(ok=False, rejected=True, error="RateLimitError: 429")]
+    records = [
+        _ok(0.1, 0.2),
+        _ok(0.1, 0.9),
+        _ok(0.6, 0.2),
+        _ok(0.05, None, no_speech=True),
+        RequestRecord(ok=False, error="boom"),
+        RequestRecord(ok=False, rejected=True, error="RateLimitError: 429"),
+    ]
     row = summarize_level(records, wall_s=2.0, slo_ttft_ms=500, slo_ttfa_ms=500)
     # Within both: the first, and the one without speech (it has no TTFA to miss).
     assert row["goodput_req_per_s"] == pytest.approx(1.0) and row["slo_attainment"] == pytest.approx(2 / 6)
@@ -50,29 +55,46 @@ def test_request_rates_take_numbers_and_shares_of_capacity():
 
 
 def test_xpyd_layouts_come_with_colocated_baselines_of_as_many_thinker_workers(tmp_path):
-    made = xpyd_targets("1P1D,1P2D,2p1d", "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
-                        "stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+    made = xpyd_targets(
+        "1P1D,1P2D,2p1d",
+        "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
+        "stage_configs/ci/qwen3_omni_tiny.yaml",
+        tmp_path,
+    )
     assert [(label, base) for label, _, base in made] == [
-        ("colocated-2x", None), ("1P1D", "colocated-2x"), ("colocated-3x", None),
-        ("1P2D", "colocated-3x"), ("2P1D", "colocated-3x")]
+        ("colocated-2x", None),
+        ("1P1D", "colocated-2x"),
+        ("colocated-3x", None),
+        ("1P2D", "colocated-3x"),
+        ("2P1D", "colocated-3x"),
+    ]
     for label, path, _ in made:
         stages = load_pipeline_config(path).stages
-        replicas = {s.model_stage + ("/p" if s.is_prefill_only else "/d" if s.is_decode_only else ""):
-                    s.runtime.num_replicas for s in stages}
+        replicas = {
+            s.model_stage
+            + ("/p" if s.is_prefill_only else "/d" if s.is_decode_only else ""): s.runtime.num_replicas
+            for s in stages
+        }
         if label.startswith("colocated"):
             assert replicas["thinker"] == int(label.split("-")[1][:-1])
         else:
             assert (replicas["thinker/p"], replicas["thinker/d"]) == (int(label[0]), int(label[2]))
         assert replicas["talker"] == replicas["code2wav"] == 1  # only the thinker is scaled
     with pytest.raises(SystemExit, match="1P1D or 2P2D"):
-        xpyd_targets("0P1D", "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
-                     "stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+        xpyd_targets(
+            "0P1D",
+            "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
+            "stage_configs/ci/qwen3_omni_tiny.yaml",
+            tmp_path,
+        )
 
 
 def test_baseline_ratios_pair_rows_of_the_same_level():
-    rows = [{"config": "colocated-2x", "concurrency": 4, "req_per_s": 10.0, "goodput_req_per_s": 8.0},
-            {"config": "1P1D", "concurrency": 4, "req_per_s": 5.0, "goodput_req_per_s": 6.0},
-            {"config": "1P1D", "concurrency": 8, "req_per_s": 5.0}]
+    rows = [
+        {"config": "colocated-2x", "concurrency": 4, "req_per_s": 10.0, "goodput_req_per_s": 8.0},
+        {"config": "1P1D", "concurrency": 4, "req_per_s": 5.0, "goodput_req_per_s": 6.0},
+        {"config": "1P1D", "concurrency": 8, "req_per_s": 5.0},
+    ]
     add_baseline_ratios(rows, {"1P1D": "colocated-2x"}, "concurrency")
     assert rows[1]["req_per_s_vs_baseline"] == 0.5 and rows[1]["goodput_vs_baseline"] == 0.75
     assert "baseline" not in rows[0] and "baseline" not in rows[2]  # no baseline row at c=8
@@ -83,11 +105,12 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     from omni_pd.bench.serve import _resolve_config
 
     def record(ttft, cached):
-        return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=2 * ttft, e2e_s=1.0, output_tokens=3,
-                             text="hi", cached_tokens=cached)
+        return RequestRecord(
+            ok=True, ttft_s=ttft, ttfa_s=2 * ttft, e2e_s=1.0, output_tokens=3, text="hi", cached_tokens=cached
+        )
+
     on = summarize_turns("tiny", [[(record(0.1, 0), 100)], [(record(0.02, 96), 180)]])
-    off = summarize_turns("tiny@prefix_caching=false", [[(record(0.1, 0), 100)],
-                                                       [(record(0.08, 0), 180)]])
+    off = summarize_turns("tiny@prefix_caching=false", [[(record(0.1, 0), 100)], [(record(0.08, 0), 180)]])
     rows = on + off
     add_uncached_ratios(rows, {"tiny": "tiny@prefix_caching=false"})
     assert [r["turn"] for r in on] == [1, 2] and on[1]["cached_tokens_mean"] == 96
@@ -95,14 +118,14 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     history = conversation_turn([{"role": "system", "content": "s"}], 0)
     assert [m["role"] for m in history] == ["system", "user"]
     # The override that makes the uncached twin: every thinker stage, nothing else.
-    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@prefix_caching=false",
-                                  tmp_path)
+    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@prefix_caching=false", tmp_path)
     assert label == "qwen3_omni_tiny_pd@prefix_caching=false"
     stages = load_pipeline_config(path).stages
-    assert [s.engine_args.enable_prefix_caching for s in stages if s.model_stage == "thinker"] == \
-        [False, False]
-    assert all(s.engine_args.enable_prefix_caching is None for s in stages
-               if s.model_stage != "thinker")
+    assert [s.engine_args.enable_prefix_caching for s in stages if s.model_stage == "thinker"] == [
+        False,
+        False,
+    ]
+    assert all(s.engine_args.enable_prefix_caching is None for s in stages if s.model_stage != "thinker")
 
 
 def test_audio_turns_carry_a_distinct_seeded_clip_the_server_decodes():

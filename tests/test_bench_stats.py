@@ -1,4 +1,5 @@
 """`omni-pd bench serve` statistics on synthetic numbers: percentiles, throughput, ratios, nulls."""
+
 import json
 import math
 
@@ -6,13 +7,19 @@ import numpy as np
 import pytest
 
 from omni_pd.bench.report import format_table, write_json
-from omni_pd.bench.stats import (METRIC_KEYS, RequestRecord, add_ratios, percentiles_ms, ratio,
-                                 summarize_level, vs_config_key)
+from omni_pd.bench.stats import (
+    METRIC_KEYS,
+    RequestRecord,
+    add_ratios,
+    percentiles_ms,
+    ratio,
+    summarize_level,
+    vs_config_key,
+)
 
 
 def _ok(ttft, ttfa, e2e, itl=(), tokens=24):
-    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=e2e, itl_s=list(itl),
-                         output_tokens=tokens)
+    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttfa, e2e_s=e2e, itl_s=list(itl), output_tokens=tokens)
 
 
 def test_percentiles_are_numpy_percentiles_in_ms():
@@ -36,18 +43,20 @@ def test_ratio_is_none_for_missing_or_non_positive_denominators():
 
 
 def test_summarize_level_counts_successes_for_throughput_and_latency():
-    records = [_ok(0.01, 0.10, 0.20, itl=[0.005, 0.007], tokens=24),
-               _ok(0.03, 0.30, 0.40, itl=[0.009], tokens=20),
-               RequestRecord(ok=False, error="boom")]
+    records = [
+        _ok(0.01, 0.10, 0.20, itl=[0.005, 0.007], tokens=24),
+        _ok(0.03, 0.30, 0.40, itl=[0.009], tokens=20),
+        RequestRecord(ok=False, error="boom"),
+    ]
     row = summarize_level(records, wall_s=2.0)
     assert set(METRIC_KEYS) <= set(row)
     assert row["num_requests"] == 3 and row["completed"] == 2 and row["errors"] == 1
-    assert row["req_per_s"] == pytest.approx(1.0)            # 2 done in 2 s
-    assert row["output_tok_per_s"] == pytest.approx(22.0)    # 44 tokens in 2 s
+    assert row["req_per_s"] == pytest.approx(1.0)  # 2 done in 2 s
+    assert row["output_tok_per_s"] == pytest.approx(22.0)  # 44 tokens in 2 s
     assert row["ttft_ms_p50"] == pytest.approx(20.0)
     assert row["ttfa_ms_p50"] == pytest.approx(200.0)
     assert row["e2e_ms_p50"] == pytest.approx(300.0)
-    assert row["itl_ms_p50"] == pytest.approx(7.0)           # gaps pooled: 5, 7, 9 ms
+    assert row["itl_ms_p50"] == pytest.approx(7.0)  # gaps pooled: 5, 7, 9 ms
     for name in ("ttft", "ttfa", "itl", "e2e"):
         assert row[f"{name}_ms_p99"] >= row[f"{name}_ms_p50"] >= 0
 
@@ -63,16 +72,19 @@ def test_summarize_level_gives_none_not_nan_when_nothing_can_be_computed():
 
 
 def _row(config, concurrency, req_per_s, e2e_p50):
-    return {"config": config, "concurrency": concurrency, "req_per_s": req_per_s,
-            "e2e_ms_p50": e2e_p50}
+    return {"config": config, "concurrency": concurrency, "req_per_s": req_per_s, "e2e_ms_p50": e2e_p50}
 
 
 def test_ratios_against_the_lowest_level_and_the_first_config():
-    results = add_ratios([
-        _row("a", 4, 6.0, 400.0), _row("a", 1, 2.0, 100.0),   # order does not matter
-        _row("b", 1, 1.0, 200.0), _row("b", 4, 3.0, None),
-        _row("b", 8, 4.0, 500.0),                             # no level 8 for "a"
-    ])
+    results = add_ratios(
+        [
+            _row("a", 4, 6.0, 400.0),
+            _row("a", 1, 2.0, 100.0),  # order does not matter
+            _row("b", 1, 1.0, 200.0),
+            _row("b", 4, 3.0, None),
+            _row("b", 8, 4.0, 500.0),  # no level 8 for "a"
+        ]
+    )
     a4, a1, b1, b4, b8 = results
     assert a1["req_per_s_vs_c1"] == pytest.approx(1.0) and a1["e2e_p50_vs_c1"] == pytest.approx(1.0)
     assert a4["req_per_s_vs_c1"] == pytest.approx(3.0) and a4["e2e_p50_vs_c1"] == pytest.approx(4.0)
@@ -98,8 +110,12 @@ def test_vs_config_key_makes_a_plain_key_of_any_label():
 
 
 def test_json_holds_null_for_none_and_nan_and_the_table_shows_a_dash(tmp_path):
-    row = {"config": "a", "concurrency": 1, "num_requests": 2,
-           **summarize_level([_ok(0.01, 0.02, 0.03)], wall_s=float("nan"))}
+    row = {
+        "config": "a",
+        "concurrency": 1,
+        "num_requests": 2,
+        **summarize_level([_ok(0.01, 0.02, 0.03)], wall_s=float("nan")),
+    }
     add_ratios([row])
     path = tmp_path / "out.json"
     write_json(path, {"max_tokens": 24}, [row])
@@ -116,6 +132,7 @@ def test_config_overrides_make_a_labelled_copy(tmp_path):
     import yaml
 
     from omni_pd.bench.serve import _labels, _resolve_config
+
     label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk=false", tmp_path)
     assert label == "qwen3_omni_tiny_pd@async_chunk=false"
     data = yaml.safe_load(path.read_text())
@@ -131,6 +148,7 @@ def test_ignore_eos_sets_every_stage_of_the_copy(tmp_path):
     import yaml
 
     from omni_pd.bench.serve import _resolve_config
+
     label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path, ignore_eos=True)
     stages = yaml.safe_load(path.read_text())["stage_args"]
     assert label == "qwen3_omni_tiny" and len(stages) == 3
@@ -139,8 +157,10 @@ def test_ignore_eos_sets_every_stage_of_the_copy(tmp_path):
     assert stages[1]["default_sampling_params"]["max_tokens"] == 64
     # without the flag the shipped file is served as it is: no ignore_eos anywhere
     _, plain = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
-    assert not any("ignore_eos" in (s.get("default_sampling_params") or {})
-                   for s in yaml.safe_load(plain.read_text())["stage_args"])
+    assert not any(
+        "ignore_eos" in (s.get("default_sampling_params") or {})
+        for s in yaml.safe_load(plain.read_text())["stage_args"]
+    )
 
 
 def test_pd_ttft_overhead_is_ttft_beyond_colocated_minus_the_handoff():
@@ -155,6 +175,7 @@ def test_pd_ttft_overhead_is_ttft_beyond_colocated_minus_the_handoff():
 
 def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
     from omni_pd.bench.serve import _mean_handoff_ms
+
     assert _mean_handoff_ms((0.010, 4), (0.016, 7)) == pytest.approx(2.0)
     assert _mean_handoff_ms((0.010, 4), (0.010, 4)) is None  # colocated: no handoff observed
     assert _mean_handoff_ms(None, (1.0, 3)) is None
@@ -162,8 +183,13 @@ def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
 
 def test_requests_per_level_default_is_several_waves_of_the_concurrency():
     from omni_pd.bench.serve import DEFAULT_NUM_REQUESTS, WAVES, requests_per_level
+
     # Unset: WAVES x the concurrency, so a level is not one burst; never fewer than the floor.
-    assert [requests_per_level(None, c) for c in (1, 4, 8, 16)] == \
-        [DEFAULT_NUM_REQUESTS, DEFAULT_NUM_REQUESTS, WAVES * 8, WAVES * 16]
+    assert [requests_per_level(None, c) for c in (1, 4, 8, 16)] == [
+        DEFAULT_NUM_REQUESTS,
+        DEFAULT_NUM_REQUESTS,
+        WAVES * 8,
+        WAVES * 16,
+    ]
     # Given: taken as it is, but never fewer than the requests in flight.
     assert requests_per_level(10, 4) == 10 and requests_per_level(2, 8) == 8

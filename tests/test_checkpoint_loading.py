@@ -1,5 +1,6 @@
 """Lean stage loading from safetensors checkpoints: each stage reads only its part, equal to the
 seeded (dummy) build, and every broken checkpoint is one CheckpointError naming file and tensor."""
+
 import json
 import shutil
 
@@ -106,8 +107,9 @@ def test_missing_shard_names_the_file_and_a_tensor(copy):
     assert shard in str(info.value) and "missing" in str(info.value) and "talker." in str(info.value)
 
 
-@pytest.mark.parametrize("text, expected", [("{not json", "is not valid JSON"),
-                                            ('{"metadata": {}}', "has no `weight_map`")])
+@pytest.mark.parametrize(
+    "text, expected", [("{not json", "is not valid JSON"), ('{"metadata": {}}', "has no `weight_map`")]
+)
 def test_corrupt_index_is_named(copy, text, expected):
     (copy / INDEX_FILE).write_text(text)
     with pytest.raises(CheckpointError, match=expected) as info:

@@ -1,6 +1,7 @@
 """code2wav decoded in chunks equals the whole-utterance decode bit for bit, and the receptive
 field derived from the config is what makes it so; with the decoder on omni-pd's C kernels
 (native, the default) and on torch ops alike."""
+
 import ctypes
 
 import pytest
@@ -8,8 +9,12 @@ import torch
 
 from omni_pd.engines.core.chunked import ChunkedEngine
 from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavStageRunner
-from omni_pd.models.qwen3_omni.hf.code2wav_exact import (Code2WavStream, ExactCode2Wav, column_product,
-                                               tiled_linear)
+from omni_pd.models.qwen3_omni.hf.code2wav_exact import (
+    Code2WavStream,
+    ExactCode2Wav,
+    column_product,
+    tiled_linear,
+)
 from omni_pd.engines.types import AudioOutput
 from omni_pd.models.qwen3_omni.records import Code2WavPrompt
 from omni_pd.sampling import SamplingParams
@@ -24,12 +29,14 @@ def exact(tiny_model, request):
 
 def _codes(tiny_model, frames: int, seed: int) -> torch.Tensor:
     cfg = tiny_model.config.code2wav_config
-    return torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, frames),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, cfg.codebook_size, (cfg.num_quantizers, frames), generator=torch.Generator().manual_seed(seed)
+    )
 
 
-def _chunked(exact, codes, first: int, size: int, left_context: int | None,
-             forget_at: int | None = None) -> torch.Tensor:
+def _chunked(
+    exact, codes, first: int, size: int, left_context: int | None, forget_at: int | None = None
+) -> torch.Tensor:
     """Decode in chunks (left_context None: carried state); `forget_at`: drop the decoder's
     carried state before the chunk starting at that frame (a negative control)."""
     stream, pieces, start = Code2WavStream(), [], 0
@@ -98,8 +105,8 @@ def test_chunks_that_lose_the_carried_keys_and_values_are_detected(tiny_model, e
     stream.past = None
     second = exact.decode_chunk(stream, codes[:, 30:])
     whole = exact.decode(codes)
-    assert torch.equal(first, whole[:first.numel()])
-    assert not torch.equal(second, whole[first.numel():])
+    assert torch.equal(first, whole[: first.numel()])
+    assert not torch.equal(second, whole[first.numel() :])
 
 
 def test_too_little_left_context_is_detected(tiny_model, exact):
@@ -118,9 +125,9 @@ def test_stock_kernels_would_not_be_exact(tiny_model, exact):
         whole = module(codes.unsqueeze(0)).reshape(-1)
         start, end = 90, 115
         context = geo.receptive_field_frames
-        chunk = module(codes[:, start - context:end].unsqueeze(0)).reshape(-1)
-    piece = chunk[-(end - start) * geo.samples_per_frame:]
-    span = whole[start * geo.samples_per_frame - geo.trim: end * geo.samples_per_frame - geo.trim]
+        chunk = module(codes[:, start - context : end].unsqueeze(0)).reshape(-1)
+    piece = chunk[-(end - start) * geo.samples_per_frame :]
+    span = whole[start * geo.samples_per_frame - geo.trim : end * geo.samples_per_frame - geo.trim]
     assert piece.shape == span.shape and not torch.equal(piece, span)
 
 
@@ -140,14 +147,18 @@ def test_tiled_linear_rows_do_not_depend_on_length_or_offset(tiny_model):
         rows = torch.randn(3000, in_features, generator=generator)
         full = tiled_linear(rows, weight)
         for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 2999)]:
-            assert torch.equal(tiled_linear(rows[start:start + count], weight),
-                               full[start:start + count]), (out_features, in_features, start, count)
+            assert torch.equal(
+                tiled_linear(rows[start : start + count], weight), full[start : start + count]
+            ), (out_features, in_features, start, count)
 
 
 def test_column_product_columns_do_not_depend_on_length_or_offset(tiny_model):
     """The same premise for the decoder's channel-major convolutions, per tap weight shape."""
-    shapes = {(m.weight.shape[0], m.weight.shape[1]) for m in tiny_model.code2wav.decoder.modules()
-              if isinstance(m, torch.nn.Conv1d) and m.groups == 1}
+    shapes = {
+        (m.weight.shape[0], m.weight.shape[1])
+        for m in tiny_model.code2wav.decoder.modules()
+        if isinstance(m, torch.nn.Conv1d) and m.groups == 1
+    }
     for m in tiny_model.code2wav.decoder.modules():  # the transposed convs: [out * kernel, in]
         if isinstance(m, torch.nn.ConvTranspose1d):
             shapes.add((m.weight.shape[1] * m.weight.shape[2], m.weight.shape[0]))
@@ -157,11 +168,13 @@ def test_column_product_columns_do_not_depend_on_length_or_offset(tiny_model):
         columns = torch.randn(in_features, 5000, generator=generator)
         full = column_product(weight, columns)
         for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 4999)]:
-            assert torch.equal(column_product(weight, columns[:, start:start + count]),
-                               full[:, start:start + count]), (out_features, in_features, start, count)
+            assert torch.equal(
+                column_product(weight, columns[:, start : start + count]), full[:, start : start + count]
+            ), (out_features, in_features, start, count)
 
 
 # -- the engine ---------------------------------------------------------------------------------
+
 
 def _drain(engine) -> list:
     outputs = []
@@ -177,8 +190,9 @@ def _engine(model, kernels="native", **chunking):
 
 @pytest.mark.parametrize("left_context,kernels", [(None, "native"), (10, "native"), (None, "torch")])
 def test_engine_streams_chunks_that_add_up_to_the_whole_request(tiny_model, left_context, kernels):
-    engine = _engine(tiny_model, kernels, initial_chunk_frames=3, chunk_frames=10,
-                     left_context_frames=left_context)
+    engine = _engine(
+        tiny_model, kernels, initial_chunk_frames=3, chunk_frames=10, left_context_frames=left_context
+    )
     assert engine.describe()["code2wav_kernels"] == kernels
     codes = _codes(tiny_model, 47, 4)
     params = SamplingParams()
@@ -230,26 +244,50 @@ def test_engine_refuses_bad_frames(tiny_model):
 
 # -- the C kernels --------------------------------------------------------------------------------
 
-def _native_call(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                 dilation: int, steps: int) -> torch.Tensor:
+
+def _native_call(
+    kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilation: int, steps: int
+) -> torch.Tensor:
     """One C kernel call on the first `steps` columns of x (padded as the decoder pads)."""
     from omni_pd.models.qwen3_omni.hf import code2wav_native as native
+
     lib = native._library()
     width = native._width(steps)
     if kind == "snake":
         buf = torch.zeros((x.shape[0], width))
         buf[:, :steps] = x[:, :steps]
         out = torch.empty_like(buf)
-        lib.omni_c2w_snake(buf.data_ptr(), width, out.data_ptr(), width, weight.data_ptr(),
-                           bias.data_ptr(), x.shape[0], width)
+        lib.omni_c2w_snake(
+            buf.data_ptr(),
+            width,
+            out.data_ptr(),
+            width,
+            weight.data_ptr(),
+            bias.data_ptr(),
+            x.shape[0],
+            width,
+        )
         return out[:, :steps]
     c_out, c_in, kernel = weight.shape
     halo = (kernel - 1) * dilation
     padded = torch.zeros((c_in, halo + width))
-    padded[:, :halo + steps] = x[:, :halo + steps]
+    padded[:, : halo + steps] = x[:, : halo + steps]
     out = torch.empty((c_out, width))
-    lib.omni_c2w_conv(padded.data_ptr(), padded.stride(0), out.data_ptr(), width,
-                      weight.data_ptr(), bias.data_ptr(), None, 0, c_in, c_out, kernel, dilation, width)
+    lib.omni_c2w_conv(
+        padded.data_ptr(),
+        padded.stride(0),
+        out.data_ptr(),
+        width,
+        weight.data_ptr(),
+        bias.data_ptr(),
+        None,
+        0,
+        c_in,
+        c_out,
+        kernel,
+        dilation,
+        width,
+    )
     return out[:, :steps]
 
 
@@ -257,6 +295,7 @@ def test_native_kernels_give_a_column_the_same_bits_at_any_length_or_offset(tiny
     """The premise of the native decoder's exactness, for every convolution shape code2wav's
     decoder has (and SnakeBeta): a column's result depends on its inputs only."""
     from omni_pd.models.qwen3_omni.hf.code2wav_native import NativeDecoder
+
     decoder = NativeDecoder(tiny_model.code2wav)
     specs = {decoder.first, decoder.last}
     for block in decoder.blocks:
@@ -269,15 +308,17 @@ def test_native_kernels_give_a_column_the_same_bits_at_any_length_or_offset(tiny
         full = _native_call("conv", x, spec.weight, spec.bias, spec.dilation, 3000)
         for start, count in [(0, 1), (0, 5), (3, 16), (17, 33), (100, 999), (1, 2999)]:
             part = _native_call("conv", x[:, start:], spec.weight, spec.bias, spec.dilation, count)
-            assert torch.equal(part, full[:, start:start + count]), (spec.weight.shape, start, count)
+            assert torch.equal(part, full[:, start : start + count]), (spec.weight.shape, start, count)
     snake = decoder.blocks[-1].snake
     x = torch.randn(snake.alpha.numel(), 3000, generator=generator) * 4
     full = _native_call("snake", x, snake.alpha, snake.inverse, 1, 3000)
     reference = x + snake.inverse.unsqueeze(1) * torch.sin(x * snake.alpha.unsqueeze(1)) ** 2
     assert (full - reference).abs().max() < 1e-5
     for start, count in [(0, 1), (5, 17), (33, 2000)]:
-        assert torch.equal(_native_call("snake", x[:, start:], snake.alpha, snake.inverse, 1, count),
-                           full[:, start:start + count])
+        assert torch.equal(
+            _native_call("snake", x[:, start:], snake.alpha, snake.inverse, 1, count),
+            full[:, start : start + count],
+        )
 
 
 def test_native_decoder_is_the_torch_decoder_to_the_last_bits(tiny_model):
@@ -296,6 +337,7 @@ def test_unknown_kernels_are_refused(tiny_model):
 def test_native_build_without_a_compiler_names_the_way_out(monkeypatch, tmp_path):
     from omni_pd.engines.hf import native_build
     from omni_pd.models.qwen3_omni.hf.code2wav_native import CODE2WAV
+
     monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
@@ -306,6 +348,7 @@ def test_native_build_without_a_compiler_names_the_way_out(monkeypatch, tmp_path
 def test_native_build_is_cached_per_source_and_loads(monkeypatch, tmp_path):
     from omni_pd.engines.hf import native_build
     from omni_pd.models.qwen3_omni.hf.code2wav_native import CODE2WAV
+
     monkeypatch.setenv("OMNI_PD_CACHE_DIR", str(tmp_path))
     path = native_build.build(CODE2WAV)
     assert path.parent == tmp_path / "kernels" and path.is_file()

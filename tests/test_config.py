@@ -1,4 +1,5 @@
 """Stage YAML loading: vllm-omni compatibility and one clear issue per problem."""
+
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # --- helpers ------------------------------------------------------------------------------------
 
+
 def _stage(stage_id: int, model_stage: str, **extra: Any) -> dict[str, Any]:
     stage = {
         "stage_id": stage_id,
@@ -48,12 +50,24 @@ def pd_config() -> dict[str, Any]:
     """A valid 4-stage P/D pipeline: 0 prefill -> 1 decode -> 2 talker -> 3 code2wav."""
     prefill = _stage(0, "thinker", is_prefill_only=True)
     prefill["engine_args"]["kv_transfer_config"] = _kv("kv_producer", 25201)
-    decode = _stage(1, "thinker", is_decode_only=True, engine_input_source=[0],
-                    final_output=True, final_output_type="text")
+    decode = _stage(
+        1,
+        "thinker",
+        is_decode_only=True,
+        engine_input_source=[0],
+        final_output=True,
+        final_output_type="text",
+    )
     decode["engine_args"]["kv_transfer_config"] = _kv("kv_consumer", 25202)
     talker = _stage(2, "talker", engine_input_source=[0, 1], custom_process_input_func="json.dumps")
-    code2wav = _stage(3, "code2wav", engine_input_source=[2], custom_process_input_func="json.loads",
-                      final_output=True, final_output_type="audio")
+    code2wav = _stage(
+        3,
+        "code2wav",
+        engine_input_source=[2],
+        custom_process_input_func="json.loads",
+        final_output=True,
+        final_output_type="audio",
+    )
     return {
         "stage_args": [prefill, decode, talker, code2wav],
         "runtime": {
@@ -86,6 +100,7 @@ def only_issue(issues: list[ConfigIssue], key: str) -> ConfigIssue:
 
 # --- loading valid files ------------------------------------------------------------------------
 
+
 def test_ci_config_loads_with_processor_imports() -> None:
     cfg = load_pipeline_config(REPO / "stage_configs/ci/qwen3_omni_tiny.yaml")
     assert cfg.stage_ids == (0, 1, 2)
@@ -99,8 +114,11 @@ def test_ci_config_loads_with_processor_imports() -> None:
     assert [s.stage_id for s in cfg.final_output_stages()] == [0, 2]
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "stage_configs").rglob("*.yaml")),
-                         ids=lambda p: str(p.relative_to(REPO / "stage_configs")))
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "stage_configs").rglob("*.yaml")),
+    ids=lambda p: str(p.relative_to(REPO / "stage_configs")),
+)
 def test_every_shipped_stage_config_loads(path: Path) -> None:
     assert load_pipeline_config(path).stages
 
@@ -128,32 +146,49 @@ def test_vllm_omni_style_pd_file_loads_with_its_processor_names_resolved() -> No
 def test_next_stage_processor_goes_to_the_stages_it_feeds() -> None:
     """vllm-omni's async_chunk files name the processor on the producing stage."""
     from omni_pd.config.aliases import apply_processor_aliases
+
     vo = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
-    data = {"stage_args": [
-        {"stage_id": 0, "engine_args": {"custom_process_next_stage_input_func":
-                                        f"{vo}.thinker2talker_async_chunk"}},
-        {"stage_id": 1, "engine_input_source": [0], "engine_args": {}},
-        {"stage_id": 2, "engine_input_source": [0],
-         "custom_process_input_func": "my.own.processor", "engine_args": {}}]}
+    data = {
+        "stage_args": [
+            {
+                "stage_id": 0,
+                "engine_args": {"custom_process_next_stage_input_func": f"{vo}.thinker2talker_async_chunk"},
+            },
+            {"stage_id": 1, "engine_input_source": [0], "engine_args": {}},
+            {
+                "stage_id": 2,
+                "engine_input_source": [0],
+                "custom_process_input_func": "my.own.processor",
+                "engine_args": {},
+            },
+        ]
+    }
     out = apply_processor_aliases(data)
-    assert out["stage_args"][1]["custom_process_input_func"] == \
-        "omni_pd.models.qwen3_omni.stage_input_processors.thinker2talker"
+    assert (
+        out["stage_args"][1]["custom_process_input_func"]
+        == "omni_pd.models.qwen3_omni.stage_input_processors.thinker2talker"
+    )
     assert out["stage_args"][2]["custom_process_input_func"] == "my.own.processor"  # its own wins
     assert "custom_process_input_func" not in data["stage_args"][1]  # the input is not changed
 
 
 def test_an_unknown_vllm_omni_processor_is_still_an_import_error(tmp_path: Path) -> None:
     data = yaml.safe_load((FIXTURES / "vllm_omni_style_pd.yaml").read_text())
-    data["stage_args"][2]["custom_process_input_func"] = \
+    data["stage_args"][2]["custom_process_input_func"] = (
         "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker_v9"
+    )
     issue = only_issue(errors_of(tmp_path, data), "stage_args[2].custom_process_input_func")
     assert "vllm_omni" in issue.message
 
 
 def test_runtime_env_values_may_be_numbers() -> None:
-    stage = StageConfig.model_validate({"stage_id": 0, "runtime": {"env": {"OMP_NUM_THREADS": 4,
-                                                                           "X": 0.5, "Y": True}},
-                                        "engine_args": {"model_stage": "thinker"}})
+    stage = StageConfig.model_validate(
+        {
+            "stage_id": 0,
+            "runtime": {"env": {"OMP_NUM_THREADS": 4, "X": 0.5, "Y": True}},
+            "engine_args": {"model_stage": "thinker"},
+        }
+    )
     assert stage.runtime.env == {"OMP_NUM_THREADS": "4", "X": "0.5", "Y": "true"}
 
 
@@ -165,9 +200,18 @@ def test_pd_config_loads(tmp_path: Path) -> None:
 
 def test_vllm_engine_kwargs_forward_only_set_vllm_keys() -> None:
     stage = StageConfig.model_validate(
-        {"stage_id": 0, "engine_args": {"engine": "vllm", "model_stage": "thinker", "kv_block_size": 32,
-                                         "max_num_seqs": 4, "tensor_parallel_size": 2, "hf_config_name": "thinker_config",
-                                         "kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}}}
+        {
+            "stage_id": 0,
+            "engine_args": {
+                "engine": "vllm",
+                "model_stage": "thinker",
+                "kv_block_size": 32,
+                "max_num_seqs": 4,
+                "tensor_parallel_size": 2,
+                "hf_config_name": "thinker_config",
+                "kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
+            },
+        }
     )
     assert stage.engine_args.vllm_engine_kwargs() == {
         "max_num_seqs": 4,
@@ -184,14 +228,45 @@ def test_stage_config_is_frozen() -> None:
 
 # --- 1. unknown keys ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("where", "typo", "key", "suggestion", "stage_id"),
     [
-        (("stage_args", 1), "engine_input_sourc", "stage_args[1].engine_input_sourc", "engine_input_source", 1),
-        (("stage_args", 0, "engine_args"), "gpu_memory_utilisation", "stage_args[0].engine_args.gpu_memory_utilisation", "gpu_memory_utilization", 0),
-        (("stage_args", 1, "engine_args", "kv_transfer_config"), "kv_rol", "stage_args[1].engine_args.kv_transfer_config.kv_rol", "kv_role", 1),
-        (("stage_args", 2, "runtime"), "max_batch_sise", "stage_args[2].runtime.max_batch_sise", "max_batch_size", 2),
-        (("stage_args", 3, "default_sampling_params"), "max_token", "stage_args[3].default_sampling_params.max_token", "max_tokens", 3),
+        (
+            ("stage_args", 1),
+            "engine_input_sourc",
+            "stage_args[1].engine_input_sourc",
+            "engine_input_source",
+            1,
+        ),
+        (
+            ("stage_args", 0, "engine_args"),
+            "gpu_memory_utilisation",
+            "stage_args[0].engine_args.gpu_memory_utilisation",
+            "gpu_memory_utilization",
+            0,
+        ),
+        (
+            ("stage_args", 1, "engine_args", "kv_transfer_config"),
+            "kv_rol",
+            "stage_args[1].engine_args.kv_transfer_config.kv_rol",
+            "kv_role",
+            1,
+        ),
+        (
+            ("stage_args", 2, "runtime"),
+            "max_batch_sise",
+            "stage_args[2].runtime.max_batch_sise",
+            "max_batch_size",
+            2,
+        ),
+        (
+            ("stage_args", 3, "default_sampling_params"),
+            "max_token",
+            "stage_args[3].default_sampling_params.max_token",
+            "max_tokens",
+            3,
+        ),
         (("runtime", "edges", 0), "too", "runtime.edges[0].too", "to", None),
         (("runtime",), "edgse", "runtime.edgse", "edges", None),
         ((), "stage_arg", "stage_arg", "stage_args", None),
@@ -217,8 +292,12 @@ def test_all_problems_are_reported_at_once(tmp_path: Path) -> None:
     data["async_chunks"] = False
     issues = errors_of(tmp_path, data)
     keys = {i.key for i in issues}
-    assert {"stage_args[0].engine_args.enforce_eagre", "stage_args[2].default_sampling_params.max_tokens",
-            "stage_args[3].engine_input_source", "async_chunks"} <= keys
+    assert {
+        "stage_args[0].engine_args.enforce_eagre",
+        "stage_args[2].default_sampling_params.max_tokens",
+        "stage_args[3].engine_input_source",
+        "async_chunks",
+    } <= keys
 
 
 def test_error_text_puts_each_issue_on_its_own_line(tmp_path: Path) -> None:
@@ -230,12 +309,20 @@ def test_error_text_puts_each_issue_on_its_own_line(tmp_path: Path) -> None:
         load_pipeline_config(path)
     lines = str(info.value).splitlines()
     assert lines[0].startswith(f"2 problems in stage config {path}")
-    assert any(str(path) in line and "stage 1" in line and "stage_args[1].engine_input_sourc" in line
-               and "engine_input_source" in line for line in lines[1:])
-    assert any(str(path) in line and "stage 2" in line and "tensor_parallel_size" in line for line in lines[1:])
+    assert any(
+        str(path) in line
+        and "stage 1" in line
+        and "stage_args[1].engine_input_sourc" in line
+        and "engine_input_source" in line
+        for line in lines[1:]
+    )
+    assert any(
+        str(path) in line and "stage 2" in line and "tensor_parallel_size" in line for line in lines[1:]
+    )
 
 
 # --- 2./3. ids and graph ------------------------------------------------------------------------
+
 
 def test_hf_only_keys_on_a_vllm_stage_are_refused_by_name(tmp_path: Path) -> None:
     data = pd_config()
@@ -291,6 +378,7 @@ def test_self_feeding_stage(tmp_path: Path) -> None:
 
 # --- 4. P/D pair --------------------------------------------------------------------------------
 
+
 def _kvcfg(data: dict, index: int) -> dict:
     return data["stage_args"][index]["engine_args"]["kv_transfer_config"]
 
@@ -298,21 +386,82 @@ def _kvcfg(data: dict, index: int) -> dict:
 @pytest.mark.parametrize(
     ("mutate", "key", "stage_id", "needle"),
     [
-        (lambda d: _kvcfg(d, 0).update(kv_role="kv_consumer"), "stage_args[0].engine_args.kv_transfer_config.kv_role", 0, "kv_both or kv_producer"),
-        (lambda d: _kvcfg(d, 1).update(kv_role="kv_producer"), "stage_args[1].engine_args.kv_transfer_config.kv_role", 1, "kv_both or kv_consumer"),
-        (lambda d: _kvcfg(d, 1).update(kv_connector="NixlConnector"), "stage_args[1].engine_args.kv_transfer_config.kv_connector", 1, "MooncakeConnector"),
-        (lambda d: d["stage_args"][1]["engine_args"].pop("kv_transfer_config"), "stage_args[1].engine_args.kv_transfer_config", 1, "kv_role"),
-        (lambda d: (_kvcfg(d, 0).update(engine_id="e"), _kvcfg(d, 1).update(engine_id="e")), "stage_args[1].engine_args.kv_transfer_config.engine_id", 1, "different"),
-        (lambda d: _kvcfg(d, 1)["kv_connector_extra_config"].update(mooncake_bootstrap_port=25201), "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.mooncake_bootstrap_port", 1, "different"),
-        (lambda d: [_kvcfg(d, i).update(kv_connector_extra_config={}, kv_port=14579) for i in (0, 1)], "stage_args[1].engine_args.kv_transfer_config.kv_port", 1, "different"),
-        (lambda d: d["stage_args"][1]["engine_args"].update(tensor_parallel_size=2), "stage_args[1].engine_args.tensor_parallel_size", 1, "1"),
-        (lambda d: d["stage_args"][1].update(engine_input_source=[]), "stage_args[1].engine_input_source", 1, "containing 0"),
-        (lambda d: (_kvcfg(d, 0)["kv_connector_extra_config"].update(kv_same_host="off"),
-                    _kvcfg(d, 1)["kv_connector_extra_config"].update(kv_same_host="shm")),
-         "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.kv_same_host", 1, "not shared memory"),
+        (
+            lambda d: _kvcfg(d, 0).update(kv_role="kv_consumer"),
+            "stage_args[0].engine_args.kv_transfer_config.kv_role",
+            0,
+            "kv_both or kv_producer",
+        ),
+        (
+            lambda d: _kvcfg(d, 1).update(kv_role="kv_producer"),
+            "stage_args[1].engine_args.kv_transfer_config.kv_role",
+            1,
+            "kv_both or kv_consumer",
+        ),
+        (
+            lambda d: _kvcfg(d, 1).update(kv_connector="NixlConnector"),
+            "stage_args[1].engine_args.kv_transfer_config.kv_connector",
+            1,
+            "MooncakeConnector",
+        ),
+        (
+            lambda d: d["stage_args"][1]["engine_args"].pop("kv_transfer_config"),
+            "stage_args[1].engine_args.kv_transfer_config",
+            1,
+            "kv_role",
+        ),
+        (
+            lambda d: (_kvcfg(d, 0).update(engine_id="e"), _kvcfg(d, 1).update(engine_id="e")),
+            "stage_args[1].engine_args.kv_transfer_config.engine_id",
+            1,
+            "different",
+        ),
+        (
+            lambda d: _kvcfg(d, 1)["kv_connector_extra_config"].update(mooncake_bootstrap_port=25201),
+            "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.mooncake_bootstrap_port",
+            1,
+            "different",
+        ),
+        (
+            lambda d: [_kvcfg(d, i).update(kv_connector_extra_config={}, kv_port=14579) for i in (0, 1)],
+            "stage_args[1].engine_args.kv_transfer_config.kv_port",
+            1,
+            "different",
+        ),
+        (
+            lambda d: d["stage_args"][1]["engine_args"].update(tensor_parallel_size=2),
+            "stage_args[1].engine_args.tensor_parallel_size",
+            1,
+            "1",
+        ),
+        (
+            lambda d: d["stage_args"][1].update(engine_input_source=[]),
+            "stage_args[1].engine_input_source",
+            1,
+            "containing 0",
+        ),
+        (
+            lambda d: (
+                _kvcfg(d, 0)["kv_connector_extra_config"].update(kv_same_host="off"),
+                _kvcfg(d, 1)["kv_connector_extra_config"].update(kv_same_host="shm"),
+            ),
+            "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.kv_same_host",
+            1,
+            "not shared memory",
+        ),
     ],
-    ids=["prefill-role", "decode-role", "connector", "missing-kv", "engine-id", "bootstrap-port", "kv-port", "tp",
-         "not-fed", "same-host"],
+    ids=[
+        "prefill-role",
+        "decode-role",
+        "connector",
+        "missing-kv",
+        "engine-id",
+        "bootstrap-port",
+        "kv-port",
+        "tp",
+        "not-fed",
+        "same-host",
+    ],
 )
 def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None:
     data = pd_config()
@@ -324,8 +473,10 @@ def test_pd_pair_problems(tmp_path: Path, mutate, key, stage_id, needle) -> None
 
 # --- 4a. replicas (runtime.num_replicas) ----------------------------------------------------------
 
+
 def test_replicas_load_and_each_gets_its_own_devices_ports_and_engine_id(tmp_path: Path) -> None:
     from omni_pd.config.replicas import replica_configs
+
     data = pd_config()
     data["stage_args"][0]["runtime"].update(num_replicas=2, devices="0,1")
     _kvcfg(data, 0)["engine_id"] = "pre"
@@ -342,9 +493,15 @@ def test_replicas_load_and_each_gets_its_own_devices_ports_and_engine_id(tmp_pat
     assert replica_configs(cfg.stage(2)) == [cfg.stage(2)]  # one replica: the stage's own config
 
 
-@pytest.mark.parametrize(("value", "needle"), [(0, "greater than or equal to 1"),
-                                               (-2, "greater than or equal to 1"),
-                                               (True, "whole number"), ("two", "valid integer")])
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        (0, "greater than or equal to 1"),
+        (-2, "greater than or equal to 1"),
+        (True, "whole number"),
+        ("two", "valid integer"),
+    ],
+)
 def test_bad_num_replicas_is_named(tmp_path: Path, value: Any, needle: str) -> None:
     data = pd_config()
     data["stage_args"][2]["runtime"]["num_replicas"] = value
@@ -365,22 +522,38 @@ def test_replicas_the_devices_cannot_hold_are_refused(tmp_path: Path) -> None:
 def test_replica_port_ranges_of_a_pair_must_not_meet(tmp_path: Path) -> None:
     data = pd_config()  # prefill on 25201, decode on 25202
     data["stage_args"][0]["runtime"].update(num_replicas=2, devices="0,1")  # 25201-25202: meets the decode's
-    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.kv_transfer_config."
-                                                  "kv_connector_extra_config.mooncake_bootstrap_port")
+    issue = only_issue(
+        errors_of(tmp_path, data),
+        "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.mooncake_bootstrap_port",
+    )
     assert "replica index" in issue.allowed
     _kvcfg(data, 1)["kv_connector_extra_config"]["mooncake_bootstrap_port"] = 25203
     assert load_pipeline_config(write(tmp_path, data)).stage(0).runtime.num_replicas == 2
 
 
-@pytest.mark.parametrize(("edit", "key", "needle"), [
-    (lambda st: st["engine_args"].update(distributed_executor_backend="uni"),
-     "stage_args[2].engine_args.distributed_executor_backend", "local process or a Ray actor"),
-    (lambda st: (st["engine_args"].update(distributed_executor_backend="ray"),
-                 st["runtime"].update(process=False)),
-     "stage_args[2].runtime.process", "in-process stage cannot be one"),
-    (lambda st: st["runtime"].update(ray_resources={"decode_node": 1}),
-     "stage_args[2].runtime.ray_resources", "runs as a local process"),
-])
+@pytest.mark.parametrize(
+    ("edit", "key", "needle"),
+    [
+        (
+            lambda st: st["engine_args"].update(distributed_executor_backend="uni"),
+            "stage_args[2].engine_args.distributed_executor_backend",
+            "local process or a Ray actor",
+        ),
+        (
+            lambda st: (
+                st["engine_args"].update(distributed_executor_backend="ray"),
+                st["runtime"].update(process=False),
+            ),
+            "stage_args[2].runtime.process",
+            "in-process stage cannot be one",
+        ),
+        (
+            lambda st: st["runtime"].update(ray_resources={"decode_node": 1}),
+            "stage_args[2].runtime.ray_resources",
+            "runs as a local process",
+        ),
+    ],
+)
 def test_worker_backend_rules(tmp_path: Path, edit, key: str, needle: str) -> None:
     data = pd_config()
     edit(data["stage_args"][2])
@@ -389,14 +562,19 @@ def test_worker_backend_rules(tmp_path: Path, edit, key: str, needle: str) -> No
 
 def test_ray_stages_load_with_their_resources(tmp_path: Path) -> None:
     from omni_pd.orchestrator.ray_workers import actor_options
+
     data = pd_config()
     for stage in data["stage_args"]:
         stage["engine_args"]["distributed_executor_backend"] = "ray"
     data["stage_args"][0]["runtime"].update(ray_resources={"prefill_node": 1, "CPU": 2})
     cfg = load_pipeline_config(write(tmp_path, data))
     # CPU and GPU are Ray's own counts; one GPU per device unless GPU says otherwise.
-    assert actor_options(cfg.stage(0)) == {"num_cpus": 2, "num_gpus": 1,
-                                           "resources": {"prefill_node": 1}, "max_restarts": 0}
+    assert actor_options(cfg.stage(0)) == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "resources": {"prefill_node": 1},
+        "max_restarts": 0,
+    }
     assert actor_options(cfg.stage(1))["num_cpus"] == 0
 
 
@@ -412,24 +590,45 @@ def _extra(data: dict, index: int) -> dict:
 def test_handoff_keys_have_defaults_and_load(tmp_path: Path) -> None:
     cfg = load_pipeline_config(write(tmp_path, pd_config()))
     extra = cfg.stage(1).kv_transfer_config.kv_connector_extra_config
-    assert (extra.kv_miss_window_s, extra.kv_handoff_deadline_s, extra.kv_breaker_threshold,
-            extra.kv_breaker_cooldown_s, extra.kv_fallback) == (5.0, 10.0, 3, 5.0, "local_prefill")
+    assert (
+        extra.kv_miss_window_s,
+        extra.kv_handoff_deadline_s,
+        extra.kv_breaker_threshold,
+        extra.kv_breaker_cooldown_s,
+        extra.kv_fallback,
+    ) == (5.0, 10.0, 3, 5.0, "local_prefill")
     data = pd_config()
     for index in (0, 1):  # the prefill stage may repeat the decode stage's values
-        _extra(data, index).update(kv_miss_window_s=2, kv_handoff_deadline_s=4.5,
-                                   kv_breaker_threshold=1, kv_breaker_cooldown_s=0.5, kv_fallback="error")
+        _extra(data, index).update(
+            kv_miss_window_s=2,
+            kv_handoff_deadline_s=4.5,
+            kv_breaker_threshold=1,
+            kv_breaker_cooldown_s=0.5,
+            kv_fallback="error",
+        )
     extra = load_pipeline_config(write(tmp_path, data)).stage(1).kv_transfer_config.kv_connector_extra_config
-    assert (extra.kv_miss_window_s, extra.kv_handoff_deadline_s, extra.kv_breaker_threshold,
-            extra.kv_breaker_cooldown_s, extra.kv_fallback) == (2.0, 4.5, 1, 0.5, "error")
+    assert (
+        extra.kv_miss_window_s,
+        extra.kv_handoff_deadline_s,
+        extra.kv_breaker_threshold,
+        extra.kv_breaker_cooldown_s,
+        extra.kv_fallback,
+    ) == (2.0, 4.5, 1, 0.5, "error")
 
 
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
-    [("kv_miss_window_s", 0, "greater than 0"), ("kv_miss_window_s", -1.5, "greater than 0"),
-     ("kv_handoff_deadline_s", 0, "greater than 0"), ("kv_breaker_threshold", 0, "greater than or equal to 1"),
-     ("kv_breaker_threshold", 2.5, "valid integer"), ("kv_breaker_threshold", True, "expected a number"),
-     ("kv_breaker_cooldown_s", 0, "greater than 0"), ("kv_miss_window_s", "soon", "valid number"),
-     ("kv_fallback", "retry", "'local_prefill' or 'error'")],
+    [
+        ("kv_miss_window_s", 0, "greater than 0"),
+        ("kv_miss_window_s", -1.5, "greater than 0"),
+        ("kv_handoff_deadline_s", 0, "greater than 0"),
+        ("kv_breaker_threshold", 0, "greater than or equal to 1"),
+        ("kv_breaker_threshold", 2.5, "valid integer"),
+        ("kv_breaker_threshold", True, "expected a number"),
+        ("kv_breaker_cooldown_s", 0, "greater than 0"),
+        ("kv_miss_window_s", "soon", "valid number"),
+        ("kv_fallback", "retry", "'local_prefill' or 'error'"),
+    ],
 )
 def test_bad_handoff_values(tmp_path: Path, key: str, value: Any, needle: str) -> None:
     data = pd_config()
@@ -440,9 +639,11 @@ def test_bad_handoff_values(tmp_path: Path, key: str, value: Any, needle: str) -
 
 @pytest.mark.parametrize(
     ("extra", "key", "got"),
-    [({"kv_miss_window_s": 10.0}, "kv_miss_window_s", 10.0),  # equal to the default deadline
-     ({"kv_miss_window_s": 6, "kv_handoff_deadline_s": 3}, "kv_miss_window_s", 6),
-     ({"kv_handoff_deadline_s": 4}, "kv_handoff_deadline_s", 4)],  # below the default window
+    [
+        ({"kv_miss_window_s": 10.0}, "kv_miss_window_s", 10.0),  # equal to the default deadline
+        ({"kv_miss_window_s": 6, "kv_handoff_deadline_s": 3}, "kv_miss_window_s", 6),
+        ({"kv_handoff_deadline_s": 4}, "kv_handoff_deadline_s", 4),
+    ],  # below the default window
     ids=["window-equals-deadline", "window-above-deadline", "deadline-below-default-window"],
 )
 def test_window_must_be_below_deadline(tmp_path: Path, extra, key, got) -> None:
@@ -456,11 +657,15 @@ def test_window_must_be_below_deadline(tmp_path: Path, extra, key, got) -> None:
 
 @pytest.mark.parametrize(
     ("prefill", "decode", "key"),
-    [({"kv_miss_window_s": 2.0}, {}, "kv_miss_window_s"),  # the decode stage uses the default
-     ({"kv_fallback": "error"}, {"kv_fallback": "local_prefill"}, "kv_fallback"),
-     ({"kv_breaker_threshold": 5}, {"kv_breaker_threshold": 4}, "kv_breaker_threshold")],
+    [
+        ({"kv_miss_window_s": 2.0}, {}, "kv_miss_window_s"),  # the decode stage uses the default
+        ({"kv_fallback": "error"}, {"kv_fallback": "local_prefill"}, "kv_fallback"),
+        ({"kv_breaker_threshold": 5}, {"kv_breaker_threshold": 4}, "kv_breaker_threshold"),
+    ],
 )
-def test_prefill_stage_may_not_contradict_the_decode_stages_handoff_keys(tmp_path: Path, prefill, decode, key) -> None:
+def test_prefill_stage_may_not_contradict_the_decode_stages_handoff_keys(
+    tmp_path: Path, prefill, decode, key
+) -> None:
     data = pd_config()
     _extra(data, 0).update(prefill)
     _extra(data, 1).update(decode)
@@ -486,6 +691,7 @@ def test_kv_both_is_fine_on_either_side(tmp_path: Path) -> None:
 
 # --- 5. P/D shape -------------------------------------------------------------------------------
 
+
 def test_two_prefill_stages(tmp_path: Path) -> None:
     data = pd_config()
     data["stage_args"][2]["is_prefill_only"] = True
@@ -501,7 +707,10 @@ def test_stage_both_prefill_and_decode(tmp_path: Path) -> None:
     assert issue.stage_id == 0 and "both" in issue.message
 
 
-@pytest.mark.parametrize(("flag", "index", "needle"), [("is_decode_only", 1, "no decode-only"), ("is_prefill_only", 0, "no prefill-only")])
+@pytest.mark.parametrize(
+    ("flag", "index", "needle"),
+    [("is_decode_only", 1, "no decode-only"), ("is_prefill_only", 0, "no prefill-only")],
+)
 def test_half_a_pair(tmp_path: Path, flag: str, index: int, needle: str) -> None:
     data = pd_config()
     data["stage_args"][index][flag] = False  # remove one side of the pair
@@ -512,6 +721,7 @@ def test_half_a_pair(tmp_path: Path, flag: str, index: int, needle: str) -> None
 
 
 # --- 6. input processor imports -----------------------------------------------------------------
+
 
 @pytest.fixture()
 def broken_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -531,7 +741,9 @@ def broken_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         ("broken", "RuntimeError: boom at import"),
     ],
 )
-def test_custom_process_input_func_must_import(tmp_path: Path, broken_module: str, func: str, needle: str) -> None:
+def test_custom_process_input_func_must_import(
+    tmp_path: Path, broken_module: str, func: str, needle: str
+) -> None:
     data = pd_config()
     data["stage_args"][2]["custom_process_input_func"] = broken_module if func == "broken" else func
     issue = only_issue(errors_of(tmp_path, data), "stage_args[2].custom_process_input_func")
@@ -553,10 +765,15 @@ def test_custom_process_input_func_must_be_dotted(tmp_path: Path) -> None:
 
 # --- 7. sampling params -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
-    [("max_tokens", 0, "max_tokens must be a positive integer"), ("max_tokens", -3, "positive"),
-     ("top_p", 1.5, "top_p must be in (0, 1]"), ("max_tokens", "lots", "valid integer")],
+    [
+        ("max_tokens", 0, "max_tokens must be a positive integer"),
+        ("max_tokens", -3, "positive"),
+        ("top_p", 1.5, "top_p must be in (0, 1]"),
+        ("max_tokens", "lots", "valid integer"),
+    ],
 )
 def test_bad_sampling_value(tmp_path: Path, field: str, value: Any, needle: str) -> None:
     data = pd_config()
@@ -573,6 +790,7 @@ def test_kv_transfer_params_not_allowed_in_yaml(tmp_path: Path) -> None:
 
 
 # --- other schema rules -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("path", "value", "key"),
@@ -625,10 +843,15 @@ def test_missing_engine_args(tmp_path: Path) -> None:
 
 # --- file-level problems ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("content", "needle"),
-    [(None, "file not found"), ("stage_args: [\n  - {a: 1\n", "not valid YAML at line"),
-     ("- 1\n- 2\n", "not a mapping"), ("", "not a mapping")],
+    [
+        (None, "file not found"),
+        ("stage_args: [\n  - {a: 1\n", "not valid YAML at line"),
+        ("- 1\n- 2\n", "not a mapping"),
+        ("", "not a mapping"),
+    ],
 )
 def test_unreadable_file_is_one_clear_error(tmp_path: Path, content: str | None, needle: str) -> None:
     path = tmp_path / "bad.yaml"
@@ -646,6 +869,7 @@ def test_empty_stage_args(tmp_path: Path) -> None:
 
 
 # --- validate command ---------------------------------------------------------------------------
+
 
 def test_run_validate_ok_prints_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_validate(str(write(tmp_path, pd_config()))) == 0

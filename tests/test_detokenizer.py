@@ -19,6 +19,7 @@ def test_deltas_concatenate_to_the_text_and_hold_back_half_characters(tiny_token
 def test_stop_string_is_never_streamed(tiny_tokenizer):
     deltas = _stream(tiny_tokenizer, "abc STOP def", SamplingParams(stop=("STOP",)))
     assert "".join(deltas) == "abc "
-    kept = _stream(tiny_tokenizer, "abc STOP def",
-                   SamplingParams(stop=("STOP",), include_stop_str_in_output=True))
+    kept = _stream(
+        tiny_tokenizer, "abc STOP def", SamplingParams(stop=("STOP",), include_stop_str_in_output=True)
+    )
     assert "".join(kept) == "abc STOP"

@@ -1,5 +1,6 @@
 """Honest devices (issue 12, criterion 4): an hf stage that asks for GPUs or tensor parallelism
 is refused before any worker starts, unless every hf stage is asked onto the CPU."""
+
 import logging
 
 import pytest
@@ -18,12 +19,13 @@ def gpu_layout(tmp_path):
     """The real-model file with vllm-omni's GPU layout put back: thinker TP 2 on GPUs 0,1, talker
     on GPU 1 (what the shipped file no longer promises)."""
     text = REAL.read_text()
-    text = text.replace("      process: true\n", "      process: true\n      devices: \"0,1\"\n", 1)
-    text = text.replace("      model_stage: thinker\n",
-                        "      model_stage: thinker\n      tensor_parallel_size: 2\n", 1)
-    first = text.index("      devices: \"0,1\"\n") + 1
+    text = text.replace("      process: true\n", '      process: true\n      devices: "0,1"\n', 1)
+    text = text.replace(
+        "      model_stage: thinker\n", "      model_stage: thinker\n      tensor_parallel_size: 2\n", 1
+    )
+    first = text.index('      devices: "0,1"\n') + 1
     second = text.index("      process: true\n", first)
-    text = text[:second] + "      process: true\n      devices: \"1\"\n" + text[second + 20:]
+    text = text[:second] + '      process: true\n      devices: "1"\n' + text[second + 20 :]
     path = tmp_path / "qwen3_omni_moe_gpus.yaml"
     path.write_text(text)
     return path
@@ -45,8 +47,9 @@ def test_gpu_asks_of_hf_stages_are_checked_naming_stage_and_key(cuda, gpu_layout
 
 
 def test_gpus_beyond_those_visible_are_named(gpu_layout):
-    text = gpu_layout.read_text().replace('      model_stage: thinker\n      tensor_parallel_size: 2\n',
-                                          '      model_stage: thinker\n', 1)
+    text = gpu_layout.read_text().replace(
+        "      model_stage: thinker\n      tensor_parallel_size: 2\n", "      model_stage: thinker\n", 1
+    )
     gpu_layout.write_text(text)
     config = load_pipeline_config(gpu_layout, check_imports=False)
     problems = device_problems(config, cuda_devices=1)
@@ -76,8 +79,11 @@ def test_a_stage_resolves_to_its_first_gpu_or_fails_naming_it(gpu_layout):
     assert stage_device(thinker, cuda_devices=2) == "cuda:0"
     assert stage_device(talker, cuda_devices=2) == "cuda:1"
     assert stage_device(code2wav, cuda_devices=0) == "cpu"  # asks for no GPU
-    with pytest.raises(DeviceError, match=r"stage 1 \(talker\): runtime.devices is '1', but no CUDA "
-                                          r"device is visible.*CUDA_VISIBLE_DEVICES="):
+    with pytest.raises(
+        DeviceError,
+        match=r"stage 1 \(talker\): runtime.devices is '1', but no CUDA "
+        r"device is visible.*CUDA_VISIBLE_DEVICES=",
+    ):
         stage_device(talker, cuda_devices=0)
 
 
@@ -92,6 +98,7 @@ def test_the_engine_refuses_a_gpu_it_cannot_see_before_loading_the_model(tmp_pat
     """Where the orchestrator cannot check (a Ray stage on another node), the worker does: the
     engine's build fails at start, naming the stage and its devices."""
     from omni_pd.models.qwen3_omni.hf.stage_engines import build_hf_engine
+
     config = load_pipeline_config(TINY)
     stage = config.stages[1]
     stage = stage.model_copy(update={"runtime": stage.runtime.model_copy(update={"devices": "0"})})
@@ -100,7 +107,7 @@ def test_the_engine_refuses_a_gpu_it_cannot_see_before_loading_the_model(tmp_pat
 
 
 def test_omni_refuses_before_starting_any_worker(tmp_path):
-    text = TINY.read_text().replace("      process: true\n", "      process: true\n      devices: \"0\"\n", 1)
+    text = TINY.read_text().replace("      process: true\n", '      process: true\n      devices: "0"\n', 1)
     path = tmp_path / "tiny_on_gpu0.yaml"
     path.write_text(text)
     with pytest.raises(DeviceError, match=r"stage 0 \(thinker\): runtime.devices is '0'"):

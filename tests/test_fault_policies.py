@@ -1,4 +1,5 @@
 """The restart policy and the handoff breaker, on a fake clock."""
+
 import pytest
 
 from omni_pd.orchestrator.breaker import BreakerState, CircuitBreaker

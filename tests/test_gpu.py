@@ -3,6 +3,7 @@ skips where torch sees no CUDA device; scripts/gpu_check.sh runs them where one 
 
 What runs on the CPU instead: tests/test_devices.py (placement and refusals) and
 tests/test_kv_device_paths.py (device checksums, host staging, the same-host path's choice)."""
+
 import multiprocessing
 import os
 
@@ -40,8 +41,13 @@ def test_a_gpu_pool_checksums_its_blocks_on_the_device_as_the_host_would():
 def _gpu_sender(conn, fault: bool) -> None:
     """A prefill side in its own process: a GPU pool offered by CUDA IPC handle."""
     transport = MooncakeTransport()
-    sender = KVSender("prefill-gpu-child", LAYOUT, BlockPool(LAYOUT, 16, shared=True, device=GPU),
-                      transport, lease_timeout_s=60.0)
+    sender = KVSender(
+        "prefill-gpu-child",
+        LAYOUT,
+        BlockPool(LAYOUT, 16, shared=True, device=GPU),
+        transport,
+        lease_timeout_s=60.0,
+    )
     if fault:
         sender.inject_fault_once(1, 9, after_checksum=True)
     desc = sender.publish("t-ipc", make_kv(37, seed=2, device=GPU))
@@ -59,7 +65,9 @@ def test_cuda_ipc_handoff_between_processes(fault):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_gpu_sender, args=(child, fault))
     proc.start()
-    receiver = KVReceiver(LAYOUT, BlockPool(LAYOUT, 16, device=GPU), MooncakeTransport(), same_host="cuda_ipc")
+    receiver = KVReceiver(
+        LAYOUT, BlockPool(LAYOUT, 16, device=GPU), MooncakeTransport(), same_host="cuda_ipc"
+    )
     try:
         desc = KVDescriptor.from_params(parent.recv())
         assert desc.cuda_ipc and desc.checksum_kind == "wsum64"
@@ -82,10 +90,22 @@ def test_cuda_ipc_handoff_between_processes(fault):
 def test_gpu_pools_over_mooncake(buffer_device):
     """Across hosts: Mooncake reads GPU memory where its build can, else both sides stage
     through pinned host copies; either way the KV lands in the GPU pool unchanged."""
-    sender = KVSender("prefill-gpu-tcp", LAYOUT, BlockPool(LAYOUT, 16, device=GPU), MooncakeTransport(),
-                      lease_timeout_s=60.0, buffer_device=buffer_device, same_host=False)
-    receiver = KVReceiver(LAYOUT, BlockPool(LAYOUT, 16, device=GPU), MooncakeTransport(),
-                          same_host="off", buffer_device=buffer_device)
+    sender = KVSender(
+        "prefill-gpu-tcp",
+        LAYOUT,
+        BlockPool(LAYOUT, 16, device=GPU),
+        MooncakeTransport(),
+        lease_timeout_s=60.0,
+        buffer_device=buffer_device,
+        same_host=False,
+    )
+    receiver = KVReceiver(
+        LAYOUT,
+        BlockPool(LAYOUT, 16, device=GPU),
+        MooncakeTransport(),
+        same_host="off",
+        buffer_device=buffer_device,
+    )
     try:
         if buffer_device == "cpu":
             assert sender.landing.memory().is_pinned() and receiver.landing.memory().is_pinned()
@@ -100,12 +120,14 @@ def test_gpu_pools_over_mooncake(buffer_device):
 
 # -- batch invariance on the GPU ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def gpu_runner(tiny_model, tiny_tokenizer):
     import copy
 
     from omni_pd.engines.device import enter
     from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
+
     enter(GPU)
     try:
         yield thinker_runner(copy.deepcopy(tiny_model).to(GPU), tiny_tokenizer)
@@ -115,6 +137,7 @@ def gpu_runner(tiny_model, tiny_tokenizer):
 
 def test_a_request_decodes_to_the_same_bits_alone_and_in_a_batch_on_the_gpu(gpu_runner, tiny_tokenizer):
     from test_thinker_engine import TEXTS, _engine, _params, _prompts, _run_together, _same
+
     prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
     engine = _engine(gpu_runner, attention_kernels="torch")
     assert engine.cache.pool.device.type == "cuda"

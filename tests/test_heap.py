@@ -1,4 +1,5 @@
 """The start-up heap of an omni-pd process is frozen out of the garbage collector."""
+
 import gc
 
 from omni_pd.orchestrator.heap import freeze_startup_heap

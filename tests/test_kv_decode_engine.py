@@ -4,6 +4,7 @@ Mooncake's 30 s, and no spinning core), abandoned reads keep their staging block
 until Mooncake ends them, fingerprints refuse an incompatible peer, corrupted KV is refused, and
 a request without remote KV is prefilled on the decode engine exactly as the colocated engine
 would."""
+
 import math
 import multiprocessing
 import os
@@ -65,8 +66,10 @@ def prefill(runner):
 def decode(runner):
     # Mooncake tcp (kv_same_host off): the path whose reads span steps; the same-host path has
     # a test of its own below.
-    engine = DecodeEngine(_pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S,
-                                      kv_same_host="off"), ThinkerStageRunner(runner))
+    engine = DecodeEngine(
+        _pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S, kv_same_host="off"),
+        ThinkerStageRunner(runner),
+    )
     yield engine
     engine.close()
 
@@ -79,21 +82,38 @@ def clean(decode, prefill):
     while decode.debug_state_counts()["kv_quarantined_blocks"] and time.monotonic() < deadline:
         decode.housekeeping()
         time.sleep(0.01)  # polling a condition under a deadline
-    assert decode.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
-                                           "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
-    assert prefill.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
-                                            "leases": 0, "used_blocks": 0}
+    assert decode.debug_state_counts() == {
+        "thinker.requests": 0,
+        "thinker.kv_blocks_in_use": 0,
+        "transfers": 0,
+        "used_blocks": 0,
+        "kv_quarantined_blocks": 0,
+    }
+    assert prefill.debug_state_counts() == {
+        "thinker.requests": 0,
+        "thinker.kv_blocks_in_use": 0,
+        "leases": 0,
+        "used_blocks": 0,
+    }
 
 
 def _prompts(tokenizer, texts=TEXTS):
-    return [ThinkerPrompt(tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                                        add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)) for t in texts]
+    return [
+        ThinkerPrompt(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in texts
+    ]
 
 
 def _params(i: int, max_tokens: int = 12) -> SamplingParams:
-    return (SamplingParams(temperature=0, max_tokens=max_tokens) if i % 2 == 0 else
-            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=100 + i))
+    return (
+        SamplingParams(temperature=0, max_tokens=max_tokens)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=100 + i)
+    )
 
 
 def _run(engine, requests, pause=False):
@@ -117,20 +137,30 @@ def _run(engine, requests, pause=False):
 
 
 def _same_output(a, b) -> bool:
-    return (a.token_ids == b.token_ids and torch.equal(a.output_embeds, b.output_embeds)
-            and torch.equal(a.output_hidden, b.output_hidden))
+    return (
+        a.token_ids == b.token_ids
+        and torch.equal(a.output_embeds, b.output_embeds)
+        and torch.equal(a.output_hidden, b.output_hidden)
+    )
 
 
 def _same_chunks(xs, ys) -> bool:
     def same(a, b):
         return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
     return len(xs) == len(ys) and all(
-        x.token_ids == y.token_ids and x.start == y.start and x.prompt_token_ids == y.prompt_token_ids
-        and torch.equal(x.embeds, y.embeds) and same(x.prompt_embeds, y.prompt_embeds)
-        and same(x.prompt_hidden, y.prompt_hidden) for x, y in zip(xs, ys))
+        x.token_ids == y.token_ids
+        and x.start == y.start
+        and x.prompt_token_ids == y.prompt_token_ids
+        and torch.equal(x.embeds, y.embeds)
+        and same(x.prompt_embeds, y.prompt_embeds)
+        and same(x.prompt_hidden, y.prompt_hidden)
+        for x, y in zip(xs, ys)
+    )
 
 
 # -- D. local prefill on the decode engine ------------------------------------------------------
+
 
 def test_local_prefill_equals_the_colocated_engine(decode, colocated, tiny_tokenizer, clean):
     prompts = _prompts(tiny_tokenizer)
@@ -168,14 +198,16 @@ def test_local_prefill_costs_its_prompt_in_the_token_budget(runner, tiny_tokeniz
 
 # -- B. the remote path: polled across steps, output equals the colocated engine ---------------
 
+
 def _handoff(prefill, request_id, prompt, params):
     transfer_id = f"{request_id}-xfer"
     out = prefill.generate(request_id, prompt, build_prefill_sampling_params(params, transfer_id))
     return build_decode_sampling_params(params, out.kv_transfer_params, transfer_id), transfer_id
 
 
-def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, colocated,
-                                                               tiny_tokenizer, clean):
+def test_remote_kv_is_polled_across_steps_and_equals_colocated(
+    decode, prefill, colocated, tiny_tokenizer, clean
+):
     prompts = _prompts(tiny_tokenizer)
     handed = [_handoff(prefill, f"h{i}", p, _params(i)) for i, p in enumerate(prompts)]
     assert all(FINGERPRINT_KEY in params.kv_transfer_params for params, _ in handed)
@@ -210,7 +242,8 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(decode, prefill, 
 
 
 def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
-        runner, prefill, colocated, tiny_tokenizer, clean):
+    runner, prefill, colocated, tiny_tokenizer, clean
+):
     """kv_same_host 'auto' (the default) with both engines on this host: the KV is copied out of
     the prefill's shared cache while the request is admitted, so its first token leaves in that
     same step; the outputs equal the colocated engine's."""
@@ -230,8 +263,13 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
         assert error is None and mine.metrics["kv_path"] == "shm"
         assert _same_output(mine, colocated.generate("c-shm", prompt, _params(1)))
         assert prefill.release_kv(transfer_id)
-        assert shm.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0,
-                                            "transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
+        assert shm.debug_state_counts() == {
+            "thinker.requests": 0,
+            "thinker.kv_blocks_in_use": 0,
+            "transfers": 0,
+            "used_blocks": 0,
+            "kv_quarantined_blocks": 0,
+        }
     finally:
         shm.close()
 
@@ -259,6 +297,7 @@ def test_corrupted_kv_is_refused_with_integrity_error(decode, prefill, tiny_toke
 
 # -- C. fingerprints ----------------------------------------------------------------------------
 
+
 def test_fingerprints_are_logged_and_described(decode, prefill):
     for engine in (decode, prefill):
         fingerprint = engine.describe()[FINGERPRINT_KEY]
@@ -274,24 +313,29 @@ def test_incompatible_peer_is_refused_naming_the_fields(decode, prefill, tiny_to
     params, transfer_id = _handoff(prefill, "fp", prompt, _params(0))
     kv = params.kv_transfer_params
     forged = {**kv[FINGERPRINT_KEY], "weights": "full:0123", "head_dim": 999}
-    bad = params.replace(kv_transfer_params={**kv, "remote_engine_id": "other-prefill",
-                                             FINGERPRINT_KEY: forged})
+    bad = params.replace(
+        kv_transfer_params={**kv, "remote_engine_id": "other-prefill", FINGERPRINT_KEY: forged}
+    )
     error = _run(decode, [("fp", prompt, bad)])["fp"][1]
     assert error.startswith("KVIncompatibleError") and "other-prefill" in error
     assert "weights: prefill 'full:0123', decode '" in error and "head_dim: prefill 999, decode" in error
     assert not decode.peers.is_verified("other-prefill")
-    missing = params.replace(kv_transfer_params={k: v for k, v in kv.items() if k != FINGERPRINT_KEY}
-                             | {"remote_engine_id": "old-prefill"})
+    missing = params.replace(
+        kv_transfer_params={k: v for k, v in kv.items() if k != FINGERPRINT_KEY}
+        | {"remote_engine_id": "old-prefill"}
+    )
     assert "sent no kv_fingerprint" in _run(decode, [("fp", prompt, missing)])["fp"][1]
     assert prefill.release_kv(transfer_id)
 
 
 # -- B. a frozen prefill peer -------------------------------------------------------------------
 
+
 def _frozen_sender(conn, layout: dict) -> None:
     """A prefill peer holding a KVSender: publishes on request, then gets SIGSTOPped."""
-    sender = KVSender("prefill-frozen", BlockLayout.from_dict(layout), 64, MooncakeTransport(),
-                      lease_timeout_s=300.0)
+    sender = KVSender(
+        "prefill-frozen", BlockLayout.from_dict(layout), 64, MooncakeTransport(), lease_timeout_s=300.0
+    )
     while (message := conn.recv()) != "bye":
         transfer_id, num_tokens = message
         kv = torch.randn(layout["num_layers"], 2, layout["num_kv_heads"], num_tokens, layout["head_dim"])
@@ -343,8 +387,15 @@ def peer(decode):
 
 
 def _remote_params(decode, descriptor: dict, **extra) -> SamplingParams:
-    kv = {**descriptor, "do_remote_prefill": True, "do_remote_decode": False, "first_token": 1,
-          "rope_deltas": 0, FINGERPRINT_KEY: {**decode.fingerprint, "engine_id": "prefill-frozen"}, **extra}
+    kv = {
+        **descriptor,
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "first_token": 1,
+        "rope_deltas": 0,
+        FINGERPRINT_KEY: {**decode.fingerprint, "engine_id": "prefill-frozen"},
+        **extra,
+    }
     return SamplingParams(temperature=0, max_tokens=4, kv_transfer_params=kv)
 
 
@@ -404,9 +455,11 @@ def test_frozen_peer_costs_the_window_and_no_core(decode, colocated, peer, tiny_
     finally:
         peer.thaw()
     with capsys.disabled():
-        print(f"\n[frozen peer] KVMissError after {waited:.2f} s (window {WINDOW_S} s); CPU "
-              f"{cpu_share:.1%} of wall while waiting; {quarantined} staging blocks quarantined "
-              f"{held:.2f} s (MC_TCP_PROGRESS_TIMEOUT_SEC={progress_timeout:g})")
+        print(
+            f"\n[frozen peer] KVMissError after {waited:.2f} s (window {WINDOW_S} s); CPU "
+            f"{cpu_share:.1%} of wall while waiting; {quarantined} staging blocks quarantined "
+            f"{held:.2f} s (MC_TCP_PROGRESS_TIMEOUT_SEC={progress_timeout:g})"
+        )
 
 
 def peer_session(params: SamplingParams) -> str:
@@ -486,17 +539,28 @@ def test_peer_frozen_before_first_contact(decode, clean, capsys):
     finally:
         cold.close()
     with capsys.disabled():
-        print(f"\n[peer frozen before first contact] KVMissError after {waited:.2f} s, CPU "
-              f"{cpu_share:.1%}; the read in the handshake freed {thawed:.2f} s after SIGCONT")
+        print(
+            f"\n[peer frozen before first contact] KVMissError after {waited:.2f} s, CPU "
+            f"{cpu_share:.1%}; the read in the handshake freed {thawed:.2f} s after SIGCONT"
+        )
 
 
 @pytest.mark.parametrize("value", [-1.0, "5", True, math.inf, math.nan])
 def test_bad_kv_wait_s_is_refused_at_add(decode, value, clean):
-    params = _remote_params(decode, {"transfer_id": "t-x", "remote_engine_id": "p",
-                                     "remote_session": "127.0.0.1:1", "remote_block_ids": [0],
-                                     "remote_base_address": 4096,
-                                     "block_bytes": decode.layout.block_bytes, "num_tokens": 3,
-                                     "kv_layout": decode.layout.to_dict(),
-                                     "block_checksums": ["00"]}, kv_wait_s=value)
+    params = _remote_params(
+        decode,
+        {
+            "transfer_id": "t-x",
+            "remote_engine_id": "p",
+            "remote_session": "127.0.0.1:1",
+            "remote_block_ids": [0],
+            "remote_base_address": 4096,
+            "block_bytes": decode.layout.block_bytes,
+            "num_tokens": 3,
+            "kv_layout": decode.layout.to_dict(),
+            "block_checksums": ["00"],
+        },
+        kv_wait_s=value,
+    )
     with pytest.raises(ValueError, match="kv_wait_s"):
         decode.add_request("x", ThinkerPrompt([1, 2, 3]), params)

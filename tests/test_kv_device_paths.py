@@ -1,6 +1,7 @@
 """The KV plane's GPU paths, as far as they run on a CPU (issue 30): device checksums, the
 host staging of a pool that Mooncake cannot read (exercised with host pools), the choice of
 the same-host path, and the CUDA IPC module's refusals. The GPU itself: tests/test_gpu.py."""
+
 import dataclasses
 import logging
 import os
@@ -10,8 +11,15 @@ import torch
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from omni_pd.kv import (BlockLayout, KVDescriptor, KVIntegrityError, KVReceiver, KVSender,  # noqa: E402
-                        KVTransferError, MooncakeTransport)
+from omni_pd.kv import (
+    BlockLayout,
+    KVDescriptor,
+    KVIntegrityError,
+    KVReceiver,
+    KVSender,  # noqa: E402
+    KVTransferError,
+    MooncakeTransport,
+)
 from omni_pd.kv import cuda_ipc  # noqa: E402
 from omni_pd.kv.checksum import checksum, kind_for, wsum64  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
@@ -30,6 +38,7 @@ def transports():
 
 
 # -- device checksums ------------------------------------------------------------------------------
+
 
 def test_wsum64_sees_every_single_bit_flip_and_the_length():
     data = torch.randint(0, 256, (96,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
@@ -57,12 +66,13 @@ def test_wsum64_does_not_depend_on_where_the_bytes_lie():
     """A view at an odd address, a copy, a long buffer past the first table of weights: the
     same bytes give the same sum (the GPU and the CPU compute it the same way: integer sums do
     not depend on the reduction order)."""
-    big = torch.randint(0, 256, (3 * 4096 * 8 + 13,), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(2))
+    big = torch.randint(
+        0, 256, (3 * 4096 * 8 + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)
+    )
     view = big[5:]
     assert view.data_ptr() % 8
     assert wsum64(view) == wsum64(view.clone())
-    assert wsum64(big[:4096 * 8]) != wsum64(big[8:4096 * 8 + 8])  # positions count
+    assert wsum64(big[: 4096 * 8]) != wsum64(big[8 : 4096 * 8 + 8])  # positions count
     assert kind_for("cpu") == "xxh3" and kind_for("cuda:0") == "wsum64"
 
 
@@ -74,7 +84,9 @@ def test_a_descriptor_names_its_checksum_kind_and_the_receiver_uses_it(transport
         desc = sender.publish("t-kind", kv)
         assert desc.checksum_kind == "xxh3" and "checksum_kind" not in desc.to_params()
         lengths = LAYOUT.transfer_lengths(40)
-        device_sums = tuple(wsum64(sender.pool.block_view(b)[:n]) for b, n in zip(desc.remote_block_ids, lengths))
+        device_sums = tuple(
+            wsum64(sender.pool.block_view(b)[:n]) for b, n in zip(desc.remote_block_ids, lengths)
+        )
         as_gpu = dataclasses.replace(desc, checksum_kind="wsum64", block_checksums=device_sums)
         again = KVDescriptor.from_params(as_gpu.to_params())
         assert again.checksum_kind == "wsum64" and again == as_gpu
@@ -93,11 +105,13 @@ def test_a_descriptor_names_its_checksum_kind_and_the_receiver_uses_it(transport
 
 # -- host staging (a GPU pool's path over a Mooncake that cannot read GPU memory) --------------------
 
+
 def test_pools_copy_blocks_run_by_run():
     a, b = BlockPool(LAYOUT, 8), BlockPool(LAYOUT, 8)
     # Every byte of `a` set (fresh pool memory is uninitialised and may happen to be zeros).
-    a.memory().copy_(torch.randint(1, 256, (a.nbytes,), dtype=torch.uint8,
-                                   generator=torch.Generator().manual_seed(4)))
+    a.memory().copy_(
+        torch.randint(1, 256, (a.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    )
     b.memory().zero_()
     b.copy_blocks_from(a, [4, 1, 2])
     for i in range(8):
@@ -145,15 +159,18 @@ def test_staged_handoff_moves_the_host_copy_and_lands_in_the_pool(transports, ca
 
 # -- the same-host path's choice -------------------------------------------------------------------
 
+
 def test_insisting_on_cuda_ipc_between_host_pools_names_the_path(transports):
-    sender = KVSender("prefill-shm2", LAYOUT, BlockPool(LAYOUT, 16, shared=True), transports[0],
-                      lease_timeout_s=30.0)
+    sender = KVSender(
+        "prefill-shm2", LAYOUT, BlockPool(LAYOUT, 16, shared=True), transports[0], lease_timeout_s=30.0
+    )
     insist = KVReceiver(LAYOUT, 16, transports[1], same_host="cuda_ipc")
     try:
         desc = sender.publish("t-ipc", make_kv(10, seed=7))
         assert desc.cuda_ipc is None and desc.shm_path  # a host pool offers shared memory
-        with pytest.raises(KVTransferError, match="kv_same_host is 'cuda_ipc'.*path between these "
-                                                  "pools is 'shm'"):
+        with pytest.raises(
+            KVTransferError, match="kv_same_host is 'cuda_ipc'.*path between these pools is 'shm'"
+        ):
             insist.fetch(desc)
         assert insist.pool.num_used == 0
         sender.release("t-ipc")
@@ -169,13 +186,16 @@ def test_a_gpu_peer_is_read_over_mooncake_by_a_host_pool(transports, caplog):
     receiver = KVReceiver(LAYOUT, 16, transports[1])
     try:
         kv = make_kv(21, seed=8)
-        desc = dataclasses.replace(sender.publish("t-gpu-peer", kv), cuda_ipc='{"uuid": "GPU-x"}',
-                                   host_id="same")
+        desc = dataclasses.replace(
+            sender.publish("t-gpu-peer", kv), cuda_ipc='{"uuid": "GPU-x"}', host_id="same"
+        )
         with caplog.at_level(logging.INFO, logger="omni_pd.kv.handoff"):
             result = receiver.fetch(desc)
         assert result.path == "tcp" and torch.equal(result.kv_canonical, kv)
-        assert any("its pool is on a GPU and this engine's is in host memory" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            "its pool is on a GPU and this engine's is in host memory" in r.getMessage()
+            for r in caplog.records
+        )
         sender.release("t-gpu-peer")
     finally:
         sender.close()

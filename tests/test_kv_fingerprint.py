@@ -1,19 +1,27 @@
 """KV fingerprints: the first handoff between two engines refuses an incompatible pair, naming
 every differing field with both values; compatible peers are remembered."""
+
 import pytest
 import torch
 
 from omni_pd.kv import BlockLayout, KVIncompatibleError
-from omni_pd.kv.fingerprint import (FULL_HASH_LIMIT_BYTES, PeerFingerprints, incompatible_fields,
-                                    kv_fingerprint, weights_digest)
+from omni_pd.kv.fingerprint import (
+    FULL_HASH_LIMIT_BYTES,
+    PeerFingerprints,
+    incompatible_fields,
+    kv_fingerprint,
+    weights_digest,
+)
 
 LAYOUT = BlockLayout.default_for(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
 
 
 def _weights(seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [("a.weight", torch.randn(8, 4, generator=g).to(dtype)),
-            ("b.bias", torch.randn(3, generator=g).to(dtype))]
+    return [
+        ("a.weight", torch.randn(8, 4, generator=g).to(dtype)),
+        ("b.bias", torch.randn(3, generator=g).to(dtype)),
+    ]
 
 
 def _fp(engine_id="decode-0", **changes):
@@ -48,9 +56,17 @@ def test_identical_fingerprints_pass_and_are_cached():
     peers.check("prefill-0", remote)  # served from the cache
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("model", "other-model"), ("weights", "full:deadbeef"), ("dtype", "bfloat16"),
-    ("num_layers", 5), ("num_kv_heads", 4), ("head_dim", 32)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "other-model"),
+        ("weights", "full:deadbeef"),
+        ("dtype", "bfloat16"),
+        ("num_layers", 5),
+        ("num_kv_heads", 4),
+        ("head_dim", 32),
+    ],
+)
 def test_a_differing_field_is_refused_and_named(field, value):
     peers = PeerFingerprints(_fp())
     with pytest.raises(KVIncompatibleError) as info:
@@ -70,8 +86,15 @@ def test_every_differing_field_is_named_and_missing_ones_too():
 
 
 def test_block_size_and_layout_may_differ_the_handoff_converts_them():
-    other = BlockLayout(block_size=8, num_layers=4, num_kv_heads=2, head_dim=16, dtype="float32",
-                        kv_split="split", order="head_major")
+    other = BlockLayout(
+        block_size=8,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="float32",
+        kv_split="split",
+        order="head_major",
+    )
     remote = kv_fingerprint("tiny (Thinker)", weights_digest(_weights()), other, "prefill-0")
     PeerFingerprints(_fp()).check("prefill-0", remote)
 
@@ -95,21 +118,25 @@ def test_the_cache_is_bounded():
     assert [peers.is_verified(n) for n in ("p1", "p2", "p3")] == [False, True, True]
 
 
-COMPUTE = {"device": "cpu", "torch": "2.13.0+cpu", "cpu_capability": "avx512",
-           "native": {"attention": "avx512-0123456789abcdef"}}
+COMPUTE = {
+    "device": "cpu",
+    "torch": "2.13.0+cpu",
+    "cpu_capability": "avx512",
+    "native": {"attention": "avx512-0123456789abcdef"},
+}
 
 
 def _with_compute(engine_id, **changes):
-    return kv_fingerprint("tiny (Thinker)", weights_digest(_weights()), LAYOUT, engine_id,
-                          {**COMPUTE, **changes})
+    return kv_fingerprint(
+        "tiny (Thinker)", weights_digest(_weights()), LAYOUT, engine_id, {**COMPUTE, **changes}
+    )
 
 
 def test_other_kernels_warn_once_naming_both_sides(caplog):
     """A prefill that computes with other kernels (another CPU level, another native build)
     is accepted, with one WARNING at its first handoff naming what differs on each side."""
     peers = PeerFingerprints(_with_compute("decode-0"))
-    remote = _with_compute("prefill-0", cpu_capability="avx2",
-                           native={"attention": "avx2-fedcba9876543210"})
+    remote = _with_compute("prefill-0", cpu_capability="avx2", native={"attention": "avx2-fedcba9876543210"})
     with caplog.at_level("WARNING", logger="omni_pd.kv.fingerprint"):
         peers.check("prefill-0", remote)
         peers.check("prefill-0", remote)
@@ -128,8 +155,11 @@ def test_other_kernels_warn_once_naming_both_sides(caplog):
 def test_require_identical_kernels_refuses_other_kernels():
     peers = PeerFingerprints(_with_compute("decode-0"), require_identical_kernels=True)
     peers.check("prefill-1", _with_compute("prefill-1"))  # the same kernels pass
-    with pytest.raises(KVIncompatibleError, match=r"device: prefill 'cuda H100 sm_90', decode 'cpu'.*"
-                                                  r"require_identical_kernels is true"):
+    with pytest.raises(
+        KVIncompatibleError,
+        match=r"device: prefill 'cuda H100 sm_90', decode 'cpu'.*"
+        r"require_identical_kernels is true",
+    ):
         peers.check("prefill-0", _with_compute("prefill-0", device="cuda H100 sm_90"))
     assert not peers.is_verified("prefill-0")
     # A peer that sends no compute identity (an older omni-pd) differs in every key.

@@ -1,5 +1,6 @@
 """The KV handoff over real Mooncake (loopback TCP): two TransferEngines in this process, plus one
 sender in a spawned child process."""
+
 import dataclasses
 import logging
 import multiprocessing
@@ -12,8 +13,18 @@ import torch
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from omni_pd.kv import (BlockLayout, IllegalTransition, KVDescriptor, KVIntegrityError, KVReceiver,  # noqa: E402
-                        KVSender, KVTransferError, MooncakeTransport, PoolExhausted, TransferState)
+from omni_pd.kv import (
+    BlockLayout,
+    IllegalTransition,
+    KVDescriptor,
+    KVIntegrityError,
+    KVReceiver,  # noqa: E402
+    KVSender,
+    KVTransferError,
+    MooncakeTransport,
+    PoolExhausted,
+    TransferState,
+)
 from omni_pd.kv.handoff import Lease, Transfer  # noqa: E402
 from omni_pd.kv.layout import unpack_blocks  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
@@ -78,8 +89,15 @@ def test_fetch_is_bit_exact_and_moves_only_prompt_bytes(sender, receiver):
 
 
 def test_heterogeneous_layouts_are_converted(sender, transports):
-    decode_layout = BlockLayout(block_size=8, num_layers=4, num_kv_heads=2, head_dim=16,
-                                dtype="bfloat16", kv_split="split", order="head_major")
+    decode_layout = BlockLayout(
+        block_size=8,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="bfloat16",
+        kv_split="split",
+        order="head_major",
+    )
     receiver = KVReceiver(decode_layout, 32, transports[1])
     try:
         kv = make_kv(21, seed=1)
@@ -107,8 +125,15 @@ def test_scattered_remote_blocks(sender, receiver, transports):
     assert desc.remote_block_ids == (5, 9, 20)
     result = receiver.fetch(desc)
     assert torch.equal(result.kv_canonical, kv) and result.num_segments == 3
-    other = BlockLayout(block_size=5, num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
-                        kv_split="fused", order="head_major")
+    other = BlockLayout(
+        block_size=5,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="float16",
+        kv_split="fused",
+        order="head_major",
+    )
     hetero = KVReceiver(other, 64, transports[1])
     try:
         # Remote blocks straddle local block boundaries (16 KiB staged over 2.5 KiB blocks).
@@ -138,7 +163,7 @@ def test_injected_fault_travels_undetected(sender, receiver):
     sender.inject_fault_once(block_index=1, byte_offset=5)
     desc = sender.publish("t-fault", kv)
     result = receiver.fetch(desc)  # checksums were computed after the flip, so they pass
-    diff = (result.kv_canonical != kv)
+    diff = result.kv_canonical != kv
     assert diff.sum().item() == 1  # exactly one float changed: the output comparison must notice
     sender.release("t-fault")
     # The hook fires once: the next publish is clean.
@@ -166,8 +191,15 @@ def test_converted_fetch_into_scattered_staging_blocks_checks_every_block(sender
     """Layouts differ and the receiver's free blocks are scattered: each remote block lands in
     pieces across non-adjacent staging blocks and is checked there, piece by piece (no gather
     of the whole staging area); a corrupted remote block is still caught on that path."""
-    other = BlockLayout(block_size=5, num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
-                        kv_split="fused", order="head_major")
+    other = BlockLayout(
+        block_size=5,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="float16",
+        kv_split="fused",
+        order="head_major",
+    )
     hetero = KVReceiver(other, 64, transports[1])
     held = hetero.pool.allocate(64)
     hetero.pool.free(held[::2])  # only every other block is free: no two free blocks adjoin
@@ -243,10 +275,17 @@ def test_dead_peer_fails_fast_and_leaves_no_state(sender, receiver, transports):
 
 
 def test_descriptor_params_sit_beside_vllm_keys_and_validate():
-    desc = KVDescriptor(transfer_id="x1", remote_engine_id="p0", remote_session="127.0.0.1:1",
-                        remote_block_ids=(4, 5), remote_base_address=4096,
-                        block_bytes=LAYOUT.block_bytes, num_tokens=20, kv_layout=LAYOUT,
-                        block_checksums=("00" * 8, "11" * 8))
+    desc = KVDescriptor(
+        transfer_id="x1",
+        remote_engine_id="p0",
+        remote_session="127.0.0.1:1",
+        remote_block_ids=(4, 5),
+        remote_base_address=4096,
+        block_bytes=LAYOUT.block_bytes,
+        num_tokens=20,
+        kv_layout=LAYOUT,
+        block_checksums=("00" * 8, "11" * 8),
+    )
     params = {"do_remote_prefill": True, "do_remote_decode": False, **desc.to_params()}
     assert KVDescriptor.from_params(params) == desc
     assert params["do_remote_prefill"] is True  # vLLM's keys are untouched
@@ -277,6 +316,7 @@ def test_state_machine_rejects_illegal_transitions():
 
 
 # -- sender in another process -----------------------------------------------------------------
+
 
 def _sender_process(conn, num_tokens: int, seed: int) -> None:
     sender = KVSender("prefill-child", LAYOUT, 16, MooncakeTransport(), lease_timeout_s=60.0)
@@ -347,11 +387,18 @@ def test_publish_blocks_leases_the_blocks_as_they_are(sender, receiver):
 
 # -- the same-host path ----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def shared_sender(clock):
     transport = MooncakeTransport()
-    s = KVSender("prefill-shm", LAYOUT, BlockPool(LAYOUT, 32, shared=True), transport,
-                 lease_timeout_s=30.0, clock=clock)
+    s = KVSender(
+        "prefill-shm",
+        LAYOUT,
+        BlockPool(LAYOUT, 32, shared=True),
+        transport,
+        lease_timeout_s=30.0,
+        clock=clock,
+    )
     yield s
     assert s.debug_state_counts() == {"leases": 0, "used_blocks": 0}
     s.close()
@@ -362,8 +409,10 @@ def test_same_host_kv_moves_through_shared_memory_and_says_so(shared_sender, tra
     kv = make_kv(37, seed=8)
     desc = KVDescriptor.from_params(shared_sender.publish("t-shm", kv).to_params())
     assert desc.shm_path.startswith("/proc/") and desc.host_id
-    receivers = {mode: KVReceiver(LAYOUT, 16, transports[1] if mode == "auto" else MooncakeTransport(),
-                                  same_host=mode) for mode in ("auto", "off")}
+    receivers = {
+        mode: KVReceiver(LAYOUT, 16, transports[1] if mode == "auto" else MooncakeTransport(), same_host=mode)
+        for mode in ("auto", "off")
+    }
     try:
         with caplog.at_level(logging.INFO, logger="omni_pd.kv.handoff"):
             shm = receivers["auto"].fetch(desc)
@@ -417,6 +466,7 @@ def test_the_cache_checksums_blocks_as_it_writes_them_as_the_sender_would(transp
     """The prefill engine's fused write + checksum gives the sender's own checksums (so the
     decode side verifies against them), and they see a flipped byte."""
     from omni_pd.engines.hf.paged_cache import PagedKVCache
+
     cache = PagedKVCache(LAYOUT, 8)
     sender = KVSender("prefill-fused", LAYOUT, cache.pool, transports[0], lease_timeout_s=30.0)
     try:

@@ -51,11 +51,11 @@ def test_token_major_fused_prefix_is_contiguous_and_padding_zero():
     blocks = pack_blocks(kv, lay)
     # Token B (the only one in block 1) is its first bytes_per_token bytes, layer-major inside.
     token = kv[:, :, :, B].contiguous().view(torch.uint8).reshape(-1)
-    assert torch.equal(blocks[1, :lay.bytes_per_token], token)
-    assert not blocks[1, lay.bytes_per_token:].any()
+    assert torch.equal(blocks[1, : lay.bytes_per_token], token)
+    assert not blocks[1, lay.bytes_per_token :].any()
     # Packing into reused memory (a pool block) must zero the padding too.
     dirty = torch.full_like(blocks, 0xFF)
-    assert torch.equal(pack_blocks(kv, lay, out=dirty), blocks) and not dirty[1, lay.bytes_per_token:].any()
+    assert torch.equal(pack_blocks(kv, lay, out=dirty), blocks) and not dirty[1, lay.bytes_per_token :].any()
     assert lay.token_range_bytes(3) == 3 * lay.bytes_per_token
     assert lay.transfer_lengths(B + 1) == [lay.block_bytes, lay.bytes_per_token]
 
@@ -102,10 +102,18 @@ def test_dict_round_trip():
     assert BlockLayout.from_dict(lay.to_dict()) == lay
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_size", 0), ("num_layers", "4"), ("num_kv_heads", True), ("head_dim", -1),
-    ("dtype", "int8"), ("kv_split", "interleaved"), ("order", "layer_major"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_size", 0),
+        ("num_layers", "4"),
+        ("num_kv_heads", True),
+        ("head_dim", -1),
+        ("dtype", "int8"),
+        ("kv_split", "interleaved"),
+        ("order", "layer_major"),
+    ],
+)
 def test_from_dict_names_the_bad_field(field, value):
     d = layout().to_dict()
     d[field] = value

@@ -1,13 +1,22 @@
 """The non-blocking read path without a network: AsyncRead / the submitter thread against a fake
 Mooncake engine, and KVReceiver's miss window and quarantine on a fake clock."""
+
 import math
 import threading
 import time
 
 import pytest
 
-from omni_pd.kv import (BlockLayout, IllegalTransition, KVDescriptor, KVMissError, KVReceiver,
-                        KVTransferError, ReadState, TransferState)
+from omni_pd.kv import (
+    BlockLayout,
+    IllegalTransition,
+    KVDescriptor,
+    KVMissError,
+    KVReceiver,
+    KVTransferError,
+    ReadState,
+    TransferState,
+)
 from omni_pd.kv.handoff import Transfer
 from omni_pd.kv.transport import AsyncRead, _Submitter
 
@@ -116,6 +125,7 @@ def test_reads_queued_behind_a_stuck_handshake_can_be_withdrawn():
 
 # -- KVReceiver's wait and quarantine -------------------------------------------------------------
 
+
 class FakeTransport:
     """MooncakeTransport's read interface over FakeEngine (no bytes move)."""
 
@@ -151,11 +161,17 @@ class Clock:
 
 
 def _descriptor(num_tokens=6):
-    return KVDescriptor(transfer_id="t1", remote_engine_id="prefill-x", remote_session="10.0.0.9:1234",
-                        remote_block_ids=tuple(range(LAYOUT.num_blocks_for(num_tokens))),
-                        remote_base_address=1 << 20, block_bytes=LAYOUT.block_bytes,
-                        num_tokens=num_tokens, kv_layout=LAYOUT,
-                        block_checksums=("0",) * LAYOUT.num_blocks_for(num_tokens))
+    return KVDescriptor(
+        transfer_id="t1",
+        remote_engine_id="prefill-x",
+        remote_session="10.0.0.9:1234",
+        remote_block_ids=tuple(range(LAYOUT.num_blocks_for(num_tokens))),
+        remote_base_address=1 << 20,
+        block_bytes=LAYOUT.block_bytes,
+        num_tokens=num_tokens,
+        kv_layout=LAYOUT,
+        block_checksums=("0",) * LAYOUT.num_blocks_for(num_tokens),
+    )
 
 
 @pytest.fixture
@@ -220,8 +236,8 @@ def test_abandoned_state_is_final():
         transfer.move(TransferState.DONE)
 
 
-
 # -- integrity checked while the read flies --------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad_block", [0, 1])
 def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block):
@@ -234,6 +250,7 @@ def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block
 
     from omni_pd.kv import handoff
     from omni_pd.kv.handoff import checksum
+
     receiver, transport, _clock = setup
     monkeypatch.setattr(handoff, "MAX_ENTRY_BYTES", LAYOUT.block_bytes)
     into = receiver.pool.allocate(2)
@@ -242,8 +259,9 @@ def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block
     lengths = LAYOUT.transfer_lengths(6)
     sums = [checksum(torch.zeros(n, dtype=torch.uint8)) for n in lengths]
     sums[bad_block] = "corrupt"
-    receiver.start(dataclasses.replace(_descriptor(), block_checksums=tuple(sums)), wait_s=math.inf,
-                   into=into)
+    receiver.start(
+        dataclasses.replace(_descriptor(), block_checksums=tuple(sums)), wait_s=math.inf, into=into
+    )
     read = transport.reads[0][0]
     _settle(read)
     assert len(transport.reads[0][1]) == 2  # the cap cut the adjacent blocks into two entries

@@ -1,6 +1,7 @@
 """The layers of docs/architecture.md, checked on the source: which package may import which,
 that the layers that know no model hold no model code, and that no modules import each other in
 a circle. Imports inside functions count: a lazy import is still an arrow."""
+
 from __future__ import annotations
 
 import ast
@@ -15,13 +16,18 @@ ROOT = Path(__file__).resolve().parents[1] / "omni_pd"
 # Layer of each top-level part of omni_pd, lowest first. A module may import its own layer and
 # the layers below it, never one above. docs/architecture.md draws the same table.
 LAYERS: dict[str, int] = {
-    "registry": 0, "sampling": 0, "audio_io": 0, "paths": 0,
-    "config": 1, "kv": 1,
+    "registry": 0,
+    "sampling": 0,
+    "audio_io": 0,
+    "paths": 0,
+    "config": 1,
+    "kv": 1,
     "planning": 2,
     "engines": 3,
     "models": 4,
     "orchestrator": 5,
-    "entrypoints": 6, "bench": 6,
+    "entrypoints": 6,
+    "bench": 6,
     "__init__": 6,  # omni_pd itself: the public names (Omni, SamplingParams), a facade on top
 }
 # The layers that know no model (issue 25): no model package imported, no model's name in code.
@@ -49,7 +55,7 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -63,8 +69,7 @@ def _imports(path: Path) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    return {name: {m for m in _imports(path) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
 def _part(module: str) -> str:
@@ -77,8 +82,9 @@ def test_every_part_has_a_layer():
 
 
 def test_no_import_runs_back_up():
-    upward = sorted(f"{a} -> {b}" for a, deps in _graph().items() for b in deps
-                    if LAYERS[_part(b)] > LAYERS[_part(a)])
+    upward = sorted(
+        f"{a} -> {b}" for a, deps in _graph().items() for b in deps if LAYERS[_part(b)] > LAYERS[_part(a)]
+    )
     assert upward == []
 
 
@@ -93,7 +99,7 @@ def test_no_import_circles():
         path.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                circles.append(path[path.index(dep):] + [dep])
+                circles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         path.pop()
@@ -156,11 +162,18 @@ def _code_without_comments(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source, str(path))):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 docstrings.add((body[0].lineno, body[0].col_offset))
-    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-            if tok.type != tokenize.COMMENT and (tok.start[0], tok.start[1]) not in docstrings]
+    return [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type != tokenize.COMMENT and (tok.start[0], tok.start[1]) not in docstrings
+    ]
 
 
 def _stage_names_in(root: Path, layer: str) -> list[str]:
@@ -182,7 +195,8 @@ def test_negative_control_a_stage_name_in_code_is_seen_in_a_comment_is_not(tmp_p
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "a.py").write_text(
         '"""The talker, in a docstring."""\n# the thinker, in a comment\n'
-        'def f():\n    """code2wav in a docstring"""\n    return 1\n')
+        'def f():\n    """code2wav in a docstring"""\n    return 1\n'
+    )
     assert _stage_names_in(tmp_path, "engines") == []
     (tmp_path / "engines" / "b.py").write_text('NAME = "thinker.requests"\nclass HfTalkerEngine:\n    pass\n')
     found = _stage_names_in(tmp_path, "engines")

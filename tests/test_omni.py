@@ -45,8 +45,12 @@ def test_sampling_params_list_overrides_stage_defaults(omni):
 
 def test_audio_input_changes_the_prompt(omni):
     tone = (0.1 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
-    msg = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
-                                        {"type": "audio", "audio": tone}]}]
+    msg = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "what is this"}, {"type": "audio", "audio": tone}],
+        }
+    ]
     out = omni.generate([msg])[0]
     audio_id = omni.model_config.thinker_config.audio_token_id
     assert out.prompt_token_ids.count(audio_id) > 1
@@ -109,8 +113,11 @@ def test_a_prepared_prompt_is_built_once(omni, monkeypatch):
     prepared = engine.prepare("Hi there")
     built = []
     original = engine.pipeline.build_prompt
-    monkeypatch.setattr(engine, "pipeline", dataclasses.replace(
-        engine.pipeline, build_prompt=lambda p: built.append(p) or original(p)))
+    monkeypatch.setattr(
+        engine,
+        "pipeline",
+        dataclasses.replace(engine.pipeline, build_prompt=lambda p: built.append(p) or original(p)),
+    )
     out = omni._call(engine.generate(prepared, modalities=("text",)))
     assert built == [] and out.prompt_token_ids == prepared.text_prompt.prompt_token_ids
     omni._call(engine.generate("Hi there", modalities=("text",)))  # control: a plain prompt is built

@@ -1,5 +1,6 @@
 """The server's streamed audio, against a scripted orchestrator that sends audio in several
 pieces interleaved with text (the real pipeline may send one piece), through the `openai` client."""
+
 from __future__ import annotations
 
 import base64
@@ -24,16 +25,28 @@ from omni_pd.sampling import SamplingParams
 RATE = 24_000
 PIECES = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 6e-7 for n in (1920, 700, 3001)]
 # Text before, between and after the audio pieces: the last text has no audio piece after it.
-SCRIPT = [TextDelta("Hel"), AudioDelta(PIECES[0], RATE), TextDelta("lo"), TextDelta(" w"),
-          AudioDelta(PIECES[1], RATE), AudioDelta(PIECES[2], RATE), TextDelta("orld")]
+SCRIPT = [
+    TextDelta("Hel"),
+    AudioDelta(PIECES[0], RATE),
+    TextDelta("lo"),
+    TextDelta(" w"),
+    AudioDelta(PIECES[1], RATE),
+    AudioDelta(PIECES[2], RATE),
+    TextDelta("orld"),
+]
 TEXT = "Hello world"
 
 
 def _stage(stage_id: int, kind: str) -> SimpleNamespace:
-    return SimpleNamespace(stage_id=stage_id, final_output=True, final_output_type=kind,
-                           engine_args=SimpleNamespace(load_format="dummy"), max_num_seqs=64,
-                           runtime=SimpleNamespace(num_replicas=1),
-                           default_sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
+    return SimpleNamespace(
+        stage_id=stage_id,
+        final_output=True,
+        final_output_type=kind,
+        engine_args=SimpleNamespace(load_format="dummy"),
+        max_num_seqs=64,
+        runtime=SimpleNamespace(num_replicas=1),
+        default_sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
+    )
 
 
 class ScriptedOmni:
@@ -51,10 +64,16 @@ class ScriptedOmni:
     def output(self) -> OmniRequestOutput:
         text = "".join(e.text for e in self.script if isinstance(e, TextDelta))
         pieces = [e.audio for e in self.script if isinstance(e, AudioDelta)]
-        return OmniRequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[3, 4, 5],
-                                 text=text, finish_reason="stop",
-                                 audio=torch.cat(pieces) if pieces else None,
-                                 sample_rate=RATE, metrics={"e2e_ms": 1.0, "stage_ms": {}})
+        return OmniRequestOutput(
+            request_id="r",
+            prompt_token_ids=[1, 2],
+            token_ids=[3, 4, 5],
+            text=text,
+            finish_reason="stop",
+            audio=torch.cat(pieces) if pieces else None,
+            sample_rate=RATE,
+            metrics={"e2e_ms": 1.0, "stage_ms": {}},
+        )
 
     async def stream(self, *_: Any, **__: Any) -> AsyncIterator[Any]:
         for event in self.script:
@@ -80,8 +99,9 @@ def _client_for(script: list[Any]) -> Iterator[openai.OpenAI]:
         deadline = time.monotonic() + 30
         while http.get("/health").status_code != 200:  # the scripted stages start at once
             assert time.monotonic() < deadline, "the app never became healthy"
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
-                            max_retries=0)
+        yield openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +112,12 @@ def client():
 
 def _audio_request(client, **kw):
     return client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "pcm16"}, **kw)
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+        **kw,
+    )
 
 
 def test_each_audio_piece_is_one_pcm16_chunk_in_order_with_its_transcript(client):

@@ -1,4 +1,5 @@
 """Pure P/D planning: pair detection, per-side sampling params, N-1 -> N expansion."""
+
 from __future__ import annotations
 
 import copy
@@ -20,13 +21,20 @@ from omni_pd.planning.pd import HandoffPolicy, handoff_policy
 
 
 def _stage(stage_id: int, model_stage: str, sources: list[int], **extra: Any) -> dict[str, Any]:
-    return {"stage_id": stage_id, "engine_args": {"model_stage": model_stage},
-            "engine_input_source": sources, **extra}
+    return {
+        "stage_id": stage_id,
+        "engine_args": {"model_stage": model_stage},
+        "engine_input_source": sources,
+        **extra,
+    }
 
 
 def _kv(role: str, port: int) -> dict[str, Any]:
-    return {"kv_connector": "MooncakeConnector", "kv_role": role,
-            "kv_connector_extra_config": {"mooncake_bootstrap_port": port}}
+    return {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_bootstrap_port": port},
+    }
 
 
 def pd_cfg(order: tuple[int, ...] = (0, 1, 2, 3)) -> PipelineConfig:
@@ -35,25 +43,42 @@ def pd_cfg(order: tuple[int, ...] = (0, 1, 2, 3)) -> PipelineConfig:
     prefill["engine_args"]["kv_transfer_config"] = _kv("kv_producer", 25201)
     decode = _stage(11, "thinker", [10], is_decode_only=True, final_output=True)
     decode["engine_args"]["kv_transfer_config"] = _kv("kv_consumer", 25202)
-    stages = [prefill, decode, _stage(12, "talker", [10, 11]), _stage(13, "code2wav", [12], final_output=True)]
+    stages = [
+        prefill,
+        decode,
+        _stage(12, "talker", [10, 11]),
+        _stage(13, "code2wav", [12], final_output=True),
+    ]
     return pipeline_config_from_dict({"stage_args": [stages[i] for i in order]}, check_imports=False)
 
 
 def colocated_cfg() -> PipelineConfig:
     return pipeline_config_from_dict(
-        {"stage_args": [_stage(0, "thinker", [], final_output=True), _stage(1, "talker", [0]),
-                        _stage(2, "code2wav", [1], final_output=True)]},
+        {
+            "stage_args": [
+                _stage(0, "thinker", [], final_output=True),
+                _stage(1, "talker", [0]),
+                _stage(2, "code2wav", [1], final_output=True),
+            ]
+        },
         check_imports=False,
     )
 
 
 USER_SP = SamplingParams(
-    temperature=0.7, top_k=20, max_tokens=128, seed=7, stop=("</s>",), stop_token_ids=(151645,),
-    include_stop_str_in_output=True, kv_transfer_params={"user_key": [1, 2]},
+    temperature=0.7,
+    top_k=20,
+    max_tokens=128,
+    seed=7,
+    stop=("</s>",),
+    stop_token_ids=(151645,),
+    include_stop_str_in_output=True,
+    kv_transfer_params={"user_key": [1, 2]},
 )
 
 
 # --- find_pd_pair -------------------------------------------------------------------------------
+
 
 def test_find_pd_pair() -> None:
     cfg = pd_cfg()
@@ -77,14 +102,19 @@ def test_ambiguous_pair_built_in_code_is_rejected() -> None:
 
 # --- prefill params -----------------------------------------------------------------------------
 
+
 def test_prefill_params_emit_one_token_and_always_hand_over() -> None:
     before = copy.deepcopy(USER_SP)
     sp = build_prefill_sampling_params(USER_SP, "req-1-xfer-a")
     assert sp.max_tokens == 1
     assert sp.stop == () and sp.stop_token_ids == ()
     assert sp.ignore_eos is True and sp.include_stop_str_in_output is False
-    assert sp.kv_transfer_params == {"user_key": [1, 2], "do_remote_decode": True,
-                                     "do_remote_prefill": False, "transfer_id": "req-1-xfer-a"}
+    assert sp.kv_transfer_params == {
+        "user_key": [1, 2],
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": "req-1-xfer-a",
+    }
     # Everything else is the user's.
     assert (sp.temperature, sp.top_k, sp.seed) == (0.7, 20, 7)
     assert USER_SP == before and USER_SP.kv_transfer_params == {"user_key": [1, 2]}
@@ -195,11 +225,15 @@ def test_expand_without_pair_needs_one_per_stage() -> None:
 
 @pytest.mark.parametrize("count", [0, 2, 5])
 def test_expand_wrong_length_says_what_is_expected(count: int) -> None:
-    with pytest.raises(ValueError, match=rf"expected 3 sampling params .*prefill stage 10 and decode stage 11 share one entry.* or 4 .*got {count}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"expected 3 sampling params .*prefill stage 10 and decode stage 11 share one entry.* or 4 .*got {count}",
+    ):
         expand_sampling_params([THINKER] * count, pd_cfg())
 
 
 # --- transfer ids -------------------------------------------------------------------------------
+
 
 def test_new_transfer_id_is_unique_and_names_request() -> None:
     ids = {new_transfer_id("chatcmpl-42") for _ in range(100)}
@@ -209,6 +243,7 @@ def test_new_transfer_id_is_unique_and_names_request() -> None:
 
 # --- handoff policy -----------------------------------------------------------------------------
 
+
 def _with_extra(prefill: dict[str, Any], decode: dict[str, Any]) -> PipelineConfig:
     cfg = pd_cfg()
     stages = []
@@ -216,20 +251,35 @@ def _with_extra(prefill: dict[str, Any], decode: dict[str, Any]) -> PipelineConf
         kv = stage.kv_transfer_config
         merged = {**kv.kv_connector_extra_config.model_dump(exclude_unset=True), **extra}
         kv = kv.model_copy(update={"kv_connector_extra_config": type(kv.kv_connector_extra_config)(**merged)})
-        stages.append(stage.model_copy(update={"engine_args": stage.engine_args.model_copy(
-            update={"kv_transfer_config": kv})}))
+        stages.append(
+            stage.model_copy(
+                update={"engine_args": stage.engine_args.model_copy(update={"kv_transfer_config": kv})}
+            )
+        )
     return cfg.model_copy(update={"stage_args": (*stages, cfg.stage(12), cfg.stage(13))})
 
 
 def test_handoff_policy_defaults() -> None:
     assert handoff_policy(find_pd_pair(pd_cfg())) == HandoffPolicy(
-        miss_window_s=5.0, deadline_s=10.0, breaker_threshold=3, breaker_cooldown_s=5.0,
-        fallback="local_prefill")
+        miss_window_s=5.0,
+        deadline_s=10.0,
+        breaker_threshold=3,
+        breaker_cooldown_s=5.0,
+        fallback="local_prefill",
+    )
 
 
 def test_handoff_policy_reads_the_decode_stage() -> None:
-    cfg = _with_extra({}, {"kv_miss_window_s": 1.5, "kv_handoff_deadline_s": 2.0,
-                           "kv_breaker_threshold": 7, "kv_breaker_cooldown_s": 0.25, "kv_fallback": "error"})
+    cfg = _with_extra(
+        {},
+        {
+            "kv_miss_window_s": 1.5,
+            "kv_handoff_deadline_s": 2.0,
+            "kv_breaker_threshold": 7,
+            "kv_breaker_cooldown_s": 0.25,
+            "kv_fallback": "error",
+        },
+    )
     policy = handoff_policy(find_pd_pair(cfg))
     assert policy == HandoffPolicy(1.5, 2.0, 7, 0.25, "error")
     with pytest.raises(Exception):  # frozen

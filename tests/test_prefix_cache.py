@@ -1,6 +1,7 @@
 """Prefix caching in the hf thinker: content-addressed blocks (chained hashes, checked tokens),
 reference counts and LRU eviction in the block pool, and a prompt prefilled over cached blocks
 that is bit for bit the same prompt prefilled whole: KV, first token, talker rows, decode."""
+
 from __future__ import annotations
 
 import random
@@ -30,6 +31,7 @@ def _pool(blocks: int = 8) -> BlockPool:
 
 
 # ---- the cache and the pool ------------------------------------------------------------------
+
 
 def test_block_hashes_chain_their_parent_tokens_and_extra_keys():
     a = block_hash(ROOT_HASH, range(16))
@@ -120,23 +122,32 @@ def test_soak_random_prompts_and_aborts_leave_nothing_held():
 
 # ---- the engine ------------------------------------------------------------------------------
 
+
 def _conversation(tokenizer, turns: int):
     """Prompts of a growing conversation: each holds the one before (a long system prompt)."""
     messages = [{"role": "system", "content": "You answer briefly and kindly. " * 6}]
     prompts = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"question number {turn}, about the sea?"})
-        prompts.append(ThinkerPrompt(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        prompts.append(
+            ThinkerPrompt(
+                tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        )
         messages.append({"role": "assistant", "content": f"answer {turn}."})
     return prompts
 
 
 def _identical(a, b) -> bool:
-    return (a.token_ids == b.token_ids and torch.equal(a.prompt_embeds, b.prompt_embeds)
-            and torch.equal(a.prompt_hidden, b.prompt_hidden)
-            and torch.equal(a.output_embeds, b.output_embeds)
-            and torch.equal(a.output_hidden, b.output_hidden))
+    return (
+        a.token_ids == b.token_ids
+        and torch.equal(a.prompt_embeds, b.prompt_embeds)
+        and torch.equal(a.prompt_hidden, b.prompt_hidden)
+        and torch.equal(a.output_embeds, b.output_embeds)
+        and torch.equal(a.output_hidden, b.output_hidden)
+    )
 
 
 def _uncached_and_cached(runner, prompts, params, together: bool):
@@ -161,8 +172,7 @@ def _one(engine, prompt, params, name):
 
 
 @pytest.mark.parametrize("together", [False, True])
-def test_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, tiny_tokenizer,
-                                                                        together):
+def test_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, tiny_tokenizer, together):
     prompts = _conversation(tiny_tokenizer, 4)
     params = [SamplingParams(temperature=0, max_tokens=8)] * len(prompts)
     want, got, cached = _uncached_and_cached(runner, prompts, params, together)
@@ -171,8 +181,7 @@ def test_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, t
         assert a.metrics["prefix_cached_tokens"] == 0
     hits = [o.metrics["prefix_cached_tokens"] for o in got]
     assert hits[0] == 0 and all(h >= 3 * 16 for h in hits[1:]), hits  # the history came cached
-    assert cached.debug_state_counts() == {
-        "thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+    assert cached.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
     cached.cache.prefix.check()
 
 
@@ -192,8 +201,13 @@ def test_negative_control_a_changed_cached_block_is_noticed(runner, tiny_tokeniz
 
 
 def test_forced_collisions_in_the_engine_never_reuse_another_prompts_blocks(runner, tiny_tokenizer):
-    prompts = _prompts_of(tiny_tokenizer, ["the first prompt, long enough for two blocks " * 2,
-                                           "another prompt entirely, also two blocks long " * 2])
+    prompts = _prompts_of(
+        tiny_tokenizer,
+        [
+            "the first prompt, long enough for two blocks " * 2,
+            "another prompt entirely, also two blocks long " * 2,
+        ],
+    )
     params = SamplingParams(temperature=0, max_tokens=8)
     want = _one(_engine(runner, enable_prefix_caching=False), prompts[1], params, "u")
     engine = _engine(runner)
@@ -207,9 +221,14 @@ def test_forced_collisions_in_the_engine_never_reuse_another_prompts_blocks(runn
 
 
 def _prompts_of(tokenizer, texts):
-    return [ThinkerPrompt(tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                                        add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)) for t in texts]
+    return [
+        ThinkerPrompt(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in texts
+    ]
 
 
 def test_engine_soak_500_turns_with_random_aborts_leaves_the_pool_consistent(runner, tiny_tokenizer):
@@ -243,6 +262,7 @@ def test_engine_soak_500_turns_with_random_aborts_leaves_the_pool_consistent(run
 
 # ---- prompts with audio ------------------------------------------------------------------------
 
+
 def test_extra_keys_name_the_audio_inputs_each_block_overlaps():
     spans = [(10, 40, b"A"), (40, 41, b"B"), (70, 80, b"C")]
     keys = multimodal_extra_keys(spans, 100, BS)  # 6 full blocks; positions 96.. are no block
@@ -260,8 +280,15 @@ def _audio_conversation(builder, turns: int, sounds=None):
     messages = [{"role": "system", "content": "You answer briefly and kindly. " * 6}]
     prompts = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": [{"type": "text", "text": f"sound {turn}?"},
-                                                     {"type": "audio", "audio": sounds[turn]}]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"sound {turn}?"},
+                    {"type": "audio", "audio": sounds[turn]},
+                ],
+            }
+        )
         prompts.append(builder.build(OmniPrompt(messages=list(messages))))
         messages.append({"role": "assistant", "content": f"a tone, number {turn}."})
     return prompts
@@ -276,10 +303,19 @@ def test_a_clips_features_do_not_depend_on_the_other_clips_of_the_prompt(builder
     """Padded together, a short clip's last frames would see the longer clip's padding; each
     clip's features are its own, so a clip resent in a later turn hashes the same."""
     short, long = _tone(440, 8_000), _tone(660, 20_000)
-    alone = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
-        {"type": "audio", "audio": short}]}]))
-    both = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
-        {"type": "audio", "audio": short}, {"type": "audio", "audio": long}]}]))
+    alone = builder.build(
+        OmniPrompt(messages=[{"role": "user", "content": [{"type": "audio", "audio": short}]}])
+    )
+    both = builder.build(
+        OmniPrompt(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "audio", "audio": short}, {"type": "audio", "audio": long}],
+                }
+            ]
+        )
+    )
     frames = int(alone.feature_attention_mask.sum())
     assert torch.equal(both.input_features[0, :, :frames], alone.input_features[0, :, :frames])
     assert int(both.feature_attention_mask[0].sum()) == frames
@@ -292,19 +328,21 @@ def test_audio_clips_are_placed_on_their_placeholders_and_keyed_by_their_feature
     audio_id = runner.thinker.config.audio_token_id
     assert len(clips) == 2 and runner.audio_clips(first)[0] == clips[0]  # the same clip, resent
     for clip in clips:
-        assert set(second.prompt_token_ids[clip.start:clip.end]) == {audio_id}
+        assert set(second.prompt_token_ids[clip.start : clip.end]) == {audio_id}
     assert sum(c.length for c in clips) == second.prompt_token_ids.count(audio_id)
     assert clips[0].key != clips[1].key
     # A truncated placeholder run is refused by name.
-    broken = ThinkerPrompt([t for i, t in enumerate(second.prompt_token_ids) if i != clips[1].start],
-                           second.input_features, second.feature_attention_mask)
+    broken = ThinkerPrompt(
+        [t for i, t in enumerate(second.prompt_token_ids) if i != clips[1].start],
+        second.input_features,
+        second.feature_attention_mask,
+    )
     with pytest.raises(ValueError, match="audio input 1 needs"):
         runner.audio_clips(broken)
 
 
 @pytest.mark.parametrize("together", [False, True])
-def test_audio_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, builder,
-                                                                              together):
+def test_audio_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, builder, together):
     """The clips of earlier turns come from the cache (their KV, layer-0 rows holding the encoder
     output, and accept-layer rows), and only the new turn's clip is encoded."""
     prompts = _audio_conversation(builder, 3)

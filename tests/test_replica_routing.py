@@ -1,4 +1,5 @@
 """The router's rules (orchestrator/replicas.py) on stand-in replicas, and the per-replica metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -103,6 +104,7 @@ def test_waiting_for_a_replica_ends_when_one_comes_up():
         b.set_status(StageStatus.UP)
         await asyncio.wait_for(waiting, 5)
         assert pool.ranked() == [1]
+
     asyncio.run(scenario())
 
 
@@ -114,6 +116,7 @@ def test_waiting_gives_up_at_once_when_every_replica_is_down_and_at_the_deadline
             await _pool(a, b).wait_usable(30)
         with pytest.raises(StageTimeout, match="gave up waiting"):
             await _pool(FakeReplica("c", up=False), FakeReplica("d", up=False)).wait_usable(0.05)
+
     asyncio.run(scenario())
 
 
@@ -121,9 +124,17 @@ def test_per_replica_metrics_follow_the_health_report():
     metrics = ServerMetrics()
 
     def report(routed, in_flight):
-        return {"stages": {"0": {
-            "name": "thinker prefill", "responsive": True, "restarts": 0,
-            "replicas": [{"load": {"routed": r, "in_flight": f}} for r, f in zip(routed, in_flight)]}}}
+        return {
+            "stages": {
+                "0": {
+                    "name": "thinker prefill",
+                    "responsive": True,
+                    "restarts": 0,
+                    "replicas": [{"load": {"routed": r, "in_flight": f}} for r, f in zip(routed, in_flight)],
+                }
+            }
+        }
+
     metrics.observe_health(report([3, 1], [2, 0]))
     metrics.observe_health(report([5, 1], [0, 1]))
     text = generate_latest(metrics.registry).decode()

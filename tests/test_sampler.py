@@ -43,15 +43,20 @@ def test_a_batch_picks_what_each_row_picks_alone():
     seen ids. The penalised greedy row is the control: its pick is not the plain argmax."""
     logits = torch.stack([_logits(seed) for seed in range(5)])
     logits[3, 7] = logits[3].max() + 0.1  # row 3's argmax, which its penalty demotes
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.2, top_k=5, seed=4),
-              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0, repetition_penalty=2.0),
-              SamplingParams(temperature=0.8, top_p=0.7, seed=9)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, top_k=5, seed=4),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.8, top_p=0.7, seed=9),
+    ]
     steps, seen = [3, 5, 0, 2, 7], {3: [7]}
     asked = []
 
     def seen_ids(b):
         asked.append(b)
         return seen.get(b, [])
+
     picks = sample_next_tokens(logits, params, steps, seen_ids)
     assert picks == [sample_next_token(logits[b], params[b], steps[b], seen.get(b, [])) for b in range(5)]
     assert sorted(asked) == [1, 3, 4]

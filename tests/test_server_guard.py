@@ -1,5 +1,6 @@
 """`omni-pd serve --api-key / --max-request-bytes` and the middleware that enforces them, in
 process around a stub app (the live server's tests are in e2e/test_server.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,11 @@ async def _echo_length(request: Request) -> JSONResponse:
 
 
 def _client(**guard) -> TestClient:
-    app = Starlette(routes=[Route(path, _echo_length, methods=["POST", "GET", "OPTIONS"])
-                            for path in ("/v1/x", "/health")])
+    app = Starlette(
+        routes=[
+            Route(path, _echo_length, methods=["POST", "GET", "OPTIONS"]) for path in ("/v1/x", "/health")
+        ]
+    )
     return TestClient(RequestGuard(app, **guard))
 
 
@@ -43,19 +47,25 @@ def test_bodies_over_the_limit_are_413_and_at_the_limit_pass(chunked):
     def post(size: int):
         body = b"a" * size
         return http.post("/v1/x", content=iter([body[:600], body[600:]]) if chunked else body)
+
     assert post(1000).json() == {"read": 1000}
     response = post(1001)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
     assert "1000 bytes" in response.json()["error"]["message"]
     assert _client(api_key=None, max_request_bytes=None).post("/v1/x", content=b"a" * 5000).json() == {
-        "read": 5000}
+        "read": 5000
+    }
 
 
 def test_the_api_key_guards_v1_only():
     http = _client(api_key="k", max_request_bytes=None)
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k"},
-                    {"Authorization": "Basic k"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": "k"},
+        {"Authorization": "Basic k"},
+    ):
         response = http.post("/v1/x", content=b"{}", headers=headers)
         assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
         assert response.json()["error"]["code"] == "invalid_api_key"
@@ -72,10 +82,17 @@ def test_short_text_is_prepared_on_the_loop_and_the_rest_in_a_thread():
 
     def body(*contents):
         return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": c} for c in contents])
+
     half = "a" * (INLINE_PREPARE_CHARS // 2)
     assert _prepare_inline(body("hello", [{"type": "text", "text": "there"}], None))
     assert _prepare_inline(body(half, half))
     assert not _prepare_inline(body(half, half + "a"))
-    assert not _prepare_inline(body([{"type": "text", "text": "hi"},
-                                     {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]))
+    assert not _prepare_inline(
+        body(
+            [
+                {"type": "text", "text": "hi"},
+                {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+            ]
+        )
+    )
     assert not _prepare_inline(body([{"type": "text", "text": 3}]))

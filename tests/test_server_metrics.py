@@ -1,5 +1,6 @@
 """The server's Prometheus metrics: per-stage series labelled `stage` (the id) and `stage_name`,
 and examples/grafana_dashboard.json querying only metrics and labels that /metrics exports."""
+
 from __future__ import annotations
 
 import copy
@@ -14,26 +15,43 @@ STAGES = {"0": "thinker prefill", "1": "thinker decode", "2": "talker", "3": "co
 
 def _health() -> dict:
     """A P/D server's health report (AsyncOmni.health), two thinker prefill replicas."""
+
     def replica(k: int, thinker: bool) -> dict:
         load = {"routed": 3 + k, "in_flight": k}
         if thinker:
             load.update(prefix_cache_queries=40, prefix_cache_hits=16)
         return {"load": load}
-    return {"status": "ok", "kv_handoff": {"breaker": "closed", "failures": 1, "fallbacks": 1},
-            "stages": {sid: {"name": name, "responsive": True, "restarts": int(sid == "2"),
-                             "replicas": [replica(k, "thinker" in name)
-                                          for k in range(2 if sid == "0" else 1)]}
-                       for sid, name in STAGES.items()}}
+
+    return {
+        "status": "ok",
+        "kv_handoff": {"breaker": "closed", "failures": 1, "fallbacks": 1},
+        "stages": {
+            sid: {
+                "name": name,
+                "responsive": True,
+                "restarts": int(sid == "2"),
+                "replicas": [replica(k, "thinker" in name) for k in range(2 if sid == "0" else 1)],
+            }
+            for sid, name in STAGES.items()
+        },
+    }
 
 
 def _request_metrics() -> dict:
     """A finished P/D request's metrics (AsyncOmni._finish), text and audio."""
-    return {"ttft_ms": 9.0, "e2e_ms": 140.0, "ttfa_ms": 30.0,
-            "stage_ms": {sid: 10.0 + int(sid) for sid in STAGES},
-            "kv_bytes_transferred": 40960, "kv_transfer_ms": 0.2, "kv_bytes_reused": 0,
-            "timeline": {"stages": {sid: {"name": name, "start_ms": 1.0, "end_ms": 20.0}
-                                    for sid, name in STAGES.items()},
-                         "audio_chunks_ms": [30.0, 60.0]}}
+    return {
+        "ttft_ms": 9.0,
+        "e2e_ms": 140.0,
+        "ttfa_ms": 30.0,
+        "stage_ms": {sid: 10.0 + int(sid) for sid in STAGES},
+        "kv_bytes_transferred": 40960,
+        "kv_transfer_ms": 0.2,
+        "kv_bytes_reused": 0,
+        "timeline": {
+            "stages": {sid: {"name": name, "start_ms": 1.0, "end_ms": 20.0} for sid, name in STAGES.items()},
+            "audio_chunks_ms": [30.0, 60.0],
+        },
+    }
 
 
 def _served() -> ServerMetrics:
@@ -50,27 +68,42 @@ def _served() -> ServerMetrics:
 
 
 def _samples(metrics: ServerMetrics, name: str) -> list[dict[str, str]]:
-    return [sample.labels for family in metrics.registry.collect() for sample in family.samples
-            if sample.name == name]
+    return [
+        sample.labels
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name
+    ]
 
 
 def test_stage_series_carry_the_id_and_the_name_apart():
     metrics = _served()
-    for name in ("omni_pd_stage_up", "omni_pd_stage_restarts_total",
-                 "omni_pd_stage_latency_seconds_count", "omni_pd_stage_start_seconds_count",
-                 "omni_pd_stage_end_seconds_count"):
-        assert sorted((s["stage"], s["stage_name"]) for s in _samples(metrics, name)) == \
-            sorted(STAGES.items()), name
+    for name in (
+        "omni_pd_stage_up",
+        "omni_pd_stage_restarts_total",
+        "omni_pd_stage_latency_seconds_count",
+        "omni_pd_stage_start_seconds_count",
+        "omni_pd_stage_end_seconds_count",
+    ):
+        assert sorted((s["stage"], s["stage_name"]) for s in _samples(metrics, name)) == sorted(
+            STAGES.items()
+        ), name
     for name in ("omni_pd_stage_requests_total", "omni_pd_stage_load"):
-        assert sorted((s["stage"], s["stage_name"], s["replica"]) for s in _samples(metrics, name)) \
-            == [("0", "thinker prefill", "0"), ("0", "thinker prefill", "1"),
-                ("1", "thinker decode", "0"), ("2", "talker", "0"), ("3", "code2wav", "0")], name
-    assert {(s["stage"], s["stage_name"]) for s in _samples(
-        metrics, "omni_pd_prefix_cache_hits_total")} == {("0", "thinker prefill"), ("1", "thinker decode")}
+        assert sorted((s["stage"], s["stage_name"], s["replica"]) for s in _samples(metrics, name)) == [
+            ("0", "thinker prefill", "0"),
+            ("0", "thinker prefill", "1"),
+            ("1", "thinker decode", "0"),
+            ("2", "talker", "0"),
+            ("3", "code2wav", "0"),
+        ], name
+    assert {(s["stage"], s["stage_name"]) for s in _samples(metrics, "omni_pd_prefix_cache_hits_total")} == {
+        ("0", "thinker prefill"),
+        ("1", "thinker decode"),
+    }
     # No label joins the two any more (it read stage="0:thinker prefill").
     text = generate_latest(metrics.registry).decode()
     assert 'omni_pd_stage_restarts_total{stage="2",stage_name="talker"} 1.0' in text
-    assert ':thinker' not in text and ':talker' not in text
+    assert ":thinker" not in text and ":talker" not in text
 
 
 def test_a_stage_without_a_span_takes_its_name_from_the_health_report():
@@ -81,13 +114,16 @@ def test_a_stage_without_a_span_takes_its_name_from_the_health_report():
     del request["timeline"]["stages"]["0"]
     metrics.observe(request)
     assert {"stage": "0", "stage_name": "thinker prefill"} in _samples(
-        metrics, "omni_pd_stage_latency_seconds_count")
+        metrics, "omni_pd_stage_latency_seconds_count"
+    )
 
 
 def test_the_query_parser_finds_metrics_and_labels():
-    expr = ('histogram_quantile(0.9, sum by (le, stage_name) (rate('
-            'omni_pd_stage_latency_seconds_bucket{stage=~"0|1"}[$__rate_interval]))) * 1e3 '
-            '/ on (stage) group_left sum(omni_pd_stage_up offset 5m)')
+    expr = (
+        "histogram_quantile(0.9, sum by (le, stage_name) (rate("
+        'omni_pd_stage_latency_seconds_bucket{stage=~"0|1"}[$__rate_interval]))) * 1e3 '
+        "/ on (stage) group_left sum(omni_pd_stage_up offset 5m)"
+    )
     assert metric_names(expr) == {"omni_pd_stage_latency_seconds_bucket", "omni_pd_stage_up"}
     assert label_names(expr, "{{stage}} {{ replica }}") == {"le", "stage_name", "stage", "replica"}
 

@@ -7,6 +7,7 @@ Why it holds: every linear / MoE runs through `batch_invariant` (fixed row tiles
 per sequence, prefills run alone, and sampling draws from per-request generators keyed by
 (seed, step, code group).
 """
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -23,15 +24,20 @@ from omni_pd.sampling import SamplingParams
 pytestmark = pytest.mark.exactness
 
 IM_END = 261
-MESSAGES = ["Say hello.", "Hi", "Tell me a long story about a cat and a dog, please.",
-            "What is two plus two?", "ok", "Describe the weather today in three short words."]
+MESSAGES = [
+    "Say hello.",
+    "Hi",
+    "Tell me a long story about a cat and a dog, please.",
+    "What is two plus two?",
+    "ok",
+    "Describe the weather today in three short words.",
+]
 OUTPUT_LENGTHS = [6, 3, 9, 5, 12, 4]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=24),
     SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=7, max_tokens=32),
     SamplingParams(temperature=0, repetition_penalty=1.05, max_tokens=40),
-    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.05, seed=8,
-                   max_tokens=28),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.05, seed=8, max_tokens=28),
     SamplingParams(temperature=0.7, seed=9, max_tokens=36),
     SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=10, max_tokens=30),
 ]
@@ -50,7 +56,10 @@ def _one_thread():
 def _prompt(model, tokenizer, index, perturb_at=None):
     ids = tokenizer.apply_chat_template(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": MESSAGES[index]}],
-        add_generation_prompt=True, tokenize=True, return_dict=False)
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     count = OUTPUT_LENGTHS[index]
     generated = [40 + (7 * index + j) % 50 for j in range(count - 1)] + [IM_END]
     width = model.config.thinker_config.text_config.hidden_size
@@ -175,8 +184,14 @@ def test_kv_block_size_does_not_change_results(tiny_model, prompts, alone, kerne
     """The talker's KV lives in the engine's paged cache: blocks of one position each, or of 64,
     scattered among other requests' blocks, change nothing."""
     for block_size in (1, 64):
-        engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024,
-                         kv_block_size=block_size, kv_pool_blocks=8192 // block_size)
+        engine = _engine(
+            tiny_model,
+            kernels,
+            max_num_seqs=16,
+            max_num_batched_tokens=1024,
+            kv_block_size=block_size,
+            kv_pool_blocks=8192 // block_size,
+        )
         got, _ = _run(engine, [list(zip(prompts, PARAMS))])
         _assert_same(got, alone)
 
@@ -185,8 +200,12 @@ def test_admission_waits_for_free_kv_blocks(tiny_model, prompts, alone, kernels)
     """A request is admitted when its prompt plus max_tokens fit the free blocks; with room for
     about one at a time the requests run one after another and still give their solo codes."""
     probe = _engine(tiny_model, kernels)
-    needs = [probe.kv.blocks_for(probe.runner.new_request(p.request_id, p, params, 16).prompt_len
-                                 + params.max_tokens) for p, params in zip(prompts, PARAMS)]
+    needs = [
+        probe.kv.blocks_for(
+            probe.runner.new_request(p.request_id, p, params, 16).prompt_len + params.max_tokens
+        )
+        for p, params in zip(prompts, PARAMS)
+    ]
     # The requests of which no two fit a pool as large as the largest of them.
     chosen = [i for i, n in enumerate(needs) if n < 2 * min(needs)]
     pool = max(needs[i] for i in chosen)
@@ -202,16 +221,18 @@ def test_admission_waits_for_free_kv_blocks(tiny_model, prompts, alone, kernels)
 def test_a_perturbed_input_is_noticed(tiny_model, tiny_tokenizer, prompts, alone, kernels):
     """Negative control: the same comparison sees a 1e-4 change of one thinker embedding (it
     moves every logit of that request, bitwise; whether a code flips depends on the margins)."""
-    assistant = max(i for i, t in enumerate(prompts[2].prompt_token_ids)
-                    if t == tiny_model.config.im_start_token_id)
+    assistant = max(
+        i for i, t in enumerate(prompts[2].prompt_token_ids) if t == tiny_model.config.im_start_token_id
+    )
     perturbed = _prompt(tiny_model, tiny_tokenizer, 2, perturb_at=assistant + 1)
     batch = list(zip(prompts, PARAMS))
     batch[2] = (perturbed, PARAMS[2])
     engine = _engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024)
     got, _ = _run(engine, [batch])
     assert not _same(got["req-2"], alone["req-2"])
-    _assert_same({k: v for k, v in got.items() if k != "req-2"},
-                 {k: v for k, v in alone.items() if k != "req-2"})
+    _assert_same(
+        {k: v for k, v in got.items() if k != "req-2"}, {k: v for k, v in alone.items() if k != "req-2"}
+    )
 
 
 def test_plain_linear_would_break_invariance(tiny_model, prompts, alone, kernels, monkeypatch):
@@ -227,7 +248,9 @@ def test_plain_linear_would_break_invariance(tiny_model, prompts, alone, kernels
     got, _ = _run(_engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024), [pairs])
     solo = {}
     for pair in pairs:
-        solo.update(_run(_engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024), [[pair]])[0])
+        solo.update(
+            _run(_engine(tiny_model, kernels, max_num_seqs=16, max_num_batched_tokens=1024), [[pair]])[0]
+        )
     assert not all(_same(got[rid], solo[rid]) for rid in solo)
 
 
@@ -252,9 +275,14 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts,
 
     cache = DynamicCache(config=talker.config.text_config)
     with torch.no_grad():
-        out = talker(inputs_embeds=inputs["inputs_embeds"], attention_mask=inputs["attention_mask"],
-                     talker_input_ids=inputs["talker_input_ids"], past_key_values=cache,
-                     use_cache=True, output_hidden_states=True)
+        out = talker(
+            inputs_embeds=inputs["inputs_embeds"],
+            attention_mask=inputs["attention_mask"],
+            talker_input_ids=inputs["talker_input_ids"],
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         for step, frame in enumerate(frames):
             assert torch.allclose(state.trace["code0_logits"][step], out.logits[0, -1], **close), step
             past_hidden = out.hidden_states[0][-1][:, -1:]  # what transformers' generate reads
@@ -263,26 +291,37 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts,
                 code0 = talker.get_input_embeddings()(torch.tensor([[frame[0]]]))
                 embeds = torch.cat((past_hidden, code0), dim=1)
                 cp_cache = DynamicCache(config=talker.code_predictor.config)
-                cp_out = talker.code_predictor(inputs_embeds=embeds, past_key_values=cp_cache,
-                                               use_cache=True)
+                cp_out = talker.code_predictor(inputs_embeds=embeds, past_key_values=cp_cache, use_cache=True)
                 for group in range(1, len(frame)):
-                    assert torch.allclose(state.trace["cp_logits"][step][group - 1],
-                                          cp_out.logits[0, -1], **close), (step, group)
+                    assert torch.allclose(
+                        state.trace["cp_logits"][step][group - 1], cp_out.logits[0, -1], **close
+                    ), (step, group)
                     if group + 1 < len(frame):
                         cp_out = talker.code_predictor(
-                            input_ids=torch.tensor([[frame[group]]]), past_key_values=cp_cache,
-                            use_cache=True, generation_steps=cp_out.generation_steps)
+                            input_ids=torch.tensor([[frame[group]]]),
+                            past_key_values=cp_cache,
+                            use_cache=True,
+                            generation_steps=cp_out.generation_steps,
+                        )
             # The next input as transformers' prepare_inputs_for_generation builds it.
             parts = [talker.get_input_embeddings()(torch.tensor([[frame[0]]]))]
-            parts += [talker.code_predictor.get_input_embeddings()[g - 1](torch.tensor([[frame[g]]]))
-                      for g in range(1, len(frame))]
+            parts += [
+                talker.code_predictor.get_input_embeddings()[g - 1](torch.tensor([[frame[g]]]))
+                for g in range(1, len(frame))
+            ]
             embed = torch.cat(parts, dim=1).sum(1, keepdim=True)
             trailing = inputs["trailing_text_hidden"]
-            embed = embed + (trailing[:, step].unsqueeze(1) if step < trailing.shape[1]
-                             else inputs["tts_pad_embed"])
-            out = talker(inputs_embeds=embed, past_key_values=cache, use_cache=True,
-                         attention_mask=torch.ones((1, cache.get_seq_length() + 1), dtype=torch.long),
-                         generation_step=out.generation_step, output_hidden_states=True)
+            embed = embed + (
+                trailing[:, step].unsqueeze(1) if step < trailing.shape[1] else inputs["tts_pad_embed"]
+            )
+            out = talker(
+                inputs_embeds=embed,
+                past_key_values=cache,
+                use_cache=True,
+                attention_mask=torch.ones((1, cache.get_seq_length() + 1), dtype=torch.long),
+                generation_step=out.generation_step,
+                output_hidden_states=True,
+            )
         assert torch.allclose(state.trace["code0_logits"][len(frames)], out.logits[0, -1], **close)
 
 
@@ -334,8 +373,10 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
     for request_id in aborted:
         engine.abort_request(request_id)
     engine.abort_request("no-such-request")
-    assert engine.debug_state_counts() == {"talker.requests": len(prompts) - len(outputs) - 2,
-                                           "talker.kv_blocks_in_use": engine.debug_state_counts()["talker.kv_blocks_in_use"]}
+    assert engine.debug_state_counts() == {
+        "talker.requests": len(prompts) - len(outputs) - 2,
+        "talker.kv_blocks_in_use": engine.debug_state_counts()["talker.kv_blocks_in_use"],
+    }
     assert not aborted & set(engine.request_ids())
     while engine.has_unfinished_requests():
         step()
@@ -346,8 +387,7 @@ def test_abort_drops_state_and_others_finish_unchanged(tiny_model, prompts, alon
         assert torch.equal(codes, alone[request_id][0]), request_id
 
 
-def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, alone, kernels,
-                                                          monkeypatch):
+def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, alone, kernels, monkeypatch):
     """The admitted prompts share one prefill pass; when it fails, each runs alone again from
     the start (whatever the failed pass had done to its state forgotten), so only the prompt
     that fails alone fails and the others give their solo codes."""
@@ -384,8 +424,14 @@ def test_add_request_validation(tiny_model, prompts):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine.add_request("long", prompt, PARAMS[0])
     engine = _engine(tiny_model, max_num_seqs=4, max_num_batched_tokens=256)
-    bad_voice = TalkerPrompt("v", prompt.prompt_token_ids, prompt.output_token_ids,
-                             prompt.thinker_embeds, prompt.thinker_hidden, speaker="nobody")
+    bad_voice = TalkerPrompt(
+        "v",
+        prompt.prompt_token_ids,
+        prompt.output_token_ids,
+        prompt.thinker_embeds,
+        prompt.thinker_hidden,
+        speaker="nobody",
+    )
     with pytest.raises(ValueError, match="ethan"):
         engine.add_request("v", bad_voice, PARAMS[0])
     engine.add_request("dup", prompt, PARAMS[0])

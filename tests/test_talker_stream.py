@@ -1,6 +1,7 @@
 """The talker fed while its thinker runs (async_chunk): it starts on the first generated token,
 takes later tokens as they come, waits when it catches up, and produces exactly the codes of a
 talker given the whole thinker output."""
+
 import pytest
 import torch
 
@@ -15,17 +16,21 @@ def _opening(prompt: TalkerPrompt, tokens: int) -> TalkerPrompt:
     """What the talker gets when the thinker has generated `tokens` tokens (all but the latest
     fed back)."""
     rows = len(prompt.prompt_token_ids) + tokens - 1
-    return TalkerPrompt(prompt.request_id, prompt.prompt_token_ids, prompt.output_token_ids[:tokens],
-                        prompt.thinker_embeds[:rows],
-                        prompt.thinker_hidden[:len(prompt.prompt_token_ids)],  # all it reads
-                        prompt.speaker, final=False)
+    return TalkerPrompt(
+        prompt.request_id,
+        prompt.prompt_token_ids,
+        prompt.output_token_ids[:tokens],
+        prompt.thinker_embeds[:rows],
+        prompt.thinker_hidden[: len(prompt.prompt_token_ids)],  # all it reads
+        prompt.speaker,
+        final=False,
+    )
 
 
 def _delta(prompt: TalkerPrompt, tokens_before: int, tokens_after: int) -> TalkerInputDelta:
     base = len(prompt.prompt_token_ids) - 1
     rows = slice(base + tokens_before, base + min(tokens_after, len(prompt.output_token_ids)))
-    return TalkerInputDelta(prompt.output_token_ids[tokens_before:tokens_after],
-                            prompt.thinker_embeds[rows])
+    return TalkerInputDelta(prompt.output_token_ids[tokens_before:tokens_after], prompt.thinker_embeds[rows])
 
 
 def _run_streamed(engine, prompt, params, steps_per_token: int, final_after: int | None = None):
@@ -82,8 +87,7 @@ def test_rows_projected_together_equal_rows_projected_per_request(tiny_model, pr
     are the ones it gets alone. Control: plain F.linear over the same pass does not give every
     row its solo bits (what the tiles in the projection prevent)."""
     runner = _engine(tiny_model, "native", max_num_seqs=8, max_num_batched_tokens=256).runner.runner
-    wanted = [(_opening(p, min(len(p.output_token_ids), 6 + i)), i % 3, False)
-              for i, p in enumerate(prompts)]
+    wanted = [(_opening(p, min(len(p.output_token_ids), 6 + i)), i % 3, False) for i, p in enumerate(prompts)]
     together = runner.trailing_rows_many(wanted)
     alone_rows = [runner.trailing_rows(*item) for item in wanted]
     assert sum(rows.shape[0] for rows in together) > len(wanted)
@@ -91,9 +95,12 @@ def test_rows_projected_together_equal_rows_projected_per_request(tiny_model, pr
     mlp = runner.talker.text_projection
 
     def plain(rows):
-        return torch.nn.functional.linear(mlp.act_fn(torch.nn.functional.linear(
-            rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)), mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+        return torch.nn.functional.linear(
+            mlp.act_fn(torch.nn.functional.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
+            mlp.linear_fc2.weight,
+            mlp.linear_fc2.bias,
+        )
 
-    raw = [item[0].thinker_embeds[runner._assistant_start(item[0]) + 4 + item[1]:][:1] for item in wanted]
+    raw = [item[0].thinker_embeds[runner._assistant_start(item[0]) + 4 + item[1] :][:1] for item in wanted]
     one_pass = plain(torch.cat(raw))
     assert not all(torch.equal(one_pass[i], plain(r)[0]) for i, r in enumerate(raw))

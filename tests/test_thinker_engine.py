@@ -23,8 +23,16 @@ pytestmark = pytest.mark.exactness
 
 TINY_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 
-TEXTS = ["hi", "tell me about the sea", "x" * 50, "what is two plus two?", "a", "bonjour",
-         "sing", "count to ten"]
+TEXTS = [
+    "hi",
+    "tell me about the sea",
+    "x" * 50,
+    "what is two plus two?",
+    "a",
+    "bonjour",
+    "sing",
+    "count to ten",
+]
 
 
 def _stage(**engine_args):
@@ -44,16 +52,24 @@ def _engine(runner, **engine_args):
 
 
 def _prompts(tokenizer):
-    return [ThinkerPrompt(tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                                        add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)) for t in TEXTS]
+    return [
+        ThinkerPrompt(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in TEXTS
+    ]
 
 
 def _params(count, max_tokens=16):
     # Greedy and seeded sampling, alternating, with different lengths.
-    return [SamplingParams(temperature=0, max_tokens=max_tokens - i % 3) if i % 2 == 0 else
-            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=100 + i)
-            for i in range(count)]
+    return [
+        SamplingParams(temperature=0, max_tokens=max_tokens - i % 3)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, seed=100 + i)
+        for i in range(count)
+    ]
 
 
 def _run_together(engine, prompts, params, stagger=0):
@@ -70,12 +86,17 @@ def _run_together(engine, prompts, params, stagger=0):
                 deltas.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
                     outputs[out.request_id] = out.output
-    return [outputs[f"r{i}"] for i in range(len(prompts))], [deltas.get(f"r{i}", []) for i in range(len(prompts))]
+    return [outputs[f"r{i}"] for i in range(len(prompts))], [
+        deltas.get(f"r{i}", []) for i in range(len(prompts))
+    ]
 
 
 def _same(a, b) -> bool:
-    return (a.token_ids == b.token_ids and torch.equal(a.output_embeds, b.output_embeds)
-            and torch.equal(a.output_hidden, b.output_hidden))
+    return (
+        a.token_ids == b.token_ids
+        and torch.equal(a.output_embeds, b.output_embeds)
+        and torch.equal(a.output_hidden, b.output_hidden)
+    )
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
@@ -85,8 +106,9 @@ def test_batched_requests_equal_their_solo_runs(runner, tiny_tokenizer, kernels)
     solo = [engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
     together, deltas = _run_together(engine, prompts, params)
     assert engine.batch_stats()["max_decode_batch"] == len(prompts)
-    staggered, _ = _run_together(_engine(runner, max_num_seqs=3, attention_kernels=kernels), prompts,
-                                 params, stagger=2)
+    staggered, _ = _run_together(
+        _engine(runner, max_num_seqs=3, attention_kernels=kernels), prompts, params, stagger=2
+    )
     for i in range(len(prompts)):
         assert _same(solo[i], together[i]) and _same(solo[i], staggered[i]), TEXTS[i]
         assert deltas[i] == together[i].token_ids  # streamed deltas add up to the output
@@ -166,13 +188,18 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     for step in range(6):
         ours = decoder.step([DecodeRow(token, n + step, 0, blocks)], cache)
         theirs = tiny_model.thinker(
-            input_ids=torch.tensor([[token]]), attention_mask=torch.ones((1, n + step + 1), dtype=torch.long),
-            position_ids=runner._positions(n + step, 1, 0), past_key_values=pre.cache, use_cache=True,
-            output_hidden_states=True)
+            input_ids=torch.tensor([[token]]),
+            attention_mask=torch.ones((1, n + step + 1), dtype=torch.long),
+            position_ids=runner._positions(n + step, 1, 0),
+            past_key_values=pre.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         assert torch.allclose(ours.logits[0], theirs.logits[0, -1], atol=1e-5, rtol=1e-4)
         assert torch.equal(ours.embeds[0], theirs.hidden_states[0][0, -1])
-        assert torch.allclose(ours.hidden[0], theirs.hidden_states[runner.accept_hidden_layer][0, -1],
-                              atol=1e-5, rtol=1e-4)
+        assert torch.allclose(
+            ours.hidden[0], theirs.hidden_states[runner.accept_hidden_layer][0, -1], atol=1e-5, rtol=1e-4
+        )
         token = int(theirs.logits[0, -1].argmax())
     # The KV our decoder wrote equals what transformers cached (to float tolerance).
     assert torch.allclose(cache.read(blocks, n + 6), cache_to_canonical(pre.cache), atol=1e-5)
@@ -195,8 +222,8 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
         theirs = runner.prefill(prompt, params)
         assert theirs.rope_deltas == 0
         assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
-        assert torch.equal(ours.rows['embeds'], theirs.prompt_embeds)
-        assert torch.allclose(ours.rows['hidden'], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+        assert torch.equal(ours.rows["embeds"], theirs.prompt_embeds)
+        assert torch.allclose(ours.rows["hidden"], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
         assert int(ours.logits.argmax()) == theirs.first_token
 
 
@@ -206,8 +233,12 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_m
     alone = [decoder.prefill([p])[0] for p in prompts]
 
     def same(a, b):
-        return (torch.equal(a.kv, b.kv) and torch.equal(a.logits, b.logits)
-                and torch.equal(a.rows['embeds'], b.rows['embeds']) and torch.equal(a.rows['hidden'], b.rows['hidden']))
+        return (
+            torch.equal(a.kv, b.kv)
+            and torch.equal(a.logits, b.logits)
+            and torch.equal(a.rows["embeds"], b.rows["embeds"])
+            and torch.equal(a.rows["hidden"], b.rows["hidden"])
+        )
 
     for order in (prompts, prompts[::-1], prompts[2:5]):
         together = decoder.prefill(order)
@@ -220,8 +251,7 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_m
     assert not all(same(a, b) for a, b in zip(plain_alone, plain_together))
 
 
-def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, tiny_model,
-                                                                          tiny_tokenizer):
+def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, tiny_model, tiny_tokenizer):
     """A prompt with audio in the batched pass: its layer-0 rows are transformers' (the encoder's
     output merged at the placeholders, bit for bit), its KV, accept-layer rows and first token
     transformers' forward's (other kernels); and it prefills to the same bits alone and beside
@@ -231,23 +261,32 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
 
     builder = PromptBuilder(tiny_tokenizer, tiny_model.config.thinker_config)
     sound = (0.3 * np.sin(np.arange(20_000) / 7.0)).astype(np.float32)
-    prompt = builder.build(OmniPrompt(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"}, {"type": "audio", "audio": sound}]}]))
+    prompt = builder.build(
+        OmniPrompt(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "what is this?"}, {"type": "audio", "audio": sound}],
+                }
+            ]
+        )
+    )
     clips = runner.audio_clips(prompt)
     rows = runner.layer0_rows(prompt, clips, 0)
     decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
     [ours] = decoder.prefill([prompt.prompt_token_ids], inputs=[rows])
     theirs = runner.prefill(prompt, SamplingParams(temperature=0, max_tokens=4))
     assert theirs.rope_deltas == 0  # audio keeps text positions: the pass's rotary is right
-    assert torch.equal(ours.rows['embeds'], theirs.prompt_embeds)
+    assert torch.equal(ours.rows["embeds"], theirs.prompt_embeds)
     assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
-    assert torch.allclose(ours.rows['hidden'], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(ours.rows["hidden"], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
     assert int(ours.logits.argmax()) == theirs.first_token
     # Negative control: the table's rows at the placeholders (no audio) give other KV.
     [blind] = decoder.prefill([prompt.prompt_token_ids])
     assert not torch.allclose(blind.kv, ours.kv, atol=1e-3)
     texts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)[:3]]
-    together = decoder.prefill([texts[0], prompt.prompt_token_ids, *texts[1:]],
-                               inputs=[None, rows, None, None])
+    together = decoder.prefill(
+        [texts[0], prompt.prompt_token_ids, *texts[1:]], inputs=[None, rows, None, None]
+    )
     assert torch.equal(together[1].kv, ours.kv) and torch.equal(together[1].logits, ours.logits)
-    assert torch.equal(together[1].rows['hidden'], ours.rows['hidden'])
+    assert torch.equal(together[1].rows["hidden"], ours.rows["hidden"])

@@ -1,5 +1,6 @@
 """Each stage worker runs torch with the threads its stage config (or the default share of the
 cores) gives it."""
+
 from pathlib import Path
 
 from omni_pd.config import load_pipeline_config
@@ -21,7 +22,9 @@ def test_default_is_an_equal_share_of_the_cores_never_zero():
 def _with_threads(tmp_path: Path) -> Path:
     text = TINY.read_text().replace(
         "      max_batch_size: 64   # requests one engine step may hold (max_num_seqs)\n",
-        "      max_batch_size: 64\n      num_threads: 2\n      num_interop_threads: 3\n", 1)
+        "      max_batch_size: 64\n      num_threads: 2\n      num_interop_threads: 3\n",
+        1,
+    )
     path = tmp_path / "threads.yaml"
     path.write_text(text)
     return path
@@ -39,10 +42,15 @@ def test_the_yaml_setting_reaches_the_worker(tmp_path):
 def test_bad_thread_counts_are_refused_by_name(tmp_path):
     import pytest
     from omni_pd.config import ConfigError
+
     path = tmp_path / "bad.yaml"
-    path.write_text(TINY.read_text().replace(
-        "      max_batch_size: 64   # requests one engine step may hold (max_num_seqs)\n",
-        "      num_threads: 0\n", 1))
+    path.write_text(
+        TINY.read_text().replace(
+            "      max_batch_size: 64   # requests one engine step may hold (max_num_seqs)\n",
+            "      num_threads: 0\n",
+            1,
+        )
+    )
     with pytest.raises(ConfigError, match=r"runtime\.num_threads"):
         load_pipeline_config(path)
 
@@ -53,6 +61,7 @@ def test_the_orchestrator_runs_torch_on_one_thread_while_the_workers_compute():
     and gets its setting back at close."""
     import torch
     from omni_pd.orchestrator.threads import orchestrator_threads
+
     assert orchestrator_threads(load_pipeline_config(TINY_PD).stages) == 1
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -66,6 +75,7 @@ def test_the_orchestrator_runs_torch_on_one_thread_while_the_workers_compute():
 
 def test_an_in_process_stage_keeps_the_orchestrators_threads(tmp_path):
     from omni_pd.orchestrator.threads import orchestrator_threads
+
     path = tmp_path / "inproc.yaml"
     path.write_text(TINY.read_text().replace("      process: true\n", "      process: false\n", 1))
     assert orchestrator_threads(load_pipeline_config(path).stages) is None

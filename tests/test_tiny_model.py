@@ -3,16 +3,22 @@ import subprocess
 
 import torch
 
-from omni_pd.models.qwen3_omni.factory import (load_model, save_tiny_model, weights_fingerprint)
+from omni_pd.models.qwen3_omni.factory import load_model, save_tiny_model, weights_fingerprint
 from omni_pd.models.qwen3_omni.tiny_config import ROLE_TOKENS, SPECIAL_TOKENS, TEXT_VOCAB_SIZE
 
-FINGERPRINT = ("from omni_pd.models.qwen3_omni.factory import load_model, weights_fingerprint;"
-               "print(weights_fingerprint(load_model('tiny-qwen3-omni', 'dummy', seed=42)))")
+FINGERPRINT = (
+    "from omni_pd.models.qwen3_omni.factory import load_model, weights_fingerprint;"
+    "print(weights_fingerprint(load_model('tiny-qwen3-omni', 'dummy', seed=42)))"
+)
 
 
 def test_dummy_weights_are_bit_identical_across_processes(python_exe, tiny_model):
-    runs = [subprocess.run([python_exe, "-c", FINGERPRINT], capture_output=True, text=True,
-                           check=True).stdout.strip() for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [python_exe, "-c", FINGERPRINT], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1] == weights_fingerprint(tiny_model)
     # A different seed must give different weights, or the fingerprint proves nothing.
     assert weights_fingerprint(load_model("tiny-qwen3-omni", "dummy", seed=7)) != runs[0]
@@ -31,11 +37,14 @@ def test_tokenizer_pins_special_ids_and_round_trips(tiny_tokenizer):
     assert len(tiny_tokenizer) == TEXT_VOCAB_SIZE
     text = "Grüße, 世界! 123"
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
-    ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                             add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
-    im_start, user, assistant = (SPECIAL_TOKENS["<|im_start|>"], ROLE_TOKENS["user"],
-                                 ROLE_TOKENS["assistant"])
+    ids = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    im_start, user, assistant = (
+        SPECIAL_TOKENS["<|im_start|>"],
+        ROLE_TOKENS["user"],
+        ROLE_TOKENS["assistant"],
+    )
     assert ids[:2] == [im_start, user] and ids[-3:-1] == [im_start, assistant]
 
 

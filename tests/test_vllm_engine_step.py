@@ -7,6 +7,7 @@ after other tests in the same pytest process have loaded transformers' kernel ho
 registration fails ("'_lib_fn_wrapper' object has no attribute 'get'"). A stage worker is always
 a fresh process, so the checks run in one too.
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +24,23 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.parametrize("script", ["inproc_vllm_engine_step.py", "inproc_vllm_omni_thinker.py"])
 def test_vllm_engine_step_checks_in_a_fresh_interpreter(script):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o",
-         "python_files=inproc_*.py", str(HERE / script)],
-        capture_output=True, text=True, timeout=600, cwd=HERE.parent)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "python_files=inproc_*.py",
+            str(HERE / script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE.parent,
+    )
     print(result.stdout[-4000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.strip().splitlines()[-1]

@@ -7,6 +7,7 @@ the result equals the same requests run whole (no KV transfer) on the prefill en
 Needs vLLM and Mooncake (`OMNI_PD_VLLM=1 bash scripts/setup.sh`). Outside CI the module is
 skipped without vLLM; in CI (CI=true) a missing vLLM is a failure, never a skip.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,7 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
                 finals = {}
                 while args[0] not in finals:
                     assert engine.has_unfinished_requests(), f"{args[0]} never finished"
-                    finals.update({o.request_id: (o.error, o.output) for o in engine.step()
-                                   if o.finished})
+                    finals.update({o.request_id: (o.error, o.output) for o in engine.step() if o.finished})
                 result = finals
             elif cmd == "abort":
                 result = engine.abort_request(args[0])
@@ -147,8 +147,13 @@ def test_pd_batched_equals_colocated(legs):
     prefills = {}
     for batch in (("a", "b"), ("c", "d")):
         for key in batch:
-            prefill.call("add", key, TokenPrompt(list(PROMPTS[key])),
-                         build_prefill_sampling_params(GREEDY, f"xfer-{key}"), False)
+            prefill.call(
+                "add",
+                key,
+                TokenPrompt(list(PROMPTS[key])),
+                build_prefill_sampling_params(GREEDY, f"xfer-{key}"),
+                False,
+            )
         finals, _, _ = prefill.call("run")
         assert sorted(finals) == sorted(batch)
         for key, (err, out) in finals.items():
@@ -192,10 +197,10 @@ def test_abort_right_after_a_prefill_finishes(legs):
     finals, _, _ = colocated.call("run")
     err, want = finals["ref"]
     assert err is None, err
-    prefill.call("add", "A", TokenPrompt(list(ids)), build_prefill_sampling_params(GREEDY, "xfer-A"),
-                 False)
-    prefill.call("add", "B", TokenPrompt(list(PROMPTS["d"])),
-                 dataclasses.replace(GREEDY, max_tokens=400), False)
+    prefill.call("add", "A", TokenPrompt(list(ids)), build_prefill_sampling_params(GREEDY, "xfer-A"), False)
+    prefill.call(
+        "add", "B", TokenPrompt(list(PROMPTS["d"])), dataclasses.replace(GREEDY, max_tokens=400), False
+    )
     finals = prefill.call("run_until", "A")
     assert list(finals) == ["A"] and finals["A"][0] is None, finals
     # A busy prefill engine answers release_kv at once (only its own steps advance the send).

@@ -5,6 +5,7 @@ into .cache/, never copied into the repository: tests/vllm_omni_wheels.py). 0.18
 release that ships the legacy `stage_args` files; its P/D separation file lives only in vllm-omni's repository, so the
 P/D case is tests/fixtures/vllm_omni_style_pd.yaml (tests/test_config.py).
 """
+
 from __future__ import annotations
 
 import io

@@ -1,5 +1,6 @@
 """omni-pd's opt-in `vllm_omni` shim: what it writes, what it refuses, how it reads `vllm serve`
 arguments. (The live `vllm serve --omni` run is in e2e/test_vllm_serve_omni.py.)"""
+
 from __future__ import annotations
 
 import sys
@@ -54,16 +55,52 @@ def test_refuses_when_vllm_omni_is_importable_elsewhere(tmp_path, monkeypatch):
 
 
 def test_translates_vllm_serve_arguments():
-    got = shim.translate_vllm_argv(["serve", "/models/q", "--omni", "--stage-configs-path", "p.yaml",
-                                    "--host", "0.0.0.0", "--port", "8091",
-                                    "--served-model-name", "omni", "--uvicorn-log-level", "warning"])
-    assert got == ["--log-level", "WARNING", "serve", "/models/q", "--stage-configs-path", "p.yaml",
-                   "--host", "0.0.0.0", "--port", "8091", "--served-model-name", "omni"]
+    got = shim.translate_vllm_argv(
+        [
+            "serve",
+            "/models/q",
+            "--omni",
+            "--stage-configs-path",
+            "p.yaml",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8091",
+            "--served-model-name",
+            "omni",
+            "--uvicorn-log-level",
+            "warning",
+        ]
+    )
+    assert got == [
+        "--log-level",
+        "WARNING",
+        "serve",
+        "/models/q",
+        "--stage-configs-path",
+        "p.yaml",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8091",
+        "--served-model-name",
+        "omni",
+    ]
     assert shim.translate_vllm_argv(["serve", "--omni", "--model", "m"]) == [
-        "--log-level", "INFO", "serve", "m"]
+        "--log-level",
+        "INFO",
+        "serve",
+        "m",
+    ]
     # vllm-omni 0.30's deploy schema passes through as omni-pd's --deploy-config.
     assert shim.translate_vllm_argv(["serve", "m", "--omni", "--deploy-config", "d.yaml"]) == [
-        "--log-level", "INFO", "serve", "m", "--deploy-config", "d.yaml"]
+        "--log-level",
+        "INFO",
+        "serve",
+        "m",
+        "--deploy-config",
+        "d.yaml",
+    ]
 
 
 def test_deploy_config_reaches_the_server(monkeypatch):
@@ -80,13 +117,16 @@ def test_deploy_config_reaches_the_server(monkeypatch):
     assert seen == {"stage_configs_path": None, "deploy_config": "d.yaml"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["chat", "--omni"], "vllm serve MODEL --omni"),
-    (["serve", "m", "--omni", "--max-model-len", "4096"], "--max-model-len 4096"),
-    (["serve", "a", "--omni", "--model", "b"], "two models"),
-    (["serve", "m", "--omni", "--uvicorn-log-level", "trace"], "--uvicorn-log-level"),
-    (["serve", "m", "--omni", "--stage-configs-path", "a", "--deploy-config", "b"], "not both"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["chat", "--omni"], "vllm serve MODEL --omni"),
+        (["serve", "m", "--omni", "--max-model-len", "4096"], "--max-model-len 4096"),
+        (["serve", "a", "--omni", "--model", "b"], "two models"),
+        (["serve", "m", "--omni", "--uvicorn-log-level", "trace"], "--uvicorn-log-level"),
+        (["serve", "m", "--omni", "--stage-configs-path", "a", "--deploy-config", "b"], "not both"),
+    ],
+)
 def test_arguments_it_cannot_honour_are_refused_by_name(argv, message, capsys):
     with pytest.raises(shim.ShimError, match=message.replace("-", r"\-")):
         shim.translate_vllm_argv(argv)

@@ -1,4 +1,5 @@
 """The version guard of omni-pd's vLLM fixes (no vLLM needed: the version is faked)."""
+
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ def _patch(calls, reason=None):
     def install():
         calls.append(1)
         return reason
+
     return _guard.Patch(name="demo", what="demo fix", supported=("0.32.0",), install=install)
 
 
@@ -47,5 +49,6 @@ def test_not_needed_and_install_errors(fresh, monkeypatch):
 
     def broken():
         raise AttributeError("no such method")
+
     result = _guard.Patch(name="demo", what="x", supported=("0.32.0",), install=broken).apply()
     assert result.status == "refused" and "no such method" in result.detail

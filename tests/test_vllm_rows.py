@@ -1,5 +1,6 @@
 """The generic pieces of the vLLM row recording, without a vLLM engine: how a pass's rows are
 split by request, how a request's rows are kept by position, and the version guard."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -50,9 +51,14 @@ def test_a_model_needing_other_engine_args_is_refused_by_name():
 
         def engine_kwargs(self):
             return {"enable_prefix_caching": False, "additional_config": {"x": 1}}
+
     merged = _with_model_kwargs(3, {"dtype": "float32", "additional_config": {"y": 2}}, Needs())
-    assert merged == {"dtype": "float32", "enable_prefix_caching": False,
-                      "additional_config": {"y": 2, "x": 1}, "worker_extension_cls": EXTENSION}
+    assert merged == {
+        "dtype": "float32",
+        "enable_prefix_caching": False,
+        "additional_config": {"y": 2, "x": 1},
+        "worker_extension_cls": EXTENSION,
+    }
     with pytest.raises(ValueError, match="stage 3: engine_args.enable_prefix_caching is True"):
         _with_model_kwargs(3, {"enable_prefix_caching": True}, Needs())
 

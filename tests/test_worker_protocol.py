@@ -1,6 +1,7 @@
 """The stage worker's step loop and the stage client, with many requests in flight: each answer
 reaches its own request, aborts and failures touch only their request, and Shutdown stops a busy
 worker."""
+
 import asyncio
 import multiprocessing as mp
 import pickle
@@ -58,8 +59,14 @@ class CountingEngine(StageEngine):
             done = len(r["tokens"]) >= r["params"].max_tokens
             if done:
                 del self.requests[request_id]
-            outputs.append(StepOutput(request_id, [token] if r["stream"] else [], finished=done,
-                                      output=list(r["tokens"]) if done else None))
+            outputs.append(
+                StepOutput(
+                    request_id,
+                    [token] if r["stream"] else [],
+                    finished=done,
+                    output=list(r["tokens"]) if done else None,
+                )
+            )
         return outputs
 
     def close(self):
@@ -113,8 +120,9 @@ def test_many_requests_in_flight_each_answer_reaches_its_request(worker):
     for name in names:
         want = [len(name), len(name) + 1, len(name) + 2]
         assert finals[name].output == want
-        deltas = [t for m in received if isinstance(m, msg.TokenDelta) and m.request_id == name
-                  for t in m.token_ids]
+        deltas = [
+            t for m in received if isinstance(m, msg.TokenDelta) and m.request_id == name for t in m.token_ids
+        ]
         assert deltas == (want if name != "a" else [])
     assert engine.stats.max_decode_batch == len(names)  # they shared steps
     assert not engine.requests
@@ -129,7 +137,9 @@ def test_abort_and_refusal_touch_only_their_request(worker):
     _send(conn, msg.Abort("never-added"))
     finals = _finals(_receive_until(conn, lambda got: {"keep", "refused"} <= set(_finals(got))))
     assert "drop" not in finals
-    assert isinstance(finals["refused"], msg.GenerateFailed) and "'bad' is refused" in finals["refused"].message
+    assert (
+        isinstance(finals["refused"], msg.GenerateFailed) and "'bad' is refused" in finals["refused"].message
+    )
     assert finals["keep"].output[-1] == 4 + 49
     _send(conn, msg.ControlRequest(1, "debug_state_counts", {}))
     reply = _receive_until(conn, lambda got: any(isinstance(m, msg.ControlResult) for m in got))[-1]
@@ -169,15 +179,19 @@ def test_stage_client_routes_concurrent_requests_and_aborts_on_timeout():
     client = StageClient(stage, "tiny-qwen3-omni", startup_timeout_s=120)
     try:
         client.wait_ready()
-        prompts = [ThinkerPrompt([260, 257, 10] + [97 + i] * (i + 1) + [261, 10, 260, 258, 10])
-                   for i in range(4)]
+        prompts = [
+            ThinkerPrompt([260, 257, 10] + [97 + i] * (i + 1) + [261, 10, 260, 258, 10]) for i in range(4)
+        ]
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
         async def run():
             streamed = {i: [] for i in range(4)}
-            outs = await asyncio.gather(*[
-                client.generate(f"r{i}", p, greedy, 60, on_tokens=streamed[i].extend)
-                for i, p in enumerate(prompts)])
+            outs = await asyncio.gather(
+                *[
+                    client.generate(f"r{i}", p, greedy, 60, on_tokens=streamed[i].extend)
+                    for i, p in enumerate(prompts)
+                ]
+            )
             long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
             with pytest.raises(StageTimeout, match="did not finish request slow"):
                 await client.generate("slow", prompts[0], long, 0.3)
@@ -185,14 +199,16 @@ def test_stage_client_routes_concurrent_requests_and_aborts_on_timeout():
             # for an aborted request, so the client itself answers the waiter.
             task = asyncio.ensure_future(client.generate("gone", prompts[1], long, 600))
             first = asyncio.Event()
-            task2 = asyncio.ensure_future(client.generate("witness", prompts[2], greedy, 60,
-                                                          on_tokens=lambda _: first.set()))
+            task2 = asyncio.ensure_future(
+                client.generate("witness", prompts[2], greedy, 60, on_tokens=lambda _: first.set())
+            )
             await first.wait()  # the worker is stepping; "gone" is in flight
             client.abort("gone")
             with pytest.raises(StageError, match="request gone was aborted"):
                 await asyncio.wait_for(task, 10)
             await task2
             return outs, streamed
+
         outs, streamed = asyncio.run(run())
         for i, out in enumerate(outs):
             assert len(out.token_ids) == 8 and streamed[i] == out.token_ids
@@ -217,8 +233,9 @@ def test_a_dead_worker_is_restarted_until_it_dies_too_often():
     from omni_pd.orchestrator.supervisor import StageStatus
 
     stage = load_pipeline_config(TINY).stage(0)
-    stage = stage.model_copy(update={"runtime": stage.runtime.model_copy(
-        update={"max_restarts": 1, "restart_window_s": 600})})
+    stage = stage.model_copy(
+        update={"runtime": stage.runtime.model_copy(update={"max_restarts": 1, "restart_window_s": 600})}
+    )
     client = StageClient(stage, "tiny-qwen3-omni", startup_timeout_s=120)
     prompt = ThinkerPrompt([260, 257, 10, 97, 261, 10, 260, 258, 10])
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -229,13 +246,15 @@ def test_a_dead_worker_is_restarted_until_it_dies_too_often():
 
         async def killed_mid_request() -> str:
             started = asyncio.Event()
-            task = asyncio.ensure_future(client.generate("victim", prompt, long, 60,
-                                                         on_tokens=lambda _: started.set()))
+            task = asyncio.ensure_future(
+                client.generate("victim", prompt, long, 60, on_tokens=lambda _: started.set())
+            )
             await started.wait()
             os.kill(client.process.pid, signal.SIGKILL)
             with pytest.raises(StageError) as err:
                 await task
             return str(err.value)
+
         message = asyncio.run(killed_mid_request())
         assert "stage 0 (thinker)" in message and "SIGKILL" in message and "restart" in message
         assert client.status in (StageStatus.RESTARTING, StageStatus.UP)
@@ -243,17 +262,20 @@ def test_a_dead_worker_is_restarted_until_it_dies_too_often():
         async def after_restart():
             await client.wait_usable(60)  # waits while it restarts
             return await client.generate("next", prompt, greedy, 60)
+
         assert len(asyncio.run(after_restart()).token_ids) == 4
         assert client.process.pid != first_pid and client.restarts == 1
 
         os.kill(client.process.pid, signal.SIGKILL)  # a second death within the window
         import multiprocessing.connection
+
         assert multiprocessing.connection.wait([client.process.sentinel], 10)  # it is gone
 
         async def down():
             with pytest.raises(StageUnavailable) as err:
                 await client.wait_usable(60)
             return str(err.value)
+
         message = asyncio.run(down())
         assert client.status is StageStatus.DOWN
         assert "stage 0 (thinker) is down" in message and "max_restarts (1)" in message, message
@@ -268,10 +290,18 @@ def test_tensors_cross_the_pipe_as_their_values():
     reducer sends the whole storage)."""
     import torch
     from omni_pd.orchestrator import messages as msg
+
     base = torch.randn(1000, 64)
-    tensors = [torch.randn(3, 4), torch.randn(3, 4).to(torch.bfloat16), torch.zeros(0, 5),
-               torch.zeros(0, 2, dtype=torch.bfloat16), torch.arange(10)[2:9:3], torch.tensor(True),
-               torch.randn(2, 3).t(), torch.randint(0, 9, (4,), dtype=torch.int16)]
+    tensors = [
+        torch.randn(3, 4),
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.zeros(0, 5),
+        torch.zeros(0, 2, dtype=torch.bfloat16),
+        torch.arange(10)[2:9:3],
+        torch.tensor(True),
+        torch.randn(2, 3).t(),
+        torch.randint(0, 9, (4,), dtype=torch.int16),
+    ]
     back = msg.loads(msg.dumps(msg.ChunkOutput("r", tensors))).data
     for sent, got in zip(tensors, back, strict=True):
         assert got.dtype == sent.dtype and torch.equal(got, sent)

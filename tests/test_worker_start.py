@@ -1,6 +1,7 @@
 """Stage workers fork from a server that preloaded torch and the models (orchestrator/
 worker_start.py), and still behave as spawned ones: they write to the orchestrator's stdout and
 stderr as they are when the worker starts, and a bad start method is refused by name."""
+
 import os
 
 import pytest

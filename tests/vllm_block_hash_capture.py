@@ -12,6 +12,7 @@ Two captures, both with vLLM's own code:
   `init_none_hash` it calls, under each algorithm and PYTHONHASHSEED setting; output tokens are
   appended one by one as decoding does.
 """
+
 import json
 import os
 import sys
@@ -35,9 +36,19 @@ def run_engine(entry, model_dir):
 
     set_pythonhashseed(entry["pythonhashseed"])
     kwargs = {} if entry["algo"] is None else {"prefix_caching_hash_algo": entry["algo"]}
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-              block_size=entry["block_size"], enable_prefix_caching=True,
-              skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=2, **kwargs)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=512,
+        block_size=entry["block_size"],
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=2,
+        **kwargs,
+    )
     core = llm.llm_engine.engine_core.engine_core
     seen = []
     add_request = core.scheduler.add_request
@@ -81,25 +92,40 @@ def run_requests(config, requests, block_size):
     hash_fn = get_hash_fn_by_name(config["algo"])
     kv_cache_utils.init_none_hash(hash_fn)  # what EngineCore.__init__ does
     hasher = kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
-    out = {"seed": kv_cache_utils.get_none_hash_seed(), "none_hash": kv_cache_utils.NONE_HASH.hex(),
-           "requests": {}}
+    out = {
+        "seed": kv_cache_utils.get_none_hash_seed(),
+        "none_hash": kv_cache_utils.NONE_HASH.hex(),
+        "requests": {},
+    }
     for name, spec in requests.items():
-        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
-                                    mm_position=PlaceholderRange(offset=offset, length=length))
-              for identifier, offset, length in spec.get("mm", [])]
+        mm = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for identifier, offset, length in spec.get("mm", [])
+        ]
         lora = spec.get("lora")
         embeds = spec.get("prompt_embeds")
         request = Request(
-            request_id=name, prompt_token_ids=spec.get("prompt_token_ids"),
-            sampling_params=SamplingParams(max_tokens=64), pooling_params=None,
+            request_id=name,
+            prompt_token_ids=spec.get("prompt_token_ids"),
+            sampling_params=SamplingParams(max_tokens=64),
+            pooling_params=None,
             prompt_embeds=None if embeds is None else torch.tensor(embeds, dtype=torch.float32),
             mm_features=mm or None,
             lora_request=None if lora is None else LoRARequest(lora[0], 1, lora[1]),
-            cache_salt=spec.get("cache_salt"), block_hasher=hasher)
+            cache_salt=spec.get("cache_salt"),
+            block_hasher=hasher,
+        )
         for token in spec.get("output_token_ids", []):
             request.append_output_token_ids(token)  # decode: hashes grow as blocks fill
-        out["requests"][name] = {"all_token_ids": list(request.all_token_ids),
-                                 "block_hashes": [h.hex() for h in request.block_hashes]}
+        out["requests"][name] = {
+            "all_token_ids": list(request.all_token_ids),
+            "block_hashes": [h.hex() for h in request.block_hashes],
+        }
     return out
 
 
@@ -107,9 +133,10 @@ def main():
     spec_path, out_path = sys.argv[1:3]
     with open(spec_path) as f:
         spec = json.load(f)
-    result = {"engines": [run_engine(entry, spec["model_dir"]) for entry in spec["engines"]],
-              "configs": [run_requests(config, spec["requests"], spec["block_size"])
-                          for config in spec["configs"]]}
+    result = {
+        "engines": [run_engine(entry, spec["model_dir"]) for entry in spec["engines"]],
+        "configs": [run_requests(config, spec["requests"], spec["block_size"]) for config in spec["configs"]],
+    }
     with open(out_path, "w") as f:
         json.dump(result, f)
 

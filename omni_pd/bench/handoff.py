@@ -15,6 +15,7 @@ host copies over Mooncake tcp, as across hosts with a CPU-only Mooncake), it tim
 and reports handoff_over_wire and handoff_over_memcpy, and entries (Mooncake transfer entries
 the read took). Medians over `--repeats`. The handoff is checked to move the bytes unchanged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,28 +57,53 @@ GPU_PATHS = ("cuda_ipc", "staged")
 _READ_PATH = {"tcp": "tcp", "shm": "shm", "cuda_ipc": "cuda_ipc", "staged": "tcp"}  # FetchResult.path
 DEFAULT_TOKENS = (256, 1024, 4096)
 QUICK_TOKENS = (256,)
-KEYS = ("geometry", "tokens", "path", "bytes", "entries", "memcpy_ms", "wire_ms", "sender_checksum_ms",
-        "publish_ms", "fetch_ms", "handoff_ms", "handoff_over_wire", "handoff_over_memcpy")
+KEYS = (
+    "geometry",
+    "tokens",
+    "path",
+    "bytes",
+    "entries",
+    "memcpy_ms",
+    "wire_ms",
+    "sender_checksum_ms",
+    "publish_ms",
+    "fetch_ms",
+    "handoff_ms",
+    "handoff_over_wire",
+    "handoff_over_memcpy",
+)
 # How the bench polls a read: the decode engine's fast poll interval while a read is young.
 _POLL_S = 0.0002
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometries", default="tiny,30b",
-                        help=f"comma-separated KV geometries: {', '.join(GEOMETRIES)} (default: all)")
-    parser.add_argument("--tokens", default=None,
-                        help="comma-separated prompt lengths (default: 256,1024,4096; --quick: 256)")
+    parser.add_argument(
+        "--geometries",
+        default="tiny,30b",
+        help=f"comma-separated KV geometries: {', '.join(GEOMETRIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--tokens", default=None, help="comma-separated prompt lengths (default: 256,1024,4096; --quick: 256)"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--path", default=",".join(DEFAULT_PATHS),
-                        help=f"comma-separated paths: {', '.join(PATHS)} (default: "
-                             f"{','.join(DEFAULT_PATHS)}; {' and '.join(GPU_PATHS)} need a CUDA GPU; "
-                             "in this bench both sides are one process, so a CUDA IPC handle "
-                             "resolves to the pool itself: the copy is timed, not the opening)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per measurement, median reported (default 5; --quick: 2)")
+    parser.add_argument(
+        "--path",
+        default=",".join(DEFAULT_PATHS),
+        help=f"comma-separated paths: {', '.join(PATHS)} (default: "
+        f"{','.join(DEFAULT_PATHS)}; {' and '.join(GPU_PATHS)} need a CUDA GPU; "
+        "in this bench both sides are one process, so a CUDA IPC handle "
+        "resolves to the pool itself: the copy is timed, not the opening)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per measurement, median reported (default 5; --quick: 2)",
+    )
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="CI mode: 256 tokens, 2 repeats (explicit options still win)")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI mode: 256 tokens, 2 repeats (explicit options still win)"
+    )
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int, reset: Callable[[], Any] | None = None) -> float:
@@ -107,18 +133,29 @@ class _Pair:
         # the prefill engine's
         self.cache = PagedKVCache(layout, blocks, shared=path in ("shm", "cuda_ipc"), device=self.device)
         staged = "cpu" if path == "staged" else None
-        self.sender = KVSender("bench-prefill", layout, self.cache.pool, self.sender_transport,
-                               lease_timeout_s=600, buffer_device=staged,
-                               same_host=path in ("shm", "cuda_ipc"))
-        self.receiver = KVReceiver(layout, BlockPool(layout, blocks, device=self.device),
-                                   self.receiver_transport, buffer_device=staged,
-                                   same_host=path if path in ("shm", "cuda_ipc") else "off")
+        self.sender = KVSender(
+            "bench-prefill",
+            layout,
+            self.cache.pool,
+            self.sender_transport,
+            lease_timeout_s=600,
+            buffer_device=staged,
+            same_host=path in ("shm", "cuda_ipc"),
+        )
+        self.receiver = KVReceiver(
+            layout,
+            BlockPool(layout, blocks, device=self.device),
+            self.receiver_transport,
+            buffer_device=staged,
+            same_host=path if path in ("shm", "cuda_ipc") else "off",
+        )
         self.layout = layout
 
     def measure(self, tokens: int, repeats: int) -> dict[str, Any]:
         layout, sender, receiver = self.layout, self.sender, self.receiver
         kv = torch.randn(layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim).to(
-            device=self.device, dtype=layout.torch_dtype)
+            device=self.device, dtype=layout.torch_dtype
+        )
         dest = receiver.pool.allocate(layout.num_blocks_for(tokens))  # the decode's cache blocks
         state: dict[str, Any] = {"n": 0}
 
@@ -131,8 +168,9 @@ class _Pair:
         def publish() -> None:
             state["n"] += 1
             state["tid"] = f"bench-{tokens}-{state['n']}"
-            state["descriptor"] = sender.publish_blocks(state["tid"], state["source"], tokens,
-                                                        checksums=state["sums"])
+            state["descriptor"] = sender.publish_blocks(
+                state["tid"], state["source"], tokens, checksums=state["sums"]
+            )
 
         def fetch() -> None:
             receiver.start(state["descriptor"], into=dest)
@@ -155,12 +193,15 @@ class _Pair:
         prefill()
         try:
             blocks = state["source"]
-            checksum_ms = max(0.0, _median_ms(lambda: self.cache.write(blocks, 0, kv, checksums=True), repeats)
-                              - _median_ms(lambda: self.cache.write(blocks, 0, kv), repeats))
+            checksum_ms = max(
+                0.0,
+                _median_ms(lambda: self.cache.write(blocks, 0, kv, checksums=True), repeats)
+                - _median_ms(lambda: self.cache.write(blocks, 0, kv), repeats),
+            )
             handoff_ms = checksum_ms + _median_ms(handoff, repeats, release)
             publish()
-            got = receiver.pool.gather(dest).reshape(-1)[:tokens * layout.bytes_per_token]
-            sent = sender.pool.gather(state["source"]).reshape(-1)[:tokens * layout.bytes_per_token]
+            got = receiver.pool.gather(dest).reshape(-1)[: tokens * layout.bytes_per_token]
+            sent = sender.pool.gather(state["source"]).reshape(-1)[: tokens * layout.bytes_per_token]
             release()
             if not torch.equal(got, sent):
                 raise AssertionError("the handoff changed the KV bytes")
@@ -171,8 +212,13 @@ class _Pair:
         finally:
             self.cache.release(state["source"])
             receiver.pool.free(dest)
-        return {"handoff_ms": handoff_ms, "sender_checksum_ms": checksum_ms, "publish_ms": publish_ms,
-                "fetch_ms": fetch_ms, "entries": state["entries"]}
+        return {
+            "handoff_ms": handoff_ms,
+            "sender_checksum_ms": checksum_ms,
+            "publish_ms": publish_ms,
+            "fetch_ms": fetch_ms,
+            "entries": state["entries"],
+        }
 
     def wire_ms(self, nbytes: int, repeats: int) -> float:
         src = torch.zeros(nbytes, dtype=torch.uint8)
@@ -180,8 +226,12 @@ class _Pair:
         self.sender_transport.register(src.data_ptr(), nbytes)
         self.receiver_transport.register(dst.data_ptr(), nbytes)
         try:
-            return _median_ms(lambda: self.receiver_transport.read(
-                self.sender_transport.session_id, [(dst.data_ptr(), src.data_ptr(), nbytes)]), repeats)
+            return _median_ms(
+                lambda: self.receiver_transport.read(
+                    self.sender_transport.session_id, [(dst.data_ptr(), src.data_ptr(), nbytes)]
+                ),
+                repeats,
+            )
         finally:
             self.sender_transport.unregister(src.data_ptr())
             self.receiver_transport.unregister(dst.data_ptr())
@@ -203,6 +253,7 @@ def memcpy_ms(nbytes: int, repeats: int, device: str = "cpu") -> float:
     def copy() -> None:
         dst.copy_(src)
         _sync(device)
+
     return _median_ms(copy, repeats)
 
 
@@ -212,12 +263,19 @@ def run(args: argparse.Namespace) -> int:
     names = [g.strip() for g in args.geometries.split(",") if g.strip()]
     unknown = [g for g in names if g not in GEOMETRIES]
     if unknown or not names:
-        print(f"error: --geometries: unknown {unknown or names}; choose from {list(GEOMETRIES)}",
-              file=sys.stderr)
+        print(
+            f"error: --geometries: unknown {unknown or names}; choose from {list(GEOMETRIES)}",
+            file=sys.stderr,
+        )
         return 2
     try:
-        tokens = (tuple(int(t) for t in args.tokens.split(",")) if args.tokens
-                  else QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+        tokens = (
+            tuple(int(t) for t in args.tokens.split(","))
+            if args.tokens
+            else QUICK_TOKENS
+            if args.quick
+            else DEFAULT_TOKENS
+        )
     except ValueError:
         print(f"error: --tokens: expected comma-separated integers, got {args.tokens!r}", file=sys.stderr)
         return 2
@@ -227,8 +285,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --path: expected some of {list(PATHS)}, got {args.path!r}", file=sys.stderr)
         return 2
     if any(p in GPU_PATHS for p in paths) and not torch.cuda.is_available():
-        print(f"error: --path {','.join(p for p in paths if p in GPU_PATHS)} needs a CUDA GPU, and "
-              "torch sees none here; use --path tcp,shm", file=sys.stderr)
+        print(
+            f"error: --path {','.join(p for p in paths if p in GPU_PATHS)} needs a CUDA GPU, and "
+            "torch sees none here; use --path tcp,shm",
+            file=sys.stderr,
+        )
         return 2
     if min(tokens) < 1 or repeats < 1 or args.block_size < 1:
         print("error: --tokens, --repeats and --block-size must be positive", file=sys.stderr)
@@ -237,19 +298,28 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(names) * len(tokens), desc="bench handoff", unit="case", file=sys.stderr) as bar:
         for name in names:
             g = GEOMETRIES[name]
-            layout = BlockLayout.default_for(g.layers, g.kv_heads, g.head_dim, g.dtype,
-                                             block_size=args.block_size)
+            layout = BlockLayout.default_for(
+                g.layers, g.kv_heads, g.head_dim, g.dtype, block_size=args.block_size
+            )
             pairs = [_Pair(layout, layout.num_blocks_for(max(tokens)) + 1, path) for path in paths]
             try:
                 for count in tokens:
                     nbytes = count * layout.bytes_per_token
                     # The baselines once per size, in the same run: both paths are held to them.
-                    base = {"memcpy_ms": {d: memcpy_ms(nbytes, repeats, d) for d in {p.device for p in pairs}},
-                            "wire_ms": pairs[0].wire_ms(nbytes, repeats)}
+                    base = {
+                        "memcpy_ms": {d: memcpy_ms(nbytes, repeats, d) for d in {p.device for p in pairs}},
+                        "wire_ms": pairs[0].wire_ms(nbytes, repeats),
+                    }
                     for pair in pairs:
-                        row = {"geometry": g.name, "tokens": count, "path": pair.path, "bytes": nbytes,
-                               "memcpy_ms": base["memcpy_ms"][pair.device], "wire_ms": base["wire_ms"],
-                               **pair.measure(count, repeats)}
+                        row = {
+                            "geometry": g.name,
+                            "tokens": count,
+                            "path": pair.path,
+                            "bytes": nbytes,
+                            "memcpy_ms": base["memcpy_ms"][pair.device],
+                            "wire_ms": base["wire_ms"],
+                            **pair.measure(count, repeats),
+                        }
                         row["handoff_over_wire"] = row["handoff_ms"] / row["wire_ms"]
                         row["handoff_over_memcpy"] = row["handoff_ms"] / row["memcpy_ms"]
                         results.append({k: row[k] for k in KEYS})
@@ -259,25 +329,42 @@ def run(args: argparse.Namespace) -> int:
                     pair.close()
     _print_table(results)
     if args.json_path:
-        report = {**run_metadata(sys.argv, repeats=repeats, block_size=args.block_size),
-                  "results": results}
+        report = {**run_metadata(sys.argv, repeats=repeats, block_size=args.block_size), "results": results}
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_path}")
     return 0
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
-    columns = [("geometry", "geometry", "{}"), ("tokens", "tokens", "{}"), ("path", "path", "{}"),
-               ("MiB", "bytes", "{:.2f}"), ("entries", "entries", "{}"), ("memcpy ms", "memcpy_ms", "{:.2f}"),
-               ("wire ms", "wire_ms", "{:.2f}"), ("checksum ms", "sender_checksum_ms", "{:.2f}"),
-               ("publish ms", "publish_ms", "{:.2f}"),
-               ("fetch ms", "fetch_ms", "{:.2f}"), ("handoff ms", "handoff_ms", "{:.2f}"),
-               ("/wire", "handoff_over_wire", "{:.2f}"), ("/memcpy", "handoff_over_memcpy", "{:.2f}")]
-    rows = [[fmt.format(r[key] / 2**20 if key == "bytes" else r[key]) for _, key, fmt in columns]
-            for r in results]
+    columns = [
+        ("geometry", "geometry", "{}"),
+        ("tokens", "tokens", "{}"),
+        ("path", "path", "{}"),
+        ("MiB", "bytes", "{:.2f}"),
+        ("entries", "entries", "{}"),
+        ("memcpy ms", "memcpy_ms", "{:.2f}"),
+        ("wire ms", "wire_ms", "{:.2f}"),
+        ("checksum ms", "sender_checksum_ms", "{:.2f}"),
+        ("publish ms", "publish_ms", "{:.2f}"),
+        ("fetch ms", "fetch_ms", "{:.2f}"),
+        ("handoff ms", "handoff_ms", "{:.2f}"),
+        ("/wire", "handoff_over_wire", "{:.2f}"),
+        ("/memcpy", "handoff_over_memcpy", "{:.2f}"),
+    ]
+    rows = [
+        [fmt.format(r[key] / 2**20 if key == "bytes" else r[key]) for _, key, fmt in columns] for r in results
+    ]
     widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _, _) in enumerate(columns)]
-    print("  ".join(title.ljust(w) if i < 3 else title.rjust(w)
-                    for i, ((title, _, _), w) in enumerate(zip(columns, widths))))
+    print(
+        "  ".join(
+            title.ljust(w) if i < 3 else title.rjust(w)
+            for i, ((title, _, _), w) in enumerate(zip(columns, widths))
+        )
+    )
     print("  ".join("-" * w for w in widths))
     for row in rows:
-        print("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))
+            )
+        )

@@ -1,5 +1,6 @@
 """The load driver: streaming chat completions (text and audio) through the `openai` client,
 `concurrency` requests in flight until `n` are done, each timed from the moment it is sent."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,7 @@ def delta_audio_data(delta: Any) -> str | None:
     return data or None
 
 
-async def stream_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int
-                     ) -> RequestRecord:
+async def stream_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int) -> RequestRecord:
     """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
     with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
     output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
@@ -62,9 +62,14 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens,
-            modalities=["text", "audio"], audio={"voice": VOICE, "format": "pcm16"},
-            stream=True, stream_options={"include_usage": True})
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            modalities=["text", "audio"],
+            audio={"voice": VOICE, "format": "pcm16"},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             usage = getattr(chunk, "usage", None)
@@ -88,22 +93,34 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
                 ttfa = now - sent
         ended = time.perf_counter()
     except Exception as exc:  # counted, the level goes on
-        return RequestRecord(ok=False, rejected=getattr(exc, "status_code", None) == 429,
-                             error=f"{type(exc).__name__}: {exc}")
+        return RequestRecord(
+            ok=False, rejected=getattr(exc, "status_code", None) == 429, error=f"{type(exc).__name__}: {exc}"
+        )
     if finish_reason is None:
         return RequestRecord(ok=False, error="the stream ended without a finish_reason")
     return RequestRecord(
-        ok=True, no_speech=ttfa is None, ttft_s=ttft, ttfa_s=ttfa, e2e_s=ended - sent,
+        ok=True,
+        no_speech=ttfa is None,
+        ttft_s=ttft,
+        ttfa_s=ttfa,
+        e2e_s=ended - sent,
         itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
         output_tokens=usage_tokens if usage_tokens is not None else len(content_times),
-        text="".join(pieces), cached_tokens=cached_tokens)
+        text="".join(pieces),
+        cached_tokens=cached_tokens,
+    )
 
 
-async def run_level(client: Any, model: str, concurrency: int, num_requests: int, max_tokens: int,
-                    prompts: Sequence[str] = PROMPTS,
-                    on_done: Callable[[RequestRecord], None] | None = None,
-                    send: Callable[..., Awaitable[RequestRecord]] = stream_one
-                    ) -> tuple[list[RequestRecord], float]:
+async def run_level(
+    client: Any,
+    model: str,
+    concurrency: int,
+    num_requests: int,
+    max_tokens: int,
+    prompts: Sequence[str] = PROMPTS,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    send: Callable[..., Awaitable[RequestRecord]] = stream_one,
+) -> tuple[list[RequestRecord], float]:
     """`num_requests` requests with exactly `concurrency` in flight (fewer only once fewer remain),
     each sent by `send` (the chat endpoint; bench/realtime.py has the Realtime API's). Returns
     the records in request order and the level's wall time in seconds."""
@@ -136,10 +153,16 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:
     return times
 
 
-async def run_open_loop(client: Any, model: str, rate: float, num_requests: int, max_tokens: int,
-                        seed: int = 0, prompts: Sequence[str] = PROMPTS,
-                        on_done: Callable[[RequestRecord], None] | None = None
-                        ) -> tuple[list[RequestRecord], float]:
+async def run_open_loop(
+    client: Any,
+    model: str,
+    rate: float,
+    num_requests: int,
+    max_tokens: int,
+    seed: int = 0,
+    prompts: Sequence[str] = PROMPTS,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
     """`num_requests` requests sent at Poisson arrival times whatever is in flight (vLLM's
     `--request-rate`): the offered load does not wait for the server, so a server past its
     capacity shows it in its latencies. Returns the records in request order and the wall time

@@ -8,6 +8,7 @@ prefill and overheads, not queueing. The report gives, per turn index, TTFT and 
 percentiles, the prompt length and the prompt tokens the server says it served from its prefix
 cache (`usage.prompt_tokens_details.cached_tokens`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,13 +22,21 @@ from .load import stream_one
 from .stats import RequestRecord, percentiles_ms, ratio
 
 # About 1,700 characters: with the tiny model's byte-level tokenizer, as many prompt tokens.
-SYSTEM_PROMPT = ("You are a calm, friendly voice assistant for travellers. Answer in one or two "
-                 "short sentences, plainly, without lists or markup, and ask back when a question "
-                 "is unclear. ") * 9
-USER_TURNS = ("Where should I go first in Lisbon?", "And how do I get there from the airport?",
-              "Is it safe to walk there at night?", "What should I eat nearby?",
-              "How much does that usually cost?", "Can you say that again more slowly?",
-              "What is the weather like in spring?", "Thank you, one last question: trams?")
+SYSTEM_PROMPT = (
+    "You are a calm, friendly voice assistant for travellers. Answer in one or two "
+    "short sentences, plainly, without lists or markup, and ask back when a question "
+    "is unclear. "
+) * 9
+USER_TURNS = (
+    "Where should I go first in Lisbon?",
+    "And how do I get there from the airport?",
+    "Is it safe to walk there at night?",
+    "What should I eat nearby?",
+    "How much does that usually cost?",
+    "Can you say that again more slowly?",
+    "What is the weather like in spring?",
+    "Thank you, one last question: trams?",
+)
 
 
 AUDIO_SAMPLE_RATE = 16_000
@@ -42,8 +51,10 @@ def spoken_clip(conversation: int, turn: int, seconds: float = 1.0) -> dict:
     samples = (0.2 * wave + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, AUDIO_SAMPLE_RATE, format="WAV", subtype="PCM_16")
-    return {"type": "input_audio",
-            "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"}}
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"},
+    }
 
 
 def conversation_turn(history: list[dict], turn: int, clip: dict | None = None) -> list[dict]:
@@ -53,15 +64,24 @@ def conversation_turn(history: list[dict], turn: int, clip: dict | None = None) 
 
 
 def _text_chars(messages: list[dict]) -> int:
-    return sum(len(m["content"]) if isinstance(m["content"], str) else
-               sum(len(p.get("text", "")) for p in m["content"]) for m in messages)
+    return sum(
+        len(m["content"])
+        if isinstance(m["content"], str)
+        else sum(len(p.get("text", "")) for p in m["content"])
+        for m in messages
+    )
 
 
-async def run_conversations(client: Any, model: str, turns: int, conversations: int,
-                            max_tokens: int, system_prompt: str = SYSTEM_PROMPT,
-                            on_done: Callable[[RequestRecord], None] | None = None,
-                            audio_seconds: float | None = None
-                            ) -> list[list[tuple[RequestRecord, int]]]:
+async def run_conversations(
+    client: Any,
+    model: str,
+    turns: int,
+    conversations: int,
+    max_tokens: int,
+    system_prompt: str = SYSTEM_PROMPT,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    audio_seconds: float | None = None,
+) -> list[list[tuple[RequestRecord, int]]]:
     """`conversations` conversations of `turns` turns, one after another: per turn index, each
     conversation's (record, prompt text characters). A conversation whose turn fails stops
     there. `audio_seconds`: each user turn carries a clip that long."""
@@ -83,16 +103,18 @@ async def run_conversations(client: Any, model: str, turns: int, conversations: 
     return by_turn
 
 
-def summarize_turns(config: str, by_turn: Sequence[Sequence[tuple[RequestRecord, int]]]
-                    ) -> list[dict]:
+def summarize_turns(config: str, by_turn: Sequence[Sequence[tuple[RequestRecord, int]]]) -> list[dict]:
     rows = []
     for turn, entries in enumerate(by_turn):
         done = [r for r, _ in entries if r.ok]
-        row: dict = {"config": config, "turn": turn + 1, "num_requests": len(entries),
-                     "errors": len(entries) - len(done)}
+        row: dict = {
+            "config": config,
+            "turn": turn + 1,
+            "num_requests": len(entries),
+            "errors": len(entries) - len(done),
+        }
         row["ttft_ms_p50"], row["ttft_ms_p99"] = percentiles_ms([r.ttft_s for r in done])
-        row["ttfa_ms_p50"], row["ttfa_ms_p99"] = percentiles_ms(
-            [r.ttfa_s for r in done if not r.no_speech])
+        row["ttfa_ms_p50"], row["ttfa_ms_p99"] = percentiles_ms([r.ttfa_s for r in done if not r.no_speech])
         row["prompt_chars_mean"] = (sum(c for r, c in entries if r.ok) / len(done)) if done else None
         cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
         row["cached_tokens_mean"] = sum(cached) / len(cached) if cached else None

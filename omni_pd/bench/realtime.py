@@ -7,6 +7,7 @@ first (a conversation pays that once, not per turn), then the clock starts as th
 is sent (`conversation.item.create`, then `response.create`): TTFT at the first transcript
 delta, TTFA at the first `response.output_audio.delta`, e2e at `response.done`.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,25 +17,30 @@ from .load import VOICE
 from .stats import RequestRecord, ratio
 
 
-async def realtime_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int
-                       ) -> RequestRecord:
+async def realtime_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int) -> RequestRecord:
     if not isinstance(prompt, str):
         raise ValueError("the realtime driver sends one user text turn")
     ttft = ttfa = None
     pieces: list[str] = []
     try:
         async with client.realtime.connect(model=model) as conn:
-            await conn.session.update(session={
-                "type": "realtime", "output_modalities": ["audio"], "max_output_tokens": max_tokens,
-                "audio": {"input": {"turn_detection": None}, "output": {"voice": VOICE}}})
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "output_modalities": ["audio"],
+                    "max_output_tokens": max_tokens,
+                    "audio": {"input": {"turn_detection": None}, "output": {"voice": VOICE}},
+                }
+            )
             async for event in conn:
                 if event.type == "error":
                     raise RuntimeError(event.error.message)
                 if event.type == "session.updated":
                     break
             sent = time.perf_counter()
-            await conn.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]})
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": prompt}]}
+            )
             await conn.response.create()
             async for event in conn:
                 now = time.perf_counter()
@@ -49,11 +55,19 @@ async def realtime_one(client: Any, model: str, prompt: str | list[dict], max_to
                     response = event.response
                     if response.status not in ("completed", "incomplete"):
                         details = response.status_details
-                        raise RuntimeError(f"response {response.status}: "
-                                           f"{getattr(details, 'error', None) or details}")
+                        raise RuntimeError(
+                            f"response {response.status}: {getattr(details, 'error', None) or details}"
+                        )
                     tokens = response.usage.output_tokens if response.usage else len(pieces)
-                    return RequestRecord(ok=True, no_speech=ttfa is None, ttft_s=ttft, ttfa_s=ttfa,
-                                         e2e_s=now - sent, output_tokens=tokens, text="".join(pieces))
+                    return RequestRecord(
+                        ok=True,
+                        no_speech=ttfa is None,
+                        ttft_s=ttft,
+                        ttfa_s=ttfa,
+                        e2e_s=now - sent,
+                        output_tokens=tokens,
+                        text="".join(pieces),
+                    )
         return RequestRecord(ok=False, error="the socket closed before response.done")
     except Exception as exc:  # counted, the level goes on
         return RequestRecord(ok=False, error=f"{type(exc).__name__}: {exc}")

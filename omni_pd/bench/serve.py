@@ -27,6 +27,7 @@ behind the same router, on the same machine.
                         [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
                         [--num-requests N] [--json out.json] [--plot out.png] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
 
-DEFAULT_CONFIGS = (STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
-                   STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml")
+DEFAULT_CONFIGS = (
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml",
+)
 REPO_ROOT = STAGE_CONFIGS_DIR.parent
 DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
@@ -53,89 +56,174 @@ XPYD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=None,
-                        help="comma-separated stage YAMLs, benchmarked one after the other and "
-                             "reported side by side, each labelled by its file stem; "
-                             "PATH@key=value sets a top-level key on a copy (e.g. "
-                             "PATH@async_chunk=false) (default: "
-                             "stage_configs/ci/qwen3_omni_tiny.yaml,"
-                             "stage_configs/ci/qwen3_omni_tiny_pd.yaml)")
-    parser.add_argument("--base-url", default=None,
-                        help="benchmark this running server (e.g. http://127.0.0.1:8000) instead "
-                             "of starting one per config")
-    parser.add_argument("--label", default=None,
-                        help="the name of the --base-url server in the report (default: host:port)")
-    parser.add_argument("--model", default=None,
-                        help=f"model to serve and to request (default: {DEFAULT_MODEL}; with "
-                             "--base-url: the first of the server's GET /v1/models)")
-    parser.add_argument("--concurrency", default=None,
-                        help=f"comma-separated requests in flight per level (default: "
-                             f"{DEFAULT_CONCURRENCY}; --quick: {QUICK_CONCURRENCY})")
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help=f"measured requests per level, at least the concurrency (default: "
-                             f"{WAVES} x the concurrency, at least {DEFAULT_NUM_REQUESTS}; --quick: "
-                             f"{QUICK_NUM_REQUESTS})")
-    parser.add_argument("--request-rate", default=None,
-                        help="comma-separated open-loop rates (requests/s, Poisson arrivals), run "
-                             "after the closed-loop levels; N%% is that share of the config's "
-                             "capacity measured in this run (e.g. 50%%,90%%)")
-    parser.add_argument("--open-loop-requests", type=int, default=None,
-                        help=f"requests per open-loop rate (default {DEFAULT_OPEN_LOOP_REQUESTS}; "
-                             f"--quick: {QUICK_OPEN_LOOP_REQUESTS})")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated stage YAMLs, benchmarked one after the other and "
+        "reported side by side, each labelled by its file stem; "
+        "PATH@key=value sets a top-level key on a copy (e.g. "
+        "PATH@async_chunk=false) (default: "
+        "stage_configs/ci/qwen3_omni_tiny.yaml,"
+        "stage_configs/ci/qwen3_omni_tiny_pd.yaml)",
+    )
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        help="benchmark this running server (e.g. http://127.0.0.1:8000) instead of starting one per config",
+    )
+    parser.add_argument(
+        "--label", default=None, help="the name of the --base-url server in the report (default: host:port)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"model to serve and to request (default: {DEFAULT_MODEL}; with "
+        "--base-url: the first of the server's GET /v1/models)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"comma-separated requests in flight per level (default: "
+        f"{DEFAULT_CONCURRENCY}; --quick: {QUICK_CONCURRENCY})",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"measured requests per level, at least the concurrency (default: "
+        f"{WAVES} x the concurrency, at least {DEFAULT_NUM_REQUESTS}; --quick: "
+        f"{QUICK_NUM_REQUESTS})",
+    )
+    parser.add_argument(
+        "--request-rate",
+        default=None,
+        help="comma-separated open-loop rates (requests/s, Poisson arrivals), run "
+        "after the closed-loop levels; N%% is that share of the config's "
+        "capacity measured in this run (e.g. 50%%,90%%)",
+    )
+    parser.add_argument(
+        "--open-loop-requests",
+        type=int,
+        default=None,
+        help=f"requests per open-loop rate (default {DEFAULT_OPEN_LOOP_REQUESTS}; "
+        f"--quick: {QUICK_OPEN_LOOP_REQUESTS})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None,
-                        help="TTFT service-level objective: goodput counts requests within it")
-    parser.add_argument("--slo-ttfa-ms", type=float, default=None,
-                        help="time-to-first-audio objective (a request without speech has none)")
-    parser.add_argument("--xpyd", default=None,
-                        help="comma-separated P/D layouts (e.g. 1P1D,1P2D,2P2D), each run beside "
-                             "colocated with x+y thinker replicas; excludes --configs")
-    parser.add_argument("--xpyd-pd-config", default=str(DEFAULT_CONFIGS[1]),
-                        help="the P/D stage YAML the layouts are made from")
-    parser.add_argument("--xpyd-colocated-config", default=str(DEFAULT_CONFIGS[0]),
-                        help="the colocated stage YAML the baselines are made from")
-    parser.add_argument("--realtime", action="store_true",
-                        help="run each closed-loop level through the Realtime API (/v1/realtime) "
-                             "too, with the same prompts, and report its TTFA against the chat "
-                             "endpoint's (ttfa_vs_chat)")
-    parser.add_argument("--multi-turn", type=int, default=None, metavar="K",
-                        help="run conversations of K turns (the whole history each turn, after a "
-                             "long system prompt) instead of the concurrency levels; default "
-                             "configs: the two defaults with prefix caching on and off")
-    parser.add_argument("--audio-turns", type=float, default=None, metavar="SECONDS",
-                        help="with --multi-turn: each user turn also carries a synthetic clip this "
-                             "many seconds long (an input_audio part), resent with the history")
-    parser.add_argument("--conversations", type=int, default=None,
-                        help="conversations per config with --multi-turn, one after another "
-                             "(default 4; --quick: 2)")
+    parser.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="TTFT service-level objective: goodput counts requests within it",
+    )
+    parser.add_argument(
+        "--slo-ttfa-ms",
+        type=float,
+        default=None,
+        help="time-to-first-audio objective (a request without speech has none)",
+    )
+    parser.add_argument(
+        "--xpyd",
+        default=None,
+        help="comma-separated P/D layouts (e.g. 1P1D,1P2D,2P2D), each run beside "
+        "colocated with x+y thinker replicas; excludes --configs",
+    )
+    parser.add_argument(
+        "--xpyd-pd-config",
+        default=str(DEFAULT_CONFIGS[1]),
+        help="the P/D stage YAML the layouts are made from",
+    )
+    parser.add_argument(
+        "--xpyd-colocated-config",
+        default=str(DEFAULT_CONFIGS[0]),
+        help="the colocated stage YAML the baselines are made from",
+    )
+    parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run each closed-loop level through the Realtime API (/v1/realtime) "
+        "too, with the same prompts, and report its TTFA against the chat "
+        "endpoint's (ttfa_vs_chat)",
+    )
+    parser.add_argument(
+        "--multi-turn",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run conversations of K turns (the whole history each turn, after a "
+        "long system prompt) instead of the concurrency levels; default "
+        "configs: the two defaults with prefix caching on and off",
+    )
+    parser.add_argument(
+        "--audio-turns",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --multi-turn: each user turn also carries a synthetic clip this "
+        "many seconds long (an input_audio part), resent with the history",
+    )
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="conversations per config with --multi-turn, one after another (default 4; --quick: 2)",
+    )
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="set ignore_eos in every stage's default_sampling_params of the served "
-                             "configs (vLLM's benchmark flag): every request then runs each stage to "
-                             "its max_tokens, so its work does not depend on when random weights "
-                             "happen to sample an EOS (the talker never samples its codec EOS)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="uncounted requests sent before each level (default 1)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="set ignore_eos in every stage's default_sampling_params of the served "
+        "configs (vLLM's benchmark flag): every request then runs each stage to "
+        "its max_tokens, so its work does not depend on when random weights "
+        "happen to sample an EOS (the talker never samples its codec EOS)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="uncounted requests sent before each level (default 1)"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="write a PNG: req/s and latency against concurrency")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"CI mode: concurrency {QUICK_CONCURRENCY}, {QUICK_NUM_REQUESTS} "
-                             "requests per level (explicit options still win)")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds one request may take, for the client and the started "
-                             "servers' --request-timeout (default 600)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="seconds a started server has to answer GET /health with 200")
-    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VAL",
-                        help="environment variable for the started servers (repeatable), e.g. "
-                             "OMP_NUM_THREADS=1; the rest is inherited, MC_LOG_LEVEL=ERROR unless set")
-    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                        help="an `omni-pd serve` option for the started servers (repeatable; "
-                             "--serve-arg=--max-queued-requests=8)")
-    parser.add_argument("--server-log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="--log-level of the started servers (their log goes to a temp file)")
+    parser.add_argument(
+        "--plot", default=None, metavar="PATH", help="write a PNG: req/s and latency against concurrency"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"CI mode: concurrency {QUICK_CONCURRENCY}, {QUICK_NUM_REQUESTS} "
+        "requests per level (explicit options still win)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one request may take, for the client and the started "
+        "servers' --request-timeout (default 600)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a started server has to answer GET /health with 200",
+    )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VAL",
+        help="environment variable for the started servers (repeatable), e.g. "
+        "OMP_NUM_THREADS=1; the rest is inherited, MC_LOG_LEVEL=ERROR unless set",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an `omni-pd serve` option for the started servers (repeatable; "
+        "--serve-arg=--max-queued-requests=8)",
+    )
+    parser.add_argument(
+        "--server-log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="--log-level of the started servers (their log goes to a temp file)",
+    )
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -175,8 +263,10 @@ def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple
     if ignore_eos:
         stages = data.get("stage_args") if isinstance(data, dict) else None
         if not isinstance(stages, list):
-            raise SystemExit(f"error: --ignore-eos sets each stage's default_sampling_params, but "
-                             f"{found} has no stage_args list")
+            raise SystemExit(
+                f"error: --ignore-eos sets each stage's default_sampling_params, but "
+                f"{found} has no stage_args list"
+            )
         for stage in stages:
             stage.setdefault("default_sampling_params", {})["ignore_eos"] = True
     label = "@".join([found.stem, *overrides])
@@ -197,14 +287,14 @@ def _rates(text: str | None) -> list[tuple[str, float, bool]]:
         except ValueError:
             value = -1.0
         if value <= 0:
-            raise SystemExit(f"error: --request-rate takes positive numbers or percentages, got "
-                             f"{part!r}")
+            raise SystemExit(f"error: --request-rate takes positive numbers or percentages, got {part!r}")
         out.append((part, value / 100 if relative else value, relative))
     return out
 
 
-def xpyd_targets(layouts: str, pd_config: str, colocated_config: str,
-                 scratch: Path) -> list[tuple[str, Path, str | None]]:
+def xpyd_targets(
+    layouts: str, pd_config: str, colocated_config: str, scratch: Path
+) -> list[tuple[str, Path, str | None]]:
     """(label, config, baseline label) for each layout and its colocated baseline, baselines
     first: colocated-Nx (the thinker with N = x + y replicas) then xPyD."""
     import yaml
@@ -236,8 +326,7 @@ def xpyd_targets(layouts: str, pd_config: str, colocated_config: str,
         baseline = f"colocated-{x + y}x"
         if baseline not in [label for label, _, _ in out]:
             data, source = load(colocated_config)
-            replicas(data, lambda s: s.get("engine_args", {}).get("model_stage") == "thinker",
-                     x + y, source)
+            replicas(data, lambda s: s.get("engine_args", {}).get("model_stage") == "thinker", x + y, source)
             out.append((baseline, write(data, baseline), None))
         data, source = load(pd_config)
         replicas(data, lambda s: s.get("is_prefill_only"), x, source)
@@ -270,6 +359,7 @@ async def _handoff_totals(base_url: str) -> tuple[float, float] | None:
     """(sum of seconds, count) of the server's KV handoff histogram, from GET /metrics; None
     when it cannot be read (an older server, a proxy)."""
     import httpx
+
     try:
         async with httpx.AsyncClient(timeout=10) as http:
             text = (await http.get(f"{base_url.rstrip('/')}/metrics")).text
@@ -291,9 +381,15 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
 
 
-async def _bench_target(base_url: str, label: str, model: str | None, levels: list[int],
-                        args: argparse.Namespace, num_requests: int | None,
-                        errors: dict[str, list[str]]) -> tuple[str, list[dict], list[dict], list[dict]]:
+async def _bench_target(
+    base_url: str,
+    label: str,
+    model: str | None,
+    levels: list[int],
+    args: argparse.Namespace,
+    num_requests: int | None,
+    errors: dict[str, list[str]],
+) -> tuple[str, list[dict], list[dict], list[dict]]:
     """Every level against one server; returns the model name used, one row per closed-loop
     level, one per open-loop rate, and (--multi-turn) one per turn."""
     import openai
@@ -304,9 +400,12 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
     from .stats import summarize_level
 
     # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
-    client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1",
-                                api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
-                                max_retries=0, timeout=args.request_timeout)
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url.rstrip('/')}/v1",
+        api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
+        max_retries=0,
+        timeout=args.request_timeout,
+    )
     rows, open_rows, turn_rows = [], [], []
     slos = {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
     try:
@@ -315,15 +414,26 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
             model = listed.data[0].id
         if args.multi_turn:
             from .multi_turn import run_conversations, summarize_turns
+
             for i in range(args.warmup):
                 await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
             count = args.conversations or (2 if args.quick else 4)
-            with tqdm(total=count * args.multi_turn, desc=f"{label} {args.multi_turn} turns",
-                      unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-                by_turn = await run_conversations(client, model, args.multi_turn, count,
-                                                  args.max_tokens,
-                                                  on_done=lambda _r, bar=bar: bar.update(1),
-                                                  audio_seconds=args.audio_turns)
+            with tqdm(
+                total=count * args.multi_turn,
+                desc=f"{label} {args.multi_turn} turns",
+                unit="req",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            ) as bar:
+                by_turn = await run_conversations(
+                    client,
+                    model,
+                    args.multi_turn,
+                    count,
+                    args.max_tokens,
+                    on_done=lambda _r, bar=bar: bar.update(1),
+                    audio_seconds=args.audio_turns,
+                )
             failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
             if failures:
                 errors[f"{label} multi-turn"] = failures
@@ -334,13 +444,15 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
             for i in range(args.warmup):
                 warm = await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
                 if not warm.ok:
-                    print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}",
-                          file=sys.stderr)
+                    print(
+                        f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr
+                    )
             for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
                 name = label if endpoint == "chat" else f"{label} realtime"
                 handoffs_before = await _handoff_totals(base_url)
-                with tqdm(total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr,
-                          dynamic_ncols=True) as bar:
+                with tqdm(
+                    total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr, dynamic_ncols=True
+                ) as bar:
                     failed = 0
 
                     def done(record, bar=bar):
@@ -351,38 +463,66 @@ async def _bench_target(base_url: str, label: str, model: str | None, levels: li
                             bar.set_postfix(errors=failed)
 
                     records, wall_s = await run_level(
-                        client, model, concurrency, n, args.max_tokens, on_done=done,
-                        send=realtime_one if endpoint == "realtime" else stream_one)
+                        client,
+                        model,
+                        concurrency,
+                        n,
+                        args.max_tokens,
+                        on_done=done,
+                        send=realtime_one if endpoint == "realtime" else stream_one,
+                    )
                 failures = [r.error or "error" for r in records if not r.ok]
                 if failures:
                     errors[f"{name} c={concurrency}"] = failures
-                rows.append({"config": name, "concurrency": concurrency,
-                             **summarize_level(records, wall_s, **slos),
-                             "kv_handoff_ms_mean": _mean_handoff_ms(
-                                 handoffs_before, await _handoff_totals(base_url)),
-                             **({"endpoint": endpoint, "chat_config": label} if args.realtime
-                                else {})})
-        capacity = max((r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"),
-                       default=0.0)
+                rows.append(
+                    {
+                        "config": name,
+                        "concurrency": concurrency,
+                        **summarize_level(records, wall_s, **slos),
+                        "kv_handoff_ms_mean": _mean_handoff_ms(
+                            handoffs_before, await _handoff_totals(base_url)
+                        ),
+                        **({"endpoint": endpoint, "chat_config": label} if args.realtime else {}),
+                    }
+                )
+        capacity = max(
+            (r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"), default=0.0
+        )
         for offered, value, relative in _rates(args.request_rate):
             rate = value * capacity if relative else value
             if rate <= 0:
-                print(f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
-                      file=sys.stderr)
+                print(
+                    f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
+                    file=sys.stderr,
+                )
                 continue
-            n = args.open_loop_requests or (QUICK_OPEN_LOOP_REQUESTS if args.quick
-                                            else DEFAULT_OPEN_LOOP_REQUESTS)
-            with tqdm(total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr,
-                      dynamic_ncols=True) as bar:
-                records, wall_s = await run_open_loop(client, model, rate, n, args.max_tokens,
-                                                      seed=args.seed,
-                                                      on_done=lambda _r, bar=bar: bar.update(1))
+            n = args.open_loop_requests or (
+                QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS
+            )
+            with tqdm(
+                total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr, dynamic_ncols=True
+            ) as bar:
+                records, wall_s = await run_open_loop(
+                    client,
+                    model,
+                    rate,
+                    n,
+                    args.max_tokens,
+                    seed=args.seed,
+                    on_done=lambda _r, bar=bar: bar.update(1),
+                )
             failures = [r.error or "error" for r in records if not r.ok]
             if failures:
                 errors[f"{label} rate={offered}"] = failures
-            open_rows.append({"config": label, "offered": offered, "request_rate": rate,
-                              "capacity_req_per_s": capacity or None,
-                              **summarize_level(records, wall_s, **slos)})
+            open_rows.append(
+                {
+                    "config": label,
+                    "offered": offered,
+                    "request_rate": rate,
+                    "capacity_req_per_s": capacity or None,
+                    **summarize_level(records, wall_s, **slos),
+                }
+            )
     finally:
         await client.close()
     return model, rows, open_rows, turn_rows
@@ -392,6 +532,7 @@ def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: 
     """For each row of a config with a baseline (`--xpyd`: the colocated replicas), its req/s and
     goodput against the baseline's at the same level, measured in the same run."""
     from .stats import ratio
+
     by_level = {(r["config"], r[level_key]): r for r in rows}
     for row in rows:
         base = by_level.get((baselines.get(row["config"]), row[level_key]))
@@ -399,8 +540,7 @@ def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: 
             row["baseline"] = base["config"]
             row["req_per_s_vs_baseline"] = ratio(row["req_per_s"], base["req_per_s"])
             if "goodput_req_per_s" in row:
-                row["goodput_vs_baseline"] = ratio(row["goodput_req_per_s"],
-                                                   base.get("goodput_req_per_s"))
+                row["goodput_vs_baseline"] = ratio(row["goodput_req_per_s"], base.get("goodput_req_per_s"))
 
 
 def requests_per_level(num_requests: int | None, concurrency: int) -> int:
@@ -417,8 +557,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    from .report import (cpu_count, format_multi_turn_table, format_open_loop_table,
-                         format_table, print_errors, run_metadata, write_json, write_plot)
+    from .report import (
+        cpu_count,
+        format_multi_turn_table,
+        format_open_loop_table,
+        format_table,
+        print_errors,
+        run_metadata,
+        write_json,
+        write_plot,
+    )
     from .server import ServerProcess, ServerStartError, health_status
     from .stats import add_ratios
 
@@ -432,37 +580,47 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     if sum(map(bool, (args.base_url, args.configs, args.xpyd))) > 1:
         raise SystemExit("error: --configs, --xpyd and --base-url exclude each other")
     if args.base_url and args.ignore_eos:
-        raise SystemExit("error: --ignore-eos changes the configs bench starts servers with; for "
-                         "--base-url, set ignore_eos in that server's stage YAML instead")
-    levels = _int_list(args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY),
-                       "--concurrency")
-    num_requests = (args.num_requests if args.num_requests is not None else
-                    QUICK_NUM_REQUESTS if args.quick else None)  # None: by concurrency
+        raise SystemExit(
+            "error: --ignore-eos changes the configs bench starts servers with; for "
+            "--base-url, set ignore_eos in that server's stage YAML instead"
+        )
+    levels = _int_list(
+        args.concurrency or (QUICK_CONCURRENCY if args.quick else DEFAULT_CONCURRENCY), "--concurrency"
+    )
+    num_requests = (
+        args.num_requests if args.num_requests is not None else QUICK_NUM_REQUESTS if args.quick else None
+    )  # None: by concurrency
     if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
         raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
     if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
-        raise SystemExit("error: --audio-turns needs --multi-turn and a clip length in seconds "
-                         "above 0 and at most 30")
+        raise SystemExit(
+            "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
+        )
     server_env = _server_env(args.server_env)
     _rates(args.request_rate)  # refuse a bad rate before any server starts
     baselines: dict[str, str] = {}
 
     if args.base_url:
         from urllib.parse import urlparse
-        targets: list[tuple[str, Path | None]] = [(args.label or urlparse(args.base_url).netloc
-                                                   or args.base_url, None)]
+
+        targets: list[tuple[str, Path | None]] = [
+            (args.label or urlparse(args.base_url).netloc or args.base_url, None)
+        ]
     elif args.xpyd:
         made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
-        targets = [(label, _resolve_config(str(path), scratch, args.ignore_eos)[1])
-                   for label, path, _ in made]
+        targets = [
+            (label, _resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made
+        ]
         baselines = {label: base for label, _, base in made if base}
     else:
         defaults = [str(p) for p in DEFAULT_CONFIGS]
         if args.multi_turn:  # each default with the prefix cache on, then off
             defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
-        resolved = [_resolve_config(p, scratch, args.ignore_eos) for p in
-                    (args.configs.split(",") if args.configs else defaults)
-                    if p.strip()]
+        resolved = [
+            _resolve_config(p, scratch, args.ignore_eos)
+            for p in (args.configs.split(",") if args.configs else defaults)
+            if p.strip()
+        ]
         targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
 
     results: list[dict] = []
@@ -475,20 +633,29 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         if config is None:
             status = health_status(args.base_url.rstrip("/"), timeout_s=10)
             if status != 200:
-                print(f"error: GET {args.base_url.rstrip('/')}/health answered "
-                      f"{status or 'nothing'}, not 200", file=sys.stderr)
+                print(
+                    f"error: GET {args.base_url.rstrip('/')}/health answered {status or 'nothing'}, not 200",
+                    file=sys.stderr,
+                )
                 failures.append(f"{label}: the server is not ready")
                 continue
-            model_used, rows, open_rows, turn_rows = asyncio.run(_bench_target(
-                args.base_url, label, args.model, levels, args, num_requests, errors))
+            model_used, rows, open_rows, turn_rows = asyncio.run(
+                _bench_target(args.base_url, label, args.model, levels, args, num_requests, errors)
+            )
             results += rows
             open_loop += open_rows
             multi_turn += turn_rows
             continue
         model_used = args.model or DEFAULT_MODEL
-        server = ServerProcess(model_used, config, request_timeout_s=args.request_timeout,
-                               startup_timeout_s=args.startup_timeout, env=server_env,
-                               log_level=args.server_log_level, serve_args=args.serve_arg)
+        server = ServerProcess(
+            model_used,
+            config,
+            request_timeout_s=args.request_timeout,
+            startup_timeout_s=args.startup_timeout,
+            env=server_env,
+            log_level=args.server_log_level,
+            serve_args=args.serve_arg,
+        )
         print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
         try:
             server.start()
@@ -497,28 +664,38 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
             failures.append(f"{label}: the server did not start")
             continue
         try:
-            _, rows, open_rows, turn_rows = asyncio.run(_bench_target(
-                server.base_url, label, model_used, levels, args, num_requests, errors))
+            _, rows, open_rows, turn_rows = asyncio.run(
+                _bench_target(server.base_url, label, model_used, levels, args, num_requests, errors)
+            )
             results += rows
             open_loop += open_rows
             multi_turn += turn_rows
         finally:
             status = server.stop()
         if status not in (0, -signal.SIGTERM):
-            print(f"warning: {label}: the server exited with {status}; log {server.log_path}",
-                  file=sys.stderr)
+            print(
+                f"warning: {label}: the server exited with {status}; log {server.log_path}", file=sys.stderr
+            )
 
     add_ratios(results)
     if args.realtime:
         from .realtime import add_vs_chat
+
         add_vs_chat(results)
     add_baseline_ratios(results, baselines, "concurrency")
     add_baseline_ratios(open_loop, baselines, "offered")
     if multi_turn:
         from .multi_turn import add_uncached_ratios
+
         labels = {row["config"] for row in multi_turn}
-        add_uncached_ratios(multi_turn, {label: f"{label}@prefix_caching=false" for label in labels
-                                         if f"{label}@prefix_caching=false" in labels})
+        add_uncached_ratios(
+            multi_turn,
+            {
+                label: f"{label}@prefix_caching=false"
+                for label in labels
+                if f"{label}@prefix_caching=false" in labels
+            },
+        )
     if errors:
         print_errors(errors)
     if results:
@@ -531,16 +708,31 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         print(format_multi_turn_table(multi_turn))
     cores = cpu_count()
     meta = run_metadata(
-        ["omni-pd", *sys.argv[1:]], argv=list(sys.argv), max_tokens=args.max_tokens,
-        num_requests=[requests_per_level(num_requests, c) for c in levels], concurrency=levels,
+        ["omni-pd", *sys.argv[1:]],
+        argv=list(sys.argv),
+        max_tokens=args.max_tokens,
+        num_requests=[requests_per_level(num_requests, c) for c in levels],
+        concurrency=levels,
         warmup_requests=args.warmup,
-        quick=bool(args.quick), model=model_used, base_url=args.base_url,
+        quick=bool(args.quick),
+        model=model_used,
+        base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
-        request_timeout_s=args.request_timeout, server_env=server_env, failures=failures,
-        request_rate=args.request_rate, slo_ttft_ms=args.slo_ttft_ms, slo_ttfa_ms=args.slo_ttfa_ms,
-        seed=args.seed, xpyd=args.xpyd, baselines=baselines, serve_args=args.serve_arg,
-        multi_turn=args.multi_turn, conversations=args.conversations, audio_turns_s=args.audio_turns,
-        realtime=args.realtime)
+        request_timeout_s=args.request_timeout,
+        server_env=server_env,
+        failures=failures,
+        request_rate=args.request_rate,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_ttfa_ms=args.slo_ttfa_ms,
+        seed=args.seed,
+        xpyd=args.xpyd,
+        baselines=baselines,
+        serve_args=args.serve_arg,
+        multi_turn=args.multi_turn,
+        conversations=args.conversations,
+        audio_turns_s=args.audio_turns,
+        realtime=args.realtime,
+    )
     if args.json:
         write_json(args.json, meta, results, open_loop, multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -1,4 +1,5 @@
 """One `omni-pd serve` subprocess on a free loopback port, for the length of a `with` block."""
+
 from __future__ import annotations
 
 import os
@@ -55,9 +56,17 @@ class ServerProcess:
     The environment is inherited, with MC_LOG_LEVEL=ERROR unless set, then `env` on top. The log
     goes to a temp file, removed on a clean stop and kept (and named in errors) otherwise."""
 
-    def __init__(self, model: str, config: str | Path, *, request_timeout_s: float,
-                 startup_timeout_s: float, env: dict[str, str] | None = None,
-                 log_level: str = "INFO", serve_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: str | Path,
+        *,
+        request_timeout_s: float,
+        startup_timeout_s: float,
+        env: dict[str, str] | None = None,
+        log_level: str = "INFO",
+        serve_args: Sequence[str] = (),
+    ) -> None:
         """`serve_args`: more `omni-pd serve` options (e.g. --max-queued-requests 8)."""
         self.model, self.config = model, str(config)
         self.request_timeout_s, self.startup_timeout_s = request_timeout_s, startup_timeout_s
@@ -75,18 +84,32 @@ class ServerProcess:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", self.log_level,
-                "serve", self.model, "--stage-configs-path", self.config, "--host", HOST,
-                "--port", str(self.port), "--request-timeout", f"{self.request_timeout_s:g}",
-                *self.serve_args]
+        return [
+            sys.executable,
+            "-m",
+            "omni_pd.entrypoints.cli",
+            "--log-level",
+            self.log_level,
+            "serve",
+            self.model,
+            "--stage-configs-path",
+            self.config,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--request-timeout",
+            f"{self.request_timeout_s:g}",
+            *self.serve_args,
+        ]
 
     def start(self) -> "ServerProcess":
         self.port = free_port()
-        fd, self.log_path = tempfile.mkstemp(prefix=f"omni-pd-bench-server-{self.port}-",
-                                             suffix=".log")
+        fd, self.log_path = tempfile.mkstemp(prefix=f"omni-pd-bench-server-{self.port}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+            )
         try:
             failure = self._wait_healthy()
         except BaseException:  # Ctrl-C while waiting
@@ -97,8 +120,10 @@ class ServerProcess:
             self._keep_log = True
             self.stop()  # first, so that the log holds the shutdown too
             last = tail(self.log_path)
-            raise ServerStartError(f"{failure} ({self.config}); log {self.log_path}, "
-                                   + (f"its last lines:\n{last}" if last.strip() else "empty"))
+            raise ServerStartError(
+                f"{failure} ({self.config}); log {self.log_path}, "
+                + (f"its last lines:\n{last}" if last.strip() else "empty")
+            )
         return self
 
     def _wait_healthy(self) -> str | None:

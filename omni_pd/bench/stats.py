@@ -3,6 +3,7 @@
 Pure functions over plain numbers: no client, no server. A value that cannot be computed (no
 successful request, no inter-token gap, a zero baseline) is None, never NaN, so the JSON holds null.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,12 @@ import numpy as np
 
 # The metric keys of one result, in the order the table and the JSON show them.
 LATENCIES = ("ttft", "ttfa", "itl", "e2e")
-METRIC_KEYS = ("req_per_s", "output_tok_per_s",
-               *(f"{name}_ms_{p}" for name in LATENCIES for p in ("p50", "p99")), "errors")
+METRIC_KEYS = (
+    "req_per_s",
+    "output_tok_per_s",
+    *(f"{name}_ms_{p}" for name in LATENCIES for p in ("p50", "p99")),
+    "errors",
+)
 
 
 @dataclass
@@ -48,8 +53,7 @@ def _finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def percentiles_ms(values_s: Iterable[float | None], qs: Sequence[float] = (50, 99)
-                   ) -> list[float | None]:
+def percentiles_ms(values_s: Iterable[float | None], qs: Sequence[float] = (50, 99)) -> list[float | None]:
     """The `qs` percentiles (numpy's default, linear interpolation) of `values_s` in milliseconds;
     None values are left out, and every percentile is None when nothing is left."""
     values = [v for v in (_finite(v) for v in values_s) if v is not None]
@@ -72,14 +76,21 @@ def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_ttfa_ms: flo
         return False
     if slo_ttft_ms is not None and (record.ttft_s is None or record.ttft_s * 1e3 > slo_ttft_ms):
         return False
-    if slo_ttfa_ms is not None and not record.no_speech and (
-            record.ttfa_s is None or record.ttfa_s * 1e3 > slo_ttfa_ms):
+    if (
+        slo_ttfa_ms is not None
+        and not record.no_speech
+        and (record.ttfa_s is None or record.ttfa_s * 1e3 > slo_ttfa_ms)
+    ):
         return False
     return True
 
 
-def summarize_level(records: Sequence[RequestRecord], wall_s: float,
-                    slo_ttft_ms: float | None = None, slo_ttfa_ms: float | None = None) -> dict:
+def summarize_level(
+    records: Sequence[RequestRecord],
+    wall_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_ttfa_ms: float | None = None,
+) -> dict:
     """Throughput and latency percentiles of one level: `records` ran in `wall_s` seconds.
 
     Throughput counts successful requests only; latency percentiles are over successful requests,
@@ -96,9 +107,12 @@ def summarize_level(records: Sequence[RequestRecord], wall_s: float,
         "output_tok_per_s": ratio(tokens, wall) if done else None,
         "output_tokens": tokens,
     }
-    samples = {"ttft": [r.ttft_s for r in done],
-               "ttfa": [r.ttfa_s for r in done if not r.no_speech],
-               "itl": [gap for r in done for gap in r.itl_s], "e2e": [r.e2e_s for r in done]}
+    samples = {
+        "ttft": [r.ttft_s for r in done],
+        "ttfa": [r.ttfa_s for r in done if not r.no_speech],
+        "itl": [gap for r in done for gap in r.itl_s],
+        "e2e": [r.e2e_s for r in done],
+    }
     for name in LATENCIES:
         row[f"{name}_ms_p50"], row[f"{name}_ms_p99"] = percentiles_ms(samples[name])
     row["errors"] = len(records) - len(done)
@@ -148,7 +162,12 @@ def add_ratios(results: list[dict]) -> list[dict]:
                 other = by_level.get(row["concurrency"])
                 row[key] = ratio(row["req_per_s"], other["req_per_s"] if other else None)
                 handoff = row.get("kv_handoff_ms_mean")
-                if (handoff is not None and other is not None and other.get("kv_handoff_ms_mean") is None
-                        and row.get("ttft_ms_p50") is not None and other.get("ttft_ms_p50") is not None):
+                if (
+                    handoff is not None
+                    and other is not None
+                    and other.get("kv_handoff_ms_mean") is None
+                    and row.get("ttft_ms_p50") is not None
+                    and other.get("ttft_ms_p50") is not None
+                ):
                     row["pd_ttft_overhead_ms"] = row["ttft_ms_p50"] - other["ttft_ms_p50"] - handoff
     return results

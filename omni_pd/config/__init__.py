@@ -1,4 +1,5 @@
 """Stage YAML schema and loader: every error names file, stage, key and what to change."""
+
 from omni_pd.config.deploy import load_deploy_config
 from omni_pd.config.errors import ConfigError, ConfigIssue
 from omni_pd.config.loader import load_pipeline_config

@@ -10,6 +10,7 @@ Both resolve here before validation. omni-pd picks the streamed variant of a pro
 when `async_chunk` is on, so vllm-omni's `_async_chunk`, `_full_payload` and `_token_only`
 flavours all map to the one processor that computes the same input.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,7 +53,10 @@ def apply_processor_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
             continue
         for consumer in out:
             sources = consumer.get("engine_input_source") if isinstance(consumer, dict) else None
-            if (isinstance(sources, list) and producer.get("stage_id") in sources
-                    and not consumer.get("custom_process_input_func")):
+            if (
+                isinstance(sources, list)
+                and producer.get("stage_id") in sources
+                and not consumer.get("custom_process_input_func")
+            ):
                 consumer["custom_process_input_func"] = resolve_processor(next_func)
     return {**data, "stage_args": out}

@@ -5,6 +5,7 @@ and returns issues; none raises, so the loader can report everything at once. Wh
 failed schema validation (`complete=False`), checks that would need them are skipped rather than
 reporting misleading follow-on errors.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,7 +24,7 @@ _CHUNKED = "a chunked decoder stage runs on engine: hf"
 HF_ONLY_KEYS: dict[str, str] = {
     "kv_block_size": "set vLLM's block_size instead",
     "kv_pool_blocks": "vLLM sizes its KV cache itself (VLLM_CPU_KVCACHE_SPACE on CPU, "
-                      "gpu_memory_utilization on GPUs)",
+    "gpu_memory_utilization on GPUs)",
     "attention_kernels": "vLLM picks its own attention backend",
     "initial_codec_chunk_frames": _CHUNKED,
     "codec_chunk_frames": _CHUNKED,
@@ -60,6 +61,7 @@ def _ek(index: int, rest: str) -> str:
 
 # --- graph --------------------------------------------------------------------------------------
 
+
 def check_graph(ctx: CheckContext) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     known = sorted(ctx.known_ids)
@@ -68,11 +70,17 @@ def check_graph(ctx: CheckContext) -> list[ConfigIssue]:
         for src in stage.engine_input_source:
             key = _ek(index, "engine_input_source")
             if src == stage.stage_id:
-                issues.append(ctx.issue(stage, key, src, "ids of other stages",
-                                        "a stage cannot feed itself"))
+                issues.append(ctx.issue(stage, key, src, "ids of other stages", "a stage cannot feed itself"))
             elif src not in ctx.known_ids:
-                issues.append(ctx.issue(stage, key, src, f"one of the stage ids {known}",
-                                        f"engine_input_source names stage {src}, which does not exist"))
+                issues.append(
+                    ctx.issue(
+                        stage,
+                        key,
+                        src,
+                        f"one of the stage ids {known}",
+                        f"engine_input_source names stage {src}, which does not exist",
+                    )
+                )
             else:
                 graph[src].append(stage.stage_id)
     if ctx.runtime is not None:
@@ -81,20 +89,39 @@ def check_graph(ctx: CheckContext) -> list[ConfigIssue]:
             for end, value in (("from", edge.from_stage), ("to", edge.to_stage)):
                 if value not in ctx.known_ids:
                     ends_ok = False
-                    issues.append(ctx.issue(None, f"runtime.edges[{k}].{end}", value,
-                                            f"one of the stage ids {known}",
-                                            f"edge names stage {value}, which does not exist"))
+                    issues.append(
+                        ctx.issue(
+                            None,
+                            f"runtime.edges[{k}].{end}",
+                            value,
+                            f"one of the stage ids {known}",
+                            f"edge names stage {value}, which does not exist",
+                        )
+                    )
             if ends_ok and edge.from_stage == edge.to_stage:
-                issues.append(ctx.issue(None, f"runtime.edges[{k}]", edge.from_stage,
-                                        "two different stage ids",
-                                        "an edge cannot connect a stage to itself"))
+                issues.append(
+                    ctx.issue(
+                        None,
+                        f"runtime.edges[{k}]",
+                        edge.from_stage,
+                        "two different stage ids",
+                        "an edge cannot connect a stage to itself",
+                    )
+                )
             elif ends_ok:
                 graph[edge.from_stage].append(edge.to_stage)
     cycle = _find_cycle(graph)
     if cycle:
         path = " -> ".join(str(s) for s in cycle)
-        issues.append(ctx.issue(None, "stage_args[*].engine_input_source / runtime.edges", path,
-                                "an acyclic stage graph", f"stages form a cycle: {path}"))
+        issues.append(
+            ctx.issue(
+                None,
+                "stage_args[*].engine_input_source / runtime.edges",
+                path,
+                "an acyclic stage graph",
+                f"stages form a cycle: {path}",
+            )
+        )
     return issues
 
 
@@ -118,7 +145,7 @@ def _find_cycle(graph: dict[int, list[int]]) -> list[int] | None:
             stack[-1] = (node, i + 1)
             nxt = succ[i]
             if colour[nxt] == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if colour[nxt] == 0:
                 colour[nxt] = 1
                 stack.append((nxt, 0))
@@ -128,6 +155,7 @@ def _find_cycle(graph: dict[int, list[int]]) -> list[int] | None:
 
 # --- per-stage rules ----------------------------------------------------------------------------
 
+
 def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     for index, stage in ctx.stages:
@@ -135,28 +163,48 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
         hf_stages = registry.hf_stages()
         if args.engine == "hf" and args.model_stage not in hf_stages:
             hint = suggest(args.model_stage, hf_stages)
-            issues.append(ctx.issue(
-                stage, _ek(index, "engine_args.model_stage"), args.model_stage,
-                ", ".join(sorted(hf_stages)),
-                "no registered model has an hf engine for this model stage"
-                + (f"; did you mean '{hint}'?" if hint else "")))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "engine_args.model_stage"),
+                    args.model_stage,
+                    ", ".join(sorted(hf_stages)),
+                    "no registered model has an hf engine for this model stage"
+                    + (f"; did you mean '{hint}'?" if hint else ""),
+                )
+            )
         if args.engine == "vllm":
             for key in sorted(args.model_fields_set & HF_ONLY_KEYS.keys()):
-                issues.append(ctx.issue(
-                    stage, _ek(index, f"engine_args.{key}"), getattr(args, key),
-                    f"remove it ({HF_ONLY_KEYS[key]})",
-                    "only omni-pd's hf engine reads this key; this stage runs on engine: vllm"))
+                issues.append(
+                    ctx.issue(
+                        stage,
+                        _ek(index, f"engine_args.{key}"),
+                        getattr(args, key),
+                        f"remove it ({HF_ONLY_KEYS[key]})",
+                        "only omni-pd's hf engine reads this key; this stage runs on engine: vllm",
+                    )
+                )
         if stage.custom_process_input_func and not stage.engine_input_source:
-            issues.append(ctx.issue(
-                stage, _ek(index, "custom_process_input_func"), stage.custom_process_input_func,
-                "set engine_input_source too, or drop the function",
-                "an input processor needs source stages (engine_input_source is empty)"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "custom_process_input_func"),
+                    stage.custom_process_input_func,
+                    "set engine_input_source too, or drop the function",
+                    "an input processor needs source stages (engine_input_source is empty)",
+                )
+            )
         kv_params = stage.default_sampling_params.kv_transfer_params
         if kv_params is not None:
-            issues.append(ctx.issue(
-                stage, _ek(index, "default_sampling_params.kv_transfer_params"), kv_params,
-                "remove it",
-                "kv_transfer_params are set per request by omni-pd's P/D planning, not in the file"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "default_sampling_params.kv_transfer_params"),
+                    kv_params,
+                    "remove it",
+                    "kv_transfer_params are set per request by omni-pd's P/D planning, not in the file",
+                )
+            )
     return issues
 
 
@@ -170,18 +218,30 @@ def check_kv_extra_keys(ctx: CheckContext) -> list[ConfigIssue]:
         for key in (kv.kv_connector_extra_config.model_extra or {}) if kv else {}:
             hint = suggest(key, ours)
             if hint is not None:
-                issues.append(ctx.issue(
-                    stage, _ek(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
-                    kv.kv_connector_extra_config.model_extra[key], ", ".join(ours),
-                    f"unknown key '{key}'; did you mean '{hint}'?"))
+                issues.append(
+                    ctx.issue(
+                        stage,
+                        _ek(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
+                        kv.kv_connector_extra_config.model_extra[key],
+                        ", ".join(ours),
+                        f"unknown key '{key}'; did you mean '{hint}'?",
+                    )
+                )
     return issues
 
 
 def check_final_outputs(ctx: CheckContext) -> list[ConfigIssue]:
     if not ctx.complete or any(stage.final_output for _, stage in ctx.stages):
         return []
-    return [ctx.issue(None, "stage_args[*].final_output", False, "true on at least one stage",
-                      "no stage produces a final output")]
+    return [
+        ctx.issue(
+            None,
+            "stage_args[*].final_output",
+            False,
+            "true on at least one stage",
+            "no stage produces a final output",
+        )
+    ]
 
 
 def check_connectors(ctx: CheckContext) -> list[ConfigIssue]:
@@ -196,21 +256,32 @@ def check_connectors(ctx: CheckContext) -> list[ConfigIssue]:
                 match = pattern.match(conn_key)
                 if match is None:
                     expected = pattern.pattern.strip("^$").replace(r"(\d+)", "<stage_id>")
-                    issues.append(ctx.issue(stage, key, conn_key, expected,
-                                            "malformed connector key"))
+                    issues.append(ctx.issue(stage, key, conn_key, expected, "malformed connector key"))
                 elif int(match.group(1)) not in ctx.known_ids:
-                    issues.append(ctx.issue(stage, key, conn_key,
-                                            f"one of the stage ids {sorted(ctx.known_ids)}",
-                                            "connector key names a stage that does not exist"))
+                    issues.append(
+                        ctx.issue(
+                            stage,
+                            key,
+                            conn_key,
+                            f"one of the stage ids {sorted(ctx.known_ids)}",
+                            "connector key names a stage that does not exist",
+                        )
+                    )
                 if conn_name not in declared:
-                    issues.append(ctx.issue(
-                        stage, key, conn_name,
-                        ", ".join(sorted(declared)) or "declare it under runtime.connectors",
-                        f"connector '{conn_name}' is not declared under runtime.connectors"))
+                    issues.append(
+                        ctx.issue(
+                            stage,
+                            key,
+                            conn_name,
+                            ", ".join(sorted(declared)) or "declare it under runtime.connectors",
+                            f"connector '{conn_name}' is not declared under runtime.connectors",
+                        )
+                    )
     return issues
 
 
 # --- imports ------------------------------------------------------------------------------------
+
 
 def import_problem(dotted: str) -> str | None:
     """Why `dotted` ("pkg.mod.func") cannot be imported as a callable, or None if it can."""
@@ -225,7 +296,8 @@ def import_problem(dotted: str) -> str | None:
     if not hasattr(module, attr):
         hint = suggest(attr, [n for n in dir(module) if not n.startswith("_")])
         return f"module '{module_name}' has no attribute '{attr}'" + (
-            f"; did you mean '{hint}'?" if hint else "")
+            f"; did you mean '{hint}'?" if hint else ""
+        )
     if not callable(getattr(module, attr)):
         return f"'{dotted}' is not callable"
     return None
@@ -236,12 +308,20 @@ def check_imports(ctx: CheckContext) -> list[ConfigIssue]:
     for index, stage in ctx.stages:
         func = stage.custom_process_input_func
         if func and (problem := import_problem(func)):
-            issues.append(ctx.issue(stage, _ek(index, "custom_process_input_func"), func,
-                                    "an importable 'package.module.function'", problem))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "custom_process_input_func"),
+                    func,
+                    "an importable 'package.module.function'",
+                    problem,
+                )
+            )
     return issues
 
 
 # --- prefill / decode ---------------------------------------------------------------------------
+
 
 def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
@@ -249,24 +329,35 @@ def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
     decode = [(i, s) for i, s in ctx.stages if s.is_decode_only]
     for index, stage in ctx.stages:
         if stage.is_prefill_only and stage.is_decode_only:
-            issues.append(ctx.issue(stage, _ek(index, "is_decode_only"), True,
-                                    "set only one of is_prefill_only / is_decode_only",
-                                    "a stage cannot be both prefill-only and decode-only"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "is_decode_only"),
+                    True,
+                    "set only one of is_prefill_only / is_decode_only",
+                    "a stage cannot be both prefill-only and decode-only",
+                )
+            )
     for role, group in (("is_prefill_only", prefill), ("is_decode_only", decode)):
         if len(group) > 1:
             ids = [s.stage_id for _, s in group]
             for index, stage in group[1:]:
-                issues.append(ctx.issue(
-                    stage, _ek(index, role), True, f"{role}: true on one stage only",
-                    f"more than one {role} stage ({ids}); omni-pd supports one prefill/decode pair"))
+                issues.append(
+                    ctx.issue(
+                        stage,
+                        _ek(index, role),
+                        True,
+                        f"{role}: true on one stage only",
+                        f"more than one {role} stage ({ids}); omni-pd supports one prefill/decode pair",
+                    )
+                )
     if issues:
         return issues
     if ctx.complete and bool(prefill) != bool(decode):
         index, stage = (prefill or decode)[0]
         if prefill:
             key, message = "is_prefill_only", "prefill-only stage has no decode-only stage"
-            allowed = (f"add a stage with is_decode_only: true and "
-                       f"engine_input_source: [{stage.stage_id}]")
+            allowed = f"add a stage with is_decode_only: true and engine_input_source: [{stage.stage_id}]"
         else:
             key, message = "is_decode_only", "decode-only stage has no prefill-only stage"
             allowed = "add a stage with is_prefill_only: true that feeds this stage"
@@ -284,67 +375,134 @@ def _check_pair(
     add = issues.append
 
     if ps.stage_id not in ds.engine_input_source:
-        add(ctx.issue(ds, _ek(di, "engine_input_source"), list(ds.engine_input_source),
-                      f"a list containing {ps.stage_id}",
-                      f"decode stage must be fed by its prefill stage {ps.stage_id}"))
+        add(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_input_source"),
+                list(ds.engine_input_source),
+                f"a list containing {ps.stage_id}",
+                f"decode stage must be fed by its prefill stage {ps.stage_id}",
+            )
+        )
     for attr in ("model_stage", "engine", "tensor_parallel_size"):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
-            add(ctx.issue(ds, _ek(di, f"engine_args.{attr}"), dv, repr(pv),
-                          f"decode stage's {attr} differs from prefill stage {ps.stage_id}'s; "
-                          "the KV cache can only move between identical layouts"))
+            add(
+                ctx.issue(
+                    ds,
+                    _ek(di, f"engine_args.{attr}"),
+                    dv,
+                    repr(pv),
+                    f"decode stage's {attr} differs from prefill stage {ps.stage_id}'s; "
+                    "the KV cache can only move between identical layouts",
+                )
+            )
 
     pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
     for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
         side = "prefill" if stage is ps else "decode"
         base = _ek(index, "engine_args.kv_transfer_config")
         if kv is None:
-            add(ctx.issue(stage, base, None,
-                          f"a mapping with kv_connector and kv_role ({' or '.join(sorted(roles))})",
-                          f"{side} stage of a P/D pair needs a kv_transfer_config"))
+            add(
+                ctx.issue(
+                    stage,
+                    base,
+                    None,
+                    f"a mapping with kv_connector and kv_role ({' or '.join(sorted(roles))})",
+                    f"{side} stage of a P/D pair needs a kv_transfer_config",
+                )
+            )
             continue
         if kv.kv_role not in roles:
-            add(ctx.issue(stage, f"{base}.kv_role", kv.kv_role, " or ".join(sorted(roles)),
-                          f"wrong kv_role for the {side} side of a P/D pair"))
+            add(
+                ctx.issue(
+                    stage,
+                    f"{base}.kv_role",
+                    kv.kv_role,
+                    " or ".join(sorted(roles)),
+                    f"wrong kv_role for the {side} side of a P/D pair",
+                )
+            )
         if kv.kv_connector is None:
-            add(ctx.issue(stage, f"{base}.kv_connector", None,
-                          "a connector name, e.g. MooncakeConnector", "a P/D stage needs a kv_connector"))
+            add(
+                ctx.issue(
+                    stage,
+                    f"{base}.kv_connector",
+                    None,
+                    "a connector name, e.g. MooncakeConnector",
+                    "a P/D stage needs a kv_connector",
+                )
+            )
     if pkv is None or dkv is None:
         return issues
 
     dbase = _ek(di, "engine_args.kv_transfer_config")
     if pkv.kv_connector and dkv.kv_connector and pkv.kv_connector != dkv.kv_connector:
-        add(ctx.issue(ds, f"{dbase}.kv_connector", dkv.kv_connector, repr(pkv.kv_connector),
-                      f"kv_connector differs from prefill stage {ps.stage_id}'s; "
-                      "both sides must use the same connector"))
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.kv_connector",
+                dkv.kv_connector,
+                repr(pkv.kv_connector),
+                f"kv_connector differs from prefill stage {ps.stage_id}'s; "
+                "both sides must use the same connector",
+            )
+        )
     if pkv.engine_id is not None and pkv.engine_id == dkv.engine_id:
-        add(ctx.issue(ds, f"{dbase}.engine_id", dkv.engine_id,
-                      "an engine_id different from the prefill stage's (or omit it)",
-                      f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own"))
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.engine_id",
+                dkv.engine_id,
+                "an engine_id different from the prefill stage's (or omit it)",
+                f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own",
+            )
+        )
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
     insist = dkv.kv_connector_extra_config.kv_same_host
     if pkv.kv_connector_extra_config.kv_same_host == "off" and insist in ("shm", "cuda_ipc"):
-        add(ctx.issue(ds, f"{dbase}.kv_connector_extra_config.kv_same_host", insist,
-                      "'auto' or 'off', or kv_same_host not 'off' on the prefill stage",
-                      f"the decode stage insists on the same-host path but prefill stage "
-                      f"{ps.stage_id} sets kv_same_host 'off' (its cache is not shared memory): "
-                      "every request's handoff would fail"))
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.kv_connector_extra_config.kv_same_host",
+                insist,
+                "'auto' or 'off', or kv_same_host not 'off' on the prefill stage",
+                f"the decode stage insists on the same-host path but prefill stage "
+                f"{ps.stage_id} sets kv_same_host 'off' (its cache is not shared memory): "
+                "every request's handoff would fail",
+            )
+        )
     for stage, index, kv in ((ps, pi, pkv), (ds, di, dkv)):
         if stage.engine == "hf" and kv.kv_buffer_device not in (None, "cpu", "cuda"):
-            add(ctx.issue(stage, f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_buffer_device",
-                          kv.kv_buffer_device, "'cpu', 'cuda', or unset",
-                          "where Mooncake moves a GPU stage's KV from: 'cuda' (the GPU memory, "
-                          "needs a CUDA build of Mooncake) or 'cpu' (a pinned host copy)"))
+            add(
+                ctx.issue(
+                    stage,
+                    f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_buffer_device",
+                    kv.kv_buffer_device,
+                    "'cpu', 'cuda', or unset",
+                    "where Mooncake moves a GPU stage's KV from: 'cuda' (the GPU memory, "
+                    "needs a CUDA build of Mooncake) or 'cpu' (a pinned host copy)",
+                )
+            )
     # Replica k of a stage listens on its port + k (config/replicas.py): the ranges must not meet.
     pports = _ports(pkv.bootstrap_port, ps.runtime.num_replicas)
     dports = _ports(dkv.bootstrap_port, ds.runtime.num_replicas)
     if pports & dports:
-        port_key = ("kv_connector_extra_config.mooncake_bootstrap_port"
-                    if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None else "kv_port")
-        add(ctx.issue(ds, f"{dbase}.{port_key}", dkv.bootstrap_port,
-                      "a port different from the prefill stage's"
-                      + (" and its replicas' (port + replica index)" if len(pports) > 1 else ""),
-                      f"bootstrap port is shared with prefill stage {ps.stage_id}"))
+        port_key = (
+            "kv_connector_extra_config.mooncake_bootstrap_port"
+            if dkv.kv_connector_extra_config.mooncake_bootstrap_port is not None
+            else "kv_port"
+        )
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.{port_key}",
+                dkv.bootstrap_port,
+                "a port different from the prefill stage's"
+                + (" and its replicas' (port + replica index)" if len(pports) > 1 else ""),
+                f"bootstrap port is shared with prefill stage {ps.stage_id}",
+            )
+        )
     return issues
 
 
@@ -353,8 +511,11 @@ def _ports(first: int | None, replicas: int) -> set[int]:
 
 
 def _check_handoff_keys(
-    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig],
-    pkv: KVTransferConfig, dkv: KVTransferConfig,
+    ctx: CheckContext,
+    p: tuple[int, StageConfig],
+    d: tuple[int, StageConfig],
+    pkv: KVTransferConfig,
+    dkv: KVTransferConfig,
 ) -> list[ConfigIssue]:
     """The decode stage's handoff keys govern the pair: a prefill stage may repeat them, not
     contradict them (a reader of the prefill stage would believe the wrong value)."""
@@ -365,12 +526,17 @@ def _check_handoff_keys(
         pv, dv = getattr(pextra, key), getattr(dextra, key)
         if key in pextra.model_fields_set and pv != dv:
             source = "sets" if key in dextra.model_fields_set else "uses the default"
-            issues.append(ctx.issue(
-                ps, _ek(pi, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"), pv,
-                f"{dv!r} (decode stage {ds.stage_id}'s value), or remove it here",
-                f"{key} differs between prefill stage {ps.stage_id} ({pv!r}) and decode stage "
-                f"{ds.stage_id}, which {source} {dv!r}; the decode stage's value governs the "
-                "handoff: set it there"))
+            issues.append(
+                ctx.issue(
+                    ps,
+                    _ek(pi, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
+                    pv,
+                    f"{dv!r} (decode stage {ds.stage_id}'s value), or remove it here",
+                    f"{key} differs between prefill stage {ps.stage_id} ({pv!r}) and decode stage "
+                    f"{ds.stage_id}, which {source} {dv!r}; the decode stage's value governs the "
+                    "handoff: set it there",
+                )
+            )
     return issues
 
 
@@ -384,11 +550,16 @@ def check_replicas(ctx: CheckContext) -> list[ConfigIssue]:
         tp = stage.engine_args.tensor_parallel_size
         have = len([d for d in devices.split(",") if d.strip()])
         if have < replicas * tp:
-            issues.append(ctx.issue(
-                stage, _ek(index, "runtime.num_replicas"), replicas,
-                f"at most {have // tp} with these devices, or list {replicas * tp} devices",
-                f"{replicas} replicas of tensor_parallel_size {tp} need {replicas * tp} devices, "
-                f"but runtime.devices lists {have} ({devices!r})"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "runtime.num_replicas"),
+                    replicas,
+                    f"at most {have // tp} with these devices, or list {replicas * tp} devices",
+                    f"{replicas} replicas of tensor_parallel_size {tp} need {replicas * tp} devices, "
+                    f"but runtime.devices lists {have} ({devices!r})",
+                )
+            )
     return issues
 
 
@@ -402,25 +573,47 @@ def check_worker_backend(ctx: CheckContext) -> list[ConfigIssue]:
         backend = stage.engine_args.distributed_executor_backend
         # vLLM stages hand the key on to vLLM too (its own executor: uni, mp, ray, ...).
         if stage.engine == "hf" and backend is not None and backend not in WORKER_BACKENDS:
-            issues.append(ctx.issue(
-                stage, _ek(index, "engine_args.distributed_executor_backend"), backend,
-                "mp (a local worker process) or ray (a Ray actor)",
-                "omni-pd runs each stage worker as a local process or a Ray actor"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "engine_args.distributed_executor_backend"),
+                    backend,
+                    "mp (a local worker process) or ray (a Ray actor)",
+                    "omni-pd runs each stage worker as a local process or a Ray actor",
+                )
+            )
         if backend == "ray" and not stage.runtime.process:
-            issues.append(ctx.issue(
-                stage, _ek(index, "runtime.process"), False, "true, or drop the ray backend",
-                "a Ray actor is a process of its own; an in-process stage cannot be one"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "runtime.process"),
+                    False,
+                    "true, or drop the ray backend",
+                    "a Ray actor is a process of its own; an in-process stage cannot be one",
+                )
+            )
         if stage.runtime.ray_resources and backend != "ray":
-            issues.append(ctx.issue(
-                stage, _ek(index, "runtime.ray_resources"), dict(stage.runtime.ray_resources),
-                "distributed_executor_backend: ray on this stage, or remove ray_resources",
-                "Ray resources place Ray actors; this stage runs as a local process"))
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "runtime.ray_resources"),
+                    dict(stage.runtime.ray_resources),
+                    "distributed_executor_backend: ray on this stage, or remove ray_resources",
+                    "Ray resources place Ray actors; this stage runs as a local process",
+                )
+            )
     return issues
 
 
 ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
-    check_graph, check_stage_rules, check_kv_extra_keys, check_final_outputs, check_connectors,
-    check_pd, check_replicas, check_worker_backend,
+    check_graph,
+    check_stage_rules,
+    check_kv_extra_keys,
+    check_final_outputs,
+    check_connectors,
+    check_pd,
+    check_replicas,
+    check_worker_backend,
 )
 
 

@@ -7,6 +7,7 @@ the validator's issues name `stage_args[i].engine_args.<key>` in a document nobo
 (`platforms.<name>.stages[stage_id=N].<key>`), a pipeline-wide top-level key, a connector's
 `extra` (code2wav's chunking) or an `edges` entry.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,15 @@ class DeployKeyMap:
 
         def rename(text: str | None) -> str | None:
             return None if text is None else text.replace("runtime.connectors", "connectors")
-        return dataclasses.replace(issue, file=file, stage_id=stage_id, key=key,
-                                   message=rename(issue.message), allowed=rename(issue.allowed))
+
+        return dataclasses.replace(
+            issue,
+            file=file,
+            stage_id=stage_id,
+            key=key,
+            message=rename(issue.message),
+            allowed=rename(issue.allowed),
+        )
 
     def _stage_location(self, sid: int, rest: str) -> tuple[str, str]:
         section, _, tail = rest.partition(".")
@@ -63,8 +71,10 @@ class DeployKeyMap:
             if source is not None and source[0] == "top":
                 return self.doc.origin((first,)).file, tail
             if source is not None and source[0] == "connector":
-                return (self.doc.origin(("connectors", source[1])).file,
-                        f"connectors.{source[1]}.extra.{tail}")
+                return (
+                    self.doc.origin(("connectors", source[1])).file,
+                    f"connectors.{source[1]}.extra.{tail}",
+                )
             origin = self.stage_origin(sid, first)
             return origin.file, origin.stage_key(sid, tail)
         if section == "runtime" and tail:

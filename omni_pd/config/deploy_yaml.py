@@ -11,6 +11,7 @@ key by key at every depth, and scalars and lists are replaced.
 Every value keeps its origin (file, and `platforms.<name>.` when a platform section set it), so
 a problem is reported against the file and key a user has to edit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -68,8 +69,7 @@ def merge_values(base: Any, overlay: Any) -> Any:
     return overlay
 
 
-def merge_stage_lists(base: list[dict[str, Any]], overlay: list[dict[str, Any]]
-                      ) -> list[dict[str, Any]]:
+def merge_stage_lists(base: list[dict[str, Any]], overlay: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Merge two flat-form stage lists by stage_id (base order kept, new ids appended)."""
     by_id: dict[int, dict[str, Any]] = {s["stage_id"]: s for s in base}
     for stage in overlay:
@@ -87,8 +87,10 @@ def merge_documents(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, 
             platforms = dict(base.get("platforms") or {})
             for name, section in value.items():
                 old = platforms.get(name) or {}
-                merged = merge_values({k: v for k, v in old.items() if k != "stages"},
-                                      {k: v for k, v in section.items() if k != "stages"})
+                merged = merge_values(
+                    {k: v for k, v in old.items() if k != "stages"},
+                    {k: v for k, v in section.items() if k != "stages"},
+                )
                 merged["stages"] = merge_stage_lists(old.get("stages", []), section.get("stages", []))
                 platforms[name] = merged
             out[key] = platforms
@@ -97,8 +99,7 @@ def merge_documents(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, 
     return out
 
 
-def flat_stage(raw: Mapping[str, Any], where: str, file: str, issues: list[ConfigIssue]
-               ) -> dict[str, Any]:
+def flat_stage(raw: Mapping[str, Any], where: str, file: str, issues: list[ConfigIssue]) -> dict[str, Any]:
     """A stage entry in flat form (see the module docstring)."""
     nested = {}
     for name in (*_NESTED_ENGINE_KEYS, "runtime"):
@@ -108,8 +109,16 @@ def flat_stage(raw: Mapping[str, Any], where: str, file: str, issues: list[Confi
         if isinstance(value, Mapping):
             nested[name] = value
         else:
-            issues.append(ConfigIssue(file, raw.get("stage_id"), f"{where}.{name}", value,
-                                      "a mapping of keys to values", f"{name} must be a mapping"))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    raw.get("stage_id"),
+                    f"{where}.{name}",
+                    value,
+                    "a mapping of keys to values",
+                    f"{name} must be a mapping",
+                )
+            )
     out: dict[str, Any] = dict(nested.get("engine_extras", {}))
     flat = {k: v for k, v in raw.items() if k not in (*_NESTED_ENGINE_KEYS, "runtime")}
     out = merge_values(out, flat)
@@ -126,25 +135,49 @@ def flat_stage(raw: Mapping[str, Any], where: str, file: str, issues: list[Confi
 def _stage_list(value: Any, where: str, file: str, issues: list[ConfigIssue]) -> list[dict[str, Any]]:
     """Flat-form stages of a `stages:` list; malformed entries are reported and left out."""
     if not isinstance(value, list):
-        issues.append(ConfigIssue(file, None, where, value, "a list of stage mappings with a stage_id",
-                                  f"{where} must be a list"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                where,
+                value,
+                "a list of stage mappings with a stage_id",
+                f"{where} must be a list",
+            )
+        )
         return []
     out, seen = [], {}
     for index, raw in enumerate(value):
         at = f"{where}[{index}]"
         if not isinstance(raw, Mapping):
-            issues.append(ConfigIssue(file, None, at, raw, "a mapping with a stage_id",
-                                      "stage entry is not a mapping"))
+            issues.append(
+                ConfigIssue(file, None, at, raw, "a mapping with a stage_id", "stage entry is not a mapping")
+            )
             continue
         sid = raw.get("stage_id")
         if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
-            issues.append(ConfigIssue(file, None, f"{at}.stage_id", sid, "an integer >= 0",
-                                      "every stage entry needs its stage_id"))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    None,
+                    f"{at}.stage_id",
+                    sid,
+                    "an integer >= 0",
+                    "every stage entry needs its stage_id",
+                )
+            )
             continue
         if sid in seen:
-            issues.append(ConfigIssue(file, sid, f"{at}.stage_id", sid,
-                                      "one entry per stage_id (merge the two entries)",
-                                      f"duplicate stage_id; {where}[{seen[sid]}] already uses {sid}"))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    sid,
+                    f"{at}.stage_id",
+                    sid,
+                    "one entry per stage_id (merge the two entries)",
+                    f"duplicate stage_id; {where}[{seen[sid]}] already uses {sid}",
+                )
+            )
             continue
         seen[sid] = index
         out.append(flat_stage(raw, at, file, issues))
@@ -153,39 +186,69 @@ def _stage_list(value: Any, where: str, file: str, issues: list[ConfigIssue]) ->
 
 def _platforms(value: Any, file: str, issues: list[ConfigIssue]) -> dict[str, dict[str, Any]]:
     if not isinstance(value, Mapping):
-        issues.append(ConfigIssue(file, None, "platforms", value,
-                                  f"a mapping of platform names ({', '.join(PLATFORMS)}) to sections",
-                                  "platforms must be a mapping"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                "platforms",
+                value,
+                f"a mapping of platform names ({', '.join(PLATFORMS)}) to sections",
+                "platforms must be a mapping",
+            )
+        )
         return {}
     out = {}
     for name, section in value.items():
         where = f"platforms.{name}"
         if name not in PLATFORMS:
             hint = suggest(str(name), PLATFORMS)
-            issues.append(ConfigIssue(file, None, where, name, ", ".join(PLATFORMS),
-                                      f"unknown platform '{name}'"
-                                      + (f"; did you mean '{hint}'?" if hint else "")))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    None,
+                    where,
+                    name,
+                    ", ".join(PLATFORMS),
+                    f"unknown platform '{name}'" + (f"; did you mean '{hint}'?" if hint else ""),
+                )
+            )
             continue
         if section is None:
             section = {}
         if not isinstance(section, Mapping):
-            issues.append(ConfigIssue(file, None, where, section, "a mapping with a stages list",
-                                      "a platform section must be a mapping"))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    None,
+                    where,
+                    section,
+                    "a mapping with a stages list",
+                    "a platform section must be a mapping",
+                )
+            )
             continue
         for key in section:
             if key not in PLATFORM_SECTION_KEYS:
                 hint = suggest(str(key), PLATFORM_SECTION_KEYS)
-                issues.append(ConfigIssue(file, None, f"{where}.{key}", section[key],
-                                          ", ".join(sorted(PLATFORM_SECTION_KEYS)),
-                                          f"unknown key '{key}' in a platform section"
-                                          + (f"; did you mean '{hint}'?" if hint else "")))
+                issues.append(
+                    ConfigIssue(
+                        file,
+                        None,
+                        f"{where}.{key}",
+                        section[key],
+                        ", ".join(sorted(PLATFORM_SECTION_KEYS)),
+                        f"unknown key '{key}' in a platform section"
+                        + (f"; did you mean '{hint}'?" if hint else ""),
+                    )
+                )
         out[name] = {k: v for k, v in section.items() if k in PLATFORM_SECTION_KEYS}
         out[name]["stages"] = _stage_list(section.get("stages", []), f"{where}.stages", file, issues)
     return out
 
 
-def _own_document(raw: Mapping[str, Any], file: str, issues: list[ConfigIssue]
-                  ) -> tuple[dict[str, Any], dict[OriginKey, Origin]]:
+def _own_document(
+    raw: Mapping[str, Any], file: str, issues: list[ConfigIssue]
+) -> tuple[dict[str, Any], dict[OriginKey, Origin]]:
     """One file's document in flat form, with the origin of each of its values."""
     data = dict(raw)
     origins: dict[OriginKey, Origin] = {}
@@ -216,15 +279,20 @@ def read_deploy_document(path: str | Path) -> DeployDocument:
     return doc
 
 
-def _resolve(path: Path, file: str, seen: tuple[Path, ...], issues: list[ConfigIssue]
-             ) -> DeployDocument:
+def _resolve(path: Path, file: str, seen: tuple[Path, ...], issues: list[ConfigIssue]) -> DeployDocument:
     raw = read_yaml_mapping(path, file)
     if "stage_args" in raw:
-        issues.append(ConfigIssue(
-            file, None, "stage_args", "a top-level stage_args list",
-            "a deploy file's `stages` list, or pass this file with --stage-configs-path (omni-pd "
-            "loads both schemas)",
-            "this is vllm-omni's legacy stage_args schema, not a deploy file"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                "stage_args",
+                "a top-level stage_args list",
+                "a deploy file's `stages` list, or pass this file with --stage-configs-path (omni-pd "
+                "loads both schemas)",
+                "this is vllm-omni's legacy stage_args schema, not a deploy file",
+            )
+        )
         return DeployDocument(file, {})
     data, origins = _own_document(raw, file, issues)
     base_ref = data.pop("base_config", None)
@@ -233,25 +301,47 @@ def _resolve(path: Path, file: str, seen: tuple[Path, ...], issues: list[ConfigI
     if base_ref is None:
         return doc
     if not isinstance(base_ref, str) or not base_ref:
-        issues.append(ConfigIssue(file, None, "base_config", base_ref,
-                                  "a path to another deploy YAML, relative to this file's directory",
-                                  "base_config must be a file path"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                "base_config",
+                base_ref,
+                "a path to another deploy YAML, relative to this file's directory",
+                "base_config must be a file path",
+            )
+        )
         return doc
     base_path = path.parent / base_ref
     if base_path.resolve() in (*seen, path.resolve()):
-        issues.append(ConfigIssue(file, None, "base_config", base_ref,
-                                  "a base file that does not inherit from this one",
-                                  f"base_config cycle: {base_path} is already in the chain"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                "base_config",
+                base_ref,
+                "a base file that does not inherit from this one",
+                f"base_config cycle: {base_path} is already in the chain",
+            )
+        )
         return doc
     if not base_path.is_file():
-        issues.append(ConfigIssue(file, None, "base_config", base_ref,
-                                  f"a path relative to {path.parent}",
-                                  f"base file {base_path} not found"))
+        issues.append(
+            ConfigIssue(
+                file,
+                None,
+                "base_config",
+                base_ref,
+                f"a path relative to {path.parent}",
+                f"base file {base_path} not found",
+            )
+        )
         return doc
     try:
         base = _resolve(base_path, str(base_path), (*seen, path.resolve()), issues)
     except ConfigError as exc:  # the base file is unreadable or not YAML
         issues.extend(exc.issues)
         return doc
-    return DeployDocument(file, merge_documents(base.data, data), {**base.origins, **origins},
-                          (file, *base.files))
+    return DeployDocument(
+        file, merge_documents(base.data, data), {**base.origins, **origins}, (file, *base.files)
+    )

@@ -8,6 +8,7 @@ runs every hf stage on the CPU anyway, said in one log line: how a GPU config is
 laptop. Ray stages are placed on other nodes, whose GPUs this host cannot see: the worker makes
 the same check where it runs (`stage_device`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,14 +39,18 @@ def _visibility_problem(stage, visible: int) -> str | None:
     if not wanted:
         return None
     if visible == 0:
-        return (f"{_stage_name(stage)}: runtime.devices is {devices!r}, but no CUDA device is "
-                "visible to torch on this host (torch.cuda.is_available() is False); remove "
-                "runtime.devices to run the stage on the CPU")
+        return (
+            f"{_stage_name(stage)}: runtime.devices is {devices!r}, but no CUDA device is "
+            "visible to torch on this host (torch.cuda.is_available() is False); remove "
+            "runtime.devices to run the stage on the CPU"
+        )
     bad = [d for d in wanted if not d.isdigit() or int(d) >= visible]
     if bad:
-        return (f"{_stage_name(stage)}: runtime.devices is {devices!r}, but torch sees {visible} "
-                f"CUDA device(s) (0..{visible - 1}); {bad} is not one of them: name visible GPU "
-                "indices (as CUDA_VISIBLE_DEVICES renumbers them)")
+        return (
+            f"{_stage_name(stage)}: runtime.devices is {devices!r}, but torch sees {visible} "
+            f"CUDA device(s) (0..{visible - 1}); {bad} is not one of them: name visible GPU "
+            "indices (as CUDA_VISIBLE_DEVICES renumbers them)"
+        )
     return None
 
 
@@ -58,9 +63,11 @@ def device_problems(config: PipelineConfig, cuda_devices: int) -> list[str]:
             continue  # vLLM places and shards its own stages
         tp = stage.engine_args.tensor_parallel_size
         if tp > 1:
-            problems.append(f"{_stage_name(stage)}: engine_args.tensor_parallel_size is {tp}, but "
-                            "the hf engine runs a stage in one process on one device; set it to "
-                            "1, or use engine: vllm for tensor parallelism")
+            problems.append(
+                f"{_stage_name(stage)}: engine_args.tensor_parallel_size is {tp}, but "
+                "the hf engine runs a stage in one process on one device; set it to "
+                "1, or use engine: vllm for tensor parallelism"
+            )
         if stage.engine_args.distributed_executor_backend == "ray":
             continue
         problem = _visibility_problem(stage, cuda_devices)
@@ -71,11 +78,13 @@ def device_problems(config: PipelineConfig, cuda_devices: int) -> list[str]:
 
 def visible_cuda_devices() -> int:
     import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_devices(config: PipelineConfig, device: str = "auto",
-                  cuda_devices: int | None = None) -> PipelineConfig:
+def check_devices(
+    config: PipelineConfig, device: str = "auto", cuda_devices: int | None = None
+) -> PipelineConfig:
     """The config the workers run: as given, or (with `device="cpu"`) with every hf stage's
     GPUs set aside, said in one log line. Raises DeviceError listing every device promise the
     hf stages cannot keep."""
@@ -83,20 +92,28 @@ def check_devices(config: PipelineConfig, device: str = "auto",
         raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
     if device == "cpu":
         aside = [p.split(", but")[0] for p in device_problems(config, cuda_devices=0)]
-        log.info("--device cpu: every hf stage runs on the CPU%s",
-                 ("; set aside: " + "; ".join(aside)) if aside else "")
+        log.info(
+            "--device cpu: every hf stage runs on the CPU%s",
+            ("; set aside: " + "; ".join(aside)) if aside else "",
+        )
         return on_cpu(config)
     problems = device_problems(config, visible_cuda_devices() if cuda_devices is None else cuda_devices)
     if problems:
-        raise DeviceError("\n".join(problems) + "\n(or pass --device cpu / Omni(device='cpu') to "
-                          "run every hf stage on the CPU, e.g. to try a GPU config without a GPU)")
+        raise DeviceError(
+            "\n".join(problems) + "\n(or pass --device cpu / Omni(device='cpu') to "
+            "run every hf stage on the CPU, e.g. to try a GPU config without a GPU)"
+        )
     return config
 
 
 def on_cpu(config: PipelineConfig) -> PipelineConfig:
     """The config with no GPUs asked for hf stages (so none are reserved, by Ray either)."""
-    stages = [s.model_copy(update={"runtime": s.runtime.model_copy(update={"devices": None})})
-              if s.engine == "hf" and s.runtime.devices else s for s in config.stages]
+    stages = [
+        s.model_copy(update={"runtime": s.runtime.model_copy(update={"devices": None})})
+        if s.engine == "hf" and s.runtime.devices
+        else s
+        for s in config.stages
+    ]
     return config.model_copy(update={"stage_args": tuple(stages)})
 
 

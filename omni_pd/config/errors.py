@@ -3,6 +3,7 @@
 Every problem becomes one `ConfigIssue` naming the file, the stage, the dotted key, the value found
 and what would be accepted; `ConfigError` carries all of them so a user fixes a file in one pass.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Load a stage YAML into a `PipelineConfig`: a legacy `stage_args` file or a vllm-omni 0.30
 deploy file, told apart by their keys. Either way one `ConfigError` lists every problem."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@
 Unknown keys get a "did you mean" suggestion computed from the keys allowed at that exact place,
 found by walking the schema types along the error's location.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -121,7 +122,4 @@ def issues_from_validation_error(
     exc: ValidationError, root: type, file: str, stage_id: int | None = None, prefix: Loc = ()
 ) -> list[ConfigIssue]:
     """One issue per pydantic error; `prefix` is where `root` sits in the file."""
-    return [
-        _issue_from_error(err, root, file, stage_id, prefix)
-        for err in exc.errors(include_url=False)
-    ]
+    return [_issue_from_error(err, root, file, stage_id, prefix) for err in exc.errors(include_url=False)]

@@ -5,6 +5,7 @@ workers of one stage would collide: its share of `runtime.devices`, its KV `engi
 fixed Mooncake bootstrap port (replica k listens on the file's port + k). The engines never
 learn that they are replicas.
 """
+
 from __future__ import annotations
 
 from .schema import StageConfig
@@ -22,7 +23,7 @@ def _replica(stage: StageConfig, k: int) -> StageConfig:
     if runtime.devices:
         tp = stage.engine_args.tensor_parallel_size
         devices = [d.strip() for d in runtime.devices.split(",") if d.strip()]
-        runtime = runtime.model_copy(update={"devices": ",".join(devices[k * tp:(k + 1) * tp])})
+        runtime = runtime.model_copy(update={"devices": ",".join(devices[k * tp : (k + 1) * tp])})
     args = stage.engine_args
     kv = args.kv_transfer_config
     if kv is not None:
@@ -34,7 +35,8 @@ def _replica(stage: StageConfig, k: int) -> StageConfig:
         extra = kv.kv_connector_extra_config
         if extra.mooncake_bootstrap_port is not None:
             update["kv_connector_extra_config"] = extra.model_copy(
-                update={"mooncake_bootstrap_port": extra.mooncake_bootstrap_port + k})
+                update={"mooncake_bootstrap_port": extra.mooncake_bootstrap_port + k}
+            )
         if update:
             args = args.model_copy(update={"kv_transfer_config": kv.model_copy(update=update)})
     return stage.model_copy(update={"runtime": runtime, "engine_args": args})

@@ -4,6 +4,7 @@ Pydantic v2, `extra="forbid"` and frozen everywhere except where a connector def
 (`kv_connector_extra_config`). The models check shape and types only; rules that span keys or
 stages (P/D pairing, graph, imports) live in `checks.py` so that every problem can be collected.
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
@@ -21,7 +22,8 @@ FinalOutputType = Literal["text", "audio", "image", "video", "latent"]
 ENGINE_OUTPUT_TYPES: frozenset[str] = frozenset({"text", "image", "audio", "latent", "token_ids"})
 # Keys only omni-pd reads; never forwarded to vLLM.
 OMNI_PD_ENGINE_ARG_NAMES: frozenset[str] = frozenset(
-    {"engine", "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s"})
+    {"engine", "kv_block_size", "kv_pool_blocks", "kv_lease_timeout_s"}
+)
 
 DEFAULT_MAX_NUM_SEQS = 64  # as vllm-omni's stage configs
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -60,13 +62,22 @@ class KVConnectorExtraConfig(BaseModel):
     # refused (the decode stage's value governs the pair).
     require_identical_kernels: StrictBool = False
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
-        "kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
-        "kv_breaker_cooldown_s", "kv_fallback")
+        "kv_miss_window_s",
+        "kv_handoff_deadline_s",
+        "kv_breaker_threshold",
+        "kv_breaker_cooldown_s",
+        "kv_fallback",
+    )
     # Keys of the pair that the decode stage's value governs (a prefill stage may repeat them).
     DECODE_GOVERNED_KEYS: ClassVar[tuple[str, ...]] = HANDOFF_KEYS + ("require_identical_kernels",)
 
-    @field_validator("kv_miss_window_s", "kv_handoff_deadline_s", "kv_breaker_threshold",
-                     "kv_breaker_cooldown_s", mode="before")
+    @field_validator(
+        "kv_miss_window_s",
+        "kv_handoff_deadline_s",
+        "kv_breaker_threshold",
+        "kv_breaker_cooldown_s",
+        mode="before",
+    )
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
         # pydantic reads `true` as 1; a flag where a number belongs is a mistake, not a 1.
@@ -84,10 +95,12 @@ class KVConnectorExtraConfig(BaseModel):
             raise ValueError(
                 f"kv_miss_window_s ({window:g}) must be below kv_handoff_deadline_s ({deadline:g}"
                 f"{'' if 'kv_handoff_deadline_s' in self.model_fields_set else ', the default'}): "
-                "lower kv_miss_window_s or raise kv_handoff_deadline_s")
+                "lower kv_miss_window_s or raise kv_handoff_deadline_s"
+            )
         raise ValueError(
             f"kv_handoff_deadline_s ({deadline:g}) must be above kv_miss_window_s ({window:g}, "
-            "the default): raise kv_handoff_deadline_s or lower kv_miss_window_s")
+            "the default): raise kv_handoff_deadline_s or lower kv_miss_window_s"
+        )
 
 
 class KVTransferConfig(_Model):
@@ -183,18 +196,23 @@ class _TypedEngineArgs(_Model):
 
 
 # The keys each registered model's hf stages read, typed as the model declares them.
-_MODEL_KEYS = {name: (arg.annotation, arg.default) for name, arg in registry.model_engine_args().items()
-               if name not in _TypedEngineArgs.model_fields}
+_MODEL_KEYS = {
+    name: (arg.annotation, arg.default)
+    for name, arg in registry.model_engine_args().items()
+    if name not in _TypedEngineArgs.model_fields
+}
 # The remaining allowed keys are declared as untyped optional fields (vLLM validates them) so that
 # `extra="forbid"` rejects anything outside the allow-list with the key's exact location.
 _PASSTHROUGH = sorted(
-    (VLLM_ENGINE_ARG_NAMES | VLLM_OMNI_ENGINE_ARG_NAMES) - set(_TypedEngineArgs.model_fields) - set(_MODEL_KEYS)
+    (VLLM_ENGINE_ARG_NAMES | VLLM_OMNI_ENGINE_ARG_NAMES)
+    - set(_TypedEngineArgs.model_fields)
+    - set(_MODEL_KEYS)
 )
 EngineArgsConfig = create_model(  # type: ignore[call-overload]
     "EngineArgsConfig",
     __base__=_TypedEngineArgs,
     __doc__="A stage's engine_args: typed omni-pd keys (generic, and those the registered models "
-            "declare) plus allow-listed vLLM / vllm-omni keys.",
+    "declare) plus allow-listed vLLM / vllm-omni keys.",
     **_MODEL_KEYS,
     **{name: (Any, None) for name in _PASSTHROUGH},
 )
@@ -234,8 +252,10 @@ class StageRuntime(_Model):
     def _env_values_as_text(cls, value: Any) -> Any:
         # YAML reads `OMP_NUM_THREADS: 4` as a number; the environment holds text.
         if isinstance(value, dict):
-            return {k: str(v).lower() if isinstance(v, bool) else
-                    str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
+            return {
+                k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, (int, float)) else v
+                for k, v in value.items()
+            }
         return value
 
     @field_validator("devices", mode="before")

@@ -4,6 +4,7 @@ raise one `ConfigError` listing every problem.
 Stages are validated one by one so a typo in one stage does not hide problems in another; the
 cross-stage checks then run on the stages that validated.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -29,29 +30,44 @@ def pipeline_config_from_dict(
 
     if not isinstance(raw_stages, list) or not raw_stages:
         message = "stage_args is missing or empty" if not raw_stages else "stage_args must be a list"
-        issues.append(ConfigIssue(file, None, "stage_args", raw_stages,
-                                  "a non-empty list of stage mappings", message))
+        issues.append(
+            ConfigIssue(file, None, "stage_args", raw_stages, "a non-empty list of stage mappings", message)
+        )
         raw_stages = []
     for index, raw in enumerate(raw_stages):
         if not isinstance(raw, Mapping):
-            issues.append(ConfigIssue(file, None, f"stage_args[{index}]", raw,
-                                      "a mapping with stage_id, engine_args, ...",
-                                      "stage entry is not a mapping"))
+            issues.append(
+                ConfigIssue(
+                    file,
+                    None,
+                    f"stage_args[{index}]",
+                    raw,
+                    "a mapping with stage_id, engine_args, ...",
+                    "stage entry is not a mapping",
+                )
+            )
             continue
         stage_id = raw.get("stage_id") if _is_int(raw.get("stage_id")) else None
         if stage_id is not None:
             if stage_id in ids_seen:
-                issues.append(ConfigIssue(
-                    file, stage_id, f"stage_args[{index}].stage_id", stage_id,
-                    "a stage_id no other stage uses",
-                    f"duplicate stage_id; stage_args[{ids_seen[stage_id]}] already uses {stage_id}"))
+                issues.append(
+                    ConfigIssue(
+                        file,
+                        stage_id,
+                        f"stage_args[{index}].stage_id",
+                        stage_id,
+                        "a stage_id no other stage uses",
+                        f"duplicate stage_id; stage_args[{ids_seen[stage_id]}] already uses {stage_id}",
+                    )
+                )
             else:
                 ids_seen[stage_id] = index
         try:
             valid.append((index, StageConfig.model_validate(dict(raw))))
         except ValidationError as exc:
-            issues.extend(issues_from_validation_error(
-                exc, StageConfig, file, stage_id, ("stage_args", index)))
+            issues.extend(
+                issues_from_validation_error(exc, StageConfig, file, stage_id, ("stage_args", index))
+            )
 
     # Validate the top level with the good stages only; stage problems are already reported.
     top = {**data, "stage_args": [stage for _, stage in valid]}

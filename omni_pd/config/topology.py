@@ -6,6 +6,7 @@ batch sizes, sampling defaults, connectors) keyed by `stage_id`. omni-pd keeps t
 a model package describes its pipelines with these types (see
 `omni_pd.models.qwen3_omni.topology`) and `omni_pd.config.deploy` merges a deploy file onto one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,5 +57,5 @@ class Topology:
         return next((s for s in self.stages if s.stage_id == stage_id), None)
 
     def describe(self) -> str:
-        """"0 thinker, 1 talker, 2 code2wav" for messages."""
+        """ "0 thinker, 1 talker, 2 code2wav" for messages."""
         return ", ".join(f"{s.stage_id} {s.label}" for s in self.stages)

@@ -1,4 +1,5 @@
 """Read a YAML file whose top level must be a mapping; any failure is one `ConfigError`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +28,9 @@ def read_yaml_mapping(path: Path, file: str) -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or str(exc)
         raise fail(None, "valid YAML", f"not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise fail(type(data).__name__,
-                   "a mapping with a top-level 'stage_args' list (or 'stages': a deploy file)",
-                   "the file's top level is not a mapping")
+        raise fail(
+            type(data).__name__,
+            "a mapping with a top-level 'stage_args' list (or 'stages': a deploy file)",
+            "the file's top level is not a mapping",
+        )
     return data

@@ -7,6 +7,7 @@ model for the requests it picked) and returns per-request outputs: streamed toke
 one final record (or error) per finished request. The worker calls `step()` while
 `has_unfinished_requests()`; nothing else drives the engine.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -78,9 +79,15 @@ class StageEngine(ABC):
     device: str = "cpu"
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False,
-                    chunk_sizes: tuple[int, int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        stream: bool = False,
+        chunks: bool = False,
+        chunk_sizes: tuple[int, int] | None = None,
+    ) -> None:
         """Queue a request built for this stage. Raises ValueError, with a message naming what to
         change, for a request this engine can never run. `stream` asks for token deltas (a text
         stage) or chunks (a stage whose only streamed output is chunks); `chunks` asks a text
@@ -146,13 +153,17 @@ class StageEngine(ABC):
     def runtime_info(self) -> dict[str, Any]:
         """What the worker process runs with (threads), for operators and tests."""
         import torch
-        return {"num_threads": torch.get_num_threads(),
-                "num_interop_threads": torch.get_num_interop_threads()}
+
+        return {
+            "num_threads": torch.get_num_threads(),
+            "num_interop_threads": torch.get_num_interop_threads(),
+        }
 
     def control(self, name: str, **kwargs: Any) -> Any:
         if name not in self.control_calls:
-            raise ValueError(f"stage {self.stage_id} has no control call {name!r}; "
-                             f"it offers {sorted(self.control_calls)}")
+            raise ValueError(
+                f"stage {self.stage_id} has no control call {name!r}; it offers {sorted(self.control_calls)}"
+            )
         return getattr(self, name)(**kwargs)
 
     def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:

@@ -14,6 +14,7 @@ cuBLAS picks for the batch's row count, provided nothing changes precision behin
 cuBLAS is deterministic for a given shape and stream without atomics (its split-K variants
 reduce in a fixed order), which is what a fixed tile shape relies on.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,11 @@ def enter(device: str) -> torch.device:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        log.info("computing on %s (%s); TF32 and reduced-precision reductions off",
-                 dev, torch.cuda.get_device_name(dev))
+        log.info(
+            "computing on %s (%s); TF32 and reduced-precision reductions off",
+            dev,
+            torch.cuda.get_device_name(dev),
+        )
     return dev
 
 
@@ -49,8 +53,12 @@ def kernels_for(device: torch.device | str, requested: str, what: str, stage_id:
         key = f"{stage_id}:{what}"
         if key not in _said:
             _said.add(key)
-            log.info("stage %d: %s on %s use torch's kernels (the C kernels run on the CPU only)",
-                     stage_id, what, device)
+            log.info(
+                "stage %d: %s on %s use torch's kernels (the C kernels run on the CPU only)",
+                stage_id,
+                what,
+                device,
+            )
         return "torch"
     return requested
 

@@ -4,6 +4,7 @@ Each step draws from its own generator seeded by (seed, step). A step's draw the
 how many draws came before it in this process, which is what lets a decode engine continue a request
 whose first token was sampled by a prefill engine in another process and still match a colocated run.
 """
+
 from __future__ import annotations
 
 import struct
@@ -40,8 +41,9 @@ def _apply_repetition_penalty(logits: torch.Tensor, seen: Sequence[int], penalty
     return logits
 
 
-def sample_next_token(logits: torch.Tensor, params: SamplingParams, step: int,
-                      seen_token_ids: Sequence[int]) -> int:
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams, step: int, seen_token_ids: Sequence[int]
+) -> int:
     """Pick the next token from one position's logits ([vocab], float32). Sampling runs on the
     host (logits on a GPU are copied first): the per-step generators are host generators, and
     the same logits then give the same token on any device."""
@@ -63,8 +65,12 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, step: int,
     return int(torch.multinomial(probs, 1, generator=step_generator(seed, step)).item())
 
 
-def sample_next_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
-                       seen_token_ids: Callable[[int], Sequence[int]]) -> list[int]:
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    seen_token_ids: Callable[[int], Sequence[int]],
+) -> list[int]:
     """`sample_next_token` for each row of `logits` ([B, vocab]); `seen_token_ids(b)` gives row
     b's ids for the repetition penalty, asked for only where a row samples on its own. Greedy rows
     without a penalty are a plain argmax: one for all of them, the same picks as row by row."""

@@ -1,6 +1,7 @@
 """What flows between stages, as far as the layers that know no model read it: a tokenised
 prompt, a text stage's output, an audio stage's output. A model package subclasses these with
 what its own stages exchange (omni_pd/models/<model>/records.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

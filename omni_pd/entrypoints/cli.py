@@ -1,4 +1,5 @@
 """The `omni-pd` command: generate, serve, bench, validate-config, make-tiny-model, vllm-shim."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,20 +22,34 @@ log = logging.getLogger("omni_pd.cli")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=TINY_MODEL_NAME,
-                        help=f"checkpoint directory or the embedded {TINY_MODEL_NAME!r} (default)")
+    parser.add_argument(
+        "--model",
+        default=TINY_MODEL_NAME,
+        help=f"checkpoint directory or the embedded {TINY_MODEL_NAME!r} (default)",
+    )
     configs = parser.add_mutually_exclusive_group()
-    configs.add_argument("--stage-configs-path", default=None,
-                         help="stage YAML: vllm-omni's stage_args file or a 0.30 deploy file, told "
-                         "by its keys (default: stage_configs/ci/qwen3_omni_tiny_pd.yaml, P/D on "
-                         "the CPU)")
-    configs.add_argument("--deploy-config", default=None, metavar="PATH",
-                         help="a vllm-omni 0.30 deploy YAML (`stages` overrides of the built-in "
-                         "Qwen3-Omni pipeline), e.g. stage_configs/deploy/qwen3_omni_tiny_pd.yaml")
-    parser.add_argument("--device", choices=("auto", "cpu"), default="auto",
-                        help="auto: an hf stage runs on the GPU its runtime.devices names (refused "
-                        "at start where torch sees no such GPU, and for tensor parallelism); cpu: "
-                        "every hf stage on the CPU anyway")
+    configs.add_argument(
+        "--stage-configs-path",
+        default=None,
+        help="stage YAML: vllm-omni's stage_args file or a 0.30 deploy file, told "
+        "by its keys (default: stage_configs/ci/qwen3_omni_tiny_pd.yaml, P/D on "
+        "the CPU)",
+    )
+    configs.add_argument(
+        "--deploy-config",
+        default=None,
+        metavar="PATH",
+        help="a vllm-omni 0.30 deploy YAML (`stages` overrides of the built-in "
+        "Qwen3-Omni pipeline), e.g. stage_configs/deploy/qwen3_omni_tiny_pd.yaml",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="auto: an hf stage runs on the GPU its runtime.devices names (refused "
+        "at start where torch sees no such GPU, and for tensor parallelism); cpu: "
+        "every hf stage on the CPU anyway",
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -48,49 +63,62 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             audio = decode_audio(handle.read())
         content = [{"type": "text", "text": args.prompt}, {"type": "audio", "audio": audio}]
     prompt = {"messages": [{"role": "user", "content": content}], "speaker": args.voice}
-    with Omni(model=args.model, stage_configs_path=args.stage_configs_path,
-              deploy_config=args.deploy_config, device=args.device) as omni:
+    with Omni(
+        model=args.model,
+        stage_configs_path=args.stage_configs_path,
+        deploy_config=args.deploy_config,
+        device=args.device,
+    ) as omni:
         if args.stream:
             result = _generate_streaming(omni, prompt, args.output, print_text=not args.json)
         else:
             result = omni.generate([prompt], use_tqdm=False)[0]
     audio_path = None
     if result.audio is not None:
-        audio_path = str(args.output if args.stream else
-                         write_wav(args.output, result.audio, result.sample_rate))
+        audio_path = str(
+            args.output if args.stream else write_wav(args.output, result.audio, result.sample_rate)
+        )
     if args.timeline:
         from ..bench.timeline import plot_timeline
         from ..paths import default_stage_config
+
         config = Path(args.deploy_config or args.stage_configs_path or default_stage_config()).name
         plot_timeline(result.metrics, args.timeline, title=f"one request, {config}")
     if args.json:
-        print(json.dumps({
-            "request_id": result.request_id,
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "prompt_token_ids": result.prompt_token_ids,
-            "finish_reason": result.finish_reason,
-            "audio_path": audio_path,
-            "sample_rate": result.sample_rate,
-            "num_samples": 0 if result.audio is None else int(result.audio.numel()),
-            "audio_sha256": result.audio_sha256,
-            "metrics": result.metrics,
-        }))
+        print(
+            json.dumps(
+                {
+                    "request_id": result.request_id,
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "prompt_token_ids": result.prompt_token_ids,
+                    "finish_reason": result.finish_reason,
+                    "audio_path": audio_path,
+                    "sample_rate": result.sample_rate,
+                    "num_samples": 0 if result.audio is None else int(result.audio.numel()),
+                    "audio_sha256": result.audio_sha256,
+                    "metrics": result.metrics,
+                }
+            )
+        )
     else:
         m = result.metrics
         if not args.stream:  # streamed, the text is printed already
             print(f"text: {result.text!r}")
-        print(f"tokens: {len(result.token_ids)} generated from a {len(result.prompt_token_ids)}-token "
-              f"prompt ({result.finish_reason})")
+        print(
+            f"tokens: {len(result.token_ids)} generated from a {len(result.prompt_token_ids)}-token "
+            f"prompt ({result.finish_reason})"
+        )
         if audio_path:
             print(f"audio: {audio_path} ({result.audio.numel()} samples at {result.sample_rate} Hz)")
         stages = ", ".join(f"stage {k} {v:.1f} ms" for k, v in m["stage_ms"].items())
         first_audio = f", first audio {m['ttfa_ms']:.1f} ms" if m.get("ttfa_ms") is not None else ""
-        print(f"timings: ttft {m['ttft_ms']:.1f} ms{first_audio}, end-to-end {m['e2e_ms']:.1f} ms "
-              f"({stages})")
+        print(f"timings: ttft {m['ttft_ms']:.1f} ms{first_audio}, end-to-end {m['e2e_ms']:.1f} ms ({stages})")
         if "kv_bytes_transferred" in m:
-            print(f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
-                  f"prompt tokens in {m['kv_transfer_ms']:.2f} ms ({m.get('kv_path', 'tcp')})")
+            print(
+                f"kv handoff: {m['kv_bytes_transferred']} bytes for {m['num_cached_prompt_tokens']} "
+                f"prompt tokens in {m['kv_transfer_ms']:.2f} ms ({m.get('kv_path', 'tcp')})"
+            )
     return 0
 
 
@@ -99,8 +127,7 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
 
 
-def _generate_streaming(omni: Omni, prompt: Any, output: str, print_text: bool
-                        ) -> OmniRequestOutput:
+def _generate_streaming(omni: Omni, prompt: Any, output: str, print_text: bool) -> OmniRequestOutput:
     """Run `prompt` with `Omni.stream`: print text as it arrives and append each piece of audio
     to the WAV at `output` (flushed, so the file grows while the request runs)."""
     from ..audio_io import open_wav
@@ -131,9 +158,12 @@ def _generate_streaming(omni: Omni, prompt: Any, output: str, print_text: bool
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .validate import run_validate
+
     if (args.path is None) == (args.deploy_config is None):
-        print("error: give one stage YAML: PATH (either schema, told by its keys) or "
-              "--deploy-config PATH", file=sys.stderr)
+        print(
+            "error: give one stage YAML: PATH (either schema, told by its keys) or --deploy-config PATH",
+            file=sys.stderr,
+        )
         return 2
     if args.deploy_config is not None:
         return run_validate(args.deploy_config, deploy=True, platform=args.platform)
@@ -142,11 +172,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from ..models.qwen3_omni.factory import save_tiny_model
-    out = save_tiny_model(args.directory, seed=args.seed, size=args.size,
-                          max_shard_size=args.max_shard_size)
+
+    out = save_tiny_model(args.directory, seed=args.seed, size=args.size, max_shard_size=args.max_shard_size)
     layout = f"shards of at most {args.max_shard_size}" if args.max_shard_size else "one file"
-    print(f"wrote the {args.size} Qwen3-Omni checkpoint (config, tokenizer, safetensors in {layout}) "
-          f"to {out}")
+    print(
+        f"wrote the {args.size} Qwen3-Omni checkpoint (config, tokenizer, safetensors in {layout}) to {out}"
+    )
     return 0
 
 
@@ -164,17 +195,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         holder["failed"] = True
         holder["server"].should_exit = True
 
-    app = create_app(lambda: AsyncOmni(model, args.stage_configs_path,
-                                       deploy_config=args.deploy_config,
-                                       request_timeout_s=args.request_timeout,
-                                       device=args.device),
-                     served, enable_debug_endpoints=args.enable_debug_endpoints,
-                     on_startup_failure=fail_startup, api_key=args.api_key or None,
-                     max_request_bytes=args.max_request_bytes or None,
-                     max_queued_requests=args.max_queued_requests,
-                     demo_page=not args.no_demo_page)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
+    app = create_app(
+        lambda: AsyncOmni(
+            model,
+            args.stage_configs_path,
+            deploy_config=args.deploy_config,
+            request_timeout_s=args.request_timeout,
+            device=args.device,
+        ),
+        served,
+        enable_debug_endpoints=args.enable_debug_endpoints,
+        on_startup_failure=fail_startup,
+        api_key=args.api_key or None,
+        max_request_bytes=args.max_request_bytes or None,
+        max_queued_requests=args.max_queued_requests,
+        demo_page=not args.no_demo_page,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=30,
+        )
+    )
     holder["server"] = server
     server.run()
     return 1 if holder.get("failed") else 0
@@ -182,27 +227,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from ..bench.serve import run
+
     return run(args)
 
 
 def _cmd_bench_handoff(args: argparse.Namespace) -> int:
     from ..bench.handoff import run
+
     return run(args)
 
 
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     from ..bench.checkpoint_load import run
+
     return run(args)
 
 
 def _cmd_vllm_shim(args: argparse.Namespace) -> int:
     from . import vllm_omni_shim as shim
+
     try:
         if args.action == "install":
             where = shim.install(args.target)
-            print(f"installed omni-pd's vllm_omni shim at {where}: `vllm serve MODEL --omni "
-                  "--stage-configs-path PATH` (or `--deploy-config PATH`) now runs omni-pd's "
-                  "server")
+            print(
+                f"installed omni-pd's vllm_omni shim at {where}: `vllm serve MODEL --omni "
+                "--stage-configs-path PATH` (or `--deploy-config PATH`) now runs omni-pd's "
+                "server"
+            )
         elif args.action == "uninstall":
             where = shim.uninstall(args.target)
             print(f"removed {where}" if where else "omni-pd's vllm_omni shim was not installed")
@@ -233,10 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--voice", default="ethan", help="the talker's speaker")
     gen.add_argument("--output", default="out.wav", help="where to write the WAV (float32)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the results")
-    gen.add_argument("--timeline", default=None, metavar="PNG",
-                     help="draw the request's timeline (stage spans, audio chunks) into this PNG")
-    gen.add_argument("--stream", action="store_true",
-                     help="print the text as it comes and write the WAV as its audio comes")
+    gen.add_argument(
+        "--timeline",
+        default=None,
+        metavar="PNG",
+        help="draw the request's timeline (stage spans, audio chunks) into this PNG",
+    )
+    gen.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the text as it comes and write the WAV as its audio comes",
+    )
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (text and speech)")
@@ -244,76 +302,131 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None,
-                       help="the name clients pass as `model` (default: the model argument)")
-    serve.add_argument("--request-timeout", type=float, default=300.0,
-                       help="seconds a request may take before it fails with 504")
-    serve.add_argument("--enable-debug-endpoints", action="store_true",
-                       help="expose GET /debug/state (per-request state counts, worker pids)")
-    serve.add_argument("--api-key", default=os.environ.get("OMNI_PD_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on every /v1/* endpoint (401 "
-                       "without it); /health and /metrics stay open (default: $OMNI_PD_API_KEY, "
-                       "else no key)")
-    serve.add_argument("--max-request-bytes", type=_byte_count, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help="refuse request bodies larger than this with 413, before reading "
-                       f"them (default: {DEFAULT_MAX_REQUEST_BYTES} = "
-                       f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB; 0: no limit)")
-    serve.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                       help="requests that may wait while the stages serve as many as they admit "
-                       "(the smallest max_num_seqs x num_replicas of the stages); past them a "
-                       "request gets a 429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)")
-    serve.add_argument("--no-demo-page", action="store_true",
-                       help="do not serve the voice demo page (default: served at /demo/, and / "
-                       "redirects to it)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the model argument)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request may take before it fails with 504",
+    )
+    serve.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="expose GET /debug/state (per-request state counts, worker pids)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("OMNI_PD_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every /v1/* endpoint (401 "
+        "without it); /health and /metrics stay open (default: $OMNI_PD_API_KEY, "
+        "else no key)",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this with 413, before reading "
+        f"them (default: {DEFAULT_MAX_REQUEST_BYTES} = "
+        f"{DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB; 0: no limit)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests that may wait while the stages serve as many as they admit "
+        "(the smallest max_num_seqs x num_replicas of the stages); past them a "
+        "request gets a 429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)",
+    )
+    serve.add_argument(
+        "--no-demo-page",
+        action="store_true",
+        help="do not serve the voice demo page (default: served at /demo/, and / redirects to it)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     from ..bench.serve import add_arguments as add_bench_serve_arguments
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_serve = bench_sub.add_parser("serve", help="load-test `omni-pd serve` (one server per stage "
-                                       "config) at several concurrency levels; table, JSON, PNG")
+    bench_serve = bench_sub.add_parser(
+        "serve",
+        help="load-test `omni-pd serve` (one server per stage "
+        "config) at several concurrency levels; table, JSON, PNG",
+    )
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_cmd_bench_serve)
     from ..bench.checkpoint_load import add_arguments as add_bench_load_arguments
-    bench_load = bench_sub.add_parser("load", help="load a checkpoint the way each hf stage does, "
-                                      "each in a fresh process: bytes, peak RSS growth, time, "
-                                      "read throughput against `cat`")
+
+    bench_load = bench_sub.add_parser(
+        "load",
+        help="load a checkpoint the way each hf stage does, "
+        "each in a fresh process: bytes, peak RSS growth, time, "
+        "read throughput against `cat`",
+    )
     add_bench_load_arguments(bench_load)
     bench_load.set_defaults(func=_cmd_bench_load)
     from ..bench.handoff import add_arguments as add_bench_handoff_arguments
-    bench_handoff = bench_sub.add_parser("handoff", help="time the P/D KV handoff against one raw "
-                                         "Mooncake read and an in-process copy of the same bytes")
+
+    bench_handoff = bench_sub.add_parser(
+        "handoff",
+        help="time the P/D KV handoff against one raw Mooncake read and an in-process copy of the same bytes",
+    )
     add_bench_handoff_arguments(bench_handoff)
     bench_handoff.set_defaults(func=_cmd_bench_handoff)
 
-    shim = sub.add_parser("vllm-shim", help="make `vllm serve MODEL --omni` run omni-pd's server "
-                          "where vllm-omni is not installed (opt-in)")
+    shim = sub.add_parser(
+        "vllm-shim",
+        help="make `vllm serve MODEL --omni` run omni-pd's server where vllm-omni is not installed (opt-in)",
+    )
     shim.add_argument("action", choices=["install", "uninstall", "status"])
-    shim.add_argument("--target", default=None,
-                      help="directory on sys.path to write to (default: this env's site-packages)")
+    shim.add_argument(
+        "--target", default=None, help="directory on sys.path to write to (default: this env's site-packages)"
+    )
     shim.set_defaults(func=_cmd_vllm_shim)
 
     val = sub.add_parser("validate-config", help="check a stage YAML and print its summary")
-    val.add_argument("path", nargs="?", default=None,
-                     help="a stage_args file or a vllm-omni 0.30 deploy file (told by its keys)")
-    val.add_argument("--deploy-config", default=None, metavar="PATH",
-                     help="a vllm-omni 0.30 deploy file")
+    val.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help="a stage_args file or a vllm-omni 0.30 deploy file (told by its keys)",
+    )
+    val.add_argument("--deploy-config", default=None, metavar="PATH", help="a vllm-omni 0.30 deploy file")
     from ..config.deploy_yaml import PLATFORMS
-    val.add_argument("--platform", default=None, choices=PLATFORMS,
-                     help="whose `platforms:` section of a deploy file applies (default: this "
-                     "machine's: cuda, rocm or xpu where torch sees one, else cpu)")
+
+    val.add_argument(
+        "--platform",
+        default=None,
+        choices=PLATFORMS,
+        help="whose `platforms:` section of a deploy file applies (default: this "
+        "machine's: cuda, rocm or xpu where torch sees one, else cpu)",
+    )
     val.set_defaults(func=_cmd_validate)
 
-    tiny = sub.add_parser("make-tiny-model", help="write the embedded tiny model (or a larger "
-                          "random one) as a checkpoint")
+    tiny = sub.add_parser(
+        "make-tiny-model", help="write the embedded tiny model (or a larger random one) as a checkpoint"
+    )
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--size", choices=("tiny", "medium"), default="tiny",
-                      help="tiny: the embedded model (default); medium: 1.1 GB of float32 with "
-                      "parts sized like the real model's (thinker > talker > code2wav)")
-    tiny.add_argument("--max-shard-size", default=None, metavar="SIZE",
-                      help="write HF's sharded layout with shards of at most SIZE (e.g. 200MB) "
-                      "and model.safetensors.index.json (default: one model.safetensors)")
+    tiny.add_argument(
+        "--size",
+        choices=("tiny", "medium"),
+        default="tiny",
+        help="tiny: the embedded model (default); medium: 1.1 GB of float32 with "
+        "parts sized like the real model's (thinker > talker > code2wav)",
+    )
+    tiny.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write HF's sharded layout with shards of at most SIZE (e.g. 200MB) "
+        "and model.safetensors.index.json (default: one model.safetensors)",
+    )
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
@@ -321,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_vllm_command(argv: list[str] | None = None) -> None:
     """What `vllm ... --omni` runs once the shim is installed; exits with the server's status."""
     from . import vllm_omni_shim as shim
+
     try:
         omni_pd_argv = shim.translate_vllm_argv(list(sys.argv[1:] if argv is None else argv))
     except shim.ShimError as exc:
@@ -332,8 +446,12 @@ def run_vllm_command(argv: list[str] | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except Exception as exc:
@@ -341,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint, ...) says why in one line; the orchestrator's stack adds nothing to it.
         from ..models.qwen3_omni.checkpoint import CheckpointError
         from ..orchestrator.stage_client import StageError
+
         if not isinstance(exc, (StageError, CheckpointError)):
             raise
         print(f"error: {exc}", file=sys.stderr)

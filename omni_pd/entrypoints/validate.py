@@ -1,4 +1,5 @@
 """`omni-pd validate-config PATH`: check a stage YAML and summarise what would run."""
+
 from __future__ import annotations
 
 import sys
@@ -16,8 +17,14 @@ EXIT_OK = 0
 EXIT_INVALID = 2
 
 
-def run_validate(path: str, *, out: TextIO | None = None, err: TextIO | None = None,
-                 deploy: bool | None = None, platform: str | None = None) -> int:
+def run_validate(
+    path: str,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    deploy: bool | None = None,
+    platform: str | None = None,
+) -> int:
     """Print a summary and return 0, or print every problem to stderr and return 2.
     `deploy`: the file is a vllm-omni 0.30 deploy file (True), a stage_args file (False), or
     either, told by its keys (None); `platform` picks a deploy file's `platforms:` section."""
@@ -60,15 +67,23 @@ def summarize(cfg: PipelineConfig, path: str) -> str:
         )
     for s in cfg.stages:
         if s.engine == "hf" and (unused := unused_by_hf(set(s.engine_args.model_fields_set))):
-            lines.append(f"  stage {s.stage_id}: the hf engine does not use " + "; ".join(
-                f"{key} ({why})" for key, why in unused))
+            lines.append(
+                f"  stage {s.stage_id}: the hf engine does not use "
+                + "; ".join(f"{key} ({why})" for key, why in unused)
+            )
     edges = cfg.edges()
     lines.append("edges: " + (", ".join(f"{a} -> {b}" for a, b in edges) if edges else "none"))
     if cfg.async_chunk:
         from omni_pd.orchestrator.processors import stream_processors
+
         streamed = stream_processors(cfg)
-        lines.append("async_chunk: on; streamed edges: " + (", ".join(
-            f"{cfg.stage(sid).engine_input_source[0]} -> {sid}" for sid in sorted(streamed)) or "none"))
+        lines.append(
+            "async_chunk: on; streamed edges: "
+            + (
+                ", ".join(f"{cfg.stage(sid).engine_input_source[0]} -> {sid}" for sid in sorted(streamed))
+                or "none"
+            )
+        )
     else:
         lines.append("async_chunk: off (each stage waits for its source's whole output)")
     pair = find_pd_pair(cfg)

@@ -9,6 +9,7 @@ install` (opt-in) writes a four-file package `vllm_omni` into site-packages whos
 `--omni` already has an owner), and `omni-pd vllm-shim uninstall` removes only a package that
 carries its marker file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,21 @@ log = logging.getLogger("omni_pd.vllm_shim")
 
 PACKAGE = "vllm_omni"
 MARKER = "OMNI_PD_SHIM"
-_HEADER = ("# Written by `omni-pd vllm-shim install`: vLLM's CLI hands `--omni` command lines to\n"
-           "# this package, which runs omni-pd's server. `omni-pd vllm-shim uninstall` removes it;\n"
-           "# do that before installing vllm-omni.\n")
+_HEADER = (
+    "# Written by `omni-pd vllm-shim install`: vLLM's CLI hands `--omni` command lines to\n"
+    "# this package, which runs omni-pd's server. `omni-pd vllm-shim uninstall` removes it;\n"
+    "# do that before installing vllm-omni.\n"
+)
 SHIM_FILES = {
     "__init__.py": _HEADER + '"""omni-pd\'s stand-in for vllm-omni\'s CLI entry point."""\n',
     "entrypoints/__init__.py": _HEADER,
     "entrypoints/cli/__init__.py": _HEADER,
-    "entrypoints/cli/main.py": _HEADER + (
+    "entrypoints/cli/main.py": _HEADER
+    + (
         "\n\ndef main() -> None:\n"
         "    from omni_pd.entrypoints.cli import run_vllm_command\n"
-        "    run_vllm_command()\n"),
+        "    run_vllm_command()\n"
+    ),
     MARKER: "This vllm_omni package was written by omni-pd; it is not vllm-omni.\n",
 }
 
@@ -66,14 +71,18 @@ def install(target: Path | None = None) -> Path:
     target = Path(target) if target is not None else default_target()
     package_dir = target / PACKAGE
     if package_dir.exists() and not is_shim(package_dir):
-        raise ShimError(f"{package_dir} holds a vllm_omni package that omni-pd did not write "
-                        "(vllm-omni itself?): `vllm serve --omni` already goes there, and omni-pd "
-                        "leaves it alone. Run `omni-pd serve` instead, or uninstall vllm-omni first.")
+        raise ShimError(
+            f"{package_dir} holds a vllm_omni package that omni-pd did not write "
+            "(vllm-omni itself?): `vllm serve --omni` already goes there, and omni-pd "
+            "leaves it alone. Run `omni-pd serve` instead, or uninstall vllm-omni first."
+        )
     elsewhere = _importable_elsewhere(target)
     if elsewhere is not None:
-        raise ShimError(f"vllm-omni is importable from {elsewhere}: `vllm serve --omni` already "
-                        "goes there, and omni-pd leaves it alone. Run `omni-pd serve` instead, or "
-                        "uninstall vllm-omni first.")
+        raise ShimError(
+            f"vllm-omni is importable from {elsewhere}: `vllm serve --omni` already "
+            "goes there, and omni-pd leaves it alone. Run `omni-pd serve` instead, or "
+            "uninstall vllm-omni first."
+        )
     for relative, text in SHIM_FILES.items():
         path = package_dir / relative
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,10 +106,14 @@ def status(target: Path | None = None) -> str:
     if package_dir.exists():
         if not is_shim(package_dir):
             return f"{package_dir}: a package omni-pd did not write"
-        if any(not (package_dir / name).is_file() or (package_dir / name).read_text() != text
-               for name, text in SHIM_FILES.items()):
-            return (f"{package_dir}: omni-pd's shim, written by another omni-pd version; run "
-                    "`omni-pd vllm-shim install` again")
+        if any(
+            not (package_dir / name).is_file() or (package_dir / name).read_text() != text
+            for name, text in SHIM_FILES.items()
+        ):
+            return (
+                f"{package_dir}: omni-pd's shim, written by another omni-pd version; run "
+                "`omni-pd vllm-shim install` again"
+            )
         return f"{package_dir}: omni-pd's shim"
     elsewhere = _importable_elsewhere(package_dir.parent)
     if elsewhere is not None:
@@ -127,28 +140,34 @@ def translate_vllm_argv(argv: list[str]) -> list[str]:
     """`vllm` arguments (after the program name) -> `omni-pd` arguments."""
     args = [a for a in argv if a != "--omni"]
     if not args or args[0] != "serve":
-        raise ShimError(f"omni-pd's vllm_omni shim serves `vllm serve MODEL --omni ...` only, not "
-                        f"`vllm {' '.join(argv)}`; use `omni-pd --help` for the other commands")
+        raise ShimError(
+            f"omni-pd's vllm_omni shim serves `vllm serve MODEL --omni ...` only, not "
+            f"`vllm {' '.join(argv)}`; use `omni-pd --help` for the other commands"
+        )
     known, unknown = _vllm_serve_parser().parse_known_args(args[1:])
     if unknown:
-        raise ShimError(f"omni-pd's server does not take {' '.join(unknown)} from `vllm serve`; "
-                        "engine options belong in the stage YAML's engine_args, and `omni-pd serve "
-                        "--help` lists the server's own options")
+        raise ShimError(
+            f"omni-pd's server does not take {' '.join(unknown)} from `vllm serve`; "
+            "engine options belong in the stage YAML's engine_args, and `omni-pd serve "
+            "--help` lists the server's own options"
+        )
     if known.stage_configs_path and known.deploy_config:
         raise ShimError("give --stage-configs-path or --deploy-config, not both")
     if known.model_tag and known.model and known.model_tag != known.model:
         raise ShimError(f"two models given: {known.model_tag!r} and --model {known.model!r}")
     level = (known.uvicorn_log_level or "info").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ShimError(f"--uvicorn-log-level {known.uvicorn_log_level!r}: use debug, info, "
-                        "warning or error")
+        raise ShimError(f"--uvicorn-log-level {known.uvicorn_log_level!r}: use debug, info, warning or error")
     out = ["--log-level", level, "serve"]
     model = known.model_tag or known.model
     if model:
         out.append(model)
-    for flag, value in (("--stage-configs-path", known.stage_configs_path),
-                        ("--deploy-config", known.deploy_config),
-                        ("--host", known.host), ("--port", known.port)):
+    for flag, value in (
+        ("--stage-configs-path", known.stage_configs_path),
+        ("--deploy-config", known.deploy_config),
+        ("--host", known.host),
+        ("--port", known.port),
+    ):
         if value is not None:
             out += [flag, value]
     if known.served_model_name:

@@ -1,16 +1,50 @@
 """The KV data plane: block layouts, a registered block pool, a Mooncake transport and the
 prefill -> decode handoff. It knows bytes, blocks and peers, not prompts or models."""
-from .errors import (KVError, KVIncompatibleError, KVIntegrityError, KVMissError, KVTransferError,
-                     PoolExhausted)
-from .handoff import (FetchResult, IllegalTransition, KVDescriptor, KVReceiver, KVSender, Lease,
-                      Transfer, TransferState)
+
+from .errors import (
+    KVError,
+    KVIncompatibleError,
+    KVIntegrityError,
+    KVMissError,
+    KVTransferError,
+    PoolExhausted,
+)
+from .handoff import (
+    FetchResult,
+    IllegalTransition,
+    KVDescriptor,
+    KVReceiver,
+    KVSender,
+    Lease,
+    Transfer,
+    TransferState,
+)
 from .layout import BlockLayout, convert_blocks, dtype_name, pack_blocks, unpack_blocks
 from .pool import BlockPool
 from .transport import AsyncRead, MooncakeTransport, ReadState
 
 __all__ = [
-    "AsyncRead", "BlockLayout", "BlockPool", "FetchResult", "IllegalTransition", "KVDescriptor",
-    "KVError", "KVIncompatibleError", "KVIntegrityError", "KVMissError", "KVReceiver", "KVSender",
-    "KVTransferError", "Lease", "MooncakeTransport", "PoolExhausted", "ReadState", "Transfer",
-    "TransferState", "convert_blocks", "dtype_name", "pack_blocks", "unpack_blocks",
+    "AsyncRead",
+    "BlockLayout",
+    "BlockPool",
+    "FetchResult",
+    "IllegalTransition",
+    "KVDescriptor",
+    "KVError",
+    "KVIncompatibleError",
+    "KVIntegrityError",
+    "KVMissError",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "Lease",
+    "MooncakeTransport",
+    "PoolExhausted",
+    "ReadState",
+    "Transfer",
+    "TransferState",
+    "convert_blocks",
+    "dtype_name",
+    "pack_blocks",
+    "unpack_blocks",
 ]

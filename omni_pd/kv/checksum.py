@@ -13,6 +13,7 @@ not an adversary.
 
 A descriptor names the kind its sender used; a pool's kind follows its device.
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,6 +14,7 @@ A handle names a GPU by its UUID, not its index: two processes may number GPUs d
 (CUDA_VISIBLE_DEVICES), and the decode side maps the UUID to its own index, or cannot open the
 handle (another host's GPU), in which case the KV moves over Mooncake.
 """
+
 from __future__ import annotations
 
 import base64
@@ -26,10 +27,23 @@ from typing import Any
 import torch
 
 # The parameters of torch.multiprocessing.reductions.rebuild_cuda_tensor this code fills in.
-_REBUILD_PARAMS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls",
-                   "dtype", "storage_device", "storage_handle", "storage_size_bytes",
-                   "storage_offset_bytes", "requires_grad", "ref_counter_handle",
-                   "ref_counter_offset", "event_handle", "event_sync_required")
+_REBUILD_PARAMS = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
 _exported: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
@@ -38,10 +52,13 @@ def supported() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
     from torch.multiprocessing import reductions
+
     params = tuple(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
     if params != _REBUILD_PARAMS:
-        return (f"torch {torch.__version__}'s rebuild_cuda_tensor takes {params}, not the "
-                "parameters omni-pd's CUDA IPC was written for")
+        return (
+            f"torch {torch.__version__}'s rebuild_cuda_tensor takes {params}, not the "
+            "parameters omni-pd's CUDA IPC was written for"
+        )
     return None
 
 
@@ -65,16 +82,25 @@ def export_handle(buffer: torch.Tensor) -> str:
     if why:
         raise RuntimeError(f"CUDA IPC is not available: {why}")
     storage = buffer._typed_storage()
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+        storage._share_cuda_()
+    )
     _exported[_b64(handle)] = buffer
-    return json.dumps({
-        "pid": os.getpid(),
-        "uuid": device_uuid(device), "handle": _b64(handle), "storage_size_bytes": size_bytes,
-        "storage_offset_bytes": offset_bytes, "ref_counter_handle": _b64(ref_handle),
-        "ref_counter_offset": ref_offset, "event_handle": _b64(event_handle),
-        "event_sync_required": bool(event_sync), "tensor_offset": buffer.storage_offset(),
-        "nbytes": buffer.numel()})
+    return json.dumps(
+        {
+            "pid": os.getpid(),
+            "uuid": device_uuid(device),
+            "handle": _b64(handle),
+            "storage_size_bytes": size_bytes,
+            "storage_offset_bytes": offset_bytes,
+            "ref_counter_handle": _b64(ref_handle),
+            "ref_counter_offset": ref_offset,
+            "event_handle": _b64(event_handle),
+            "event_sync_required": bool(event_sync),
+            "tensor_offset": buffer.storage_offset(),
+            "nbytes": buffer.numel(),
+        }
+    )
 
 
 def _local_index(uuid: str) -> int | None:
@@ -88,6 +114,7 @@ def open_handle(handle: str) -> torch.Tensor:
     """The peer's buffer as a uint8 CUDA tensor of this process. Raises OSError when it cannot
     be opened here (another host's GPU, or torch's IPC refuses)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
     why = supported()
     if why:
         raise OSError(f"CUDA IPC is not available: {why}")
@@ -99,13 +126,23 @@ def open_handle(handle: str) -> torch.Tensor:
         if index is None:
             raise OSError(f"GPU {h['uuid']} is not visible in this process")
         return rebuild_cuda_tensor(
-            torch.Tensor, torch.Size([h["nbytes"]]), (1,), h["tensor_offset"],
-            torch.storage.TypedStorage, torch.uint8, index, _unb64(h["handle"]),
-            h["storage_size_bytes"], h["storage_offset_bytes"], False,
-            _unb64(h["ref_counter_handle"]), h["ref_counter_offset"], _unb64(h["event_handle"]),
-            h["event_sync_required"])
+            torch.Tensor,
+            torch.Size([h["nbytes"]]),
+            (1,),
+            h["tensor_offset"],
+            torch.storage.TypedStorage,
+            torch.uint8,
+            index,
+            _unb64(h["handle"]),
+            h["storage_size_bytes"],
+            h["storage_offset_bytes"],
+            False,
+            _unb64(h["ref_counter_handle"]),
+            h["ref_counter_offset"],
+            _unb64(h["event_handle"]),
+            h["event_sync_required"],
+        )
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - a bad or foreign handle: the caller falls back
         raise OSError(f"cannot open the CUDA IPC handle: {type(exc).__name__}: {exc}") from exc
-

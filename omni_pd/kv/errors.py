@@ -1,4 +1,5 @@
 """Errors raised by the KV data plane. Each message says what happened and what to change."""
+
 from __future__ import annotations
 
 

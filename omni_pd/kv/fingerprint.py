@@ -11,6 +11,7 @@ other kernels, so its last bits differ from what the decode engine would compute
 is no longer exactly colocated output. A mismatch is one WARNING at the first handoff from that
 peer, naming both sides, or refused with `require_identical_kernels`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,8 @@ COMPUTE_FIELD = "compute"  # checked apart: a mismatch warns, or refuses when as
 
 log = logging.getLogger(__name__)
 
-FULL_HASH_LIMIT_BYTES = 50 * 2 ** 20
-SAMPLE_BYTES = 64 * 2 ** 10
+FULL_HASH_LIMIT_BYTES = 50 * 2**20
+SAMPLE_BYTES = 64 * 2**10
 
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -54,13 +55,21 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return f"{'full' if limit is None else 'sampled'}:{digest.hexdigest()}"
 
 
-def kv_fingerprint(model: str, weights: str, layout: BlockLayout, engine_id: str,
-                   compute: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def kv_fingerprint(
+    model: str, weights: str, layout: BlockLayout, engine_id: str, compute: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Plain data (it travels in kv_transfer_params)."""
-    fingerprint = {"model": model, "weights": weights, "dtype": layout.dtype,
-                   "block_size": layout.block_size, "kv_layout": layout.to_dict(),
-                   "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
-                   "head_dim": layout.head_dim, "engine_id": engine_id}
+    fingerprint = {
+        "model": model,
+        "weights": weights,
+        "dtype": layout.dtype,
+        "block_size": layout.block_size,
+        "kv_layout": layout.to_dict(),
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "engine_id": engine_id,
+    }
     if compute is not None:
         fingerprint[COMPUTE_FIELD] = dict(compute)
     return fingerprint
@@ -80,8 +89,11 @@ def compute_differences(local: Mapping[str, Any], remote: Mapping[str, Any]) -> 
     mine = local.get(COMPUTE_FIELD) or {}
     theirs = remote.get(COMPUTE_FIELD) or {}
     keys = sorted(set(mine) | set(theirs))
-    return [f"{k}: prefill {_shown(theirs.get(k, _MISSING))}, decode {_shown(mine.get(k, _MISSING))}"
-            for k in keys if mine.get(k, _MISSING) != theirs.get(k, _MISSING)]
+    return [
+        f"{k}: prefill {_shown(theirs.get(k, _MISSING))}, decode {_shown(mine.get(k, _MISSING))}"
+        for k in keys
+        if mine.get(k, _MISSING) != theirs.get(k, _MISSING)
+    ]
 
 
 _MISSING = object()
@@ -96,8 +108,9 @@ class PeerFingerprints:
     whose fingerprint matched are remembered (the most recent `capacity` of them); a peer that
     comes back under the same id with another fingerprint is checked again."""
 
-    def __init__(self, local: Mapping[str, Any], capacity: int = 256,
-                 require_identical_kernels: bool = False):
+    def __init__(
+        self, local: Mapping[str, Any], capacity: int = 256, require_identical_kernels: bool = False
+    ):
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.local, self.capacity = dict(local), capacity
@@ -119,15 +132,20 @@ class PeerFingerprints:
             raise KVIncompatibleError(
                 f"prefill engine {engine_id} sent no {FINGERPRINT_KEY} (got {type(remote).__name__}) "
                 f"in kv_transfer_params; decode engine {self.local.get('engine_id')} refuses KV it "
-                "cannot check: run omni-pd's prefill engine on the prefill stage")
+                "cannot check: run omni-pd's prefill engine on the prefill stage"
+            )
         differing = incompatible_fields(self.local, remote)
         if differing:
-            details = "; ".join(f"{k}: prefill {_shown(remote.get(k, _MISSING))}, decode "
-                                f"{_shown(self.local.get(k, _MISSING))}" for k in differing)
+            details = "; ".join(
+                f"{k}: prefill {_shown(remote.get(k, _MISSING))}, decode "
+                f"{_shown(self.local.get(k, _MISSING))}"
+                for k in differing
+            )
             raise KVIncompatibleError(
                 f"prefill engine {engine_id} and decode engine {self.local.get('engine_id')} are "
                 f"incompatible, their KV would be misread: {details}. Both stages must load the "
-                "same model and weights (engine_args load_format, seed) with the same dtype")
+                "same model and weights (engine_args load_format, seed) with the same dtype"
+            )
         self._check_compute(engine_id, remote)
         with self._lock:
             self._verified[engine_id] = dict(remote)
@@ -139,15 +157,21 @@ class PeerFingerprints:
         differing = compute_differences(self.local, remote)
         if not differing:
             return
-        pair = (f"prefill engine {engine_id} and decode engine {self.local.get('engine_id')} compute "
-                f"with different kernels ({'; '.join(differing)})")
+        pair = (
+            f"prefill engine {engine_id} and decode engine {self.local.get('engine_id')} compute "
+            f"with different kernels ({'; '.join(differing)})"
+        )
         if self.require_identical_kernels:
             raise KVIncompatibleError(
                 f"{pair}, and kv_connector_extra_config.require_identical_kernels is true: run both "
                 "stages with the same ATEN_CPU_CAPABILITY (runtime.env), device and native kernel "
-                "build, or set require_identical_kernels: false to accept the pair")
-        log.warning("%s: the prefill's KV differs in the last bits from what the decode engine "
-                    "would compute, so P/D output may differ from colocated output. Run both "
-                    "stages with the same ATEN_CPU_CAPABILITY (runtime.env), device and native "
-                    "kernel build, or set kv_connector_extra_config.require_identical_kernels: "
-                    "true to refuse such pairs", pair)
+                "build, or set require_identical_kernels: false to accept the pair"
+            )
+        log.warning(
+            "%s: the prefill's KV differs in the last bits from what the decode engine "
+            "would compute, so P/D output may differ from colocated output. Run both "
+            "stages with the same ATEN_CPU_CAPABILITY (runtime.env), device and native "
+            "kernel build, or set kv_connector_extra_config.require_identical_kernels: "
+            "true to refuse such pairs",
+            pair,
+        )

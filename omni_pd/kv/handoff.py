@@ -36,6 +36,7 @@ Integrity without a second pass: a read is cut into Mooncake entries of at most
 soon as the entries covering it have landed, at the poll that sees them, while later entries are
 still on the wire; only the last entries' blocks are checked after the read ends.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,14 @@ from .errors import KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
 from .shm import PeerPools, host_id
-from .transport import (AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups,
-                        registers_device_memory)
+from .transport import (
+    AsyncRead,
+    MooncakeTransport,
+    ReadState,
+    Segment,
+    coalesce_groups,
+    registers_device_memory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +86,9 @@ class TransferState(enum.Enum):
 
 _LEGAL: dict[TransferState, frozenset[TransferState]] = {
     TransferState.PUBLISHED: frozenset({TransferState.DONE, TransferState.EXPIRED}),
-    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED,
-                                           TransferState.ABANDONED}),
+    TransferState.TRANSFERRING: frozenset(
+        {TransferState.DONE, TransferState.FAILED, TransferState.ABANDONED}
+    ),
     TransferState.DONE: frozenset(),
     TransferState.FAILED: frozenset(),
     TransferState.EXPIRED: frozenset(),
@@ -101,14 +109,16 @@ class _Tracked:
 
     def move(self, new: TransferState, reason: str = "") -> None:
         if new not in _LEGAL[self.state]:
-            raise IllegalTransition(f"transfer {self.transfer_id}: illegal transition "
-                                    f"{self.state.name} -> {new.name}")
+            raise IllegalTransition(
+                f"transfer {self.transfer_id}: illegal transition {self.state.name} -> {new.name}"
+            )
         self.state, self.reason = new, reason
 
 
 @dataclass
 class Lease(_Tracked):
     """Prefill side: blocks held for the decode side until acknowledged or expired."""
+
     deadline: float = 0.0
 
 
@@ -117,6 +127,7 @@ class Transfer(_Tracked):
     """Decode side: one descriptor's bytes landing in blocks of the receiver's pool. `block_ids`
     are all the blocks it holds: `dest` (the KV's home, handed over by the caller) and, when the
     layouts differ, `staging`."""
+
     started: float = field(default_factory=time.perf_counter)
     descriptor: KVDescriptor | None = None
     read: AsyncRead | None = None
@@ -135,20 +146,24 @@ class Transfer(_Tracked):
 
 # -- descriptor ------------------------------------------------------------------------------
 
+
 def _need(params: Mapping[str, Any], key: str, kind: type | tuple[type, ...], tid: str) -> Any:
     if key not in params:
         raise ValueError(f"kv_transfer_params for transfer {tid} is missing {key!r}")
     value = params[key]
     if not isinstance(value, kind) or isinstance(value, bool):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise ValueError(f"kv_transfer_params[{key!r}] for transfer {tid}: expected {names}, "
-                         f"got {type(value).__name__} {value!r:.80}")
+        raise ValueError(
+            f"kv_transfer_params[{key!r}] for transfer {tid}: expected {names}, "
+            f"got {type(value).__name__} {value!r:.80}"
+        )
     return value
 
 
 @dataclass(frozen=True)
 class KVDescriptor:
     """Everything the decode side needs to pull one request's prompt KV."""
+
     transfer_id: str
     remote_engine_id: str
     remote_session: str
@@ -165,54 +180,79 @@ class KVDescriptor:
     cuda_ipc: str | None = None
     checksum_kind: str = "xxh3"  # how block_checksums were taken (checksum.py)
 
-    KEYS = ("transfer_id", "remote_engine_id", "remote_session", "remote_block_ids",
-            "remote_base_address", "block_bytes", "num_tokens", "kv_layout", "block_checksums")
+    KEYS = (
+        "transfer_id",
+        "remote_engine_id",
+        "remote_session",
+        "remote_block_ids",
+        "remote_base_address",
+        "block_bytes",
+        "num_tokens",
+        "kv_layout",
+        "block_checksums",
+    )
     OPTIONAL_KEYS = ("shm_path", "host_id", "cuda_ipc", "checksum_kind")
 
     def __post_init__(self) -> None:
         tid = self.transfer_id
         if self.num_tokens < 1 or self.remote_base_address <= 0 or self.block_bytes < 1:
-            raise ValueError(f"transfer {tid}: num_tokens, remote_base_address and block_bytes "
-                             f"must be positive ({self.num_tokens}, {self.remote_base_address}, "
-                             f"{self.block_bytes})")
+            raise ValueError(
+                f"transfer {tid}: num_tokens, remote_base_address and block_bytes "
+                f"must be positive ({self.num_tokens}, {self.remote_base_address}, "
+                f"{self.block_bytes})"
+            )
         if self.block_bytes != self.kv_layout.block_bytes:
-            raise ValueError(f"kv_transfer_params['block_bytes'] for transfer {tid}: {self.block_bytes} "
-                             f"disagrees with kv_layout ({self.kv_layout.block_bytes})")
+            raise ValueError(
+                f"kv_transfer_params['block_bytes'] for transfer {tid}: {self.block_bytes} "
+                f"disagrees with kv_layout ({self.kv_layout.block_bytes})"
+            )
         expected = self.kv_layout.num_blocks_for(self.num_tokens)
         if len(self.remote_block_ids) != expected or len(self.block_checksums) != expected:
-            raise ValueError(f"transfer {tid}: {self.num_tokens} tokens need {expected} blocks, got "
-                             f"{len(self.remote_block_ids)} remote_block_ids and "
-                             f"{len(self.block_checksums)} block_checksums")
+            raise ValueError(
+                f"transfer {tid}: {self.num_tokens} tokens need {expected} blocks, got "
+                f"{len(self.remote_block_ids)} remote_block_ids and "
+                f"{len(self.block_checksums)} block_checksums"
+            )
         if any(b < 0 for b in self.remote_block_ids):
             raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: negative id")
         if self.checksum_kind not in CHECKSUM_KINDS:
-            raise ValueError(f"kv_transfer_params['checksum_kind'] for transfer {tid}: expected one "
-                             f"of {list(CHECKSUM_KINDS)}, got {self.checksum_kind!r}")
+            raise ValueError(
+                f"kv_transfer_params['checksum_kind'] for transfer {tid}: expected one "
+                f"of {list(CHECKSUM_KINDS)}, got {self.checksum_kind!r}"
+            )
 
     def without_first(self, blocks: int) -> "KVDescriptor":
         """The same transfer less its first `blocks` blocks (the decode side holds them already:
         its prefix cache), so only the rest moves. Positions stay block-aligned."""
         if not 0 < blocks < len(self.remote_block_ids):
-            raise ValueError(f"transfer {self.transfer_id}: cannot skip {blocks} of its "
-                             f"{len(self.remote_block_ids)} blocks")
+            raise ValueError(
+                f"transfer {self.transfer_id}: cannot skip {blocks} of its "
+                f"{len(self.remote_block_ids)} blocks"
+            )
         return dataclasses.replace(
-            self, remote_block_ids=self.remote_block_ids[blocks:],
+            self,
+            remote_block_ids=self.remote_block_ids[blocks:],
             block_checksums=self.block_checksums[blocks:],
-            num_tokens=self.num_tokens - blocks * self.kv_layout.block_size)
+            num_tokens=self.num_tokens - blocks * self.kv_layout.block_size,
+        )
 
     def remote_address(self, index: int) -> int:
         return self.remote_base_address + self.remote_block_ids[index] * self.block_bytes
 
     def to_params(self) -> dict[str, Any]:
-        return {"transfer_id": self.transfer_id, "remote_engine_id": self.remote_engine_id,
-                "remote_session": self.remote_session,
-                "remote_block_ids": list(self.remote_block_ids),
-                "remote_base_address": self.remote_base_address, "block_bytes": self.block_bytes,
-                "num_tokens": self.num_tokens, "kv_layout": self.kv_layout.to_dict(),
-                "block_checksums": list(self.block_checksums),
-                **{key: getattr(self, key) for key in ("shm_path", "host_id", "cuda_ipc")
-                   if getattr(self, key)},
-                **({"checksum_kind": self.checksum_kind} if self.checksum_kind != "xxh3" else {})}
+        return {
+            "transfer_id": self.transfer_id,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_session": self.remote_session,
+            "remote_block_ids": list(self.remote_block_ids),
+            "remote_base_address": self.remote_base_address,
+            "block_bytes": self.block_bytes,
+            "num_tokens": self.num_tokens,
+            "kv_layout": self.kv_layout.to_dict(),
+            "block_checksums": list(self.block_checksums),
+            **{key: getattr(self, key) for key in ("shm_path", "host_id", "cuda_ipc") if getattr(self, key)},
+            **({"checksum_kind": self.checksum_kind} if self.checksum_kind != "xxh3" else {}),
+        }
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "KVDescriptor":
@@ -223,30 +263,40 @@ class KVDescriptor:
         ids = _need(params, "remote_block_ids", (list, tuple), tid)
         sums = _need(params, "block_checksums", (list, tuple), tid)
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
-            raise ValueError(f"kv_transfer_params['remote_block_ids'] for transfer {tid}: "
-                             "expected a list of ints")
+            raise ValueError(
+                f"kv_transfer_params['remote_block_ids'] for transfer {tid}: expected a list of ints"
+            )
         if not all(isinstance(s, str) for s in sums):
-            raise ValueError(f"kv_transfer_params['block_checksums'] for transfer {tid}: "
-                             "expected a list of hex strings")
+            raise ValueError(
+                f"kv_transfer_params['block_checksums'] for transfer {tid}: expected a list of hex strings"
+            )
         layout_dict = _need(params, "kv_layout", dict, tid)
         try:
             layout = BlockLayout.from_dict(layout_dict)
         except ValueError as exc:
             raise ValueError(f"kv_transfer_params['kv_layout'] for transfer {tid}: {exc}") from exc
-        return cls(transfer_id=tid,
-                   remote_engine_id=_need(params, "remote_engine_id", str, tid),
-                   remote_session=_need(params, "remote_session", str, tid),
-                   remote_block_ids=tuple(ids),
-                   remote_base_address=_need(params, "remote_base_address", int, tid),
-                   block_bytes=_need(params, "block_bytes", int, tid),
-                   num_tokens=_need(params, "num_tokens", int, tid),
-                   kv_layout=layout, block_checksums=tuple(sums),
-                   **{key: _need(params, key, str, tid) for key in cls.OPTIONAL_KEYS if key in params})
+        return cls(
+            transfer_id=tid,
+            remote_engine_id=_need(params, "remote_engine_id", str, tid),
+            remote_session=_need(params, "remote_session", str, tid),
+            remote_block_ids=tuple(ids),
+            remote_base_address=_need(params, "remote_base_address", int, tid),
+            block_bytes=_need(params, "block_bytes", int, tid),
+            num_tokens=_need(params, "num_tokens", int, tid),
+            kv_layout=layout,
+            block_checksums=tuple(sums),
+            **{key: _need(params, key, str, tid) for key in cls.OPTIONAL_KEYS if key in params},
+        )
 
 
-def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
-                     side: str, buffer_device: str | None = None,
-                     host_staging: bool | None = None) -> tuple[BlockPool, BlockPool]:
+def _registered_pool(
+    layout: BlockLayout,
+    pool: int | BlockPool,
+    transport: MooncakeTransport,
+    side: str,
+    buffer_device: str | None = None,
+    host_staging: bool | None = None,
+) -> tuple[BlockPool, BlockPool]:
     """The engine's pool (its paged cache's), or a new one of `pool` blocks, and the memory
     Mooncake moves its bytes through, registered once: the pool itself, or a host copy of it.
     `host_staging` None decides: a GPU pool stages through pinned host memory when
@@ -266,10 +316,15 @@ def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: Moon
             raise KVTransferError(
                 "kv_buffer_device is 'cuda' but this Mooncake build cannot register GPU memory "
                 "(mooncake-transfer-engine-non-cuda); install a CUDA build of the transfer engine, "
-                "or set kv_buffer_device to 'cpu' (or leave it unset) to stage through host memory")
+                "or set kv_buffer_device to 'cpu' (or leave it unset) to stage through host memory"
+            )
         host_staging = buffer_device == "cpu" or not direct
-        log.info("KV %s on %s: Mooncake moves it %s", side, pool.device,
-                 "through pinned host memory" if host_staging else "from GPU memory")
+        log.info(
+            "KV %s on %s: Mooncake moves it %s",
+            side,
+            pool.device,
+            "through pinned host memory" if host_staging else "from GPU memory",
+        )
     if host_staging:
         landing = BlockPool(layout, pool.num_blocks, pinned=pool.device.type == "cuda")
     transport.register(landing.base_address, landing.nbytes)
@@ -278,31 +333,40 @@ def _registered_pool(layout: BlockLayout, pool: int | BlockPool, transport: Moon
 
 # -- prefill side ----------------------------------------------------------------------------
 
+
 class KVSender:
     """Publishes blocks of a registered pool under leases. `pool`: the prefill engine's paged
     cache pool (its blocks are published as they are, `publish_blocks`), or a block count for a
     pool of the sender's own (tools and tests, through `publish`, which copies a KV tensor in)."""
 
-    def __init__(self, engine_id: str, layout: BlockLayout, pool: int | BlockPool,
-                 transport: MooncakeTransport, lease_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, buffer_device: str | None = None,
-                 host_staging: bool | None = None, same_host: bool = True):
+    def __init__(
+        self,
+        engine_id: str,
+        layout: BlockLayout,
+        pool: int | BlockPool,
+        transport: MooncakeTransport,
+        lease_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        buffer_device: str | None = None,
+        host_staging: bool | None = None,
+        same_host: bool = True,
+    ):
         """`buffer_device`, `host_staging`: see `_registered_pool`. `same_host`: offer the
         same-host path (a shared host pool's mapping, a GPU pool's CUDA IPC handle)."""
         if lease_timeout_s <= 0:
             raise ValueError(f"kv_lease_timeout_s: expected a positive number, got {lease_timeout_s!r}")
         self.engine_id, self.layout, self.transport = engine_id, layout, transport
         self.lease_timeout_s, self._clock = lease_timeout_s, clock
-        self.pool, self.landing = _registered_pool(layout, pool, transport, "sender", buffer_device,
-                                                   host_staging)
+        self.pool, self.landing = _registered_pool(
+            layout, pool, transport, "sender", buffer_device, host_staging
+        )
         self._ipc = self.pool.cuda_ipc_handle if same_host and self.pool.device.type == "cuda" else None
         self._leases: dict[str, Lease] = {}
         self._fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()  # publish / release / expire may come from different threads
         self._closed = False
 
-    def inject_fault_once(self, block_index: int, byte_offset: int,
-                          after_checksum: bool = False) -> None:
+    def inject_fault_once(self, block_index: int, byte_offset: int, after_checksum: bool = False) -> None:
         """Test hook: the next publish flips one byte, before checksumming (corruption the
         checksums cannot see) or after (as if the bytes changed on the way: the decode side must
         catch it)."""
@@ -325,19 +389,23 @@ class KVSender:
                 self.pool.free(block_ids)
                 raise
 
-    def publish_blocks(self, transfer_id: str, block_ids: list[int], num_tokens: int,
-                       checksums: Sequence[str] | None = None) -> KVDescriptor:
+    def publish_blocks(
+        self, transfer_id: str, block_ids: list[int], num_tokens: int, checksums: Sequence[str] | None = None
+    ) -> KVDescriptor:
         """Publish blocks of the pool as they are (the prefill engine's paged cache, holding
         `num_tokens` tokens of KV) and describe them for the decode side. `checksums`: the
         blocks' checksums, taken by the writer as it wrote each block (while it was in cache);
         None: computed here. Raises only before it takes the blocks; from its return the lease
         holds them, freed on release, expiry or close."""
         if len(block_ids) != self.layout.num_blocks_for(num_tokens):
-            raise ValueError(f"transfer {transfer_id}: {num_tokens} tokens are "
-                             f"{self.layout.num_blocks_for(num_tokens)} blocks, got {len(block_ids)}")
+            raise ValueError(
+                f"transfer {transfer_id}: {num_tokens} tokens are "
+                f"{self.layout.num_blocks_for(num_tokens)} blocks, got {len(block_ids)}"
+            )
         if checksums is not None and len(checksums) != len(block_ids):
-            raise ValueError(f"transfer {transfer_id}: {len(checksums)} checksums for "
-                             f"{len(block_ids)} blocks")
+            raise ValueError(
+                f"transfer {transfer_id}: {len(checksums)} checksums for {len(block_ids)} blocks"
+            )
         with self._lock:
             self._check_new(transfer_id)
             return self._lease(transfer_id, list(block_ids), num_tokens, checksums)
@@ -348,43 +416,63 @@ class KVSender:
         if transfer_id in self._leases:
             raise ValueError(f"transfer {transfer_id} is already published by {self.engine_id}")
 
-    def _lease(self, transfer_id: str, block_ids: list[int], num_tokens: int,
-               checksums: Sequence[str] | None = None) -> KVDescriptor:
+    def _lease(
+        self, transfer_id: str, block_ids: list[int], num_tokens: int, checksums: Sequence[str] | None = None
+    ) -> KVDescriptor:
         """Checksum the blocks' transferred bytes (unless given) and hold them under a lease
         (lock held)."""
         lengths = self.layout.transfer_lengths(num_tokens)
         if self._fault is not None and not self._fault[2]:
             checksums = None  # the test hook's flip must come before the checksums: take them anew
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
-        sums = tuple(checksums) if checksums is not None else tuple(
-            self.pool.block_checksum(b, n) for b, n in zip(block_ids, lengths))
+        sums = (
+            tuple(checksums)
+            if checksums is not None
+            else tuple(self.pool.block_checksum(b, n) for b, n in zip(block_ids, lengths))
+        )
         self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
         if self.landing is not self.pool:  # Mooncake reads the host copy: bring it up to date
             self.landing.copy_blocks_from(self.pool, block_ids)
         descriptor = KVDescriptor(
-            transfer_id=transfer_id, remote_engine_id=self.engine_id,
-            remote_session=self.transport.session_id, remote_block_ids=tuple(block_ids),
-            remote_base_address=self.landing.base_address, block_bytes=self.layout.block_bytes,
-            num_tokens=num_tokens, kv_layout=self.layout, block_checksums=sums,
-            shm_path=self.pool.shm_path, cuda_ipc=self._ipc,
+            transfer_id=transfer_id,
+            remote_engine_id=self.engine_id,
+            remote_session=self.transport.session_id,
+            remote_block_ids=tuple(block_ids),
+            remote_base_address=self.landing.base_address,
+            block_bytes=self.layout.block_bytes,
+            num_tokens=num_tokens,
+            kv_layout=self.layout,
+            block_checksums=sums,
+            shm_path=self.pool.shm_path,
+            cuda_ipc=self._ipc,
             host_id=host_id() if self.pool.shm_path or self._ipc else None,
-            checksum_kind=self.pool.checksum_kind)
-        self._leases[transfer_id] = Lease(transfer_id, block_ids, TransferState.PUBLISHED,
-                                          deadline=self._clock() + self.lease_timeout_s)
+            checksum_kind=self.pool.checksum_kind,
+        )
+        self._leases[transfer_id] = Lease(
+            transfer_id, block_ids, TransferState.PUBLISHED, deadline=self._clock() + self.lease_timeout_s
+        )
         return descriptor
 
-    def _apply_fault(self, transfer_id: str, block_ids: list[int], lengths: list[int],
-                     after_checksum: bool) -> None:
+    def _apply_fault(
+        self, transfer_id: str, block_ids: list[int], lengths: list[int], after_checksum: bool
+    ) -> None:
         if self._fault is None or self._fault[2] != after_checksum:
             return
         (index, offset, _), self._fault = self._fault, None
         if index >= len(block_ids) or offset >= lengths[index]:
-            raise ValueError(f"injected fault (block {index}, byte {offset}) lies outside the "
-                             f"{len(block_ids)} blocks / transferred bytes of transfer {transfer_id}")
+            raise ValueError(
+                f"injected fault (block {index}, byte {offset}) lies outside the "
+                f"{len(block_ids)} blocks / transferred bytes of transfer {transfer_id}"
+            )
         view = self.pool.block_view(block_ids[index])
         view[offset] ^= 0xFF
-        log.warning("transfer %s: injected a KV fault at block %d byte %d %s checksumming (test "
-                    "hook)", transfer_id, index, offset, "after" if after_checksum else "before")
+        log.warning(
+            "transfer %s: injected a KV fault at block %d byte %d %s checksumming (test hook)",
+            transfer_id,
+            index,
+            offset,
+            "after" if after_checksum else "before",
+        )
 
     def release(self, transfer_id: str) -> bool:
         """The decode side's acknowledgement: frees the lease's blocks."""
@@ -407,9 +495,12 @@ class KVSender:
                     del self._leases[transfer_id]
                     self.pool.free(lease.block_ids)
                     expired.append(transfer_id)
-                    log.warning("transfer %s: lease expired after %.1f s without acknowledgement; "
-                                "freed %d KV blocks", transfer_id, self.lease_timeout_s,
-                                len(lease.block_ids))
+                    log.warning(
+                        "transfer %s: lease expired after %.1f s without acknowledgement; freed %d KV blocks",
+                        transfer_id,
+                        self.lease_timeout_s,
+                        len(lease.block_ids),
+                    )
         return expired
 
     def debug_state_counts(self) -> dict[str, int]:
@@ -450,6 +541,7 @@ class FetchResult:
     receiver's layout, back in the caller's hands. `converted`: the layouts differed (staged,
     then converted into them) rather than read in place. `kv_canonical`: from `fetch` only, the
     KV as a tensor (its blocks are freed)."""
+
     blocks: list[int]
     bytes_transferred: int
     transfer_ms: float
@@ -474,9 +566,16 @@ class KVReceiver:
     `pool`: the decode engine's paged cache pool (shared: the KV lands where it is used), or a
     block count for a pool of the receiver's own (tools and tests, through `fetch`)."""
 
-    def __init__(self, layout: BlockLayout, pool: int | BlockPool, transport: MooncakeTransport,
-                 clock: Callable[[], float] = time.monotonic, same_host: str = "auto",
-                 buffer_device: str | None = None, host_staging: bool | None = None):
+    def __init__(
+        self,
+        layout: BlockLayout,
+        pool: int | BlockPool,
+        transport: MooncakeTransport,
+        clock: Callable[[], float] = time.monotonic,
+        same_host: str = "auto",
+        buffer_device: str | None = None,
+        host_staging: bool | None = None,
+    ):
         if same_host not in SAME_HOST_CHOICES:
             raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
         self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
@@ -484,8 +583,9 @@ class KVReceiver:
         self._peer_gpus = PeerPools(open_handle)
         self._paths_said: set[str] = set()  # peers whose path was logged
         # Mooncake's reads land in `landing`: the pool, or its host copy (then copied up).
-        self.pool, self.landing = _registered_pool(layout, pool, transport, "receiver",
-                                                   buffer_device, host_staging)
+        self.pool, self.landing = _registered_pool(
+            layout, pool, transport, "receiver", buffer_device, host_staging
+        )
         self._transfers: dict[str, Transfer] = {}
         self._quarantine: list[Transfer] = []  # ended transfers whose read Mooncake still runs
         self._lock = threading.Lock()  # bookkeeping only; nothing here waits on the peer
@@ -509,8 +609,13 @@ class KVReceiver:
         with self._lock:
             return self.staging_blocks(descriptor) <= self.pool.num_free
 
-    def start(self, descriptor: KVDescriptor, wait_s: float = math.inf,
-              verify_checksums: bool = True, into: list[int] | None = None) -> None:
+    def start(
+        self,
+        descriptor: KVDescriptor,
+        wait_s: float = math.inf,
+        verify_checksums: bool = True,
+        into: list[int] | None = None,
+    ) -> None:
         """Submit the read of the descriptor's KV into the destination blocks `into` (allocated
         from this pool by the caller; `dest_blocks(descriptor)` of them). `wait_s` bounds how long
         `poll` waits for it. Raises only before it takes the blocks (bad arguments, no room to
@@ -522,9 +627,11 @@ class KVReceiver:
         remote = descriptor.kv_layout
         check_compatible(remote, self.layout)  # fail before moving any bytes
         if into is None or len(into) != self.dest_blocks(descriptor):
-            raise ValueError(f"transfer {tid}: {descriptor.num_tokens} tokens need "
-                             f"{self.dest_blocks(descriptor)} destination blocks, got "
-                             f"{None if into is None else len(into)}")
+            raise ValueError(
+                f"transfer {tid}: {descriptor.num_tokens} tokens need "
+                f"{self.dest_blocks(descriptor)} destination blocks, got "
+                f"{None if into is None else len(into)}"
+            )
         path, peer_pool = self._same_host_pool(descriptor)
         transfer = self._begin(tid, list(into), self.staging_blocks(descriptor))
         transfer.descriptor, transfer.verify_checksums, transfer.wait_s = descriptor, verify_checksums, wait_s
@@ -554,8 +661,13 @@ class KVReceiver:
             self._end(transfer, TransferState.FAILED, transfer.failure)
             raise transfer.failure
         if transfer.path in ("shm", "cuda_ipc"):  # copied and verified by start
-            result = FetchResult(list(transfer.dest), sum(transfer.lengths),
-                                 (time.perf_counter() - transfer.started) * 1e3, 0, path=transfer.path)
+            result = FetchResult(
+                list(transfer.dest),
+                sum(transfer.lengths),
+                (time.perf_counter() - transfer.started) * 1e3,
+                0,
+                path=transfer.path,
+            )
             self._end(transfer, TransferState.DONE)
             return result
         state = transfer.read.poll()
@@ -602,17 +714,21 @@ class KVReceiver:
                 if transfer.read.settled:
                     self.pool.free(transfer.block_ids)
                     freed += len(transfer.block_ids)
-                    log.debug("transfer %s: %d quarantined KV blocks freed after %.1f s",
-                              transfer.transfer_id, len(transfer.block_ids),
-                              time.perf_counter() - transfer.started)
+                    log.debug(
+                        "transfer %s: %d quarantined KV blocks freed after %.1f s",
+                        transfer.transfer_id,
+                        len(transfer.block_ids),
+                        time.perf_counter() - transfer.started,
+                    )
                 else:
                     still.append(transfer)
             self._quarantine = still
             return freed
 
     # ---- the blocking path (tools and tests) --------------------------------------------------
-    def fetch(self, descriptor: KVDescriptor, verify_checksums: bool = True,
-              wait_s: float = math.inf) -> FetchResult:
+    def fetch(
+        self, descriptor: KVDescriptor, verify_checksums: bool = True, wait_s: float = math.inf
+    ) -> FetchResult:
         """start + poll until done, sleeping between polls (no spinning), into blocks allocated
         here; returns the KV as a tensor and frees the blocks. Does not acknowledge: the caller
         tells the sender (release) once the KV is safely in use."""
@@ -643,8 +759,9 @@ class KVReceiver:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id} is already being fetched")
             staging = self.pool.allocate(num_staging) if num_staging else []
-            transfer = Transfer(transfer_id, dest + staging, TransferState.TRANSFERRING,
-                                dest=dest, staging=staging)
+            transfer = Transfer(
+                transfer_id, dest + staging, TransferState.TRANSFERRING, dest=dest, staging=staging
+            )
             self._transfers[transfer_id] = transfer
             return transfer
 
@@ -652,8 +769,9 @@ class KVReceiver:
         """Final state. Done: the destination blocks go back to the caller (with the result),
         the staging blocks to the pool. Otherwise all its blocks go back to the pool, or into
         quarantine while the read may still write them."""
-        transfer.move(state, f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException)
-                      else str(reason))
+        transfer.move(
+            state, f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)
+        )
         if state is not TransferState.DONE:
             log.debug("transfer %s %s: %s", transfer.transfer_id, state.value, transfer.reason)
         if transfer.read is not None and state is not TransferState.DONE:
@@ -676,7 +794,8 @@ class KVReceiver:
             "decode stage's kv_miss_window_s); check that the prefill worker is running and not "
             "stopped or overloaded, and that its Mooncake port is reachable from the decode "
             f"worker ({len(transfer.block_ids)} staging blocks stay out of use while Mooncake may "
-            "still write them)")
+            "still write them)"
+        )
 
     def _same_host_pool(self, descriptor: KVDescriptor) -> tuple[str, torch.Tensor | None]:
         """The prefill peer's pool, mapped ("shm") or opened by CUDA IPC handle ("cuda_ipc"),
@@ -702,10 +821,15 @@ class KVReceiver:
         else:
             highest = max(descriptor.remote_block_ids) + 1
             try:
-                pool = (self._peer_gpus.get(descriptor.remote_session, descriptor.cuda_ipc,
-                                            highest * descriptor.block_bytes) if path == "cuda_ipc"
-                        else self._peers.get(descriptor.remote_session, descriptor.shm_path,
-                                             highest * descriptor.block_bytes))
+                pool = (
+                    self._peer_gpus.get(
+                        descriptor.remote_session, descriptor.cuda_ipc, highest * descriptor.block_bytes
+                    )
+                    if path == "cuda_ipc"
+                    else self._peers.get(
+                        descriptor.remote_session, descriptor.shm_path, highest * descriptor.block_bytes
+                    )
+                )
             except OSError as exc:
                 why = f"its pool cannot be {'opened' if path == 'cuda_ipc' else 'mapped'} from here ({exc})"
         peer = descriptor.remote_session
@@ -715,18 +839,27 @@ class KVReceiver:
                     f"transfer {descriptor.transfer_id}: kv_same_host is {self.same_host!r} but "
                     f"the KV of prefill peer {peer} cannot move that way: {why}; run both stages "
                     "on one host as one user (host memory: shm; GPUs: cuda_ipc) with kv_same_host "
-                    "not 'off' on the prefill stage, or set kv_same_host to 'auto'")
+                    "not 'off' on the prefill stage, or set kv_same_host to 'auto'"
+                )
             if peer not in self._paths_said:
                 self._paths_said.add(peer)
-                log.info("KV from prefill peer %s moves over Mooncake %s%s: %s", peer,
-                         self.transport.protocol,
-                         "" if self.landing is self.pool else " through pinned host memory", why)
+                log.info(
+                    "KV from prefill peer %s moves over Mooncake %s%s: %s",
+                    peer,
+                    self.transport.protocol,
+                    "" if self.landing is self.pool else " through pinned host memory",
+                    why,
+                )
             return "tcp", None
         if peer not in self._paths_said:
             self._paths_said.add(peer)
-            log.info("KV from prefill peer %s moves %s (same host)", peer,
-                     "by CUDA IPC, device to device" if path == "cuda_ipc"
-                     else f"through shared memory ({descriptor.shm_path})")
+            log.info(
+                "KV from prefill peer %s moves %s (same host)",
+                peer,
+                "by CUDA IPC, device to device"
+                if path == "cuda_ipc"
+                else f"through shared memory ({descriptor.shm_path})",
+            )
         return path, pool
 
     def _copy_shared(self, transfer: Transfer, peer_pool: torch.Tensor) -> None:
@@ -736,7 +869,7 @@ class KVReceiver:
         bb = descriptor.block_bytes
         for j, (remote, length) in enumerate(zip(descriptor.remote_block_ids, transfer.lengths)):
             dest = self.pool.block_view(transfer.dest[j])[:length]
-            dest.copy_(peer_pool[remote * bb:remote * bb + length])
+            dest.copy_(peer_pool[remote * bb : remote * bb + length])
             if transfer.verify_checksums:
                 self._verify(descriptor, {j: dest}, transfer.lengths)
         transfer.unverified = set()
@@ -745,7 +878,7 @@ class KVReceiver:
         """The staging blocks as the remote blocks landed there, back to back (a view)."""
         remote = transfer.descriptor.kv_layout
         count = remote.num_blocks_for(transfer.descriptor.num_tokens)
-        raw = self.landing.gather(transfer.staging).reshape(-1)[:count * remote.block_bytes]
+        raw = self.landing.gather(transfer.staging).reshape(-1)[: count * remote.block_bytes]
         return raw.view(count, remote.block_bytes)
 
     def _verify_landed(self, transfer: Transfer) -> None:
@@ -775,13 +908,19 @@ class KVReceiver:
         """Remote block j's transferred bytes where they landed in the staging blocks: a view
         when they lie in one staging block, else its pieces joined (that block's bytes only,
         never a gather of the whole staging area at every poll)."""
-        pieces = [self.landing.block_view(block)[within:within + piece]
-                  for block, within, piece in self._staging_spans(transfer, j, transfer.lengths[j])]
+        pieces = [
+            self.landing.block_view(block)[within : within + piece]
+            for block, within, piece in self._staging_spans(transfer, j, transfer.lengths[j])
+        ]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _verify_blocks(self, transfer: Transfer, blocks: list[int]) -> None:
-        views = {j: self._staged_block(transfer, j) if transfer.staging
-                 else self.landing.block_view(transfer.dest[j]) for j in blocks}
+        views = {
+            j: self._staged_block(transfer, j)
+            if transfer.staging
+            else self.landing.block_view(transfer.dest[j])
+            for j in blocks
+        }
         self._verify(transfer.descriptor, views, transfer.lengths)
         transfer.unverified.difference_update(blocks)
 
@@ -799,11 +938,15 @@ class KVReceiver:
         elif self.landing is not self.pool:  # landed in the host copy: up to the GPU
             self.pool.copy_blocks_from(self.landing, transfer.dest)
         transfer_ms = (time.perf_counter() - transfer.started) * 1e3
-        return FetchResult(list(transfer.dest), sum(lengths), transfer_ms, transfer.read.num_segments,
-                           converted=bool(transfer.staging))
+        return FetchResult(
+            list(transfer.dest),
+            sum(lengths),
+            transfer_ms,
+            transfer.read.num_segments,
+            converted=bool(transfer.staging),
+        )
 
-    def _segments(self, descriptor: KVDescriptor, transfer: Transfer,
-                  lengths: list[int]) -> list[Segment]:
+    def _segments(self, descriptor: KVDescriptor, transfer: Transfer, lengths: list[int]) -> list[Segment]:
         """Equal layouts: remote block j's first lengths[j] bytes to destination block j.
         Otherwise to staged offset j*remote_block_bytes, split where a staged range crosses a
         local block boundary."""
@@ -811,7 +954,9 @@ class KVReceiver:
         block_of_piece: list[int] = []
         if not transfer.staging:
             for j, length in enumerate(lengths):
-                pieces.append((self.landing.block_address(transfer.dest[j]), descriptor.remote_address(j), length))
+                pieces.append(
+                    (self.landing.block_address(transfer.dest[j]), descriptor.remote_address(j), length)
+                )
                 block_of_piece.append(j)
         else:
             for j, length in enumerate(lengths):
@@ -832,21 +977,24 @@ class KVReceiver:
     def _verify(descriptor: KVDescriptor, blocks: dict[int, torch.Tensor], lengths: list[int]) -> None:
         for j, view in blocks.items():
             expected = descriptor.block_checksums[j]
-            got = checksum(view[:lengths[j]], descriptor.checksum_kind)
+            got = checksum(view[: lengths[j]], descriptor.checksum_kind)
             if got != expected:
                 raise KVIntegrityError(
                     f"transfer {descriptor.transfer_id}: block {j} (remote block "
                     f"{descriptor.remote_block_ids[j]} on {descriptor.remote_session}) has checksum "
                     f"{got}, the sender published {expected}; the sender's memory changed after "
-                    "publish (lease expired and blocks reused?) or the transfer corrupted it")
+                    "publish (lease expired and blocks reused?) or the transfer corrupted it"
+                )
 
     def debug_state_counts(self) -> dict[str, int]:
         """transfers / used_blocks: held for live requests (zero between requests);
         kv_quarantined_blocks: held for reads Mooncake has not ended (no request's state)."""
         with self._lock:
-            return {"transfers": len(self._transfers),
-                    "used_blocks": sum(len(t.block_ids) for t in self._transfers.values()),
-                    "kv_quarantined_blocks": sum(len(t.block_ids) for t in self._quarantine)}
+            return {
+                "transfers": len(self._transfers),
+                "used_blocks": sum(len(t.block_ids) for t in self._transfers.values()),
+                "kv_quarantined_blocks": sum(len(t.block_ids) for t in self._quarantine),
+            }
 
     @property
     def blocks_held(self) -> int:
@@ -859,8 +1007,11 @@ class KVReceiver:
             if self._closed:
                 return
             if self._transfers or self._quarantine:
-                log.warning("KVReceiver closed with %d transfers in flight and %d reads quarantined",
-                            len(self._transfers), len(self._quarantine))
+                log.warning(
+                    "KVReceiver closed with %d transfers in flight and %d reads quarantined",
+                    len(self._transfers),
+                    len(self._quarantine),
+                )
                 # Mooncake may still write the pool (tcp does not check registration): never
                 # hand its memory back to the allocator.
                 _KEPT_ALIVE.append(self.landing)

@@ -19,6 +19,7 @@ split      head_major    kv, layer, head, token, dim
 Only fused/token_major keeps the first ``n`` tokens of a block in one contiguous byte range, which
 lets a transfer move exactly ``num_tokens * bytes_per_token`` bytes; it is the default.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,10 @@ KVSplit = Literal["fused", "split"]
 Order = Literal["token_major", "head_major"]
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 _KV_SPLITS = ("fused", "split")
 _ORDERS = ("token_major", "head_major")
 _INT_FIELDS = ("block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -77,11 +81,19 @@ class BlockLayout:
                 raise ValueError(f"kv_layout.{name}: expected one of {list(allowed)}, got {value!r}")
 
     @classmethod
-    def default_for(cls, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: str | torch.dtype, block_size: int = 16) -> "BlockLayout":
+    def default_for(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str | torch.dtype, block_size: int = 16
+    ) -> "BlockLayout":
         name = dtype if isinstance(dtype, str) else dtype_name(dtype)
-        return cls(block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim, dtype=name, kv_split="fused", order="token_major")  # type: ignore[arg-type]
+        return cls(
+            block_size=block_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=name,
+            kv_split="fused",
+            order="token_major",
+        )  # type: ignore[arg-type]
 
     # -- plain-data form for the handshake ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -124,7 +136,10 @@ class BlockLayout:
         """Contiguous byte length holding the first n tokens of a block; None if not contiguous."""
         if not 0 <= n_tokens_in_block <= self.block_size:
             raise ValueError(f"n_tokens_in_block={n_tokens_in_block} outside 0..{self.block_size}")
-        if n_tokens_in_block in (0, self.block_size) or (self.kv_split, self.order) == ("fused", "token_major"):
+        if n_tokens_in_block in (0, self.block_size) or (self.kv_split, self.order) == (
+            "fused",
+            "token_major",
+        ):
             return n_tokens_in_block * self.bytes_per_token
         return None
 
@@ -140,7 +155,10 @@ class BlockLayout:
 
     def same_geometry(self, other: "BlockLayout") -> bool:
         return (self.num_layers, self.num_kv_heads, self.head_dim) == (
-            other.num_layers, other.num_kv_heads, other.head_dim)
+            other.num_layers,
+            other.num_kv_heads,
+            other.head_dim,
+        )
 
     @property
     def _block_axes(self) -> str:
@@ -150,11 +168,15 @@ class BlockLayout:
 def check_canonical(kv: torch.Tensor, layout: BlockLayout) -> None:
     expected = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
     if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != expected:
-        raise ValueError(f"KV tensor of shape {tuple(kv.shape)} does not fit the layout: expected "
-                         f"[{layout.num_layers}, 2, {layout.num_kv_heads}, num_tokens, {layout.head_dim}]")
+        raise ValueError(
+            f"KV tensor of shape {tuple(kv.shape)} does not fit the layout: expected "
+            f"[{layout.num_layers}, 2, {layout.num_kv_heads}, num_tokens, {layout.head_dim}]"
+        )
     if kv.dtype != layout.torch_dtype:
-        raise ValueError(f"KV tensor dtype {kv.dtype} differs from the layout's {layout.dtype}; "
-                         "cast it first or build the layout with the model's dtype")
+        raise ValueError(
+            f"KV tensor dtype {kv.dtype} differs from the layout's {layout.dtype}; "
+            "cast it first or build the layout with the model's dtype"
+        )
     if kv.shape[3] < 1:
         raise ValueError("KV tensor holds zero tokens; there is nothing to hand over")
 
@@ -162,15 +184,21 @@ def check_canonical(kv: torch.Tensor, layout: BlockLayout) -> None:
 def _canonical_view(blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """A ``[L, 2, H, num_blocks, block_size, D]`` typed view of contiguous uint8 block memory."""
     axes = "N" + layout._block_axes
-    sizes = {"L": layout.num_layers, "K": 2, "H": layout.num_kv_heads, "N": blocks.shape[0],
-             "B": layout.block_size, "D": layout.head_dim}
+    sizes = {
+        "L": layout.num_layers,
+        "K": 2,
+        "H": layout.num_kv_heads,
+        "N": blocks.shape[0],
+        "B": layout.block_size,
+        "D": layout.head_dim,
+    }
     typed = blocks.view(layout.torch_dtype).reshape([sizes[a] for a in axes])
     return typed.permute([axes.index(a) for a in _CANON_AXES])
 
 
 def _token_blocks(kv: torch.Tensor, full: int, block_size: int) -> torch.Tensor:
     """The first full*block_size tokens of a canonical tensor as [L, 2, H, full, B, D]."""
-    head = kv[:, :, :, :full * block_size]
+    head = kv[:, :, :, : full * block_size]
     return head.reshape(kv.shape[0], 2, kv.shape[2], full, block_size, kv.shape[4])
 
 
@@ -192,7 +220,7 @@ def pack_blocks(kv: torch.Tensor, layout: BlockLayout, out: torch.Tensor | None 
     if full:
         view[:, :, :, :full].copy_(_token_blocks(kv, full, layout.block_size))
     if rem:
-        view[:, :, :, full, :rem].copy_(kv[:, :, :, full * layout.block_size:])
+        view[:, :, :, full, :rem].copy_(kv[:, :, :, full * layout.block_size :])
         view[:, :, :, full, rem:].zero_()  # padding is zeros so whole-block checksums are stable
     return out
 
@@ -200,23 +228,38 @@ def pack_blocks(kv: torch.Tensor, layout: BlockLayout, out: torch.Tensor | None 
 def unpack_blocks(blocks: torch.Tensor, layout: BlockLayout, num_tokens: int) -> torch.Tensor:
     """``[num_blocks, >= block_bytes]`` uint8 -> canonical KV with num_tokens tokens (a new tensor)."""
     num_blocks = layout.num_blocks_for(num_tokens)
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] < num_blocks \
-            or blocks.shape[1] < layout.block_bytes or num_tokens < 1:
-        raise ValueError(f"expected uint8 blocks of shape [>={num_blocks}, {layout.block_bytes}] for "
-                         f"{num_tokens} tokens, got {blocks.dtype} {tuple(blocks.shape)}")
-    view = _canonical_view(blocks[:num_blocks, :layout.block_bytes].contiguous(), layout)
-    kv = torch.empty(layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim,
-                     dtype=layout.torch_dtype, device=blocks.device)
+    if (
+        blocks.dtype != torch.uint8
+        or blocks.dim() != 2
+        or blocks.shape[0] < num_blocks
+        or blocks.shape[1] < layout.block_bytes
+        or num_tokens < 1
+    ):
+        raise ValueError(
+            f"expected uint8 blocks of shape [>={num_blocks}, {layout.block_bytes}] for "
+            f"{num_tokens} tokens, got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    view = _canonical_view(blocks[:num_blocks, : layout.block_bytes].contiguous(), layout)
+    kv = torch.empty(
+        layout.num_layers,
+        2,
+        layout.num_kv_heads,
+        num_tokens,
+        layout.head_dim,
+        dtype=layout.torch_dtype,
+        device=blocks.device,
+    )
     full, rem = divmod(num_tokens, layout.block_size)
     if full:
         _token_blocks(kv, full, layout.block_size).copy_(view[:, :, :, :full])
     if rem:
-        kv[:, :, :, full * layout.block_size:].copy_(view[:, :, :, full, :rem])
+        kv[:, :, :, full * layout.block_size :].copy_(view[:, :, :, full, :rem])
     return kv
 
 
-def convert_blocks(blocks: torch.Tensor, src_layout: BlockLayout, dst_layout: BlockLayout,
-                   num_tokens: int) -> torch.Tensor:
+def convert_blocks(
+    blocks: torch.Tensor, src_layout: BlockLayout, dst_layout: BlockLayout, num_tokens: int
+) -> torch.Tensor:
     """Re-pack blocks written in src_layout into dst_layout (block size, split, order, dtype).
 
     The one place where a prefill and a decode engine with different layouts meet. Geometry
@@ -233,4 +276,5 @@ def check_compatible(src_layout: BlockLayout, dst_layout: BlockLayout) -> None:
             "KV layouts are incompatible: prefill has "
             f"{src_layout.num_layers} layers x {src_layout.num_kv_heads} kv heads x {src_layout.head_dim} "
             f"head_dim, decode has {dst_layout.num_layers} x {dst_layout.num_kv_heads} x "
-            f"{dst_layout.head_dim}; both stages must serve the same model")
+            f"{dst_layout.head_dim}; both stages must serve the same model"
+        )

@@ -19,6 +19,7 @@ A pool on a GPU (`device="cuda:N"`) is one device allocation; its same-host path
 (`cuda_ipc_handle`), and its blocks are checksummed on the device (`checksum_kind`). A `pinned`
 host pool is page-locked, for copies to and from a GPU (the host staging of a GPU pool).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -47,8 +48,14 @@ class BlockKeeper(Protocol):
 
 
 class BlockPool:
-    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False,
-                 device: str = "cpu", pinned: bool = False):
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_blocks: int,
+        shared: bool = False,
+        device: str = "cpu",
+        pinned: bool = False,
+    ):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"kv_pool_blocks: expected a positive integer, got {num_blocks!r}")
         self.layout = layout
@@ -74,10 +81,11 @@ class BlockPool:
             offset = 0
         else:
             # torch.empty: untouched pages cost nothing; every block is fully written before it is read.
-            self._storage = torch.empty(self.nbytes + _ALIGN, dtype=torch.uint8, device="cpu",
-                                        pin_memory=pinned)
+            self._storage = torch.empty(
+                self.nbytes + _ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pinned
+            )
             offset = (-self._storage.data_ptr()) % _ALIGN
-        self._blocks = self._storage[offset:offset + self.nbytes].view(num_blocks, self.block_bytes)
+        self._blocks = self._storage[offset : offset + self.nbytes].view(num_blocks, self.block_bytes)
         self.base_address = self._blocks.data_ptr()
         self._free = np.ones(num_blocks, dtype=bool)
         self._refs = np.zeros(num_blocks, dtype=np.int64)  # holders per block
@@ -90,6 +98,7 @@ class BlockPool:
             return None
         if self._ipc_handle is None:
             from .cuda_ipc import export_handle
+
             self._ipc_handle = export_handle(self._blocks.view(-1))
         return self._ipc_handle
 
@@ -124,10 +133,10 @@ class BlockPool:
             raise PoolExhausted(
                 f"KV block pool exhausted: {n} blocks requested, {free} of {self.num_blocks} free "
                 f"({self.block_bytes} bytes each); raise engine_args.kv_pool_blocks, or lower "
-                "concurrency / prompt length")
+                "concurrency / prompt length"
+            )
         start = self._first_run(n)
-        ids = list(range(start, start + n)) if start is not None \
-            else np.flatnonzero(self._free)[:n].tolist()
+        ids = list(range(start, start + n)) if start is not None else np.flatnonzero(self._free)[:n].tolist()
         self._free[ids] = False
         self._refs[ids] = 1
         return ids
@@ -204,18 +213,20 @@ class BlockPool:
         self._check_ids(block_ids)
         start = self._run_start(block_ids)
         if start is not None:
-            return self._blocks[start:start + len(block_ids)]
+            return self._blocks[start : start + len(block_ids)]
         return self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)]
 
     def write(self, block_ids: Sequence[int], kv_canonical: torch.Tensor) -> None:
         self._check_ids(block_ids)
         needed = self.layout.num_blocks_for(int(kv_canonical.shape[3])) if kv_canonical.dim() == 5 else -1
         if needed != len(block_ids):
-            raise ValueError(f"KV of shape {tuple(kv_canonical.shape)} needs {needed} blocks, "
-                             f"got {len(block_ids)} block ids")
+            raise ValueError(
+                f"KV of shape {tuple(kv_canonical.shape)} needs {needed} blocks, "
+                f"got {len(block_ids)} block ids"
+            )
         start = self._run_start(block_ids)
         if start is not None:  # pack straight into pool memory: one copy instead of two
-            pack_blocks(kv_canonical, self.layout, out=self._blocks[start:start + len(block_ids)])
+            pack_blocks(kv_canonical, self.layout, out=self._blocks[start : start + len(block_ids)])
         else:
             packed = pack_blocks(kv_canonical, self.layout)
             self._blocks[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = packed
@@ -233,7 +244,7 @@ class BlockPool:
             while end < len(ids) and ids[end] == ids[end - 1] + 1:
                 end += 1
             first, count = ids[start], end - start
-            self._blocks[first:first + count].copy_(other._blocks[first:first + count])
+            self._blocks[first : first + count].copy_(other._blocks[first : first + count])
             start = end
 
     def read(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ trip through Mooncake's tcp stack. Whether the path opens is the test: another h
 namespace (a container), another user, or a prefill process that has exited all fail to open it,
 and the receiver falls back to Mooncake (saying so once per peer).
 """
+
 from __future__ import annotations
 
 import functools

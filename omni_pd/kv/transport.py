@@ -27,6 +27,7 @@ gets no answer (its SYN is dropped), as if the socket were bound to the host. Th
 inherited by accepted connections. ``OMNI_PD_KV_ANY_DESTINATION=1`` skips it (Mooncake's own
 behaviour: for NAT set-ups where peers reach this engine at an address other than its kv_ip).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 
 Segment = tuple[int, int, int]  # (local_addr, remote_addr, length)
 
-_INSTALL_HINT = ("install `mooncake-transfer-engine-non-cuda` (pip) and Debian `libibverbs1` "
-                 "(apt-get install libibverbs1), or run scripts/setup.sh")
+_INSTALL_HINT = (
+    "install `mooncake-transfer-engine-non-cuda` (pip) and Debian `libibverbs1` "
+    "(apt-get install libibverbs1), or run scripts/setup.sh"
+)
 
 
 def _load_engine_class():
@@ -68,6 +71,7 @@ def registers_device_memory() -> bool:
     memory (`mooncake-transfer-engine`, `-cuda13`, ...), rather than the CPU-only
     `mooncake-transfer-engine-non-cuda`."""
     from importlib import metadata
+
     names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
     builds = [n for n in names if n.startswith("mooncake-transfer-engine")]
     return any("non-cuda" not in n for n in builds)
@@ -87,8 +91,12 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
 
 
 class _SockFprog(ctypes.Structure):
@@ -103,8 +111,10 @@ def allowed_destinations(host: str) -> Destinations | None:
     try:
         addresses = {ipaddress.ip_address(host.strip("[]"))}
     except ValueError:  # a host name: what it resolves to here
-        addresses = {ipaddress.ip_address(info[4][0].split("%")[0])
-                     for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        addresses = {
+            ipaddress.ip_address(info[4][0].split("%")[0])
+            for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        }
     v4: list[ipaddress.IPv4Network] = []
     v6: list[ipaddress.IPv6Address] = []
     for address in addresses:
@@ -132,8 +142,8 @@ def destination_filter(allowed: Destinations) -> list[tuple[int, int, int, int]]
     def emit(code: int, k: int = 0, jt: str | None = None, jf: str | None = None) -> None:
         program.append([code, jt, jf, k & 0xFFFFFFFF])
 
-    emit(_LD_B_ABS, _SKF_NET_OFF)          # A = first byte of the IP header
-    emit(_AND_K, 0xF0)                     # A = version << 4
+    emit(_LD_B_ABS, _SKF_NET_OFF)  # A = first byte of the IP header
+    emit(_AND_K, 0xF0)  # A = version << 4
     emit(_JEQ_K, 0x40, jt="v4", jf="not_v4")
     labels["not_v4"] = len(program)
     emit(_JEQ_K, 0x60, jt="v6", jf="drop")
@@ -145,7 +155,7 @@ def destination_filter(allowed: Destinations) -> list[tuple[int, int, int, int]]
     emit(_JA, jt="drop")
     labels["v6"] = len(program)
     for index, address in enumerate(v6):
-        words = [int.from_bytes(address.packed[i:i + 4], "big") for i in range(0, 16, 4)]
+        words = [int.from_bytes(address.packed[i : i + 4], "big") for i in range(0, 16, 4)]
         for w, word in enumerate(words):
             emit(_LD_W_ABS, _SKF_NET_OFF + 24 + 4 * w)  # IPv6 destination address, word w
             emit(_JEQ_K, word, jt="accept" if w == 3 else None, jf=f"v6_next{index}")
@@ -156,8 +166,10 @@ def destination_filter(allowed: Destinations) -> list[tuple[int, int, int, int]]
     emit(_RET_K, 0xFFFFFFFF)
     resolved = []
     for pc, (code, jt, jf, k) in enumerate(program):
+
         def rel(label):
             return 0 if label is None else labels[label] - pc - 1
+
         if code == _JA:
             resolved.append((code, 0, 0, rel(jt)))
         else:
@@ -169,15 +181,17 @@ def _attach_filter(fd: int, program: list[tuple[int, int, int, int]]) -> None:
     instructions = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), instructions)
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setsockopt(fd, socket.SOL_SOCKET, _SO_ATTACH_FILTER, ctypes.byref(fprog),
-                       ctypes.sizeof(fprog)) != 0:
+    if (
+        libc.setsockopt(fd, socket.SOL_SOCKET, _SO_ATTACH_FILTER, ctypes.byref(fprog), ctypes.sizeof(fprog))
+        != 0
+    ):
         errno = ctypes.get_errno()
         raise OSError(errno, f"setsockopt(SO_ATTACH_FILTER) on fd {fd}: {os.strerror(errno)}")
 
 
 def _proc_address(hex_address: str) -> IPAddress:
     raw = bytes.fromhex(hex_address)  # 32-bit words in host (little-endian) order
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     address = ipaddress.ip_address(raw)
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
         return address.ipv4_mapped
@@ -189,8 +203,7 @@ LISTEN_WAIT_S = 2.0  # how long a new engine's listening sockets may take to app
 
 def listening_sockets() -> dict[str, tuple[int, int]]:
     """This process's listening TCP sockets: inode -> (fd, port)."""
-    return {inode: (fd, port) for fd, state, _, port, inode in _tcp_sockets("self")
-            if state == _TCP_LISTEN}
+    return {inode: (fd, port) for fd, state, _, port, inode in _tcp_sockets("self") if state == _TCP_LISTEN}
 
 
 def _new_listeners(before: set[str], rpc_port: int) -> list[tuple[int, int]]:
@@ -231,8 +244,9 @@ def _tcp_sockets(pid: int | str) -> list[tuple[int, str, IPAddress, int, str]]:
             fields = line.split()
             if fields[9] in inode_fd:
                 address, port = fields[1].split(":")
-                sockets.append((inode_fd[fields[9]], fields[3], _proc_address(address),
-                                int(port, 16), fields[9]))
+                sockets.append(
+                    (inode_fd[fields[9]], fields[3], _proc_address(address), int(port, 16), fields[9])
+                )
     return sockets
 
 
@@ -262,8 +276,9 @@ def coalesce(segments: Sequence[Segment]) -> list[Segment]:
     return coalesce_groups(segments)[0]
 
 
-def coalesce_groups(segments: Sequence[Segment], max_bytes: int | None = None
-                    ) -> tuple[list[Segment], list[list[int]]]:
+def coalesce_groups(
+    segments: Sequence[Segment], max_bytes: int | None = None
+) -> tuple[list[Segment], list[list[int]]]:
     """Merge entries whose local and remote ranges both continue the previous entry, into
     entries of at most `max_bytes` (None: no bound; a longer input entry stays whole). Returns
     the entries and, per entry, the indices of the input segments it holds."""
@@ -273,8 +288,12 @@ def coalesce_groups(segments: Sequence[Segment], max_bytes: int | None = None
         if length <= 0:
             continue
         last = merged[-1] if merged else None
-        if (last is not None and last[0] + last[2] == local and last[1] + last[2] == remote
-                and (max_bytes is None or last[2] + length <= max_bytes)):
+        if (
+            last is not None
+            and last[0] + last[2] == local
+            and last[1] + last[2] == remote
+            and (max_bytes is None or last[2] + length <= max_bytes)
+        ):
             last[2] += length
             groups[-1].append(index)
         else:
@@ -369,7 +388,7 @@ class AsyncRead:
 
 def _valid_batch_id(batch_id: int) -> bool:
     # A failed submit returns 0, or -1 seen through an unsigned 64-bit batch id.
-    return 0 < batch_id < 2 ** 63
+    return 0 < batch_id < 2**63
 
 
 class _Submitter:
@@ -399,8 +418,9 @@ class _Submitter:
 
     def _submit(self, read: AsyncRead, entries: list[Segment]) -> None:
         for index, (local, remote, length) in enumerate(entries):
-            batch_id = self._engine.batch_transfer_async_read(read.remote_session, [local], [remote],
-                                                              [length])
+            batch_id = self._engine.batch_transfer_async_read(
+                read.remote_session, [local], [remote], [length]
+            )
             if not _valid_batch_id(batch_id):
                 read.error = "Mooncake refused to submit the read"
                 return
@@ -409,8 +429,9 @@ class _Submitter:
 
 
 class MooncakeTransport:
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp",
-                 progress_timeout_s: float | None = None):
+    def __init__(
+        self, host: str = "127.0.0.1", protocol: str = "tcp", progress_timeout_s: float | None = None
+    ):
         """`progress_timeout_s`: how long Mooncake's tcp transport lets a read make no progress
         before failing it (it bounds how long an abandoned read keeps its memory); applied
         through MC_TCP_PROGRESS_TIMEOUT_SEC unless the deployer set that, and process-wide."""
@@ -428,28 +449,36 @@ class MooncakeTransport:
                     f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}) "
                     f"returned {rc}; check that {host} is an address of this machine (kv_ip) and "
                     "that the protocol is available here ('tcp' always is; 'rdma' needs an RDMA "
-                    "device)")
+                    "device)"
+                )
             rpc_port = self._engine.get_rpc_port()
             self.listeners = _new_listeners(before, rpc_port)
             self.session_id = f"{host}:{rpc_port}"
             if allowed is not None:
                 try:
                     if rpc_port not in {port for _, port in self.listeners}:
-                        raise OSError(f"its handshake port {rpc_port} is not among the sockets it "
-                                      f"opened ({self.listeners}; this process listens on "
-                                      f"{sorted(listening_sockets().values())})")
+                        raise OSError(
+                            f"its handshake port {rpc_port} is not among the sockets it "
+                            f"opened ({self.listeners}; this process listens on "
+                            f"{sorted(listening_sockets().values())})"
+                        )
                     restrict_listeners(self.listeners, allowed)
                 except OSError as exc:
                     raise KVTransferError(
                         f"cannot restrict Mooncake engine {self.session_id} to connections "
                         f"addressed to {host}: {exc}. Its ports would accept peers on every "
                         f"address of this machine; set {ANY_DESTINATION_ENV}=1 to accept that "
-                        "(and firewall the ports)") from exc
-        log.info("Mooncake engine %s listening on ports %s (%s), %s", self.session_id,
-                 ", ".join(str(port) for _, port in self.listeners), protocol,
-                 "accepting every destination address" if allowed is None else
-                 "accepting connections addressed to " +
-                 ", ".join(map(str, [*allowed[0], *allowed[1]])))
+                        "(and firewall the ports)"
+                    ) from exc
+        log.info(
+            "Mooncake engine %s listening on ports %s (%s), %s",
+            self.session_id,
+            ", ".join(str(port) for _, port in self.listeners),
+            protocol,
+            "accepting every destination address"
+            if allowed is None
+            else "accepting connections addressed to " + ", ".join(map(str, [*allowed[0], *allowed[1]])),
+        )
         self._registered: dict[int, int] = {}
         self._submitter: _Submitter | None = None  # started with the first async read
         self._submitter_lock = threading.Lock()
@@ -459,8 +488,10 @@ class MooncakeTransport:
             raise ValueError(f"memory at {address:#x} is already registered")
         rc = self._engine.register_memory(address, nbytes)
         if rc != 0:
-            raise KVTransferError(f"Mooncake register_memory({address:#x}, {nbytes}) returned {rc} "
-                                  f"on {self.session_id}; check free memory and memlock limits")
+            raise KVTransferError(
+                f"Mooncake register_memory({address:#x}, {nbytes}) returned {rc} "
+                f"on {self.session_id}; check free memory and memlock limits"
+            )
         self._registered[address] = nbytes
 
     def unregister(self, address: int) -> None:
@@ -488,7 +519,8 @@ class MooncakeTransport:
                 f"KV read from peer {remote_session} failed (Mooncake return code {rc}; "
                 f"{len(entries)} segments, {sum(lengths)} bytes, {self.protocol}): check that the "
                 "prefill process is alive and its Mooncake port reachable from here, and that its "
-                "lease has not expired (kv_lease_timeout_s) before the decode side fetched")
+                "lease has not expired (kv_lease_timeout_s) before the decode side fetched"
+            )
         return len(entries)
 
     def submit_read(self, remote_session: str, segments: Sequence[Segment]) -> AsyncRead:
@@ -510,7 +542,8 @@ class MooncakeTransport:
             f"KV read from peer {read.remote_session} failed ({read.error}; {read.num_segments} "
             f"segments, {read.nbytes} bytes, {self.protocol}): check that the prefill process is "
             "alive and its Mooncake port reachable from here, and that its lease has not expired "
-            "(kv_lease_timeout_s) before the decode side fetched")
+            "(kv_lease_timeout_s) before the decode side fetched"
+        )
 
     def probe(self, remote_session: str) -> bool:
         return self._engine.send_probe(remote_session) == 0

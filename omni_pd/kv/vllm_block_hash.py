@@ -39,6 +39,7 @@ names, salts and tuples are separate objects. The keys are rebuilt here the same
 interned, every other string, bytes and tuple a fresh object), whatever objects the caller passed.
 The CBOR algorithms have no such dependence.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,6 +70,7 @@ class NoneHashSeedUnknown(ValueError):
 
 
 # ---- canonical CBOR (RFC 8949 4.2.1), as cbor2.dumps(obj, canonical=True) writes these types ----
+
 
 def _cbor_head(major: int, value: int) -> bytes:
     """A data item's head: major type and its argument in the shortest form."""
@@ -112,8 +114,10 @@ def _cbor_encode(obj: Any, out: bytearray) -> None:
         for item in obj:
             _cbor_encode(item, out)
     else:
-        raise TypeError(f"cannot CBOR-encode a {type(obj).__name__} in a vLLM block-hash key "
-                        "(only None, bool, int, bytes, str and tuples occur there)")
+        raise TypeError(
+            f"cannot CBOR-encode a {type(obj).__name__} in a vLLM block-hash key "
+            "(only None, bool, int, bytes, str and tuples occur there)"
+        )
 
 
 def cbor_canonical(obj: Any) -> bytes:
@@ -146,8 +150,9 @@ _ALGOS: dict[str, tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]] = {
 
 def check_algo(algo: str) -> str:
     if algo not in _ALGOS:
-        raise UnknownHashAlgo(f"unknown prefix_caching_hash_algo {algo!r}: vLLM 0.32 supports "
-                              f"{', '.join(SUPPORTED_ALGOS)}")
+        raise UnknownHashAlgo(
+            f"unknown prefix_caching_hash_algo {algo!r}: vLLM 0.32 supports {', '.join(SUPPORTED_ALGOS)}"
+        )
     return algo
 
 
@@ -165,7 +170,8 @@ def resolve_none_hash_seed(algo: str, hash_seed: str | None) -> str:
         f"prefix_caching_hash_algo {algo!r} with PYTHONHASHSEED unset: vLLM 0.32 seeds NONE_HASH "
         "with random bytes in its own process, so its block hashes cannot be reproduced. Set "
         "PYTHONHASHSEED for the vLLM engine and pass the same value as hash_seed, pass the seed "
-        "its get_none_hash_seed() reports, or use sha256 / sha256_cbor")
+        "its get_none_hash_seed() reports, or use sha256 / sha256_cbor"
+    )
 
 
 def _fresh(value: Any) -> Any:
@@ -184,8 +190,9 @@ def _vllm_extra_keys(extra_keys: Sequence[ExtraKey]) -> tuple:
     keys = []
     for key in extra_keys:
         if not isinstance(key, (tuple, list)) or not key or not isinstance(key[0], str):
-            raise ValueError(f"an extra key is a (tag, values...) tuple such as ('mm', identifier, "
-                             f"offset), got {key!r}")
+            raise ValueError(
+                f"an extra key is a (tag, values...) tuple such as ('mm', identifier, offset), got {key!r}"
+            )
         keys.append((sys.intern(str(key[0])),) + tuple(_fresh(value) for value in key[1:]))
     return tuple(keys)
 
@@ -207,16 +214,21 @@ class VllmBlockHasher:
         """H(obj): the algorithm's serialization of `obj`, hashed (vLLM's `caching_hash_fn`)."""
         return self._digest(self._serialize(obj))
 
-    def hash_block(self, parent: bytes | None, token_ids: Sequence[int],
-                   extra_keys: BlockExtraKeys = None) -> bytes:
+    def hash_block(
+        self, parent: bytes | None, token_ids: Sequence[int], extra_keys: BlockExtraKeys = None
+    ) -> bytes:
         """One full block's hash (`hash_block_tokens`). `parent`: the previous block's hash; None
         or b"" for a first block (NONE_HASH). Empty `extra_keys` count as None, as in vLLM."""
         ids = tuple(operator.index(t) for t in token_ids)  # numpy ints -> int: pickle tells apart
         keys = _vllm_extra_keys(extra_keys) if extra_keys else None
         return self.hash_object((parent or self.none_hash, ids, keys))
 
-    def block_hashes(self, token_ids: Sequence[int], block_size: int,
-                     extra_keys_per_block: Sequence[BlockExtraKeys] | None = None) -> list[bytes]:
+    def block_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys_per_block: Sequence[BlockExtraKeys] | None = None,
+    ) -> list[bytes]:
         """The chained hashes of the full blocks of `token_ids` (a partial last block gets none).
 
         `block_size`: vLLM's hash block size (the scheduler's block size). `extra_keys_per_block`:
@@ -225,14 +237,16 @@ class VllmBlockHasher:
             raise ValueError(f"block_size must be positive, got {block_size}")
         num_blocks = len(token_ids) // block_size
         if extra_keys_per_block is not None and len(extra_keys_per_block) != num_blocks:
-            raise ValueError(f"extra_keys_per_block has {len(extra_keys_per_block)} entries for "
-                             f"{num_blocks} full blocks ({len(token_ids)} tokens, block_size "
-                             f"{block_size})")
+            raise ValueError(
+                f"extra_keys_per_block has {len(extra_keys_per_block)} entries for "
+                f"{num_blocks} full blocks ({len(token_ids)} tokens, block_size "
+                f"{block_size})"
+            )
         hashes: list[bytes] = []
         parent = self.none_hash
         for i in range(num_blocks):
             keys = extra_keys_per_block[i] if extra_keys_per_block is not None else None
-            parent = self.hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], keys)
+            parent = self.hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], keys)
             hashes.append(parent)
         return hashes
 
@@ -241,16 +255,21 @@ class VllmBlockHasher:
 class MultimodalSpan:
     """A multimodal item's placeholder tokens [offset, offset + length) and its identifier (vLLM's
     `MultiModalFeatureSpec.identifier`: the item's content hash, LoRA-prefixed under LoRA)."""
+
     identifier: str
     offset: int
     length: int
 
 
-def block_extra_keys(num_tokens: int, block_size: int, *,
-                     mm_spans: Sequence[MultimodalSpan] = (),
-                     lora: tuple[str, str] | None = None,
-                     cache_salt: str | None = None,
-                     prompt_embeds: Any = None) -> list[tuple | None]:
+def block_extra_keys(
+    num_tokens: int,
+    block_size: int,
+    *,
+    mm_spans: Sequence[MultimodalSpan] = (),
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+    prompt_embeds: Any = None,
+) -> list[tuple | None]:
     """Each full block's extra keys as vLLM 0.32's `generate_block_hash_extra_keys` makes them.
 
     `mm_spans`: sorted by offset and not overlapping (vLLM assumes as much). `lora`: the request's
@@ -263,6 +282,7 @@ def block_extra_keys(num_tokens: int, block_size: int, *,
     rows = None
     if prompt_embeds is not None:
         import numpy as np  # only prompt-embedding requests need it
+
         rows = np.asarray(prompt_embeds)
     keys: list[tuple | None] = []
     for i in range(num_tokens // block_size):
@@ -270,8 +290,11 @@ def block_extra_keys(num_tokens: int, block_size: int, *,
         block: list[tuple] = []
         if lora is not None:
             block.append(("lora", lora[0], lora[1]))
-        block += [("mm", span.identifier, span.offset - start) for span in mm_spans
-                  if span.offset < end and span.offset + span.length > start]
+        block += [
+            ("mm", span.identifier, span.offset - start)
+            for span in mm_spans
+            if span.offset < end and span.offset + span.length > start
+        ]
         if start == 0 and cache_salt:
             block.append(("cache_salt", cache_salt))
         if rows is not None:

@@ -3,6 +3,7 @@
 A directory is keyed by a hash of what it holds, built once per machine, and safe when several
 processes ask at once: each builds into a private temporary directory and renames it into place.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,9 @@ def content_key(what: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached_checkpoint(name: str, key: str, write: Callable[[Path], None],
-                      cache_root: str | os.PathLike | None = None) -> Path:
+def cached_checkpoint(
+    name: str, key: str, write: Callable[[Path], None], cache_root: str | os.PathLike | None = None
+) -> Path:
     """The directory `<cache>/<name>-<key>`, written by `write(directory)` on first use."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     target = root / f"{name}-{key}"

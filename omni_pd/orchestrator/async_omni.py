@@ -12,6 +12,7 @@ failed handoffs open the pair's breaker, and the pair's `kv_fallback` decides wh
 that cannot use the prefill side gets: the decode engine computes the prompt itself
 (`local_prefill`, output identical to colocated) or a named error.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,13 @@ from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, TextOutput, TokenPrompt
 from ..paths import default_stage_config
-from ..planning import (build_decode_sampling_params, build_prefill_sampling_params,
-                        expand_sampling_params, find_pd_pair, new_transfer_id)
+from ..planning import (
+    build_decode_sampling_params,
+    build_prefill_sampling_params,
+    expand_sampling_params,
+    find_pd_pair,
+    new_transfer_id,
+)
 from ..planning.pd import handoff_policy
 from ..sampling import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -55,8 +61,9 @@ MODALITIES = frozenset({"text", "audio"})
 RELEASE_KV_TIMEOUT_S = 2.0  # an unreleased lease expires on its own (kv_lease_timeout_s)
 CONTROL_TIMEOUT_S = 5.0  # a stage that does not answer a state query within this is reported
 # How a worker names a failed KV handoff (the exception class in front of its message).
-HANDOFF_FAILURES = frozenset({"KVTransferError", "KVMissError", "KVIntegrityError",
-                              "KVIncompatibleError", "KVTransferFailed"})
+HANDOFF_FAILURES = frozenset(
+    {"KVTransferError", "KVMissError", "KVIntegrityError", "KVIncompatibleError", "KVTransferFailed"}
+)
 
 
 class RequestAborted(RuntimeError):
@@ -76,9 +83,11 @@ class PromptTooLong(ValueError):
 
     @classmethod
     def of(cls, prompt_len: int, max_tokens: int, context: int, at_least: bool = False) -> "PromptTooLong":
-        return cls(f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks for up "
-                   f"to {max_tokens} more, over this model's context of {context} tokens; shorten "
-                   "the messages or lower max_tokens")
+        return cls(
+            f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks for up "
+            f"to {max_tokens} more, over this model's context of {context} tokens; shorten "
+            "the messages or lower max_tokens"
+        )
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,17 @@ class Finished:
 
 
 class AsyncOmni:
-    def __init__(self, model: str | None = None, stage_configs_path: str | Path | None = None,
-                 *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
+    def __init__(
+        self,
+        model: str | None = None,
+        stage_configs_path: str | Path | None = None,
+        *,
+        deploy_config: str | Path | None = None,
+        keep_stage_outputs: bool = False,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        device: str = "auto",
+    ):
         """`device`: "auto" runs an hf stage on the GPU its `runtime.devices` names (refused
         before any worker starts where torch sees no such GPU, and for tensor parallelism);
         "cpu" runs every hf stage on the CPU anyway. `model`: an
@@ -125,8 +141,7 @@ class AsyncOmni:
         self.keep_stage_outputs = keep_stage_outputs
         self.request_timeout_s = request_timeout_s
         self.stages = {s.stage_id: s for s in self.config.stages}
-        self.order = topological_order({s.stage_id: tuple(s.engine_input_source)
-                                        for s in self.config.stages})
+        self.order = topological_order({s.stage_id: tuple(s.engine_input_source) for s in self.config.stages})
         self._plan_pd_pair()
         self._background: set[asyncio.Task] = set()  # KV releases nobody waits for
         self._warned_incompatible = False
@@ -140,15 +155,17 @@ class AsyncOmni:
         self._on_ray = False  # holds the Ray connection (released at close)
         self._start_workers(model, startup_timeout_s)
 
-    def _load_config(self, stage_configs_path: str | Path | None,
-                     deploy_config: str | Path | None, device: str) -> None:
+    def _load_config(
+        self, stage_configs_path: str | Path | None, deploy_config: str | Path | None, device: str
+    ) -> None:
         if stage_configs_path is not None and deploy_config is not None:
             raise ValueError("pass stage_configs_path or deploy_config, not both")
         # Either schema loads from stage_configs_path (told by its keys); deploy_config insists
         # on vllm-omni 0.30's deploy schema.
         self.stage_configs_path = Path(deploy_config or stage_configs_path or default_stage_config())
-        self.config: PipelineConfig = (load_deploy_config if deploy_config is not None
-                                       else load_pipeline_config)(self.stage_configs_path)
+        self.config: PipelineConfig = (
+            load_deploy_config if deploy_config is not None else load_pipeline_config
+        )(self.stage_configs_path)
         self.config = check_devices(self.config, device)  # before any worker starts
 
     def _plan_pd_pair(self) -> None:
@@ -165,21 +182,36 @@ class AsyncOmni:
         for p in range(x):
             for d in range(y):
                 self.breakers[(p, d)] = CircuitBreaker(
-                    self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
-                    "P/D handoff" if x * y == 1 else f"P/D handoff p{p}->d{d}")
-        log.info("prefill/decode pair detected: stage %d prefills (%d replica%s), stage %d "
-                 "decodes (%d replica%s); handoff miss window %g s, deadline %g s, breaker after "
-                 "%d failures (cooldown %g s), fallback %s", self.pd_pair.prefill_stage_id, x,
-                 "" if x == 1 else "s", self.pd_pair.decode_stage_id, y, "" if y == 1 else "s",
-                 self.handoff.miss_window_s, self.handoff.deadline_s,
-                 self.handoff.breaker_threshold, self.handoff.breaker_cooldown_s,
-                 self.handoff.fallback)
+                    self.handoff.breaker_threshold,
+                    self.handoff.breaker_cooldown_s,
+                    "P/D handoff" if x * y == 1 else f"P/D handoff p{p}->d{d}",
+                )
+        log.info(
+            "prefill/decode pair detected: stage %d prefills (%d replica%s), stage %d "
+            "decodes (%d replica%s); handoff miss window %g s, deadline %g s, breaker after "
+            "%d failures (cooldown %g s), fallback %s",
+            self.pd_pair.prefill_stage_id,
+            x,
+            "" if x == 1 else "s",
+            self.pd_pair.decode_stage_id,
+            y,
+            "" if y == 1 else "s",
+            self.handoff.miss_window_s,
+            self.handoff.deadline_s,
+            self.handoff.breaker_threshold,
+            self.handoff.breaker_cooldown_s,
+            self.handoff.fallback,
+        )
 
     def _note_unused_engine_keys(self) -> None:
         for stage in self.config.stages:  # keys from a vllm-omni file: said once, not ignored
             if stage.engine == "hf" and (unused := unused_by_hf(set(stage.engine_args.model_fields_set))):
-                log.info("stage %d (%s, hf engine) does not use %s", stage.stage_id,
-                         stage.model_stage, "; ".join(f"{k} ({why})" for k, why in unused))
+                log.info(
+                    "stage %d (%s, hf engine) does not use %s",
+                    stage.stage_id,
+                    stage.model_stage,
+                    "; ".join(f"{k} ({why})" for k, why in unused),
+                )
 
     def _load_pipeline(self, model: str) -> None:
         """The model's side in this process: its tokenizer, context and stage input processors."""
@@ -187,14 +219,20 @@ class AsyncOmni:
         self.text_stage_id = self._final_stage("text")
         self.model_config = self.pipeline.config
         self.tokenizer = self.pipeline.tokenizer
-        self.max_model_len = (self.stages[self.text_stage_id].engine_args.max_model_len
-                              or self.pipeline.context_len)
-        self.processors = {s.stage_id: import_processor(s.custom_process_input_func)
-                           for s in self.config.stages if s.custom_process_input_func}
+        self.max_model_len = (
+            self.stages[self.text_stage_id].engine_args.max_model_len or self.pipeline.context_len
+        )
+        self.processors = {
+            s.stage_id: import_processor(s.custom_process_input_func)
+            for s in self.config.stages
+            if s.custom_process_input_func
+        }
         self.stream_processors = stream_processors(self.config)
         if self.config.async_chunk:
-            log.info("async_chunk: stages %s start with their source stage and take its output "
-                     "in chunks", sorted(self.stream_processors) or "(none)")
+            log.info(
+                "async_chunk: stages %s start with their source stage and take its output in chunks",
+                sorted(self.stream_processors) or "(none)",
+            )
 
     def _set_orchestrator_threads(self) -> None:
         wanted = orchestrator_threads(self.config.stages)
@@ -202,8 +240,12 @@ class AsyncOmni:
             # Restored by close(): a library user's process gets its own setting back.
             self._torch_threads_before = torch.get_num_threads()
             torch.set_num_threads(wanted)
-            log.info("orchestrator: torch runs on %d thread here (was %d) while the stages work "
-                     "in their own processes", wanted, self._torch_threads_before)
+            log.info(
+                "orchestrator: torch runs on %d thread here (was %d) while the stages work "
+                "in their own processes",
+                wanted,
+                self._torch_threads_before,
+            )
 
     def _start_workers(self, model: str, startup_timeout_s: float) -> None:
         """Every stage's workers (each replica's), on Ray where a stage asks; on any failure
@@ -212,6 +254,7 @@ class AsyncOmni:
         try:
             if any(s.engine_args.distributed_executor_backend == "ray" for s in self.config.stages):
                 from . import ray_workers
+
                 ray_workers.acquire_cluster()
                 self._on_ray = True
             # Start every worker first, then wait: the stages load their models in parallel.
@@ -219,9 +262,15 @@ class AsyncOmni:
                 configs = replica_configs(self.stages[stage_id])
                 self.pools[stage_id] = StagePool(stage_id, [])
                 for k, config in enumerate(configs):
-                    self.pools[stage_id].add(StageClient(
-                        config, model, startup_timeout_s, threads[stage_id],
-                        replica=k if len(configs) > 1 else None))
+                    self.pools[stage_id].add(
+                        StageClient(
+                            config,
+                            model,
+                            startup_timeout_s,
+                            threads[stage_id],
+                            replica=k if len(configs) > 1 else None,
+                        )
+                    )
             for client in self._all_clients():
                 client.wait_ready()
         except BaseException:
@@ -244,8 +293,7 @@ class AsyncOmni:
         return [client for pool in self.pools.values() for client in pool.clients]
 
     def _final_stage(self, kind: str) -> int:
-        finals = [s.stage_id for s in self.config.stages
-                  if s.final_output and s.final_output_type == kind]
+        finals = [s.stage_id for s in self.config.stages if s.final_output and s.final_output_type == kind]
         if finals:
             return finals[-1]
         text_stage = self.pipeline.text_model_stage
@@ -281,6 +329,7 @@ class AsyncOmni:
         if self._on_ray:
             self._on_ray = False
             from . import ray_workers
+
             ray_workers.release_cluster()
 
     @property
@@ -291,17 +340,19 @@ class AsyncOmni:
     def worker_pids(self) -> list[int]:
         return [c.process.pid for c in self._all_clients() if c.process is not None]
 
-    async def control(self, stage_id: int, name: str, timeout_s: float = 30.0, replica: int = 0,
-                      **kwargs: Any) -> Any:
+    async def control(
+        self, stage_id: int, name: str, timeout_s: float = 30.0, replica: int = 0, **kwargs: Any
+    ) -> Any:
         return await self.pools[stage_id].clients[replica].control_async(name, timeout_s, **kwargs)
 
     async def debug_state_counts(self) -> dict[str, int]:
         """Per-request state on every side: all zero when no request is in flight. Keys name the
         stage (`stage0.`), and the replica where a stage has several (`stage0.r1.`); one that
         cannot answer (restarting, down, frozen) shows as `<that>.unreachable: 1`."""
-        counts = {"orchestrator.requests": len(self._requests),
-                  "orchestrator.replica_assignments": sum(
-                      sum(pool.in_flight) for pool in self.pools.values())}
+        counts = {
+            "orchestrator.requests": len(self._requests),
+            "orchestrator.replica_assignments": sum(sum(pool.in_flight) for pool in self.pools.values()),
+        }
         for stage_id, pool in list(self.pools.items()):
             for client in pool.clients:
                 try:
@@ -315,10 +366,13 @@ class AsyncOmni:
 
     def _replica_health(self, client: StageClient) -> dict[str, Any]:
         why = client.unavailable()
-        return {"status": client.status.value, "responsive": why is None,
-                "restarts": client.restarts,
-                "pid": client.process.pid if client.process is not None else None,
-                "reason": str(why) if why is not None else ""}
+        return {
+            "status": client.status.value,
+            "responsive": why is None,
+            "restarts": client.restarts,
+            "pid": client.process.pid if client.process is not None else None,
+            "reason": str(why) if why is not None else "",
+        }
 
     def health(self) -> dict[str, Any]:
         """Each stage's status (up, restarting, down, silent) and why, and each replica's with
@@ -326,45 +380,59 @@ class AsyncOmni:
         unless ok, though a stage with one replica up still serves."""
         stages: dict[str, Any] = {}
         for stage_id, pool in self.pools.items():
-            replicas = [{**self._replica_health(c), "load": pool.load(k)}
-                        for k, c in enumerate(pool.clients)]
+            replicas = [{**self._replica_health(c), "load": pool.load(k)} for k, c in enumerate(pool.clients)]
             worst = next((r for r in replicas if not r["responsive"]), replicas[0])
             stages[str(stage_id)] = {
-                "name": self._stage_name(stage_id), "status": worst["status"],
+                "name": self._stage_name(stage_id),
+                "status": worst["status"],
                 "responsive": all(r["responsive"] for r in replicas),
                 "serving": any(r["responsive"] for r in replicas),
-                "restarts": sum(r["restarts"] for r in replicas), "pid": replicas[0]["pid"],
-                "reason": "; ".join(f"replica {k}: {r['reason']}" if len(replicas) > 1 else
-                                    r["reason"] for k, r in enumerate(replicas) if r["reason"]),
-                "replicas": replicas}
+                "restarts": sum(r["restarts"] for r in replicas),
+                "pid": replicas[0]["pid"],
+                "reason": "; ".join(
+                    f"replica {k}: {r['reason']}" if len(replicas) > 1 else r["reason"]
+                    for k, r in enumerate(replicas)
+                    if r["reason"]
+                ),
+                "replicas": replicas,
+            }
         report: dict[str, Any] = {
             "status": "ok" if all(s["responsive"] for s in stages.values()) else "degraded",
-            "stages": stages}
+            "stages": stages,
+        }
         if self.breakers:
             states = {f"p{p}->d{d}": b.state.value for (p, d), b in self.breakers.items()}
             worst_state = next((v for v in states.values() if v != "closed"), "closed")
-            report["kv_handoff"] = {"breaker": worst_state, "breakers": states,
-                                    "failures": self.handoff_failures, "fallbacks": self.fallbacks}
+            report["kv_handoff"] = {
+                "breaker": worst_state,
+                "breakers": states,
+                "failures": self.handoff_failures,
+                "fallbacks": self.fallbacks,
+            }
         return report
 
     # ---- requests --------------------------------------------------------------------------
-    def stage_params(self, sampling_params_list: Sequence[SamplingParams | None] | None
-                     ) -> dict[int, SamplingParams]:
+    def stage_params(
+        self, sampling_params_list: Sequence[SamplingParams | None] | None
+    ) -> dict[int, SamplingParams]:
         ordered = [s.stage_id for s in self.config.stages]
         given = list(sampling_params_list) if sampling_params_list is not None else [None] * len(ordered)
         if len(given) != len(ordered):
             # One entry per logical stage (the thinker counted once): the decode leg gets a copy.
             given = expand_sampling_params(given, self.config)
-        return {sid: p if p is not None else self.stages[sid].default_sampling_params
-                for sid, p in zip(ordered, given)}
+        return {
+            sid: p if p is not None else self.stages[sid].default_sampling_params
+            for sid, p in zip(ordered, given)
+        }
 
     @staticmethod
     def _with_seeds(params: dict[int, SamplingParams]) -> dict[int, SamplingParams]:
         # An unseeded sampled request gets one random seed, shared by every leg of its stage, so
         # that a P/D pair samples exactly as one engine would.
         seed = secrets.randbelow(2**31)
-        return {sid: p if p.seed is not None or p.greedy else p.replace(seed=seed)
-                for sid, p in params.items()}
+        return {
+            sid: p if p.seed is not None or p.greedy else p.replace(seed=seed) for sid, p in params.items()
+        }
 
     def prepare(self, prompt: Any) -> PreparedPrompt:
         """Normalize and build a prompt for the text stage: CPU work (tokenizing, audio features)
@@ -385,9 +453,11 @@ class AsyncOmni:
         for stage_id in takers:
             if not self.pools[stage_id].first.info.get("takes_multimodal_prompts", True):
                 stage = self.stages[stage_id]
-                raise ValueError(f"stage {stage_id} ({self._stage_name(stage_id)}, engine "
-                                 f"{stage.engine}) takes text prompts only: remove the audio from "
-                                 "the prompt, or run that stage with engine: hf")
+                raise ValueError(
+                    f"stage {stage_id} ({self._stage_name(stage_id)}, engine "
+                    f"{stage.engine}) takes text prompts only: remove the audio from "
+                    "the prompt, or run that stage with engine: hf"
+                )
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
@@ -405,11 +475,16 @@ class AsyncOmni:
             if assignment is not None and not self.closed:
                 assignment.client.abort(request_id)
 
-    async def generate(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
-                       *, request_id: str | None = None, modalities: Sequence[str] = ("text", "audio"),
-                       on_text: Callable[[str], None] | None = None,
-                       on_audio: Callable[[torch.Tensor, int], None] | None = None
-                       ) -> OmniRequestOutput:
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params_list: Sequence[SamplingParams | None] | None = None,
+        *,
+        request_id: str | None = None,
+        modalities: Sequence[str] = ("text", "audio"),
+        on_text: Callable[[str], None] | None = None,
+        on_audio: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> OmniRequestOutput:
         if self.closed:
             raise RuntimeError("this Omni is closed")
         wanted = frozenset(modalities)
@@ -417,32 +492,46 @@ class AsyncOmni:
             raise ValueError(f"modalities must be ['text'] or ['text', 'audio'], got {sorted(wanted)}")
         params = self._with_seeds(self.stage_params(sampling_params_list))
         prepared = prompt if isinstance(prompt, PreparedPrompt) else None
-        state = RequestState(request_id=request_id or self.new_request_id(),
-                             prompt=prepared.prompt if prepared else self.pipeline.normalize_prompt(prompt),
-                             params=params)
+        state = RequestState(
+            request_id=request_id or self.new_request_id(),
+            prompt=prepared.prompt if prepared else self.pipeline.normalize_prompt(prompt),
+            params=params,
+        )
         if state.request_id in self._requests:
             raise ValueError(f"request id {state.request_id} is already in flight")
         self._requests[state.request_id] = state
         try:
-            return await self._run(state, self._stages_for(wanted), on_text, on_audio,
-                                   prepared.text_prompt if prepared else None)
+            return await self._run(
+                state, self._stages_for(wanted), on_text, on_audio, prepared.text_prompt if prepared else None
+            )
         finally:
             self._release_kv(state)  # sent now, its answer awaited in the background
             state.release_replicas()
             del self._requests[state.request_id]
 
-    async def stream(self, prompt: Any, sampling_params_list=None, *, request_id: str | None = None,
-                     modalities: Sequence[str] = ("text", "audio")
-                     ) -> AsyncIterator[TextDelta | AudioDelta | Finished]:
+    async def stream(
+        self,
+        prompt: Any,
+        sampling_params_list=None,
+        *,
+        request_id: str | None = None,
+        modalities: Sequence[str] = ("text", "audio"),
+    ) -> AsyncIterator[TextDelta | AudioDelta | Finished]:
         """Text deltas as the text stage produces them and audio deltas as code2wav produces them
         (interleaved), then the finished output. The deltas add up to the finished output's text
         and audio. Closing the iterator early aborts the request."""
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self.generate(
-            prompt, sampling_params_list, request_id=request_id, modalities=modalities,
-            on_text=lambda text: queue.put_nowait(TextDelta(text)),
-            on_audio=lambda audio, rate: queue.put_nowait(AudioDelta(audio, rate))))
+        task = asyncio.create_task(
+            self.generate(
+                prompt,
+                sampling_params_list,
+                request_id=request_id,
+                modalities=modalities,
+                on_text=lambda text: queue.put_nowait(TextDelta(text)),
+                on_audio=lambda audio, rate: queue.put_nowait(AudioDelta(audio, rate)),
+            )
+        )
         task.add_done_callback(lambda _: queue.put_nowait(None))
         sent, samples_sent = "", 0
         try:
@@ -457,7 +546,7 @@ class AsyncOmni:
                 yield item
             output = task.result()
             if output.text.startswith(sent) and len(output.text) > len(sent):
-                yield TextDelta(output.text[len(sent):])  # what the deltas held back
+                yield TextDelta(output.text[len(sent) :])  # what the deltas held back
             if output.audio is not None and output.audio.numel() > samples_sent:
                 # Without streaming between stages the audio exists only now, in one piece.
                 yield AudioDelta(output.audio[samples_sent:], output.sample_rate)
@@ -473,17 +562,24 @@ class AsyncOmni:
         """Consecutive stages joined by streamed edges run as one group, all at once."""
         groups: list[list[int]] = []
         for stage_id in stage_ids:
-            if (groups and stage_id in self.stream_processors
-                    and self.stages[stage_id].engine_input_source == (groups[-1][-1],)):
+            if (
+                groups
+                and stage_id in self.stream_processors
+                and self.stages[stage_id].engine_input_source == (groups[-1][-1],)
+            ):
                 groups[-1].append(stage_id)
             else:
                 groups.append([stage_id])
         return groups
 
-    async def _run(self, state: RequestState, stage_ids: list[int],
-                   on_text: Callable[[str], None] | None,
-                   on_audio: Callable[[torch.Tensor, int], None] | None,
-                   text_prompt: TokenPrompt | None = None) -> OmniRequestOutput:
+    async def _run(
+        self,
+        state: RequestState,
+        stage_ids: list[int],
+        on_text: Callable[[str], None] | None,
+        on_audio: Callable[[torch.Tensor, int], None] | None,
+        text_prompt: TokenPrompt | None = None,
+    ) -> OmniRequestOutput:
         deadline = time.monotonic() + self.request_timeout_s
         if text_prompt is None:
             # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
@@ -518,8 +614,13 @@ class AsyncOmni:
         return self._finish(state)
 
     # ---- the P/D handoff ---------------------------------------------------------------------
-    async def _prefill_leg(self, state: RequestState, text_prompt: TokenPrompt,
-                           deadline: float, on_text: Callable[[str], None] | None = None) -> None:
+    async def _prefill_leg(
+        self,
+        state: RequestState,
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None = None,
+    ) -> None:
         """Run the prefill leg within the miss window, or decide that the decode leg computes the
         prompt itself (the breaker is open, the prefill worker is down or silent, or the leg
         failed); with kv_fallback 'error' that decision is a HandoffFailed instead. A streamed
@@ -537,22 +638,36 @@ class AsyncOmni:
         chosen = next((p for p in ranked if self.breakers[(p, decode)].allow()), None)
         if chosen is None:
             breaker = self.breakers[(ranked[0], decode)]
-            return self._no_remote(state, f"the {breaker.name} breaker is {breaker.state.value} "
-                                          f"after {breaker.consecutive_failures} failed handoffs")
+            return self._no_remote(
+                state,
+                f"the {breaker.name} breaker is {breaker.state.value} "
+                f"after {breaker.consecutive_failures} failed handoffs",
+            )
         state.replicas[pair.prefill_stage_id] = pool.assign(chosen, tokens)
         self._log_route(state, pair.prefill_stage_id)
         client = pool.clients[chosen]
         now = time.monotonic()
         state.handoff_deadline = min(now + policy.deadline_s, deadline)
         try:
-            await self._run_stage(state, pair.prefill_stage_id, text_prompt,
-                                  min(now + policy.miss_window_s, state.handoff_deadline), None)
+            await self._run_stage(
+                state,
+                pair.prefill_stage_id,
+                text_prompt,
+                min(now + policy.miss_window_s, state.handoff_deadline),
+                None,
+            )
         except StageError as exc:
             if state.aborted:
                 raise RequestAborted(f"request {state.request_id} was aborted") from None
-            self._handoff_failed(state, str(exc) if not isinstance(exc, StageTimeout) else (
-                f"{client.name} did not publish the KV within the miss window "
-                f"(kv_miss_window_s {policy.miss_window_s:g} s)"))
+            self._handoff_failed(
+                state,
+                str(exc)
+                if not isinstance(exc, StageTimeout)
+                else (
+                    f"{client.name} did not publish the KV within the miss window "
+                    f"(kv_miss_window_s {policy.miss_window_s:g} s)"
+                ),
+            )
             return
         first = state.outputs[pair.prefill_stage_id].token_ids[:1]
         if first:
@@ -572,25 +687,31 @@ class AsyncOmni:
 
     def _no_remote(self, state: RequestState, why: str) -> None:
         if self.handoff.fallback == "error":
-            raise HandoffFailed(f"request {state.request_id}: the KV handoff from "
-                                f"{self._prefill_name(state)} is not "
-                                f"possible ({why}); kv_fallback is 'error' (set kv_fallback: "
-                                "local_prefill to let the decode engine compute such prompts)",
-                                self.handoff.breaker_cooldown_s)
+            raise HandoffFailed(
+                f"request {state.request_id}: the KV handoff from "
+                f"{self._prefill_name(state)} is not "
+                f"possible ({why}); kv_fallback is 'error' (set kv_fallback: "
+                "local_prefill to let the decode engine compute such prompts)",
+                self.handoff.breaker_cooldown_s,
+            )
         self.fallbacks += 1
         state.local_prefill = True
-        log.debug("request %s: the decode engine computes the prompt itself (%s)",
-                  state.request_id, why)
+        log.debug("request %s: the decode engine computes the prompt itself (%s)", state.request_id, why)
 
-    async def _run_stage(self, state: RequestState, stage_id: int, text_prompt: TokenPrompt,
-                         deadline: float, on_text: Callable[[str], None] | None,
-                         on_chunk: Callable[[Any], None] | None = None) -> Any:
+    async def _run_stage(
+        self,
+        state: RequestState,
+        stage_id: int,
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        on_chunk: Callable[[Any], None] | None = None,
+    ) -> Any:
         began = time.perf_counter()
         state.active_stages.add(stage_id)
         state.stage_started(stage_id)
         try:
-            output = await self._stage_call(state, stage_id, text_prompt, deadline, on_text,
-                                            on_chunk)
+            output = await self._stage_call(state, stage_id, text_prompt, deadline, on_text, on_chunk)
         finally:
             state.active_stages.discard(stage_id)
             if stage_id in state.replicas:  # no longer this replica's load
@@ -598,16 +719,28 @@ class AsyncOmni:
         state.stage_finished(stage_id, began, output)
         if stage_id == self.text_stage_id and not self.pipeline.speaks(output):
             state.silent = True
-            log.debug("request %s: the answer has nothing to speak (%d token); no audio",
-                      state.request_id, len(output.token_ids))
-        if (stage_id == self.text_stage_id and "first_token_ms" in output.metrics
-                and state.first_token_at is None):
+            log.debug(
+                "request %s: the answer has nothing to speak (%d token); no audio",
+                state.request_id,
+                len(output.token_ids),
+            )
+        if (
+            stage_id == self.text_stage_id
+            and "first_token_ms" in output.metrics
+            and state.first_token_at is None
+        ):
             state.first_token_at = (began - state.started) * 1e3 + output.metrics["first_token_ms"]
         return output
 
-    async def _run_streamed(self, state: RequestState, group: list[int], text_prompt: TokenPrompt,
-                            deadline: float, on_text: Callable[[str], None] | None,
-                            on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
+    async def _run_streamed(
+        self,
+        state: RequestState,
+        group: list[int],
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        on_audio: Callable[[torch.Tensor, int], None] | None,
+    ) -> None:
         """Run a group of stages at once. The first starts from its finished input; each later
         one is fed its source's chunks through its stream processor, starts as soon as that has
         an opening prompt, and gets the rest of its input as it comes."""
@@ -615,16 +748,27 @@ class AsyncOmni:
 
     def _stage_inputs(self, state: RequestState, stage_id: int) -> StageInputs:
         stage = self.stages[stage_id]
-        return StageInputs(request_id=state.request_id, stage_id=stage_id,
-                           source_stage_ids=tuple(stage.engine_input_source),
-                           # live: a stream processor made before a P/D fallback sees the
-                           # prefill leg's output go
-                           upstream=state.outputs, model_config=self.model_config,
-                           speaker=state.prompt.speaker, engine_args=stage.engine_args)
+        return StageInputs(
+            request_id=state.request_id,
+            stage_id=stage_id,
+            source_stage_ids=tuple(stage.engine_input_source),
+            # live: a stream processor made before a P/D fallback sees the
+            # prefill leg's output go
+            upstream=state.outputs,
+            model_config=self.model_config,
+            speaker=state.prompt.speaker,
+            engine_args=stage.engine_args,
+        )
 
-    async def _stage_call(self, state: RequestState, stage_id: int, text_prompt: TokenPrompt,
-                          deadline: float, on_text: Callable[[str], None] | None,
-                          on_chunk: Callable[[Any], None] | None = None) -> Any:
+    async def _stage_call(
+        self,
+        state: RequestState,
+        stage_id: int,
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        on_chunk: Callable[[Any], None] | None = None,
+    ) -> Any:
         stage = self.stages[stage_id]
         params = state.params[stage_id]
         prompt: Any = text_prompt
@@ -642,42 +786,55 @@ class AsyncOmni:
         if on_text is not None and stage_id == self.text_stage_id:
             on_tokens = self._text_stream(state, params, on_text)
         remaining = self._time_left(state, deadline, stage_id)
-        return await self._route(state, stage_id).generate(state.request_id, prompt, params,
-                                                           remaining, on_tokens, on_chunk)
+        return await self._route(state, stage_id).generate(
+            state.request_id, prompt, params, remaining, on_tokens, on_chunk
+        )
 
-    async def _remote_decode(self, state: RequestState, text_prompt: TokenPrompt,
-                             deadline: float, on_text: Callable[[str], None] | None,
-                             on_chunk: Callable[[Any], None] | None) -> Any:
+    async def _remote_decode(
+        self,
+        state: RequestState,
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        on_chunk: Callable[[Any], None] | None,
+    ) -> Any:
         """The decode leg with the prefill leg's KV. A failed handoff (a KV read that missed its
         window, a corrupted block, an incompatible peer) fails before the leg produces anything,
         so the request is run again on the fallback path."""
         pair = self.pd_pair
         decode_id = pair.decode_stage_id
         prefill_out = state.outputs[pair.prefill_stage_id]
-        params = build_decode_sampling_params(state.params[decode_id],
-                                              prefill_out.kv_transfer_params or {}, state.transfer_id)
-        wait_s = min(self.handoff.miss_window_s, state.handoff_deadline - time.monotonic(),
-                     deadline - time.monotonic())
-        params = params.replace(kv_transfer_params={**params.kv_transfer_params,
-                                                    "kv_wait_s": max(wait_s, 0.0)})
+        params = build_decode_sampling_params(
+            state.params[decode_id], prefill_out.kv_transfer_params or {}, state.transfer_id
+        )
+        wait_s = min(
+            self.handoff.miss_window_s, state.handoff_deadline - time.monotonic(), deadline - time.monotonic()
+        )
+        params = params.replace(
+            kv_transfer_params={**params.kv_transfer_params, "kv_wait_s": max(wait_s, 0.0)}
+        )
         # The KV covers the prompt (audio included): the decode leg needs only the token ids.
         prompt = text_prompt.tokens_only()
         on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
         remaining = self._time_left(state, deadline, decode_id)
         try:
-            output = await self._route(state, decode_id).generate(state.request_id, prompt, params,
-                                                                  remaining, on_tokens, on_chunk)
+            output = await self._route(state, decode_id).generate(
+                state.request_id, prompt, params, remaining, on_tokens, on_chunk
+            )
         except StageError as exc:
             kind = getattr(exc, "kind", "")
             if kind not in HANDOFF_FAILURES or state.aborted:
                 raise
             if kind == "KVIncompatibleError" and not self._warned_incompatible:
                 self._warned_incompatible = True  # a deployment error: say it once, loudly
-                log.warning("the P/D pair cannot hand KV on: %s; requests fall back (kv_fallback "
-                            "%s) until the stages are made compatible", exc, self.handoff.fallback)
+                log.warning(
+                    "the P/D pair cannot hand KV on: %s; requests fall back (kv_fallback "
+                    "%s) until the stages are made compatible",
+                    exc,
+                    self.handoff.fallback,
+                )
             self._handoff_failed(state, str(exc))
-            return await self._stage_call(state, decode_id, text_prompt, deadline, on_text,
-                                          on_chunk)
+            return await self._stage_call(state, decode_id, text_prompt, deadline, on_text, on_chunk)
         self._link_breaker(state).success()
         return output
 
@@ -701,8 +858,7 @@ class AsyncOmni:
     def _log_route(self, state: RequestState, stage_id: int) -> None:
         pool, k = self.pools[stage_id], state.replicas[stage_id].index
         if len(pool) > 1:
-            log.debug("request %s: %s (%s)", state.request_id, pool.clients[k].name,
-                      pool.describe_load(k))
+            log.debug("request %s: %s (%s)", state.request_id, pool.clients[k].name, pool.describe_load(k))
 
     async def _usable_replica(self, state: RequestState, stage_id: int, deadline: float) -> None:
         """Wait (within the deadline) until the request's replica of `stage_id` can take it. A
@@ -710,8 +866,12 @@ class AsyncOmni:
         is swapped for one that is up: any decode replica can pull the KV."""
         pool = self.pools[stage_id]
         assignment = state.replicas.get(stage_id)
-        if (assignment is not None and len(pool) > 1
-                and assignment.client.unavailable() is not None and pool.usable()):
+        if (
+            assignment is not None
+            and len(pool) > 1
+            and assignment.client.unavailable() is not None
+            and pool.usable()
+        ):
             assignment.release()
             del state.replicas[stage_id]
             assignment = None
@@ -723,23 +883,28 @@ class AsyncOmni:
 
     def _link_breaker(self, state: RequestState) -> CircuitBreaker:
         pair = self.pd_pair
-        return self.breakers[(state.replicas[pair.prefill_stage_id].index,
-                              state.replicas[pair.decode_stage_id].index)]
+        return self.breakers[
+            (state.replicas[pair.prefill_stage_id].index, state.replicas[pair.decode_stage_id].index)
+        ]
 
     def _prefill_name(self, state: RequestState) -> str:
         assignment = state.replicas.get(self.pd_pair.prefill_stage_id)
-        return (assignment.client if assignment is not None
-                else self.pools[self.pd_pair.prefill_stage_id].first).name
+        return (
+            assignment.client if assignment is not None else self.pools[self.pd_pair.prefill_stage_id].first
+        ).name
 
     def _time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RequestTimeout(f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
-                                 f"deadline before stage {stage_id}")
+            raise RequestTimeout(
+                f"request {state.request_id} passed its {self.request_timeout_s:.0f} s "
+                f"deadline before stage {stage_id}"
+            )
         return remaining
 
-    def _text_stream(self, state: RequestState, params: SamplingParams,
-                     on_text: Callable[[str], None]) -> Callable[[list[int]], None]:
+    def _text_stream(
+        self, state: RequestState, params: SamplingParams, on_text: Callable[[str], None]
+    ) -> Callable[[list[int]], None]:
         """The token ids -> text deltas callback for a text stage's stream. One detokenizer per
         request: a stage that streams after the prefill leg's first token went out (the decode
         leg, or its fallback) skips the tokens already streamed."""
@@ -750,6 +915,7 @@ class AsyncOmni:
                 delta = detok.add(token_ids)
                 if delta:
                     on_text(delta)
+
             state.text_stream = stream
             return stream
         skip = state.tokens_streamed_early
@@ -759,6 +925,7 @@ class AsyncOmni:
             dropped, skip = min(skip, len(token_ids)), max(skip - len(token_ids), 0)
             if len(token_ids) > dropped:
                 state.text_stream(token_ids[dropped:])
+
         return on_tokens
 
     def _release_kv(self, state: RequestState) -> None:
@@ -772,8 +939,7 @@ class AsyncOmni:
         try:
             future = client.control_future("release_kv", transfer_id=state.transfer_id)
         except StageError as exc:  # restarting or down: its leases went with the old worker
-            log.debug("request %s: KV lease %s not released (%s)", state.request_id,
-                      state.transfer_id, exc)
+            log.debug("request %s: KV lease %s not released (%s)", state.request_id, state.transfer_id, exc)
             return
         task = asyncio.ensure_future(self._await_release(client, future, state))
         self._background.add(task)
@@ -784,8 +950,7 @@ class AsyncOmni:
         try:
             await client.await_call(future, "release_kv", RELEASE_KV_TIMEOUT_S)
         except StageError as exc:  # a timeout included: an unreleased lease expires on its own
-            log.debug("request %s: KV lease %s not released (%s)", state.request_id,
-                      state.transfer_id, exc)
+            log.debug("request %s: KV lease %s not released (%s)", state.request_id, state.transfer_id, exc)
 
     def _stage_name(self, stage_id: int) -> str:
         stage = self.stages[stage_id]
@@ -794,8 +959,9 @@ class AsyncOmni:
 
     def _finish(self, state: RequestState) -> OmniRequestOutput:
         text: TextOutput = state.outputs[self.text_stage_id]
-        audio_stage, audio = next(((k, o) for k, o in state.outputs.items()
-                                   if isinstance(o, AudioOutput)), (None, None))
+        audio_stage, audio = next(
+            ((k, o) for k, o in state.outputs.items() if isinstance(o, AudioOutput)), (None, None)
+        )
         metrics: dict[str, Any] = {
             "ttft_ms": state.first_token_at,
             "e2e_ms": state.elapsed_ms(),
@@ -803,17 +969,27 @@ class AsyncOmni:
             "prompt_tokens": len(text.prompt_token_ids),
             "completion_tokens": len(text.token_ids),
         }
-        for key in ("kv_bytes_transferred", "kv_transfer_ms", "kv_path", "kv_reused_tokens",
-                    "kv_bytes_reused"):
+        for key in (
+            "kv_bytes_transferred",
+            "kv_transfer_ms",
+            "kv_path",
+            "kv_reused_tokens",
+            "kv_bytes_reused",
+        ):
             if key in text.metrics:
                 metrics[key] = text.metrics[key]
         metrics["replicas"] = {str(k): a.index for k, a in sorted(state.replicas.items())}
         # Prompt tokens whose KV came from a prefix cache rather than being computed (the leg
         # that prefilled: colocated, the prefill leg, or the decode leg's local fallback).
         metrics["prefix_cached_tokens"] = max(
-            (o.metrics.get("prefix_cached_tokens", 0) for k, o in state.outputs.items()
-             if self.stages[k].model_stage == self.pipeline.text_model_stage
-             and isinstance(getattr(o, "metrics", None), dict)), default=0)
+            (
+                o.metrics.get("prefix_cached_tokens", 0)
+                for k, o in state.outputs.items()
+                if self.stages[k].model_stage == self.pipeline.text_model_stage
+                and isinstance(getattr(o, "metrics", None), dict)
+            ),
+            default=0,
+        )
         if self.pd_pair:
             metrics["num_cached_prompt_tokens"] = text.num_cached_prompt_tokens
             metrics["kv_fallback"] = state.local_prefill
@@ -821,18 +997,27 @@ class AsyncOmni:
             metrics["no_speech"] = True  # the answer had nothing to speak: text, no audio
         if audio is not None:
             # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
-            metrics["ttfa_ms"] = (state.audio_chunk_ms[0] if state.audio_chunk_ms
-                                  else state.stage_spans[audio_stage][1])
+            metrics["ttfa_ms"] = (
+                state.audio_chunk_ms[0] if state.audio_chunk_ms else state.stage_spans[audio_stage][1]
+            )
         metrics["timeline"] = {
-            "stages": {str(k): {"name": self._stage_name(k), "start_ms": span[0], "end_ms": span[-1]}
-                       for k, span in state.stage_spans.items()},
+            "stages": {
+                str(k): {"name": self._stage_name(k), "start_ms": span[0], "end_ms": span[-1]}
+                for k, span in state.stage_spans.items()
+            },
             "audio_chunks_ms": list(state.audio_chunk_ms),
         }
         return OmniRequestOutput(
-            request_id=state.request_id, prompt_token_ids=text.prompt_token_ids,
-            token_ids=text.token_ids, text=text.text, finish_reason=text.finish_reason,
-            audio=audio.audio if audio else None, sample_rate=audio.sample_rate if audio else None,
-            metrics=metrics, stage_outputs=dict(state.outputs) if self.keep_stage_outputs else None)
+            request_id=state.request_id,
+            prompt_token_ids=text.prompt_token_ids,
+            token_ids=text.token_ids,
+            text=text.text,
+            finish_reason=text.finish_reason,
+            audio=audio.audio if audio else None,
+            sample_rate=audio.sample_rate if audio else None,
+            metrics=metrics,
+            stage_outputs=dict(state.outputs) if self.keep_stage_outputs else None,
+        )
 
 
 SILENT = object()  # a streamed group's stage that ended because the answer has nothing to speak
@@ -843,16 +1028,21 @@ class _StreamedGroup:
     stage of the group has been sent, and the callbacks that move chunks down the group. Lives
     only as long as that run."""
 
-    def __init__(self, omni: AsyncOmni, state: RequestState, group: list[int],
-                 text_prompt: TokenPrompt, deadline: float,
-                 on_text: Callable[[str], None] | None,
-                 on_audio: Callable[[torch.Tensor, int], None] | None) -> None:
+    def __init__(
+        self,
+        omni: AsyncOmni,
+        state: RequestState,
+        group: list[int],
+        text_prompt: TokenPrompt,
+        deadline: float,
+        on_text: Callable[[str], None] | None,
+        on_audio: Callable[[torch.Tensor, int], None] | None,
+    ) -> None:
         self.omni, self.state, self.group = omni, state, group
         self.text_prompt, self.deadline = text_prompt, deadline
         self.on_text, self.on_audio = on_text, on_audio
         loop = asyncio.get_running_loop()
-        self.feeders = {sid: omni.stream_processors[sid](omni._stage_inputs(state, sid))
-                        for sid in group[1:]}
+        self.feeders = {sid: omni.stream_processors[sid](omni._stage_inputs(state, sid)) for sid in group[1:]}
         self.waiters: dict[int, Any] = {}  # stage -> its StageClient waiter, once submitted
         self.opened = {sid: loop.create_future() for sid in group[1:]}
         self.closed: set[int] = set()  # stages that have had their last input
@@ -865,8 +1055,7 @@ class _StreamedGroup:
         """How the consumer of `sid` takes its input, when its stream processor says (the
         group's first stage feeds a talker, which takes every token at once)."""
         target = self.consumer(sid)
-        return (getattr(self.feeders[target], "source_chunk_sizes", None)
-                if target is not None else None)
+        return getattr(self.feeders[target], "source_chunk_sizes", None) if target is not None else None
 
     # ---- feeding the later stages ------------------------------------------------------------
     def pump(self, sid: int) -> None:
@@ -892,8 +1081,12 @@ class _StreamedGroup:
         state = self.state
         state.stage_started(sid)
         self.waiters[sid] = self.omni._route(state, sid).submit(
-            state.request_id, prompt, state.params[sid], on_chunk=self.forward(sid),
-            chunk_sizes=self.chunk_sizes(sid))
+            state.request_id,
+            prompt,
+            state.params[sid],
+            on_chunk=self.forward(sid),
+            chunk_sizes=self.chunk_sizes(sid),
+        )
         self.opened[sid].set_result(None)
         if prompt.final:
             self.closed.add(sid)
@@ -910,6 +1103,7 @@ class _StreamedGroup:
                 self.pump(target)
             elif isinstance(chunk, AudioOutput):
                 self._deliver_audio(chunk)
+
         return on_chunk
 
     def _deliver_audio(self, chunk: AudioOutput) -> None:
@@ -933,8 +1127,9 @@ class _StreamedGroup:
     async def _run_first(self) -> Any:
         """The group's first stage, from its finished input; SILENT when the answer is."""
         sid = self.group[0]
-        output = await self.omni._run_stage(self.state, sid, self.text_prompt, self.deadline,
-                                            self.on_text, on_chunk=self.forward(sid))
+        output = await self.omni._run_stage(
+            self.state, sid, self.text_prompt, self.deadline, self.on_text, on_chunk=self.forward(sid)
+        )
         if self.state.silent:
             self.go_silent()
             return SILENT
@@ -950,7 +1145,8 @@ class _StreamedGroup:
         began = time.perf_counter()
         try:
             output = await self.omni._route(state, sid).result(
-                state.request_id, self.waiters[sid], self.deadline - time.monotonic())
+                state.request_id, self.waiters[sid], self.deadline - time.monotonic()
+            )
         except StageError:
             if state.silent:  # stopped by go_silent
                 return SILENT
@@ -958,8 +1154,9 @@ class _StreamedGroup:
         if isinstance(output, AudioOutput) and output.samples_in_chunks:
             # The worker sent its samples as chunks only: the whole audio is their sum.
             pieces, state.audio_pieces = state.audio_pieces, []
-            output = dataclasses.replace(output, samples_in_chunks=False, audio=(
-                torch.cat(pieces) if pieces else output.audio))
+            output = dataclasses.replace(
+                output, samples_in_chunks=False, audio=(torch.cat(pieces) if pieces else output.audio)
+            )
         state.stage_finished(sid, began, output)
         return output
 

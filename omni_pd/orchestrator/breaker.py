@@ -5,6 +5,7 @@ exhausted handoffs it opens: requests skip the remote leg (the pair's fallback s
 `cooldown_s`. Then it is half-open: one request probes the remote leg (only while the prefill
 worker is up and answering); its success closes the breaker, its failure opens it again.
 """
+
 from __future__ import annotations
 
 import enum
@@ -22,11 +23,17 @@ class BreakerState(str, enum.Enum):
 
 
 class CircuitBreaker:
-    def __init__(self, threshold: int, cooldown_s: float, name: str = "P/D handoff",
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        threshold: int,
+        cooldown_s: float,
+        name: str = "P/D handoff",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if threshold < 1 or cooldown_s <= 0:
-            raise ValueError(f"breaker threshold must be >= 1 and cooldown > 0, got {threshold}, "
-                             f"{cooldown_s}")
+            raise ValueError(
+                f"breaker threshold must be >= 1 and cooldown > 0, got {threshold}, {cooldown_s}"
+            )
         self.threshold, self.cooldown_s, self.name, self._clock = threshold, cooldown_s, name, clock
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
@@ -58,11 +65,17 @@ class CircuitBreaker:
     def failure(self, why: str) -> None:
         self.consecutive_failures += 1
         if self.state is BreakerState.HALF_OPEN or (
-                self.state is BreakerState.CLOSED and self.consecutive_failures >= self.threshold):
+            self.state is BreakerState.CLOSED and self.consecutive_failures >= self.threshold
+        ):
             if self.state is BreakerState.CLOSED:
-                log.warning("%s breaker open after %d failed handoffs in a row (last: %s); requests "
-                            "skip the prefill side for %.1f s", self.name, self.consecutive_failures,
-                            why, self.cooldown_s)
+                log.warning(
+                    "%s breaker open after %d failed handoffs in a row (last: %s); requests "
+                    "skip the prefill side for %.1f s",
+                    self.name,
+                    self.consecutive_failures,
+                    why,
+                    self.cooldown_s,
+                )
             else:
                 log.debug("%s breaker probe failed (%s); open again", self.name, why)
             self.state, self.opened_at, self.probe_started = BreakerState.OPEN, self._clock(), None

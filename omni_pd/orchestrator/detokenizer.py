@@ -1,4 +1,5 @@
 """Text deltas for streamed requests, from the token ids a text stage streams."""
+
 from __future__ import annotations
 
 from ..sampling import SamplingParams
@@ -16,8 +17,9 @@ class IncrementalDetokenizer:
         self.sent = ""
 
     def _text(self) -> str:
-        text = self.tokenizer.decode([t for t in self.tokens if t not in self.hidden],
-                                     skip_special_tokens=True)
+        text = self.tokenizer.decode(
+            [t for t in self.tokens if t not in self.hidden], skip_special_tokens=True
+        )
         for stop in self.params.stop:
             if stop and stop in text:
                 cut = text.index(stop) + (len(stop) if self.params.include_stop_str_in_output else 0)
@@ -37,5 +39,5 @@ class IncrementalDetokenizer:
                     break
         if not text.startswith(self.sent) or stable <= len(self.sent):
             return ""
-        delta, self.sent = text[len(self.sent):stable], text[:stable]
+        delta, self.sent = text[len(self.sent) : stable], text[:stable]
         return delta

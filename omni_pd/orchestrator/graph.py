@@ -1,4 +1,5 @@
 """Stage order from `engine_input_source` (the config layer has already rejected cycles)."""
+
 from __future__ import annotations
 
 

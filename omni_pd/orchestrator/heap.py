@@ -8,6 +8,7 @@ permanent generation (`gc.freeze`), as vLLM does in its server and engine proces
 then walk only what requests allocate. Only for processes omni-pd owns: a library user's process
 keeps its collector as it is.
 """
+
 from __future__ import annotations
 
 import gc

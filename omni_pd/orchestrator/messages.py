@@ -11,6 +11,7 @@ bytes for dtypes numpy lacks): torch's own reducer serialises each storage with 
 cost 10x more per message and was a third of the orchestrator's CPU at concurrency 16. Views
 arrive as tensors of their own (no storage shared with other tensors of the message).
 """
+
 from __future__ import annotations
 
 import copyreg

@@ -2,6 +2,7 @@
 
 It runs the AsyncOmni on an event loop in a private thread. A batch is submitted at once, so its
 requests are batched together by every stage engine and overlap across stages."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,14 @@ import torch
 from tqdm import tqdm
 
 from ..sampling import SamplingParams
-from .async_omni import (DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, AsyncOmni,
-                         AudioDelta, Finished, TextDelta)
+from .async_omni import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    AsyncOmni,
+    AudioDelta,
+    Finished,
+    TextDelta,
+)
 from .outputs import OmniRequestOutput
 
 _END = object()  # the last item a stream's queue gets
@@ -25,17 +32,28 @@ _END = object()  # the last item a stream's queue gets
 class Omni:
     """Offline multi-stage inference: `Omni(model=..., stage_configs_path=...).generate(prompts)`."""
 
-    def __init__(self, model: str | None = None, stage_configs_path: str | Path | None = None,
-                 *, deploy_config: str | Path | None = None, keep_stage_outputs: bool = False,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, device: str = "auto"):
-        self.engine = AsyncOmni(model, stage_configs_path, deploy_config=deploy_config,
-                                keep_stage_outputs=keep_stage_outputs,
-                                request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s, device=device)
+    def __init__(
+        self,
+        model: str | None = None,
+        stage_configs_path: str | Path | None = None,
+        *,
+        deploy_config: str | Path | None = None,
+        keep_stage_outputs: bool = False,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        device: str = "auto",
+    ):
+        self.engine = AsyncOmni(
+            model,
+            stage_configs_path,
+            deploy_config=deploy_config,
+            keep_stage_outputs=keep_stage_outputs,
+            request_timeout_s=request_timeout_s,
+            startup_timeout_s=startup_timeout_s,
+            device=device,
+        )
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-pd-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-pd-loop", daemon=True)
         self._thread.start()
 
     # What tests and callers read from the orchestrator.
@@ -78,16 +96,24 @@ class Omni:
         return self._call(self.engine.control(stage_id, name, **kwargs))
 
     # ---- requests --------------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
-                 *, use_tqdm: bool = True) -> list[OmniRequestOutput]:
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params_list: Sequence[SamplingParams | None] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[OmniRequestOutput]:
         if self.engine.closed:
             raise RuntimeError("this Omni is closed")
         batch = prompts if isinstance(prompts, (list, tuple)) and not _is_messages(prompts) else [prompts]
-        futures = [asyncio.run_coroutine_threadsafe(self.engine.generate(p, sampling_params_list),
-                                                    self._loop) for p in batch]
+        futures = [
+            asyncio.run_coroutine_threadsafe(self.engine.generate(p, sampling_params_list), self._loop)
+            for p in batch
+        ]
         try:
-            with tqdm(total=len(batch), desc="omni-pd", unit="req",
-                      disable=not use_tqdm or len(batch) < 2) as bar:
+            with tqdm(
+                total=len(batch), desc="omni-pd", unit="req", disable=not use_tqdm or len(batch) < 2
+            ) as bar:
                 for future in futures:
                     future.add_done_callback(lambda _: bar.update())
                 return [future.result() for future in futures]
@@ -95,9 +121,13 @@ class Omni:
             for future in futures:
                 future.cancel()  # only matters when one request failed and others still run
 
-    def stream(self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None,
-               *, modalities: Sequence[str] = ("text", "audio")
-               ) -> Iterator[TextDelta | AudioDelta | Finished]:
+    def stream(
+        self,
+        prompt: Any,
+        sampling_params_list: Sequence[SamplingParams | None] | None = None,
+        *,
+        modalities: Sequence[str] = ("text", "audio"),
+    ) -> Iterator[TextDelta | AudioDelta | Finished]:
         """`AsyncOmni.stream` for one prompt, synchronously: text and audio deltas as the stages
         produce them, then `Finished`. The request starts at the first `next()`; closing the
         generator early (break, `.close()`) aborts it."""
@@ -107,8 +137,7 @@ class Omni:
 
         async def pump() -> None:  # on the loop thread
             try:
-                async for event in self.engine.stream(prompt, sampling_params_list,
-                                                      modalities=modalities):
+                async for event in self.engine.stream(prompt, sampling_params_list, modalities=modalities):
                     events.put(event)
             except Exception as exc:  # noqa: BLE001 - raised again in the caller's thread
                 events.put(exc)
@@ -125,9 +154,9 @@ class Omni:
             if not self._loop.is_closed():
                 self._call(_stop(task))  # returns once the request is aborted and forgotten
 
-    def audio_chunks(self, prompt: Any,
-                     sampling_params_list: Sequence[SamplingParams | None] | None = None
-                     ) -> Iterator[torch.Tensor]:
+    def audio_chunks(
+        self, prompt: Any, sampling_params_list: Sequence[SamplingParams | None] | None = None
+    ) -> Iterator[torch.Tensor]:
         """Only the audio of `stream`: float32 mono chunks that concatenate to the waveform."""
         with contextlib.closing(self.stream(prompt, sampling_params_list)) as events:
             for event in events:

@@ -1,4 +1,5 @@
 """What `Omni.generate` returns per request."""
+
 from __future__ import annotations
 
 import hashlib

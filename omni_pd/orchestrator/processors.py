@@ -1,5 +1,6 @@
 """Stage input processors named in a stage YAML (`custom_process_input_func`), and their
 streaming counterparts (`<name>_stream`, used with `async_chunk`)."""
+
 from __future__ import annotations
 
 import importlib

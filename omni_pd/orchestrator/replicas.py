@@ -13,6 +13,7 @@ a replica for each request by load, never in turn:
 A request's `Assignment` counts it on its replica from the pick until the stage is done with it;
 the request's state owns it and releases it on every path (success, failure, abort).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -91,12 +92,13 @@ class StagePool:
         free, size = load.get("free_kv_blocks"), load.get("kv_block_size")
         return free is None or not size or -(-positions // size) <= free
 
-    def ranked(self, tokens: int = 0, positions: int = 0,
-               among: Iterable[int] | None = None) -> list[int]:
+    def ranked(self, tokens: int = 0, positions: int = 0, among: Iterable[int] | None = None) -> list[int]:
         """Replica indices, best first (see the module's rules); `among` defaults to the usable."""
         candidates = self.usable() if among is None else list(among)
-        return sorted(candidates, key=lambda k: (not self._room(k, positions), self.in_flight[k],
-                                                 self.queued_tokens[k], k))
+        return sorted(
+            candidates,
+            key=lambda k: (not self._room(k, positions), self.in_flight[k], self.queued_tokens[k], k),
+        )
 
     def assign(self, index: int, tokens: int = 0) -> Assignment:
         self.in_flight[index] += 1
@@ -107,20 +109,25 @@ class StagePool:
     def pick(self, tokens: int = 0, positions: int = 0) -> Assignment:
         """The best usable replica; with none usable, the best of all (the request then waits for
         it, or fails naming it, as with a single worker)."""
-        ranked = self.ranked(tokens, positions) or self.ranked(tokens, positions,
-                                                               range(len(self.clients)))
+        ranked = self.ranked(tokens, positions) or self.ranked(tokens, positions, range(len(self.clients)))
         return self.assign(ranked[0], tokens)
 
     def describe_load(self, index: int) -> str:
         load = self.clients[index].engine_load
-        kv = (f", {load['free_kv_blocks']}/{load['kv_blocks']} KV blocks free"
-              if "free_kv_blocks" in load else "")
-        return (f"{self.in_flight[index]} in flight, {self.queued_tokens[index]} prompt tokens "
-                f"queued{kv}")
+        kv = (
+            f", {load['free_kv_blocks']}/{load['kv_blocks']} KV blocks free"
+            if "free_kv_blocks" in load
+            else ""
+        )
+        return f"{self.in_flight[index]} in flight, {self.queued_tokens[index]} prompt tokens queued{kv}"
 
     def load(self, index: int) -> dict[str, int]:
-        return {"in_flight": self.in_flight[index], "queued_tokens": self.queued_tokens[index],
-                "routed": self.routed[index], **self.clients[index].engine_load}
+        return {
+            "in_flight": self.in_flight[index],
+            "queued_tokens": self.queued_tokens[index],
+            "routed": self.routed[index],
+            **self.clients[index].engine_load,
+        }
 
     async def wait_usable(self, timeout_s: float) -> None:
         """Return once some replica is up and answering; wait while they restart or are silent
@@ -136,10 +143,8 @@ class StagePool:
                 raise why
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's "
-                                   "deadline)")
+                raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's deadline)")
             changes = [client.status_changed() for client in self.clients]
-            await asyncio.wait(changes, timeout=min(remaining, WAKE_S),
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(changes, timeout=min(remaining, WAKE_S), return_when=asyncio.FIRST_COMPLETED)
             for change in changes:
                 change.cancel()

@@ -1,4 +1,5 @@
 """The one object that owns a request's state while it crosses the stages."""
+
 from __future__ import annotations
 
 import time

@@ -9,6 +9,7 @@ When the worker dies, every waiter fails at once with a message naming the stage
 (`RestartPolicy`); a worker that died too often is left down. Each worker sends a heartbeat, so
 a frozen one (SIGSTOP) shows as unresponsive although its process lives.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,8 +101,14 @@ def _deliver_all(deliveries: list[tuple[_Waiter, Any]]) -> None:  # on the event
 
 
 class StageClient:
-    def __init__(self, stage_config: Any, model: str, startup_timeout_s: float,
-                 threads: tuple[int, int] = (1, 1), replica: int | None = None):
+    def __init__(
+        self,
+        stage_config: Any,
+        model: str,
+        startup_timeout_s: float,
+        threads: tuple[int, int] = (1, 1),
+        replica: int | None = None,
+    ):
         """`replica`: this worker's index among its stage's replicas (None: the stage has one)."""
         self.stage_config = stage_config
         self.model = model
@@ -150,25 +157,41 @@ class StageClient:
         name = f"omni-pd-{self.tag}-{self.model_stage}"
         if self.stage_config.engine_args.distributed_executor_backend == "ray":
             from .ray_workers import RayProcess  # it connects back once its actor runs
-            process = RayProcess(self.stage_config, self.model,
-                                 logging.getLogger().getEffectiveLevel(), self.threads, self.tag,
-                                 self.startup_timeout_s)
+
+            process = RayProcess(
+                self.stage_config,
+                self.model,
+                logging.getLogger().getEffectiveLevel(),
+                self.threads,
+                self.tag,
+                self.startup_timeout_s,
+            )
             return _Worker(None, process=process, pid=process.pid)
         if self.stage_config.runtime.process:
             context = worker_context()
             conn, child = context.Pipe(duplex=True)
             process = context.Process(
-                target=worker_main, name=name, daemon=True,
-                args=(self.stage_config, self.model, child,
-                      logging.getLogger().getEffectiveLevel(), self.threads, self.tag),
-                kwargs={"environ": dict(os.environ), "stdio": ParentStdio()})
+                target=worker_main,
+                name=name,
+                daemon=True,
+                args=(
+                    self.stage_config,
+                    self.model,
+                    child,
+                    logging.getLogger().getEffectiveLevel(),
+                    self.threads,
+                    self.tag,
+                ),
+                kwargs={"environ": dict(os.environ), "stdio": ParentStdio()},
+            )
             process.start()
             child.close()
             return _Worker(conn, process=process, pid=process.pid)
         # the engine on a thread of this process, behind the same pipe protocol
         conn, child = mp.Pipe(duplex=True)
-        thread = threading.Thread(target=thread_main, name=name, daemon=True,
-                                  args=(self.stage_config, self.model, child))
+        thread = threading.Thread(
+            target=thread_main, name=name, daemon=True, args=(self.stage_config, self.model, child)
+        )
         thread.start()
         return _Worker(conn, thread=thread)
 
@@ -189,8 +212,7 @@ class StageClient:
 
     def responsive(self) -> bool:
         """Up, and heard from within the heartbeat timeout (a frozen worker is alive but silent)."""
-        return (self.status is StageStatus.UP
-                and time.monotonic() - self.last_seen < self.heartbeat_timeout_s)
+        return self.status is StageStatus.UP and time.monotonic() - self.last_seen < self.heartbeat_timeout_s
 
     def _cause(self, worker: _Worker) -> str:
         if worker.process is None:
@@ -214,14 +236,18 @@ class StageClient:
         deadline = time.monotonic() + self.startup_timeout_s
         if worker.conn is None:  # a Ray actor connects back first
             from .ray_workers import wait_connected
+
             worker.conn = wait_connected(worker.process, deadline, POLL_S)
             if worker.conn is None:
                 if not self._alive(worker):
-                    raise StageError(f"{self.name}: {self._cause(worker)} while starting; its log "
-                                     "above says why")
-                raise StageTimeout(f"{self.name}'s Ray actor did not connect back within "
-                                   f"{self.startup_timeout_s:.0f} s; check that its node can reach "
-                                   "this one")
+                    raise StageError(
+                        f"{self.name}: {self._cause(worker)} while starting; its log above says why"
+                    )
+                raise StageTimeout(
+                    f"{self.name}'s Ray actor did not connect back within "
+                    f"{self.startup_timeout_s:.0f} s; check that its node can reach "
+                    "this one"
+                )
         while True:
             try:
                 if worker.conn.poll(POLL_S):
@@ -230,8 +256,7 @@ class StageClient:
             except (EOFError, OSError):
                 pass
             if not self._alive(worker):
-                raise StageError(f"{self.name}: {self._cause(worker)} while starting; its log "
-                                 "above says why")
+                raise StageError(f"{self.name}: {self._cause(worker)} while starting; its log above says why")
             if time.monotonic() > deadline:
                 raise StageTimeout(f"{self.name} did not start within {self.startup_timeout_s:.0f} s")
         if isinstance(reply, msg.StartupFailed):
@@ -250,8 +275,9 @@ class StageClient:
             self.status, self.reason = StageStatus.UP, ""
             self.last_seen = time.monotonic()
             worker = self._worker
-        threading.Thread(target=self._read, args=(worker,), daemon=True,
-                         name=f"omni-pd-{self.tag}-reader").start()
+        threading.Thread(
+            target=self._read, args=(worker,), daemon=True, name=f"omni-pd-{self.tag}-reader"
+        ).start()
         self._notify()
 
     # ---- availability --------------------------------------------------------------------------
@@ -270,19 +296,26 @@ class StageClient:
         plain attributes only, so it may run under `_lock`."""
         if self.status is StageStatus.UP:
             if not self._alive(self._worker):  # dead, and the reader is about to say so
-                return StageUnavailable(f"{self.name}'s worker has just exited; it is restarted "
-                                        "unless it died too often", 1.0)
+                return StageUnavailable(
+                    f"{self.name}'s worker has just exited; it is restarted unless it died too often", 1.0
+                )
             silent = time.monotonic() - self.last_seen
             if silent < self.heartbeat_timeout_s:
                 return None
-            return StageUnavailable(f"{self.name} has not answered for {silent:.1f} s (frozen or "
-                                    "starved of CPU); its requests wait", self.heartbeat_timeout_s)
+            return StageUnavailable(
+                f"{self.name} has not answered for {silent:.1f} s (frozen or "
+                "starved of CPU); its requests wait",
+                self.heartbeat_timeout_s,
+            )
         if self.status is StageStatus.RESTARTING:
-            return StageUnavailable(f"{self.name} is restarting ({self.reason}); retry shortly",
-                                    max(1.0, self.policy.first_backoff_s * 4))
+            return StageUnavailable(
+                f"{self.name} is restarting ({self.reason}); retry shortly",
+                max(1.0, self.policy.first_backoff_s * 4),
+            )
         if self.status is StageStatus.DOWN:
-            return StageUnavailable(f"{self.name} is down: {self.reason}; restart the server once "
-                                    "the cause is fixed")
+            return StageUnavailable(
+                f"{self.name} is down: {self.reason}; restart the server once the cause is fixed"
+            )
         if self.status is StageStatus.CLOSED:
             return StageUnavailable(f"{self.name} stopped at shutdown")
         return StageUnavailable(f"{self.name} is still starting")
@@ -299,8 +332,7 @@ class StageClient:
                 raise why
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's "
-                                   "deadline)")
+                raise StageTimeout(f"{why} (gave up waiting after {timeout_s:.1f} s, the request's deadline)")
             # A silent worker that speaks again does not notify: look again every half second.
             try:
                 await asyncio.wait_for(self.status_changed(), min(remaining, 0.5))
@@ -338,9 +370,12 @@ class StageClient:
                     quiet = time.monotonic() - self.last_seen
                     if not silent and quiet >= self.heartbeat_timeout_s:
                         silent = True
-                        log.warning("%s has sent nothing, not even its heartbeat, for %.1f s: "
-                                    "frozen (SIGSTOP?) or starved of CPU; its requests wait",
-                                    self.name, quiet)
+                        log.warning(
+                            "%s has sent nothing, not even its heartbeat, for %.1f s: "
+                            "frozen (SIGSTOP?) or starved of CPU; its requests wait",
+                            self.name,
+                            quiet,
+                        )
                     continue
             # The pipe closed or the worker is gone: fail whoever still waits.
             if self._closing:
@@ -355,8 +390,9 @@ class StageClient:
         if delay is None:
             fate = f"it is left down ({self.policy.describe_limit()})"
             status = StageStatus.DOWN
-            log.warning("%s: %s; %s; /health reports it until the server is restarted",
-                        self.name, cause, fate)
+            log.warning(
+                "%s: %s; %s; /health reports it until the server is restarted", self.name, cause, fate
+            )
         else:
             fate = f"it is being restarted (restart {self.restarts + 1}, in {delay:.2f} s)"
             status = StageStatus.RESTARTING
@@ -368,8 +404,9 @@ class StageClient:
         self._fail_all(error)
         self._notify()
         if delay is not None:
-            threading.Thread(target=self._restart_after, args=(delay,), daemon=True,
-                             name=f"omni-pd-{self.tag}-restart").start()
+            threading.Thread(
+                target=self._restart_after, args=(delay,), daemon=True, name=f"omni-pd-{self.tag}-restart"
+            ).start()
 
     def _restart_after(self, delay: float) -> None:
         if self._stop.wait(delay):
@@ -412,8 +449,12 @@ class StageClient:
         self.info = info
         self.restarts += 1
         self._set_up()
-        log.info("%s is back after a restart (%d so far) in %.1f s", self.name, self.restarts,
-                 time.monotonic() - began)
+        log.info(
+            "%s is back after a restart (%d so far) in %.1f s",
+            self.name,
+            self.restarts,
+            time.monotonic() - began,
+        )
 
     def _stop_worker(self, worker: _Worker) -> None:
         if self._is_actor(worker):
@@ -491,8 +532,10 @@ class StageClient:
         try:
             self._worker.conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
-            raise StageError(f"{self.name}: {self._which(self._worker)} went away before the message "
-                             "was sent; it is restarted unless it died too often") from exc
+            raise StageError(
+                f"{self.name}: {self._which(self._worker)} went away before the message "
+                "was sent; it is restarted unless it died too often"
+            ) from exc
 
     @staticmethod
     def _which(worker: _Worker) -> str:
@@ -504,10 +547,15 @@ class StageClient:
             return f"its worker (pid {worker.pid})"
         return f"its Ray actor (pid {process.pid} on {process.node_ip})"
 
-    def submit(self, request_id: str, prompt: Any, params: SamplingParams,
-               on_tokens: Callable[[list[int]], None] | None = None,
-               on_chunk: Callable[[Any], None] | None = None,
-               chunk_sizes: tuple[int, int] | None = None) -> "_Waiter":
+    def submit(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        on_chunk: Callable[[Any], None] | None = None,
+        chunk_sizes: tuple[int, int] | None = None,
+    ) -> "_Waiter":
         """Send a request now (on the event loop's thread) and register who waits for it:
         anything sent for it afterwards (`append`, `abort`) reaches the worker after it. Await
         `result()` for its output. `on_tokens` gets streamed token deltas and `on_chunk` streamed
@@ -520,10 +568,16 @@ class StageClient:
                 raise StageError(f"{self.name} already runs request {request_id}")
             self._waiters[request_id] = waiter
             try:
-                self._send_locked(msg.AddRequest(request_id, prompt, params,
-                                                 stream=on_tokens is not None or on_chunk is not None,
-                                                 chunks=on_chunk is not None,
-                                                 chunk_sizes=chunk_sizes))
+                self._send_locked(
+                    msg.AddRequest(
+                        request_id,
+                        prompt,
+                        params,
+                        stream=on_tokens is not None or on_chunk is not None,
+                        chunks=on_chunk is not None,
+                        chunk_sizes=chunk_sizes,
+                    )
+                )
             except BaseException:
                 del self._waiters[request_id]
                 raise
@@ -538,9 +592,11 @@ class StageClient:
             finished = True
             return result
         except asyncio.TimeoutError:
-            raise StageTimeout(f"{self.name} did not finish request {request_id} within "
-                               f"{timeout_s:.1f} s; raise the request timeout if the stage is just "
-                               "slow") from None
+            raise StageTimeout(
+                f"{self.name} did not finish request {request_id} within "
+                f"{timeout_s:.1f} s; raise the request timeout if the stage is just "
+                "slow"
+            ) from None
         except StageError:
             finished = True  # the worker answered (failed) or died: nothing left to abort
             raise
@@ -551,9 +607,15 @@ class StageClient:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, timeout_s: float,
-                       on_tokens: Callable[[list[int]], None] | None = None,
-                       on_chunk: Callable[[Any], None] | None = None) -> Any:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        timeout_s: float,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        on_chunk: Callable[[Any], None] | None = None,
+    ) -> Any:
         """`submit` then `result`."""
         waiter = self.submit(request_id, prompt, params, on_tokens, on_chunk)
         return await self.result(request_id, waiter, timeout_s)
@@ -578,7 +640,8 @@ class StageClient:
         if waiter is not None:
             try:
                 waiter.loop.call_soon_threadsafe(
-                    waiter.deliver, StageError(f"{self.name}: request {request_id} was aborted"))
+                    waiter.deliver, StageError(f"{self.name}: request {request_id} was aborted")
+                )
             except RuntimeError:  # that event loop is closed: nobody waits any more
                 pass
 
@@ -610,8 +673,9 @@ class StageClient:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             self.forget_call(future)
-            raise StageTimeout(f"{self.name} did not answer control call {name} within "
-                               f"{timeout_s:.1f} s") from None
+            raise StageTimeout(
+                f"{self.name} did not answer control call {name} within {timeout_s:.1f} s"
+            ) from None
 
     async def control_async(self, name: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         return await self.await_call(self.control_future(name, **kwargs), name, timeout_s)
@@ -622,8 +686,9 @@ class StageClient:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
             self.forget_call(future)
-            raise StageTimeout(f"{self.name} did not answer control call {name} within "
-                               f"{timeout_s:.1f} s") from None
+            raise StageTimeout(
+                f"{self.name} did not answer control call {name} within {timeout_s:.1f} s"
+            ) from None
 
     # ---- shutdown ------------------------------------------------------------------------------
     def request_shutdown(self) -> None:

@@ -4,6 +4,7 @@ Pure policy, no processes: the stage client records each death here and gets bac
 before the next start, or None when the worker died too often (`runtime.max_restarts` deaths in
 `runtime.restart_window_s`) and must stay down until a person looks at it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,5 +46,7 @@ class RestartPolicy:
         return min(self.first_backoff_s * 2 ** (len(self.deaths) - 1), self.max_backoff_s)
 
     def describe_limit(self) -> str:
-        return (f"{len(self.deaths)} deaths in {self.window_s:g} s, over runtime.max_restarts "
-                f"({self.max_restarts})")
+        return (
+            f"{len(self.deaths)} deaths in {self.window_s:g} s, over runtime.max_restarts "
+            f"({self.max_restarts})"
+        )

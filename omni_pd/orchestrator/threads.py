@@ -13,6 +13,7 @@ concurrency 16, the server process spent 56 ms of CPU per request with the defau
 with one thread. So while every stage runs in a worker process, the orchestrator runs torch on one
 thread (`orchestrator_threads`).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,7 @@ def stage_threads(stages: Iterable, cores: int | None = None) -> dict[int, tuple
     cores = cores or usable_cores()
     workers = sum(s.runtime.num_replicas for s in stages if s.runtime.process) or 1
     share = max(1, cores // workers)
-    return {s.stage_id: (s.runtime.num_threads or share, s.runtime.num_interop_threads or 1)
-            for s in stages}
+    return {s.stage_id: (s.runtime.num_threads or share, s.runtime.num_interop_threads or 1) for s in stages}
 
 
 def orchestrator_threads(stages: Iterable) -> int | None:

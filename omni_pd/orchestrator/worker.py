@@ -12,6 +12,7 @@ CPU kernels, checked by name), sets torch's thread counts from the stage config,
 when its parent is gone, so a killed orchestrator never leaves a worker (nor its Mooncake port)
 behind. `serve()` is the same loop for an engine on a thread of the orchestrator's process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,6 +41,7 @@ def apply_threads(num_threads: int, num_interop_threads: int) -> None:
     """torch's intra-op and inter-op pools for this process. Inter-op can only be set before
     torch runs any parallel work, so this runs first thing in the worker."""
     import torch
+
     torch.set_num_threads(num_threads)
     try:
         torch.set_num_interop_threads(num_interop_threads)
@@ -47,9 +49,18 @@ def apply_threads(num_threads: int, num_interop_threads: int) -> None:
         log.debug("inter-op threads already fixed at %d", torch.get_num_interop_threads())
 
 
-def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tuple[int, int],
-                tag: str | None = None, watch_parent: bool = True, exit_process: bool = True,
-                environ: dict[str, str] | None = None, stdio: Any = None) -> None:
+def worker_main(
+    stage_config: Any,
+    model: str,
+    conn,
+    log_level: int,
+    threads: tuple[int, int],
+    tag: str | None = None,
+    watch_parent: bool = True,
+    exit_process: bool = True,
+    environ: dict[str, str] | None = None,
+    stdio: Any = None,
+) -> None:
     """`tag`: how the log names this worker (stage0, or stage0.r1 for a replica).
     `environ`, `stdio`: the orchestrator's environment, stdout and stderr when it started the
     worker (a worker forked from the preloading server would otherwise have the server's;
@@ -61,8 +72,12 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
     if stdio is not None:
         stdio.install()
     tag = tag or f"stage{stage_config.stage_id}"
-    logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s",
+    )
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -84,13 +99,17 @@ def worker_main(stage_config: Any, model: str, conn, log_level: int, threads: tu
 def _build(stage_config: Any, model: str, conn, freeze: bool = False):
     try:
         from ..engines.hf.compute_identity import ENV, cpu_capability
+
         wanted = stage_config.runtime.env.get(ENV)
         if wanted is not None and wanted != os.environ.get(ENV):
-            raise ValueError(f"stage {stage_config.stage_id}: runtime.env sets {ENV}={wanted!r}, but "
-                             "the stage runs in the orchestrator's process, whose torch has its "
-                             "own; give the stage runtime.process: true")
+            raise ValueError(
+                f"stage {stage_config.stage_id}: runtime.env sets {ENV}={wanted!r}, but "
+                "the stage runs in the orchestrator's process, whose torch has its "
+                "own; give the stage runtime.process: true"
+            )
         log.info("torch computes with its %s CPU kernels", cpu_capability())  # checks the variable
         from .engine_factory import build_engine
+
         engine = build_engine(stage_config, model)
     except BaseException as exc:  # report, then exit: the orchestrator raises with this message
         conn.send_bytes(msg.dumps(msg.StartupFailed(stage_config.stage_id, f"{type(exc).__name__}: {exc}")))
@@ -140,15 +159,20 @@ class _Loop:
         engine = self.engine
         if isinstance(message, msg.AddRequest):
             try:
-                engine.add_request(message.request_id, _onto(engine, message.prompt),
-                                   message.params, message.stream, message.chunks, message.chunk_sizes)
+                engine.add_request(
+                    message.request_id,
+                    _onto(engine, message.prompt),
+                    message.params,
+                    message.stream,
+                    message.chunks,
+                    message.chunk_sizes,
+                )
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())
                 self.send(msg.GenerateFailed(message.request_id, f"{type(exc).__name__}: {exc}"))
         elif isinstance(message, msg.AppendInput):
             try:
-                engine.append_input(message.request_id, _onto(engine, message.data),
-                                    message.final)
+                engine.append_input(message.request_id, _onto(engine, message.data), message.final)
             except Exception as exc:  # the request cannot go on: fail it, free what it holds
                 log.debug("input for %s refused:\n%s", message.request_id, traceback.format_exc())
                 if message.request_id in engine.request_ids():
@@ -201,8 +225,9 @@ def serve(engine, conn, alive: Callable[[], bool]) -> None:
     loop = _Loop(engine, conn)
     last_housekeeping = time.monotonic()
     stop_heartbeat = threading.Event()
-    threading.Thread(target=loop.heartbeat, args=(stop_heartbeat,), name="omni-pd-heartbeat",
-                     daemon=True).start()
+    threading.Thread(
+        target=loop.heartbeat, args=(stop_heartbeat,), name="omni-pd-heartbeat", daemon=True
+    ).start()
     try:
         while alive() and not loop.stopping:
             busy = engine.has_unfinished_requests()

@@ -17,6 +17,7 @@ server, which exits when the orchestrator does, so a worker still sees its orche
 `OMNI_PD_WORKER_START=spawn` starts workers the old way (a platform without forkserver, or to
 rule it out when debugging).
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,6 +69,7 @@ class ParentStdio:
 
     def __reduce__(self):
         from multiprocessing import reduction
+
         return _rebuild_stdio, tuple(reduction.DupFd(fd) for fd in self.fds)
 
     def install(self) -> None:

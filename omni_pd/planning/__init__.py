@@ -1,4 +1,5 @@
 """Pure P/D planning: no I/O, no processes, never mutates its inputs."""
+
 from omni_pd.planning.pd import (
     REQUIRED_PREFILL_OUTPUT_KEYS,
     PDPair,

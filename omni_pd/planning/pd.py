@@ -4,6 +4,7 @@ No I/O, no processes, no mutation: every function returns new objects and leaves
 (including any `kv_transfer_params` dict) untouched. kv_transfer_params use vLLM's key names;
 omni-pd's own keys travel beside them and are never renamed.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -56,9 +57,12 @@ class HandoffPolicy:
 
 
 # HandoffPolicy field -> its kv_connector_extra_config key.
-HANDOFF_POLICY_KEYS: dict[str, str] = dict(zip(
-    ("miss_window_s", "deadline_s", "breaker_threshold", "breaker_cooldown_s", "fallback"),
-    KVConnectorExtraConfig.HANDOFF_KEYS))
+HANDOFF_POLICY_KEYS: dict[str, str] = dict(
+    zip(
+        ("miss_window_s", "deadline_s", "breaker_threshold", "breaker_cooldown_s", "fallback"),
+        KVConnectorExtraConfig.HANDOFF_KEYS,
+    )
+)
 
 
 def handoff_policy(pair: PDPair) -> HandoffPolicy:
@@ -142,8 +146,7 @@ def expand_sampling_params(
         return list(params)
     if pair is None:
         raise ValueError(
-            f"expected {len(stage_ids)} sampling params (one per stage {list(stage_ids)}), "
-            f"got {len(params)}"
+            f"expected {len(stage_ids)} sampling params (one per stage {list(stage_ids)}), got {len(params)}"
         )
     logical = [sid for sid in stage_ids if sid != pair.decode_stage_id]
     if len(params) != len(logical):

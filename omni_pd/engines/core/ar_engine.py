@@ -17,6 +17,7 @@ scheduler from `add_request` until it finishes, fails or is aborted; its blocks 
 KV manager on each of those paths. A batched prefill that fails is retried request by request at
 each request's start, so only the requests that fail alone fail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,28 +59,48 @@ class ArEngine(StageEngine):
         self.prefix_caching = args.enable_prefix_caching is not False and runner.caches_prefixes
         self.device = runner.device  # the cache lives with the model
         keep_rows = self.prefix_caching and self.prefills_over_cache
-        self.kv = KVManager(runner.kv_layout(self.block_size), args.kv_pool_blocks,
-                            shared=self.shares_cache(stage_config), prefix_caching=self.prefix_caching,
-                            device=self.device, row_widths=runner.row_widths if keep_rows else None,
-                            row_dtype=runner.row_dtype)
+        self.kv = KVManager(
+            runner.kv_layout(self.block_size),
+            args.kv_pool_blocks,
+            shared=self.shares_cache(stage_config),
+            prefix_caching=self.prefix_caching,
+            device=self.device,
+            row_widths=runner.row_widths if keep_rows else None,
+            row_dtype=runner.row_dtype,
+        )
         self.cache = self.kv.cache
         self.layout = self.kv.layout
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
         self._stats = BatchStats()
-        log.info("stage %d: %s engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
-                 "of %d tokens, prefix caching %s", self.stage_id, self.name, self.max_num_seqs,
-                 self.max_num_batched_tokens, args.kv_pool_blocks, self.block_size,
-                 "on" if self.prefix_caching else "off")
+        log.info(
+            "stage %d: %s engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
+            "of %d tokens, prefix caching %s",
+            self.stage_id,
+            self.name,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            args.kv_pool_blocks,
+            self.block_size,
+            "on" if self.prefix_caching else "off",
+        )
 
     # ---- the request lifecycle ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False,
-                    chunk_sizes: tuple[int, int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        stream: bool = False,
+        chunks: bool = False,
+        chunk_sizes: tuple[int, int] | None = None,
+    ) -> None:
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         if chunk_sizes is not None and (len(chunk_sizes) != 2 or min(chunk_sizes) < 1):
-            raise ValueError(f"request {request_id}: chunk_sizes must be two counts >= 1 (first "
-                             f"chunk, later chunks), got {chunk_sizes!r}")
+            raise ValueError(
+                f"request {request_id}: chunk_sizes must be two counts >= 1 (first "
+                f"chunk, later chunks), got {chunk_sizes!r}"
+            )
         request = self.runner.new_request(request_id, prompt, params, self.block_size)
         request.stream, request.chunks = stream or chunks, chunks
         request.chunk_sizes = (chunk_sizes[0], chunk_sizes[1]) if chunk_sizes is not None else None
@@ -87,15 +108,19 @@ class ArEngine(StageEngine):
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         self._check(request)
         if request.prefills_here and request.prompt_len > self.max_num_batched_tokens:
-            raise ValueError(f"request {request_id}: the prompt has {request.prompt_len} positions, "
-                             f"over stage {self.stage_id}'s max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
-                             "the prompt")
+            raise ValueError(
+                f"request {request_id}: the prompt has {request.prompt_len} positions, "
+                f"over stage {self.stage_id}'s max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
+                "the prompt"
+            )
         needed = self.kv.blocks_for(request.prompt_len + params.max_tokens)
         if needed > self.kv.num_blocks:
-            raise ValueError(f"request {request_id}: prompt plus max_tokens need {needed} KV "
-                             f"blocks, stage {self.stage_id} has {self.kv.num_blocks}; raise "
-                             "engine_args.kv_pool_blocks or lower max_tokens")
+            raise ValueError(
+                f"request {request_id}: prompt plus max_tokens need {needed} KV "
+                f"blocks, stage {self.stage_id} has {self.kv.num_blocks}; raise "
+                "engine_args.kv_pool_blocks or lower max_tokens"
+            )
         self.scheduler.add(request)
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
@@ -139,17 +164,25 @@ class ArEngine(StageEngine):
         return list(self.scheduler.requests)
 
     def debug_state_counts(self) -> dict[str, int]:
-        return {f"{self.name}.requests": len(self.scheduler.requests),
-                f"{self.name}.kv_blocks_in_use": self.kv.num_used - self._blocks_lent()}
+        return {
+            f"{self.name}.requests": len(self.scheduler.requests),
+            f"{self.name}.kv_blocks_in_use": self.kv.num_used - self._blocks_lent(),
+        }
 
     def load(self) -> dict[str, int]:
-        load = {"requests": len(self.scheduler.requests), "waiting": len(self.scheduler.waiting),
-                "free_kv_blocks": self.kv.num_free, "kv_blocks": self.kv.num_blocks,
-                "kv_block_size": self.block_size}
+        load = {
+            "requests": len(self.scheduler.requests),
+            "waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": self.kv.num_free,
+            "kv_blocks": self.kv.num_blocks,
+            "kv_block_size": self.block_size,
+        }
         if self.prefix_caching:  # counters since start: Prometheus derives the hit rate
-            load.update(prefix_cache_queries=self.kv.query_tokens,
-                        prefix_cache_hits=self.kv.hit_tokens,
-                        prefix_cached_blocks=self.kv.num_cached)
+            load.update(
+                prefix_cache_queries=self.kv.query_tokens,
+                prefix_cache_hits=self.kv.hit_tokens,
+                prefix_cached_blocks=self.kv.num_cached,
+            )
         return load
 
     def _blocks_lent(self) -> int:
@@ -170,8 +203,10 @@ class ArEngine(StageEngine):
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         s = self.scheduler
-        outputs = [self._fail(r, why) for r, why in
-                   self.runner.before_step([s.requests[r] for r in s.running + list(s.waiting)])]
+        outputs = [
+            self._fail(r, why)
+            for r, why in self.runner.before_step([s.requests[r] for r in s.running + list(s.waiting)])
+        ]
         decoding = s.decoding(self.runner.ready)
         # Requests whose KV arrived get their first token now and decode from the next step, as
         # an admitted prompt does.
@@ -186,8 +221,9 @@ class ArEngine(StageEngine):
             try:
                 outputs.extend(self._start(request))
             except Exception as exc:
-                log.debug("stage %d: request %s failed to start", self.stage_id, request.request_id,
-                          exc_info=True)
+                log.debug(
+                    "stage %d: request %s failed to start", self.stage_id, request.request_id, exc_info=True
+                )
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
         if decoding:
             outputs.extend(self._decode(decoding))
@@ -216,8 +252,7 @@ class ArEngine(StageEngine):
         take (whose rows depend on the prompt's length). Blocks with multimodal inputs match
         only the same inputs (their extra keys). The last prompt position is always computed:
         its logits give the first token."""
-        if not (self.prefix_caching and request.prefills_here and request.batchable
-                and request.cacheable):
+        if not (self.prefix_caching and request.prefills_here and request.batchable and request.cacheable):
             return []
         return self.kv.match(request.token_ids, request.extra_keys, limit=request.prompt_len - 1)
 
@@ -242,16 +277,24 @@ class ArEngine(StageEngine):
         try:
             results = self.runner.prefill([PrefillItem(r, r.cached_len) for r in requests], self.cache)
         except Exception:  # noqa: BLE001 - retried per request at its start
-            log.debug("stage %d: batched prefill of %d prompts failed; each runs alone", self.stage_id,
-                      len(requests), exc_info=True)
+            log.debug(
+                "stage %d: batched prefill of %d prompts failed; each runs alone",
+                self.stage_id,
+                len(requests),
+                exc_info=True,
+            )
             return
         elapsed = (time.perf_counter() - began) * 1e3
         for request, result in zip(requests, results):
             try:
                 request.prefilled = self._take_first_token(request, result, elapsed)
             except Exception:  # noqa: BLE001 - its start prefills it again and fails it alone
-                log.debug("stage %d: request %s: first token failed", self.stage_id,
-                          request.request_id, exc_info=True)
+                log.debug(
+                    "stage %d: request %s: first token failed",
+                    self.stage_id,
+                    request.request_id,
+                    exc_info=True,
+                )
 
     def _take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled:
         [first] = self.runner.sample([request], result.logits.unsqueeze(0), first=True)
@@ -259,7 +302,7 @@ class ArEngine(StageEngine):
             raise first
         if request.cached_len and result.rows:
             # The cached positions' rows were kept beside their blocks.
-            cached = self.kv.cached_rows(request.blocks[:request.cached_len // self.block_size])
+            cached = self.kv.cached_rows(request.blocks[: request.cached_len // self.block_size])
             result.rows = {name: _cat(cached[name], rows) for name, rows in result.rows.items()}
         result.first_token, result.prefill_ms = first, elapsed_ms
         return result
@@ -304,8 +347,9 @@ class ArEngine(StageEngine):
             result = self.runner.decode(batch, self.cache)
             tokens = self.runner.sample(batch, result.logits, first=False)
         except Exception as exc:  # noqa: BLE001 - the batched pass: fail its requests
-            log.exception("stage %d: %s decode step failed for %d requests", self.stage_id,
-                          self.name, len(batch))
+            log.exception(
+                "stage %d: %s decode step failed for %d requests", self.stage_id, self.name, len(batch)
+            )
             return [self._fail(r, f"{self.name} decode step failed: {exc}") for r in batch]
         outputs = []
         for request, token in zip(batch, tokens):
@@ -335,8 +379,7 @@ class ArEngine(StageEngine):
         output = self._output(request, reason)
         self._drop(request)
         new, chunk = self.runner.chunk(request, True) if request.stream else ([], None)
-        return StepOutput(request.request_id, new_token_ids=new, chunk=chunk, finished=True,
-                          output=output)
+        return StepOutput(request.request_id, new_token_ids=new, chunk=chunk, finished=True, output=output)
 
     def _output(self, request: EngineRequest, reason: str) -> Any:
         return self.runner.output(request, reason)

@@ -1,4 +1,5 @@
 """An engine for a stage from its model's runner: the stage's role picks the class."""
+
 from __future__ import annotations
 
 from .ar_engine import ArEngine

@@ -15,6 +15,7 @@ requests already playing; new requests and aborts are taken between chunks.
 Requests are not stacked into one forward pass: a chunked decoder's cost on a CPU is per-sample
 arithmetic, and stacking would save only the per-call overhead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,14 @@ class Utterance:
 class ChunkedEngine(StageEngine):
     control_calls = StageEngine.control_calls | {"set_left_context_frames", "inject_chunk_fault"}
 
-    def __init__(self, stage_id: int, runner: ChunkRunner, initial_chunk_frames: int = 4,
-                 chunk_frames: int = 25, left_context_frames: int | None = None):
+    def __init__(
+        self,
+        stage_id: int,
+        runner: ChunkRunner,
+        initial_chunk_frames: int = 4,
+        chunk_frames: int = 25,
+        left_context_frames: int | None = None,
+    ):
         self.stage_id = stage_id
         self.runner = runner
         self.name = runner.name
@@ -67,19 +74,29 @@ class ChunkedEngine(StageEngine):
         exact = runner.exact_left_context()
         self.left_context_frames = None if left_context_frames is None else int(left_context_frames)
         if self.left_context_frames is not None and self.left_context_frames < exact:
-            log.warning("stage %d: codec_left_context_frames %d is below %s's decoder receptive "
-                        "field of %d frames: streamed audio will differ slightly from "
-                        "whole-utterance audio at chunk joins; remove the key (or set %d) for "
-                        "exact chunks", stage_id, self.left_context_frames, self.name, exact, exact)
+            log.warning(
+                "stage %d: codec_left_context_frames %d is below %s's decoder receptive "
+                "field of %d frames: streamed audio will differ slightly from "
+                "whole-utterance audio at chunk joins; remove the key (or set %d) for "
+                "exact chunks",
+                stage_id,
+                self.left_context_frames,
+                self.name,
+                exact,
+                exact,
+            )
         self._utterances: OrderedDict[str, Utterance] = OrderedDict()
         self._fault_after_chunks: int | None = None  # test hook: fail the next streamed utterance
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": f"hf-{self.name}", "initial_codec_chunk_frames": self.initial_chunk_frames,
-                "codec_chunk_frames": self.chunk_frames,
-                "codec_left_context_frames": self.left_context_frames,
-                "decoder_receptive_field_frames": self.runner.exact_left_context(),
-                **self.runner.describe()}
+        return {
+            "engine": f"hf-{self.name}",
+            "initial_codec_chunk_frames": self.initial_chunk_frames,
+            "codec_chunk_frames": self.chunk_frames,
+            "codec_left_context_frames": self.left_context_frames,
+            "decoder_receptive_field_frames": self.runner.exact_left_context(),
+            **self.runner.describe(),
+        }
 
     def set_left_context_frames(self, frames: int | None) -> int | None:
         """Test hook: a left context below the receptive field, for end-to-end negative controls
@@ -95,14 +112,21 @@ class ChunkedEngine(StageEngine):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False,
-                    chunk_sizes: tuple[int, int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        stream: bool = False,
+        chunks: bool = False,
+        chunk_sizes: tuple[int, int] | None = None,
+    ) -> None:
         if request_id in self._utterances:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         units, final = self.runner.read_prompt(request_id, prompt)
-        self._utterances[request_id] = Utterance(request_id, units, final=final,
-                                                 stream=stream or chunks, carried=self.runner.new_stream())
+        self._utterances[request_id] = Utterance(
+            request_id, units, final=final, stream=stream or chunks, carried=self.runner.new_stream()
+        )
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         utterance = self._utterances.get(request_id)
@@ -144,8 +168,11 @@ class ChunkedEngine(StageEngine):
         # The ready utterance with the fewest chunks out, oldest first among equals: a new
         # request's first chunk (its time to first audio) does not queue behind the later
         # chunks of requests that are already playing.
-        ready = [(len(u.pieces), index, u, n) for index, u in enumerate(self._utterances.values())
-                 if (n := self._next_chunk(u)) is not None]
+        ready = [
+            (len(u.pieces), index, u, n)
+            for index, u in enumerate(self._utterances.values())
+            if (n := self._next_chunk(u)) is not None
+        ]
         if not ready:
             return []
         _, _, u, count = min(ready, key=lambda item: item[:2])
@@ -157,8 +184,9 @@ class ChunkedEngine(StageEngine):
                     self._fault_after_chunks = None
                     raise RuntimeError("injected fault (inject_chunk_fault)")
                 if u.stream:
-                    piece = self.runner.decode_chunk(u.carried, u.units[:, start:end],
-                                                     self.left_context_frames)
+                    piece = self.runner.decode_chunk(
+                        u.carried, u.units[:, start:end], self.left_context_frames
+                    )
                 else:
                     piece = self.runner.decode_whole(u.request_id, u.units[:, :end])
                 u.pieces.append(piece)
@@ -170,15 +198,23 @@ class ChunkedEngine(StageEngine):
             del self._utterances[u.request_id]
             return [StepOutput.failed(u.request_id, f"{self.name}: {type(exc).__name__}: {exc}")]
         rate = self.runner.sample_rate
-        chunk = (AudioOutput(u.request_id, piece, rate)
-                 if u.stream and piece is not None and piece.numel() else None)
+        chunk = (
+            AudioOutput(u.request_id, piece, rate)
+            if u.stream and piece is not None and piece.numel()
+            else None
+        )
         if not (u.final and u.decoded == u.received):
             return [StepOutput(u.request_id, chunk=chunk)]
         del self._utterances[u.request_id]
         metrics = {f"{self.name}_ms": (time.perf_counter() - u.began) * 1e3, "chunks": len(u.pieces)}
         if u.stream:  # every sample has left in a chunk already
-            output = AudioOutput(request_id=u.request_id, audio=torch.zeros(0), sample_rate=rate,
-                                 metrics=metrics, samples_in_chunks=True)
+            output = AudioOutput(
+                request_id=u.request_id,
+                audio=torch.zeros(0),
+                sample_rate=rate,
+                metrics=metrics,
+                samples_in_chunks=True,
+            )
         else:
             audio = torch.cat(u.pieces) if u.pieces else torch.zeros(0)
             output = AudioOutput(request_id=u.request_id, audio=audio, sample_rate=rate, metrics=metrics)

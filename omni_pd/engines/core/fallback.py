@@ -1,4 +1,5 @@
 """The batched pass, and the one-by-one pass when it fails: one helper for every batched step."""
+
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,12 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def each_alone(items: Sequence[T], batched: Callable[[Sequence[T]], list[R]],
-               on_failure: Callable[[T, Exception], None], what: str) -> list[tuple[T, R]]:
+def each_alone(
+    items: Sequence[T],
+    batched: Callable[[Sequence[T]], list[R]],
+    on_failure: Callable[[T, Exception], None],
+    what: str,
+) -> list[tuple[T, R]]:
     """`batched(items)` in one call; if it raises, each item alone (the batched pass computes an
     item's bits as it computes them alone), so that only the items that fail alone fail
     (`on_failure(item, exc)`). Returns (item, result) for the items that succeeded."""

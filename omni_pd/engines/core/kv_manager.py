@@ -10,6 +10,7 @@ Beside each named block the manager can keep rows per position that the next sta
 that a prompt prefilled over cached blocks does not compute again (`row_widths`: a model's
 per-position outputs, such as the embeddings and hidden states a speech stage reads).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -21,17 +22,32 @@ from ..hf.paged_cache import PagedKVCache
 
 
 class KVManager:
-    def __init__(self, layout: BlockLayout, num_blocks: int, *, shared: bool = False,
-                 prefix_caching: bool = False, device: str = "cpu",
-                 row_widths: Mapping[str, int] | None = None, row_dtype: torch.dtype = torch.float32):
-        self.cache = PagedKVCache(layout, num_blocks, shared=shared, prefix_caching=prefix_caching,
-                                  device=device)
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_blocks: int,
+        *,
+        shared: bool = False,
+        prefix_caching: bool = False,
+        device: str = "cpu",
+        row_widths: Mapping[str, int] | None = None,
+        row_dtype: torch.dtype = torch.float32,
+    ):
+        self.cache = PagedKVCache(
+            layout, num_blocks, shared=shared, prefix_caching=prefix_caching, device=device
+        )
         self.layout = self.cache.layout
         self.block_size = self.cache.block_size
         self.prefix_caching = prefix_caching
         self.query_tokens = self.hit_tokens = 0
-        self._rows = ({name: torch.zeros((num_blocks, self.block_size, width), dtype=row_dtype)
-                       for name, width in (row_widths or {}).items()} if prefix_caching else {})
+        self._rows = (
+            {
+                name: torch.zeros((num_blocks, self.block_size, width), dtype=row_dtype)
+                for name, width in (row_widths or {}).items()
+            }
+            if prefix_caching
+            else {}
+        )
 
     # ---- capacity -----------------------------------------------------------------------------
     @property
@@ -72,8 +88,13 @@ class KVManager:
     def free(self, blocks: list[int]) -> None:
         self.cache.release(blocks)
 
-    def register(self, blocks: Sequence[int], token_ids: Sequence[int], extra_keys: Sequence[bytes],
-                 checksums: Sequence[str] = ()) -> None:
+    def register(
+        self,
+        blocks: Sequence[int],
+        token_ids: Sequence[int],
+        extra_keys: Sequence[bytes],
+        checksums: Sequence[str] = (),
+    ) -> None:
         """Name a prompt's full blocks (its block table from position 0) for later prompts."""
         if self.cache.prefix is not None:
             self.cache.prefix.register(blocks, token_ids, extra_keys, checksums=checksums)
@@ -87,23 +108,25 @@ class KVManager:
     def keeps_rows(self) -> bool:
         return bool(self._rows)
 
-    def keep_rows(self, blocks: Sequence[int], first: int, last: int, rows: Mapping[str, torch.Tensor],
-                  offset: int) -> None:
+    def keep_rows(
+        self, blocks: Sequence[int], first: int, last: int, rows: Mapping[str, torch.Tensor], offset: int
+    ) -> None:
         """Store rows of prompt blocks `first .. last - 1` (block table `blocks`); row 0 of each
         tensor in `rows` is prompt position `offset`."""
         size = self.block_size
         for name, store in self._rows.items():
             for index in range(first, last):
                 start = index * size - offset
-                store[blocks[index]] = rows[name][start:start + size]
+                store[blocks[index]] = rows[name][start : start + size]
 
     def cached_rows(self, blocks: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows kept for `blocks`, positions in order: {name: [len(blocks) * size, width]}."""
         return {name: store[list(blocks)].flatten(0, 1) for name, store in self._rows.items()}
 
     # ---- KV bytes -----------------------------------------------------------------------------
-    def write(self, blocks: list[int], start: int, kv: torch.Tensor,
-              checksums: bool = False) -> list[str] | None:
+    def write(
+        self, blocks: list[int], start: int, kv: torch.Tensor, checksums: bool = False
+    ) -> list[str] | None:
         return self.cache.write(blocks, start, kv, checksums=checksums)
 
     def checksums(self, blocks: list[int], length: int, first: int = 0) -> list[str]:

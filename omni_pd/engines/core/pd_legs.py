@@ -12,6 +12,7 @@ colocated engine does (the orchestrator's fallback when the prefill peer is dead
 broken). Both legs check each other's KV fingerprint (model, weights, geometry, and what they
 compute with) at the first handoff between them.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,13 +43,23 @@ FETCH_FAST_POLL_S, FETCH_FAST_WINDOW_S = 0.0002, 0.010
 
 def engine_fingerprint(runner: ArRunner, layout, engine_id: str) -> dict[str, Any]:
     identity = runner.identity()
-    return kv_fingerprint(identity.model, identity.weights, layout, engine_id,
-                          compute_identity(identity.device, dict(identity.native_kernels)))
+    return kv_fingerprint(
+        identity.model,
+        identity.weights,
+        layout,
+        engine_id,
+        compute_identity(identity.device, dict(identity.native_kernels)),
+    )
 
 
 def _log_fingerprint(stage_id: int, name: str, role: str, fingerprint: dict[str, Any]) -> None:
-    log.info("stage %d: %s %s engine KV fingerprint %s", stage_id, name, role,
-             json.dumps(fingerprint, sort_keys=True))
+    log.info(
+        "stage %d: %s %s engine KV fingerprint %s",
+        stage_id,
+        name,
+        role,
+        json.dumps(fingerprint, sort_keys=True),
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -74,23 +85,34 @@ class PrefillEngine(ArEngine):
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "prefill", self.fingerprint)
         # The paged cache is what is published: registered once, its blocks leased as they are.
-        self.sender = KVSender(self.engine_id, self.layout, self.cache.pool, self.transport,
-                               stage_config.engine_args.kv_lease_timeout_s,
-                               buffer_device=settings.buffer_device,
-                               same_host=settings.handoff.kv_same_host != "off")
+        self.sender = KVSender(
+            self.engine_id,
+            self.layout,
+            self.cache.pool,
+            self.transport,
+            stage_config.engine_args.kv_lease_timeout_s,
+            buffer_device=settings.buffer_device,
+            same_host=settings.handoff.kv_same_host != "off",
+        )
         self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "engine_id": self.engine_id,
-                "kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict(),
-                FINGERPRINT_KEY: self.fingerprint}
+        return {
+            **super().describe(),
+            "engine_id": self.engine_id,
+            "kv_session": self.transport.session_id,
+            "kv_layout": self.layout.to_dict(),
+            FINGERPRINT_KEY: self.fingerprint,
+        }
 
     def _check(self, request: EngineRequest) -> None:
         kv_params = request.params.kv_transfer_params or {}
         if not kv_params.get("do_remote_decode") or not kv_params.get("transfer_id"):
-            raise ValueError(f"request {request.request_id}: a prefill-only stage needs "
-                             "kv_transfer_params with do_remote_decode=true and a transfer_id (the "
-                             "orchestrator's P/D planning sets them)")
+            raise ValueError(
+                f"request {request.request_id}: a prefill-only stage needs "
+                "kv_transfer_params with do_remote_decode=true and a transfer_id (the "
+                "orchestrator's P/D planning sets them)"
+            )
         request.publishes = True
 
     def _start(self, request: EngineRequest) -> list[StepOutput]:
@@ -101,14 +123,16 @@ class PrefillEngine(ArEngine):
             # since fails the handoff); the rest are checksummed as they now lie.
             self.kv.write(request.blocks, request.cached_len, pre.kv)
             reused = request.cached_len // self.block_size
-            sums = ([self.kv.checksum(b) for b in request.blocks[:reused]]
-                    + self.kv.checksums(request.blocks, request.prompt_len, first=reused))
+            sums = [self.kv.checksum(b) for b in request.blocks[:reused]] + self.kv.checksums(
+                request.blocks, request.prompt_len, first=reused
+            )
         else:  # block by block as written (each still in cache): no second pass at publish
             sums = self.kv.write(request.blocks, 0, pre.kv, checksums=True)
         self._cache_prompt(request, pre, sums)
         prompt_blocks = self.kv.blocks_for(request.prompt_len)
-        descriptor = self.sender.publish_blocks(transfer_id, request.blocks[:prompt_blocks],
-                                                request.prompt_len, checksums=sums)
+        descriptor = self.sender.publish_blocks(
+            transfer_id, request.blocks[:prompt_blocks], request.prompt_len, checksums=sums
+        )
         request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
         out_params = {
             **descriptor.to_params(),
@@ -123,8 +147,12 @@ class PrefillEngine(ArEngine):
             # False: the decode side must neither reuse cached blocks for it nor cache these.
             "kv_cacheable": request.cacheable,
         }
-        log.debug("request %s: published %d prompt tokens as transfer %s", request.request_id,
-                  request.prompt_len, transfer_id)
+        log.debug(
+            "request %s: published %d prompt tokens as transfer %s",
+            request.request_id,
+            request.prompt_len,
+            transfer_id,
+        )
         self.runner.prefilled(request, pre)
         request.tokens.append(pre.first_token)
         request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
@@ -141,8 +169,9 @@ class PrefillEngine(ArEngine):
     def release_kv(self, transfer_id: str) -> bool:
         return self.sender.release(transfer_id)
 
-    def inject_kv_fault(self, block_index: int = 0, byte_offset: int = 3,
-                        after_checksum: bool = False) -> None:
+    def inject_kv_fault(
+        self, block_index: int = 0, byte_offset: int = 3, after_checksum: bool = False
+    ) -> None:
         """Test hook: the next published request gets one flipped byte. Its blocks stay out of
         the prefix cache both ways, so the flip corrupts that request alone, as a fault in
         transit would, and not the cached prefix of the requests after it."""
@@ -178,21 +207,32 @@ class DecodeEngine(ArEngine):
         self.engine_id = settings.engine_id or f"decode-{uuid.uuid4().hex[:12]}"
         # A read abandoned on a frozen peer holds its blocks until Mooncake gives up on
         # it: make that the handoff deadline rather than Mooncake's 30 s.
-        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol,
-                                           progress_timeout_s=handoff.kv_handoff_deadline_s)
+        self.transport = MooncakeTransport(
+            host=settings.host, protocol=settings.protocol, progress_timeout_s=handoff.kv_handoff_deadline_s
+        )
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "decode", self.fingerprint)
-        self.peers = PeerFingerprints(self.fingerprint,
-                                      require_identical_kernels=handoff.require_identical_kernels)
+        self.peers = PeerFingerprints(
+            self.fingerprint, require_identical_kernels=handoff.require_identical_kernels
+        )
         # The KV lands where it is used: the receiver reads into blocks of the paged cache.
-        self.receiver = KVReceiver(self.layout, self.cache.pool, self.transport,
-                                   same_host=handoff.kv_same_host,
-                                   buffer_device=settings.buffer_device)
+        self.receiver = KVReceiver(
+            self.layout,
+            self.cache.pool,
+            self.transport,
+            same_host=handoff.kv_same_host,
+            buffer_device=settings.buffer_device,
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "engine_id": self.engine_id,
-                "kv_session": self.transport.session_id, "kv_layout": self.layout.to_dict(),
-                FINGERPRINT_KEY: self.fingerprint, "kv_miss_window_s": self.kv_miss_window_s}
+        return {
+            **super().describe(),
+            "engine_id": self.engine_id,
+            "kv_session": self.transport.session_id,
+            "kv_layout": self.layout.to_dict(),
+            FINGERPRINT_KEY: self.fingerprint,
+            "kv_miss_window_s": self.kv_miss_window_s,
+        }
 
     def _check(self, request: EngineRequest) -> None:
         kv_params = request.params.kv_transfer_params
@@ -200,22 +240,28 @@ class DecodeEngine(ArEngine):
             return  # no remote KV: prefilled here
         descriptor = KVDescriptor.from_params(kv_params)
         if descriptor.num_tokens != request.prompt_len:
-            raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} holds "
-                             f"KV for {descriptor.num_tokens} tokens but the prompt has "
-                             f"{request.prompt_len}")
+            raise ValueError(
+                f"request {request.request_id}: transfer {descriptor.transfer_id} holds "
+                f"KV for {descriptor.num_tokens} tokens but the prompt has "
+                f"{request.prompt_len}"
+            )
         for key in ("first_token", *self.runner.handoff_keys):
             if not _is_int(kv_params.get(key)):
-                raise ValueError(f"request {request.request_id}: kv_transfer_params[{key!r}] for "
-                                 f"transfer {descriptor.transfer_id}: expected an int from the "
-                                 f"prefill stage, got {kv_params.get(key)!r:.80}")
+                raise ValueError(
+                    f"request {request.request_id}: kv_transfer_params[{key!r}] for "
+                    f"transfer {descriptor.transfer_id}: expected an int from the "
+                    f"prefill stage, got {kv_params.get(key)!r:.80}"
+                )
         self._wait_s(request.request_id, kv_params)
         staging = self.receiver.staging_blocks(descriptor)
         needed = staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
         if staging and needed > self.kv.num_blocks:
-            raise ValueError(f"request {request.request_id}: transfer {descriptor.transfer_id} "
-                             f"stages into {staging} KV blocks besides the request's own, "
-                             f"{needed} in all; stage {self.stage_id} has {self.kv.num_blocks}; "
-                             "raise engine_args.kv_pool_blocks")
+            raise ValueError(
+                f"request {request.request_id}: transfer {descriptor.transfer_id} "
+                f"stages into {staging} KV blocks besides the request's own, "
+                f"{needed} in all; stage {self.stage_id} has {self.kv.num_blocks}; "
+                "raise engine_args.kv_pool_blocks"
+            )
         request.kv = descriptor
 
     def _wait_s(self, request_id: str, kv_params: dict[str, Any]) -> float:
@@ -225,8 +271,10 @@ class DecodeEngine(ArEngine):
         # 0 is a wait that has run out already (the orchestrator's deadline): a miss, unless
         # the KV is there by the first poll.
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-            raise ValueError(f"request {request_id}: kv_transfer_params['kv_wait_s'] must be a "
-                             f"number of seconds >= 0, got {value!r:.80}")
+            raise ValueError(
+                f"request {request_id}: kv_transfer_params['kv_wait_s'] must be a "
+                f"number of seconds >= 0, got {value!r:.80}"
+            )
         return float(value)
 
     def _match_prefix(self, request: EngineRequest) -> list[int]:
@@ -234,8 +282,7 @@ class DecodeEngine(ArEngine):
         holds already (an earlier turn's), so that only the rest moves. Blocks are named here
         without their rows, which stay with the prefill leg, so a prompt this engine prefills
         itself (the fallback) does not reuse them."""
-        if (request.prefills_here or not self.prefix_caching
-                or request.kv.kv_layout != self.layout):
+        if request.prefills_here or not self.prefix_caching or request.kv.kv_layout != self.layout:
             return []
         if request.params.kv_transfer_params.get("kv_cacheable") is False:
             request.cacheable = False
@@ -249,16 +296,21 @@ class DecodeEngine(ArEngine):
 
     def _start(self, request: EngineRequest) -> list[StepOutput]:
         if request.prefills_here:
-            log.debug("request %s: no remote KV, prefilling %d prompt positions here",
-                      request.request_id, request.prompt_len)
+            log.debug(
+                "request %s: no remote KV, prefilling %d prompt positions here",
+                request.request_id,
+                request.prompt_len,
+            )
             return self._prefill_here(request)
         kv_params = request.params.kv_transfer_params
         self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
         # The blocks this engine holds already stay; only the rest of the prompt moves.
         reused = request.cached_len // self.block_size
         request.reused, request.cached_len = request.blocks[:reused], 0
-        request.metrics.update(kv_reused_tokens=reused * self.block_size,
-                               kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token)
+        request.metrics.update(
+            kv_reused_tokens=reused * self.block_size,
+            kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
+        )
         if reused == len(request.kv.remote_block_ids):  # the whole prompt is here
             request.reused = []  # they stay among the request's blocks
             request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
@@ -267,15 +319,22 @@ class DecodeEngine(ArEngine):
         # The prompt's blocks go to the receiver for the read and come back with the result;
         # the request keeps the blocks its output will fill.
         prompt_blocks = self.receiver.dest_blocks(descriptor)
-        self.receiver.start(descriptor, self._wait_s(request.request_id, kv_params),
-                            into=request.blocks[reused:reused + prompt_blocks])
-        request.blocks = request.blocks[reused + prompt_blocks:]
+        self.receiver.start(
+            descriptor,
+            self._wait_s(request.request_id, kv_params),
+            into=request.blocks[reused : reused + prompt_blocks],
+        )
+        request.blocks = request.blocks[reused + prompt_blocks :]
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
         self.scheduler.fetching.append(request.request_id)
-        log.debug("request %s: reading %d prompt positions of KV as transfer %s from %s",
-                  request.request_id, request.prompt_len, request.kv.transfer_id,
-                  request.kv.remote_session)
+        log.debug(
+            "request %s: reading %d prompt positions of KV as transfer %s from %s",
+            request.request_id,
+            request.prompt_len,
+            request.kv.transfer_id,
+            request.kv.remote_session,
+        )
         # A same-host copy is complete already: the first token leaves in this step.
         fetched = self.receiver.poll(request.kv.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
@@ -295,8 +354,9 @@ class DecodeEngine(ArEngine):
                 if fetched is not None:
                     outputs.extend(self._fetched(request, fetched))
             except Exception as exc:  # this request's transfer failed or timed out
-                log.debug("stage %d: request %s: %s: %s", self.stage_id, request.request_id,
-                          type(exc).__name__, exc)
+                log.debug(
+                    "stage %d: request %s: %s: %s", self.stage_id, request.request_id, type(exc).__name__, exc
+                )
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
         return outputs
 
@@ -307,8 +367,11 @@ class DecodeEngine(ArEngine):
         request.blocks = request.reused + fetched.blocks + request.blocks
         request.reused = []
         self._name_blocks(request)
-        request.metrics.update(kv_transfer_ms=fetched.transfer_ms,
-                               kv_bytes_transferred=fetched.bytes_transferred, kv_path=fetched.path)
+        request.metrics.update(
+            kv_transfer_ms=fetched.transfer_ms,
+            kv_bytes_transferred=fetched.bytes_transferred,
+            kv_path=fetched.path,
+        )
         return self._resume(request)
 
     def _can_start(self, request: EngineRequest) -> bool:
@@ -317,8 +380,11 @@ class DecodeEngine(ArEngine):
         if request.prefills_here:
             return True
         staging = self.receiver.staging_blocks(request.kv)
-        return staging == 0 or staging + self.kv.blocks_for(
-            request.prompt_len + request.params.max_tokens) <= self.kv.num_free
+        return (
+            staging == 0
+            or staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
+            <= self.kv.num_free
+        )
 
     def _release(self, request: EngineRequest) -> None:
         if request.phase is Phase.FETCHING:

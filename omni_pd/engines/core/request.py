@@ -15,6 +15,7 @@ Everything a request holds lives in its `EngineRequest`: its blocks go back to t
 and the object leaves the engine's map, on each of the three ways out. The runner keeps what its
 model needs per request in `model` (nothing per request outside this object).
 """
+
 from __future__ import annotations
 
 import enum

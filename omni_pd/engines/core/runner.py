@@ -12,6 +12,7 @@ request's units into samples, whole or chunk by chunk with state carried between
 A runner must compute a request's bits independently of its batch (the hf building blocks in
 `engines/hf/batch_invariant.py` do that); the engines rely on it for P/D = colocated.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -83,8 +84,9 @@ class ArRunner(Protocol):
 
     def identity(self) -> RunnerIdentity: ...
 
-    def new_request(self, request_id: str, prompt: Any, params: "SamplingParams",
-                    block_size: int) -> "EngineRequest":
+    def new_request(
+        self, request_id: str, prompt: Any, params: "SamplingParams", block_size: int
+    ) -> "EngineRequest":
         """A new request's record, checked (ValueError naming what to change): its prompt
         length and ids, `extra_keys` (per full block of `block_size`), `batchable`, and `model`
         (the runner's per-request state)."""
@@ -100,8 +102,9 @@ class ArRunner(Protocol):
         """One token for each running request (its latest token fed in at `position`); writes
         their new KV into their blocks and keeps the fed-in tokens' rows in their state."""
 
-    def sample(self, requests: Sequence["EngineRequest"], logits: torch.Tensor,
-               first: bool) -> list[int | Exception]:
+    def sample(
+        self, requests: Sequence["EngineRequest"], logits: torch.Tensor, first: bool
+    ) -> list[int | Exception]:
         """The next token of each request from its row of `logits`; an Exception for a row that
         failed alone. `first`: the logits are the prompts' last positions."""
 
@@ -132,7 +135,6 @@ class ArRunner(Protocol):
     def pending(self, requests: Sequence["EngineRequest"]) -> bool: ...
 
     def describe(self) -> dict[str, Any]: ...
-
 
 
 class ArRunnerBase:

@@ -9,6 +9,7 @@ the engine executes, beside the running requests it picked to decode before the 
 completed (a request whose KV arrives this step decodes from the next one, as an admitted
 prompt does).
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,9 @@ class Scheduler:
     def remove(self, request: EngineRequest) -> None:
         """Out of the map and its queue; its blocks are the engine's to free."""
         del self.requests[request.request_id]
-        queue = {Phase.WAITING: self.waiting, Phase.FETCHING: self.fetching,
-                 Phase.RUNNING: self.running}[request.phase]
+        queue = {Phase.WAITING: self.waiting, Phase.FETCHING: self.fetching, Phase.RUNNING: self.running}[
+            request.phase
+        ]
         if request.request_id in queue:
             queue.remove(request.request_id)
 
@@ -48,8 +50,12 @@ class Scheduler:
         """The running requests that decode this step (`ready(r)`: it can, now)."""
         return [self.requests[r] for r in self.running if ready(self.requests[r])]
 
-    def admit(self, num_decoding: int, match_prefix: Callable[[EngineRequest], list[int]],
-              can_start: Callable[[EngineRequest], bool]) -> list[EngineRequest]:
+    def admit(
+        self,
+        num_decoding: int,
+        match_prefix: Callable[[EngineRequest], list[int]],
+        can_start: Callable[[EngineRequest], bool],
+    ) -> list[EngineRequest]:
         """The waiting requests that start this step, their blocks allocated. `match_prefix(r)`:
         the cached blocks a waiting request starts from (held for it); `can_start(r)`: resources
         it needs beyond blocks."""
@@ -62,8 +68,11 @@ class Scheduler:
             # A remote prompt's KV arrives by transfer: admitting it computes no token.
             cost = request.prompt_len - len(cached) * self.kv.block_size if request.prefills_here else 1
             positions = request.prompt_len + request.params.max_tokens
-            if (cost > budget or not can_start(request)
-                    or self.kv.blocks_for(positions) - len(cached) > self.kv.num_free):
+            if (
+                cost > budget
+                or not can_start(request)
+                or self.kv.blocks_for(positions) - len(cached) > self.kv.num_free
+            ):
                 self.kv.free(cached)  # oldest first: a long prompt is not overtaken
                 break
             request.blocks = cached + self.kv.allocate(positions, have=len(cached))

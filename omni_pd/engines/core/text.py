@@ -1,6 +1,7 @@
 """What every stage that generates text tokens shares: when a request stops, its text, and how
 its next token is drawn (engines/sampler.py: a generator per (seed, step), so a decode leg
 continues a prefill leg's request exactly as a colocated engine would)."""
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -52,7 +53,15 @@ def sample_tokens(requests: Sequence[EngineRequest], logits: torch.Tensor, first
     """Each request's next token from its row of `logits`: the repetition penalty counts its
     prompt's ids and its output's, the draw is keyed by (seed, step)."""
     if first:
-        return [sample_next_token(row, r.params, step=0, seen_token_ids=r.token_ids or [])
-                for r, row in zip(requests, logits)]
-    return list(sample_next_tokens(logits, [r.params for r in requests], [len(r.tokens) for r in requests],
-                                   lambda b: requests[b].seen_token_ids))
+        return [
+            sample_next_token(row, r.params, step=0, seen_token_ids=r.token_ids or [])
+            for r, row in zip(requests, logits)
+        ]
+    return list(
+        sample_next_tokens(
+            logits,
+            [r.params for r in requests],
+            [len(r.tokens) for r in requests],
+            lambda b: requests[b].seen_token_ids,
+        )
+    )

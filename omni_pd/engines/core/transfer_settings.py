@@ -1,4 +1,5 @@
 """What a P/D leg reads of its stage's `kv_transfer_config`, with omni-pd's defaults."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ class TransferSettings:
     def of(cls, stage_config) -> "TransferSettings":
         kv = stage_config.kv_transfer_config
         extra = kv.kv_connector_extra_config if kv else KVConnectorExtraConfig()  # the defaults
-        return cls(host=(kv.kv_ip if kv and kv.kv_ip else "127.0.0.1"),
-                   protocol=extra.mooncake_protocol or "tcp",
-                   engine_id=kv.engine_id if kv and kv.engine_id else None,
-                   buffer_device=kv.kv_buffer_device if kv else None,
-                   handoff=extra)
+        return cls(
+            host=(kv.kv_ip if kv and kv.kv_ip else "127.0.0.1"),
+            protocol=extra.mooncake_protocol or "tcp",
+            engine_id=kv.engine_id if kv and kv.engine_id else None,
+            buffer_device=kv.kv_buffer_device if kv else None,
+            handoff=extra,
+        )

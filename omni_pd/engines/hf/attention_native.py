@@ -6,6 +6,7 @@ path does it per sequence (a cache write and a `scaled_dot_product_attention` ca
 computed alone, so a request's output still does not depend on its batch. It differs from torch's
 attention in the last bits only (tests/test_attention_native.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -15,8 +16,9 @@ import torch
 
 from .native_build import SOURCES, NativeKernel, build_id, check_choice, load
 
-ATTENTION = NativeKernel("attention", SOURCES / "attention.c",
-                         "the autoregressive stages' engine_args.attention_kernels: torch")
+ATTENTION = NativeKernel(
+    "attention", SOURCES / "attention.c", "the autoregressive stages' engine_args.attention_kernels: torch"
+)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _lib: ctypes.CDLL | None = None
@@ -26,8 +28,27 @@ def _library() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         lib = load(ATTENTION)
-        lib.omni_attn_decode.argtypes = [_I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                                         _L, _L, _L, _L, _P]
+        lib.omni_attn_decode.argtypes = [
+            _I,
+            _I,
+            _I,
+            _I,
+            _F,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _L,
+            _L,
+            _L,
+            _L,
+            _P,
+        ]
         lib.omni_attn_decode.restype = None
         _lib = lib
     return _lib
@@ -73,9 +94,16 @@ class DecodeRows:
         self.scratch = torch.empty(max(lengths) + 1024, dtype=torch.float32)
 
 
-def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, rows: DecodeRows,
-                     k_bases: torch.Tensor, v_bases: torch.Tensor, geometry: CacheGeometry,
-                     scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    rows: DecodeRows,
+    k_bases: torch.Tensor,
+    v_bases: torch.Tensor,
+    geometry: CacheGeometry,
+    scale: float,
+) -> torch.Tensor:
     """Write each sequence's new key and value (`k_new`, `v_new` [B, kv_heads, d]) at its last
     position, then attend `q` ([B, heads, d]) over its cache; returns [B, heads, d]. `k_bases`,
     `v_bases`: int64 addresses of each sequence's position-0 key / value (float32 caches)."""
@@ -92,10 +120,26 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError(f"head size {d} is larger than the kernel's scratch allows")
     out = torch.empty_like(q)
     _library().omni_attn_decode(
-        batch, heads, kv_heads, d, scale, q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(),
-        out.data_ptr(), k_bases.data_ptr(), v_bases.data_ptr(), rows.tables.data_ptr(),
-        rows.starts.data_ptr(), rows.lengths.data_ptr(), geometry.block, geometry.block_stride,
-        geometry.pos_stride, geometry.head_stride, rows.scratch.data_ptr())
+        batch,
+        heads,
+        kv_heads,
+        d,
+        scale,
+        q.data_ptr(),
+        k_new.data_ptr(),
+        v_new.data_ptr(),
+        out.data_ptr(),
+        k_bases.data_ptr(),
+        v_bases.data_ptr(),
+        rows.tables.data_ptr(),
+        rows.starts.data_ptr(),
+        rows.lengths.data_ptr(),
+        geometry.block,
+        geometry.block_stride,
+        geometry.pos_stride,
+        geometry.head_stride,
+        rows.scratch.data_ptr(),
+    )
     return out
 
 
@@ -108,6 +152,7 @@ def paged_geometry(cache, layer: int) -> tuple[int, int, CacheGeometry]:
     block_size = data.shape[1]
     k_base = data[0, 0, layer, 0].data_ptr()
     v_base = data[0, 0, layer, 1].data_ptr()
-    geometry = CacheGeometry(block=block_size, block_stride=data.stride(0),
-                             pos_stride=data.stride(1), head_stride=data.stride(4))
+    geometry = CacheGeometry(
+        block=block_size, block_stride=data.stride(0), pos_stride=data.stride(1), head_stride=data.stride(4)
+    )
     return k_base, v_base, geometry

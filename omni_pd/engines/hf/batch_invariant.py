@@ -14,6 +14,7 @@ activations are made so (`activation`, `sigmoid`: see there); attention is compu
 on how much of its prompt is computed in the call either), `attend`, or the engines' native decode
 kernel.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if padded == ROW_TILE:  # one tile (every decode step of up to 16 requests): no concatenation
         out = F.linear(rows, weight, bias)
     else:
-        out = torch.cat([F.linear(rows[i:i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)])
+        out = torch.cat([F.linear(rows[i : i + ROW_TILE], weight, bias) for i in range(0, padded, ROW_TILE)])
     return out[:count].reshape(*shape[:-1], weight.shape[0])
 
 
@@ -83,6 +84,7 @@ def linear_module(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # tail as a partial vector; the others correctly rounded in both forms), so the forms below,
 # built from them, give an element the same bits wherever it sits. tests/test_batch_invariant.py
 # checks both claims on the host it runs on.
+
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """`torch.sigmoid`, to within rounding, the same bits at any position of any tensor."""
@@ -108,7 +110,8 @@ def activation(act_fn) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError(
             f"the batch-invariant hf engines have no exact form of the activation {name} (they "
             f"have {', '.join(sorted(_ACTIVATIONS))}): add one to "
-            "omni_pd/engines/hf/batch_invariant.py, or serve this model with engine: vllm")
+            "omni_pd/engines/hf/batch_invariant.py, or serve this model with engine: vllm"
+        )
     return form
 
 
@@ -157,16 +160,19 @@ def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch
     padded = _tiled_rows(count)
     hidden = F.pad(hidden.transpose(0, 1), (0, 0, 0, padded - count))  # [E, tiles of rows, I]
     down = module.down_proj.transpose(1, 2)  # [E, I, H]
-    outputs = torch.cat([torch.bmm(hidden[:, i:i + ROW_TILE], down)
-                         for i in range(0, padded, ROW_TILE)], dim=1)[:, :count]  # [E, rows, H]
+    outputs = torch.cat(
+        [torch.bmm(hidden[:, i : i + ROW_TILE], down) for i in range(0, padded, ROW_TILE)], dim=1
+    )[:, :count]  # [E, rows, H]
     weights = torch.zeros((count, num_experts), dtype=top_weights.dtype).scatter(1, top_index, top_weights)
     out = torch.zeros_like(x)
     for expert in range(num_experts):
-        out = out + outputs[expert] * weights[:, expert:expert + 1]
+        out = out + outputs[expert] * weights[:, expert : expert + 1]
     return out
 
 
-def _routed_experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+def _routed_experts(
+    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+) -> torch.Tensor:
     out = torch.zeros_like(x)
     for expert in torch.unique(top_index).tolist():  # ascending, as transformers iterates
         rows, slot = torch.where(top_index == expert)
@@ -197,13 +203,15 @@ def mlp(block, x: torch.Tensor) -> torch.Tensor:
 
 # -- attention, one sequence per call ---------------------------------------------------------
 
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding, half-split (the GPT-NeoX form transformers uses), with the
     same operations in the same order as transformers, so the bits match its attention.
     q, k: [batch, heads, rows, head_dim]; cos, sin: [batch, rows, head_dim]."""
@@ -211,8 +219,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def projections(
+    attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
     [1, heads, rows, head_dim], as transformers' attention computes them."""
     rows = x.shape[0]
@@ -230,8 +239,9 @@ def projections(attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
 KEY_CHUNK = 64  # keys per step of the prompt attention's running softmax
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                start: int) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, start: int
+) -> torch.Tensor:
     """Causal attention of one sequence's rows at positions `start .. start + m` (q
     [1, heads, m, hd]) over all its keys/values so far ([1, kv_heads, start + m, hd]); returns
     [m, heads * hd].
@@ -270,8 +280,9 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
         keys_here = slice(first_key, first_key + KEY_CHUNK)
         scores = torch.matmul(rows[:, t0:], k_t[:, None, :, keys_here]) * scale
         key_position = first_key + torch.arange(KEY_CHUNK)
-        scores = scores.masked_fill((key_position > row_position[t0:]) | (key_position >= total),
-                                    float("-inf"))
+        scores = scores.masked_fill(
+            (key_position > row_position[t0:]) | (key_position >= total), float("-inf")
+        )
         old = top[:, t0:]
         new = torch.maximum(old, scores.amax(dim=-1, keepdim=True))
         factor = torch.exp(old - new)
@@ -283,13 +294,15 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return out.transpose(0, 1).reshape(count, -1)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-           cached: int) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, cached: int
+) -> torch.Tensor:
     """One sequence's attention: q [1, heads, n, hd] for its last n positions over keys/values
     [1, kv_heads, cached + n, hd]; returns [n, heads * hd]."""
     count = q.shape[2]
     if count > 1 and cached:
         raise NotImplementedError("multi-row attention after cached positions (chunked prefill)")
-    out = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=count > 1,
-                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.contiguous(), keys, values, is_causal=count > 1, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
+    )
     return out[0].transpose(0, 1).reshape(count, -1)

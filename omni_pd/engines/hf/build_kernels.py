@@ -1,5 +1,6 @@
 """`python -m omni_pd.engines.hf.build_kernels`: build every C kernel ahead of the first request
 (the engines' own and those the registered models declare); `scripts/setup.sh` runs it."""
+
 from __future__ import annotations
 
 from ... import registry

@@ -13,6 +13,7 @@ batch; P/D equals colocated) is proven per kernel set, so the set is named:
 * `compute_identity` goes into the KV fingerprint: a prefill and a decode engine whose identities
   differ hand over KV that the decode engine would not have computed itself (kv/fingerprint.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,8 @@ def check_capability_value(value: str, where: str = ENV) -> str:
     if value not in levels:
         raise CpuCapabilityError(
             f"{where}={value!r} is not a CPU capability torch knows on {_machine()}: use one of "
-            f"{', '.join(levels)} (lower case), or leave it unset for this CPU's best")
+            f"{', '.join(levels)} (lower case), or leave it unset for this CPU's best"
+        )
     return value
 
 
@@ -66,7 +68,8 @@ def cpu_capability() -> str:
             f"{ENV}={requested!r} but torch computes with {effective!r} in this process: this CPU "
             f"cannot run {requested!r}, or torch chose its kernels before the variable was set "
             "(a stage that runs inside the orchestrator's process shares its torch: give it "
-            f"runtime.process: true). Use one of {', '.join(_supported(effective))}")
+            f"runtime.process: true). Use one of {', '.join(_supported(effective))}"
+        )
     return effective
 
 
@@ -86,8 +89,12 @@ def device_identity(device: torch.device | str) -> str:
 def compute_identity(device: torch.device | str, native_builds: dict[str, str]) -> dict[str, Any]:
     """Plain data for the KV fingerprint: the device, torch's version and CPU level, and the id
     of each native kernel build the engine computes with ({} when it uses torch's kernels)."""
-    return {"device": device_identity(device), "torch": torch.__version__,
-            "cpu_capability": cpu_capability(), "native": dict(sorted(native_builds.items()))}
+    return {
+        "device": device_identity(device),
+        "torch": torch.__version__,
+        "cpu_capability": cpu_capability(),
+        "native": dict(sorted(native_builds.items())),
+    }
 
 
 def older_level() -> str | None:
@@ -101,6 +108,7 @@ def older_level() -> str | None:
 
 if __name__ == "__main__":  # `python -m omni_pd.engines.hf.compute_identity --older` (scripts/test.sh)
     import sys
+
     if sys.argv[1:] != ["--older"]:
         sys.exit("usage: python -m omni_pd.engines.hf.compute_identity --older")
     print(older_level() or "")

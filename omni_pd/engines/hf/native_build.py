@@ -10,6 +10,7 @@ build takes well under a second. `scripts/setup.sh` builds every kernel ahead (`
 omni_pd.engines.hf.build_kernels`); a process that finds no build makes one, written to a temporary file and renamed into place, so workers
 starting together do not trip over each other.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -76,9 +77,11 @@ def _compiler(kernel: NativeKernel) -> str:
     for compiler in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if compiler and shutil.which(compiler):
             return compiler
-    raise NativeBuildError(f"no C compiler found for the {kernel.name} kernels (tried $CC, cc, gcc, "
-                           "clang): install one (Debian/Ubuntu: `apt-get install gcc`; "
-                           f"scripts/setup.sh does), or set {kernel.fallback}")
+    raise NativeBuildError(
+        f"no C compiler found for the {kernel.name} kernels (tried $CC, cc, gcc, "
+        "clang): install one (Debian/Ubuntu: `apt-get install gcc`; "
+        f"scripts/setup.sh does), or set {kernel.fallback}"
+    )
 
 
 def _cpu_id() -> str:
@@ -94,8 +97,12 @@ def _cpu_id() -> str:
 def library_path(kernel: NativeKernel) -> Path:
     name, flags = target()
     digest = xxhash.xxh3_64()
-    for part in (kernel.source.read_bytes(), " ".join(FLAGS + flags + LIBS).encode(),
-                 _cpu_id().encode(), platform.machine().encode()):
+    for part in (
+        kernel.source.read_bytes(),
+        " ".join(FLAGS + flags + LIBS).encode(),
+        _cpu_id().encode(),
+        platform.machine().encode(),
+    ):
         digest.update(part)
     return cache_dir() / "kernels" / f"{kernel.name}-{name}-{digest.hexdigest()}.so"
 
@@ -120,10 +127,12 @@ def build(kernel: NativeKernel) -> Path:
     try:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise NativeBuildError(f"building the {kernel.name} kernels for {name} failed "
-                                   f"({' '.join(command)}):\n{done.stderr.strip()}\nfix the "
-                                   f"compiler setup, set ATEN_CPU_CAPABILITY to a level this "
-                                   f"compiler can target, or set {kernel.fallback}")
+            raise NativeBuildError(
+                f"building the {kernel.name} kernels for {name} failed "
+                f"({' '.join(command)}):\n{done.stderr.strip()}\nfix the "
+                f"compiler setup, set ATEN_CPU_CAPABILITY to a level this "
+                f"compiler can target, or set {kernel.fallback}"
+            )
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

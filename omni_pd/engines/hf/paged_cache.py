@@ -11,6 +11,7 @@ A request owns a list of block ids (its block table); positions fill its blocks 
 are reserved for the prompt plus `max_tokens` when a request is admitted, so a running request
 never waits for a block and nothing is preempted.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,21 +23,29 @@ from .prefix_cache import PrefixCache
 
 
 class PagedKVCache:
-    def __init__(self, layout: BlockLayout, num_blocks: int, shared: bool = False,
-                 prefix_caching: bool = False, device: str = "cpu"):
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_blocks: int,
+        shared: bool = False,
+        prefix_caching: bool = False,
+        device: str = "cpu",
+    ):
         """`shared`: the pool in shared memory a decode process on this host can map (the
         prefill leg's, for the same-host KV path; a GPU pool is shared by CUDA IPC handle).
         `device`: where the blocks live (the model's device). `prefix_caching`: full prompt blocks are
         named by their content and kept after use (`prefix`, see prefix_cache.py)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
-            raise ValueError(f"the paged cache stores fused token-major blocks, not {layout.kv_split} "
-                             f"{layout.order}")
+            raise ValueError(
+                f"the paged cache stores fused token-major blocks, not {layout.kv_split} {layout.order}"
+            )
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
         self.pool = BlockPool(layout, num_blocks, shared=shared, device=device)
-        self.data = self.pool.typed_blocks().view(num_blocks, layout.block_size, layout.num_layers,
-                                                  2, layout.num_kv_heads, layout.head_dim)
+        self.data = self.pool.typed_blocks().view(
+            num_blocks, layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim
+        )
         self.prefix = PrefixCache(self.pool) if prefix_caching else None
 
     @property
@@ -56,16 +65,19 @@ class PagedKVCache:
         cached prefix): the rest."""
         needed = self.blocks_for(positions) - have
         if needed > self.pool.num_free:
-            raise PoolExhausted(f"the KV cache has {self.pool.num_free} free blocks of "
-                                f"{self.block_size} tokens, {needed} needed for {positions} positions")
+            raise PoolExhausted(
+                f"the KV cache has {self.pool.num_free} free blocks of "
+                f"{self.block_size} tokens, {needed} needed for {positions} positions"
+            )
         return self.pool.allocate(needed) if needed > 0 else []
 
     def release(self, blocks: list[int]) -> None:
         if blocks:
             self.pool.free(blocks)
 
-    def write(self, blocks: list[int], start: int, kv: torch.Tensor,
-              checksums: bool = False) -> list[str] | None:
+    def write(
+        self, blocks: list[int], start: int, kv: torch.Tensor, checksums: bool = False
+    ) -> list[str] | None:
         """Store canonical KV `[layers, 2, kv_heads, tokens, head_dim]` at positions
         `start .. start + tokens` of a request. `checksums` (a prompt written from position 0,
         for the KV handoff): also return each written block's checksum over its filled bytes,
@@ -79,7 +91,7 @@ class PagedKVCache:
         while done < tokens:
             block, offset = divmod(start + done, self.block_size)
             count = min(self.block_size - offset, tokens - done)
-            self.data[blocks[block], offset:offset + count] = by_token[done:done + count]
+            self.data[blocks[block], offset : offset + count] = by_token[done : done + count]
             if checksums:
                 filled = (offset + count) * self.layout.bytes_per_token
                 sums.append(self.pool.block_checksum(blocks[block], filled))
@@ -97,11 +109,12 @@ class PagedKVCache:
 
     def read(self, blocks: list[int], length: int) -> torch.Tensor:
         """Positions `0 .. length` of a request as canonical KV `[layers, 2, kv_heads, length, hd]`."""
-        used = self.data[blocks[:self.blocks_for(length)]]  # [nb, bs, layers, 2, kvh, hd]
+        used = self.data[blocks[: self.blocks_for(length)]]  # [nb, bs, layers, 2, kvh, hd]
         return used.flatten(0, 1)[:length].permute(1, 2, 3, 0, 4).contiguous()
 
-    def write_token(self, layer: int, blocks: list[int], position: int, k: torch.Tensor,
-                    v: torch.Tensor) -> None:
+    def write_token(
+        self, layer: int, blocks: list[int], position: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """K and V `[kv_heads, head_dim]` of one new position."""
         block, offset = divmod(position, self.block_size)
         self.data[blocks[block], offset, layer, 0] = k
@@ -109,6 +122,6 @@ class PagedKVCache:
 
     def layer_kv(self, layer: int, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[kv_heads, length, head_dim]` of one layer of a request."""
-        used = self.data[blocks[:self.blocks_for(length)], :, layer]  # [nb, bs, 2, kvh, hd]
+        used = self.data[blocks[: self.blocks_for(length)], :, layer]  # [nb, bs, 2, kvh, hd]
         kv = used.permute(2, 3, 0, 1, 4).flatten(2, 3)[:, :, :length]
         return kv[0], kv[1]

@@ -16,6 +16,7 @@ pool's keeper: a named block that its last holder lets go stays in the cache, le
 used first in line for eviction, and an allocation that finds too few free blocks evicts from
 that line, so cached blocks never keep a request out.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -40,8 +41,9 @@ def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"")
     return digest.digest()
 
 
-def multimodal_extra_keys(spans: Sequence[tuple[int, int, bytes]], num_tokens: int,
-                          block_size: int) -> list[bytes]:
+def multimodal_extra_keys(
+    spans: Sequence[tuple[int, int, bytes]], num_tokens: int, block_size: int
+) -> list[bytes]:
     """Each full block's extra keys, as vLLM's `_gen_mm_extra_hash_keys` makes them: the keys of
     the multimodal inputs whose placeholder positions [start, end) overlap the block, in order.
     A block of text only has none."""
@@ -63,8 +65,7 @@ class _Entry:
 class PrefixCache:
     """The hash table and the eviction line of one block pool, which it keeps blocks for."""
 
-    def __init__(self, pool: BlockPool,
-                 hash_fn: Callable[[bytes, Sequence[int], bytes], bytes] = block_hash):
+    def __init__(self, pool: BlockPool, hash_fn: Callable[[bytes, Sequence[int], bytes], bytes] = block_hash):
         self.pool = pool
         self.block_size = pool.layout.block_size
         self._hash = hash_fn  # a test may force collisions
@@ -102,8 +103,9 @@ class PrefixCache:
         return len(self._entries)
 
     # ---- prompts ----------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], extra_keys: Sequence[bytes] = (),
-              limit: int | None = None) -> list[int]:
+    def match(
+        self, token_ids: Sequence[int], extra_keys: Sequence[bytes] = (), limit: int | None = None
+    ) -> list[int]:
         """The cached blocks that hold the longest prefix of `token_ids` in whole blocks (at most
         `limit` tokens), each now held once more by the caller (who frees them as its own).
         `extra_keys[i]`: block i's."""
@@ -123,8 +125,13 @@ class PrefixCache:
         entry = self._entries.get(block)
         return entry.checksum if entry is not None else None
 
-    def register(self, blocks: Sequence[int], token_ids: Sequence[int],
-                 extra_keys: Sequence[bytes] = (), checksums: Sequence[str] = ()) -> int:
+    def register(
+        self,
+        blocks: Sequence[int],
+        token_ids: Sequence[int],
+        extra_keys: Sequence[bytes] = (),
+        checksums: Sequence[str] = (),
+    ) -> int:
         """Name the full blocks of a prompt written into `blocks` (its block table, from
         position 0) by their hashes, so that later prompts can reuse them; `checksums[i]`, of
         block i's bytes as written, goes with its name (a KV handoff of the block later sends
@@ -134,8 +141,9 @@ class PrefixCache:
         for i, ids, extra, digest in self._chain(token_ids, extra_keys):
             block = blocks[i]
             if block not in self._entries and digest not in self._by_hash:
-                self._entries[block] = _Entry(digest, ids, extra,
-                                              checksums[i] if i < len(checksums) else None)
+                self._entries[block] = _Entry(
+                    digest, ids, extra, checksums[i] if i < len(checksums) else None
+                )
                 self._by_hash[digest] = block
                 named += 1
         return named
@@ -144,7 +152,7 @@ class PrefixCache:
         """(index, token ids, extra keys, chained hash) of each full block of `token_ids`."""
         size, parent = self.block_size, ROOT_HASH
         for i in range(len(token_ids) // size):
-            ids = tuple(token_ids[i * size:(i + 1) * size])
+            ids = tuple(token_ids[i * size : (i + 1) * size])
             extra = extra_keys[i] if i < len(extra_keys) else b""
             parent = self._hash(parent, ids, extra)
             yield i, ids, extra, parent
@@ -158,6 +166,7 @@ class PrefixCache:
         """Raise AssertionError if the bookkeeping is inconsistent (tests and soak runs)."""
         assert set(self._idle) <= set(self._entries), "an idle block has no name"
         assert all(self.pool.holders(b) == 0 for b in self._idle), "an idle block is held"
-        assert all(self.pool.holders(b) > 0 for b in set(self._entries) - set(self._idle)), \
+        assert all(self.pool.holders(b) > 0 for b in set(self._entries) - set(self._idle)), (
             "a named block is neither held nor idle"
+        )
         assert all(self._entries[b].hash == h for h, b in self._by_hash.items()), "hash table"

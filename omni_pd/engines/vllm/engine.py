@@ -30,6 +30,7 @@ the connector's ZMQ side channel pick their own free ports.
 request for KV that was never published waits before it is answered with an error); on a
 consumer it bounds the wait for KV (plus a margin for the producer's answer).
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,15 +82,22 @@ def resolve_vllm_model(name: str, seed: int | None) -> str:
 
 def to_vllm_sampling_params(params: SamplingParams):
     import vllm
+
     extra = {"kv_transfer_params": dict(params.kv_transfer_params)} if params.kv_transfer_params else None
     return vllm.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p,
+        temperature=params.temperature,
+        top_p=params.top_p,
         top_k=0 if params.top_k in (-1, 0) else params.top_k,
-        max_tokens=params.max_tokens, seed=params.seed,
+        max_tokens=params.max_tokens,
+        seed=params.seed,
         repetition_penalty=params.repetition_penalty,
-        stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
-        ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output,
-        detokenize=params.detokenize, extra_args=extra)
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        detokenize=params.detokenize,
+        extra_args=extra,
+    )
 
 
 @dataclass
@@ -152,17 +160,21 @@ class VllmEngine(StageEngine):
 
         from .plugin import register
         from .patches import results
+
         # The entry point does this too; explicit so a bare checkout works in-process. It also
         # registers the registered models' vLLM classes (the hooks' model class among them).
         register()
         if self.kv_connector == "MooncakeConnector":
             refused = [r.detail for r in results().values() if not r.ok]
             if refused:
-                raise RuntimeError("stage %d cannot run a MooncakeConnector P/D leg on this vLLM:\n  %s"
-                                   % (self.stage_id, "\n  ".join(refused)))
+                raise RuntimeError(
+                    "stage %d cannot run a MooncakeConnector P/D leg on this vLLM:\n  %s"
+                    % (self.stage_id, "\n  ".join(refused))
+                )
 
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+
         name = kwargs.pop("model", None) or model
         self.model_dir = resolve_vllm_model(name, args.seed)
         kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
@@ -173,13 +185,25 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
-        log.info("stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
-                 self.stage_id, name, self.startup_s, self.kv_role, self.bootstrap_port)
+        log.info(
+            "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
+            self.stage_id,
+            name,
+            self.startup_s,
+            self.kv_role,
+            self.bootstrap_port,
+        )
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: TokenPrompt, params: SamplingParams,
-                    stream: bool = False, chunks: bool = False,
-                    chunk_sizes: tuple[int, int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: TokenPrompt,
+        params: SamplingParams,
+        stream: bool = False,
+        chunks: bool = False,
+        chunk_sizes: tuple[int, int] | None = None,
+    ) -> None:
         """`chunks`: the model's hooks build a chunk per step (a talker runs alongside); a
         model whose hooks build none streams tokens only, and a stage it feeds starts when it
         has finished (its stream processor falls back to the whole output)."""
@@ -187,22 +211,34 @@ class VllmEngine(StageEngine):
             raise RuntimeError(f"stage {self.stage_id}: the vLLM engine is closed")
         self.hooks.check_prompt(self.stage_id, prompt)
         if request_id in self._requests:
-            raise ValueError(f"stage {self.stage_id}: request {request_id} is already running here; "
-                             "give each request its own id")
+            raise ValueError(
+                f"stage {self.stage_id}: request {request_id} is already running here; "
+                "give each request its own id"
+            )
         token_ids = list(prompt.prompt_token_ids)
         kv_in = dict(params.kv_transfer_params or {})
         loads_remote = bool(kv_in.get("do_remote_prefill"))
         began = time.perf_counter()
-        deadline = time.monotonic() + (self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote
-                                       else max(self.kv_wait_s, 60.0) + 600.0)
+        deadline = time.monotonic() + (
+            self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote else max(self.kv_wait_s, 60.0) + 600.0
+        )
         # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
-        vllm_id = self.engine.add_request(request_id, self.hooks.vllm_prompt(prompt),
-                                          to_vllm_sampling_params(params))
+        vllm_id = self.engine.add_request(
+            request_id, self.hooks.vllm_prompt(prompt), to_vllm_sampling_params(params)
+        )
         role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"))
         self._requests[request_id] = _RequestState(
-            request_id=request_id, vllm_id=vllm_id, prompt_token_ids=token_ids, kv_in=kv_in,
-            loads_remote=loads_remote, deadline=deadline, began=began, stream=bool(stream),
-            role=role, chunks=bool(stream and chunks))
+            request_id=request_id,
+            vllm_id=vllm_id,
+            prompt_token_ids=token_ids,
+            kv_in=kv_in,
+            loads_remote=loads_remote,
+            deadline=deadline,
+            began=began,
+            stream=bool(stream),
+            role=role,
+            chunks=bool(stream and chunks),
+        )
 
     def abort_request(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -224,9 +260,9 @@ class VllmEngine(StageEngine):
         if self._requests:
             return  # step() keeps stepping
         from .patches.offline_drain import _state, pending_connector_work
+
         with _state(self.engine).lock:
-            if (self.engine.get_num_unfinished_requests() == 0
-                    and pending_connector_work(self.engine)):
+            if self.engine.get_num_unfinished_requests() == 0 and pending_connector_work(self.engine):
                 try:
                     self.engine.step()  # no request is unfinished: no output to lose
                 except Exception:  # an abort must not fail; the KV lease expires on its own
@@ -242,6 +278,7 @@ class VllmEngine(StageEngine):
         if not self._requests:
             return []
         from .patches.offline_drain import _state
+
         # One lock for stepping and for reading the scheduler: the drain thread of a prefill
         # engine steps under it too (the patched LLMEngine.step re-enters it; it is an RLock).
         with _state(self.engine).lock:
@@ -261,12 +298,11 @@ class VllmEngine(StageEngine):
             if state is None:
                 continue
             completion = out.outputs[0] if out.outputs else None
-            new = list(completion.token_ids[state.seen:]) if completion is not None else []
+            new = list(completion.token_ids[state.seen :]) if completion is not None else []
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
             state.seen += len(new)
-            record = StepOutput(request_id=state.request_id,
-                                new_token_ids=new if state.stream else [])
+            record = StepOutput(request_id=state.request_id, new_token_ids=new if state.stream else [])
             if state.chunks and (new or out.finished):
                 record.chunk = self._chunk(state, new)
             if out.finished:
@@ -282,9 +318,15 @@ class VllmEngine(StageEngine):
             # Cannot happen while vLLM and this engine agree; fail rather than step forever.
             for state in list(self._requests.values()):
                 del self._requests[state.request_id]
-                results.append(StepOutput.failed(state.request_id, (
-                    f"RuntimeError: stage {self.stage_id}: vLLM no longer holds request "
-                    f"{state.request_id} and gave no final output for it")))
+                results.append(
+                    StepOutput.failed(
+                        state.request_id,
+                        (
+                            f"RuntimeError: stage {self.stage_id}: vLLM no longer holds request "
+                            f"{state.request_id} and gave no final output for it"
+                        ),
+                    )
+                )
         expired = [s for s in self._requests.values() if time.monotonic() > s.deadline]
         for state in expired:
             del self._requests[state.request_id]
@@ -311,8 +353,14 @@ class VllmEngine(StageEngine):
                     state.rows.add(start, tensors)
 
     def _chunk(self, state: "_RequestState", new: list[int]) -> Any:
-        made = self.hooks.chunk(state.prompt_token_ids, new, state.rows, state.rows_streamed,
-                                state.role, first=state.chunks_sent == 0)
+        made = self.hooks.chunk(
+            state.prompt_token_ids,
+            new,
+            state.rows,
+            state.rows_streamed,
+            state.role,
+            first=state.chunks_sent == 0,
+        )
         if made is None:
             return None
         chunk, state.rows_streamed = made
@@ -322,25 +370,27 @@ class VllmEngine(StageEngine):
     def _expired_error(self, state: "_RequestState") -> str:
         waited = time.perf_counter() - state.began
         if state.loads_remote:
-            return (f"KVTransferFailed: stage {self.stage_id}: request {state.request_id} waited "
-                    f"{waited:.1f} s for its KV cache (transfer {state.kv_in.get('transfer_id')}) "
-                    f"and got none; the prefill leg reported {_published(state.kv_in)}")
-        return (f"TimeoutError: stage {self.stage_id}: request {state.request_id} took over "
-                f"{waited:.0f} s")
+            return (
+                f"KVTransferFailed: stage {self.stage_id}: request {state.request_id} waited "
+                f"{waited:.1f} s for its KV cache (transfer {state.kv_in.get('transfer_id')}) "
+                f"and got none; the prefill leg reported {_published(state.kv_in)}"
+            )
+        return f"TimeoutError: stage {self.stage_id}: request {state.request_id} took over {waited:.0f} s"
 
     def _final_output(self, state: "_RequestState", final) -> TextOutput:
         request_id, kv_in = state.request_id, state.kv_in
         if not final.outputs:
-            raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a "
-                               "completion")
+            raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a completion")
         completion = final.outputs[0]
         expanded = len(final.prompt_token_ids or ())
         if expanded and expanded != len(state.prompt_token_ids):
             # vLLM expands multimodal placeholders itself: its count must be the prompt builder's,
             # or every position after the first placeholder is misplaced.
-            raise RuntimeError(f"stage {self.stage_id}: request {request_id}: vLLM expanded the "
-                               f"prompt to {expanded} tokens, the prompt builder to "
-                               f"{len(state.prompt_token_ids)}")
+            raise RuntimeError(
+                f"stage {self.stage_id}: request {request_id}: vLLM expanded the "
+                f"prompt to {expanded} tokens, the prompt builder to "
+                f"{len(state.prompt_token_ids)}"
+            )
         # RequestOutput.num_cached_tokens of a decode leg is the *prefill* engine's prefix-cache hit
         # count (vLLM copies remote_prefill_cached_tokens into it), so the tokens loaded over the
         # connector are read from the scheduler's prefill stats instead (sampled every step).
@@ -350,37 +400,52 @@ class VllmEngine(StageEngine):
                 f"stage {self.stage_id}: request {request_id} got no KV cache from the prefill "
                 f"engine for transfer {kv_in.get('transfer_id')} (finish_reason "
                 f"{completion.finish_reason!r}, prompt tokens loaded: {cached}); "
-                f"the prefill leg reported {_published(kv_in)}")
+                f"the prefill leg reported {_published(kv_in)}"
+            )
         if completion.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"stage {self.stage_id}: request {request_id} ended with "
-                               f"finish_reason {completion.finish_reason!r}")
+            raise RuntimeError(
+                f"stage {self.stage_id}: request {request_id} ended with "
+                f"finish_reason {completion.finish_reason!r}"
+            )
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
         text = TextOutput(
-            request_id=request_id, prompt_token_ids=state.prompt_token_ids,
-            token_ids=list(completion.token_ids), text=completion.text or "",
+            request_id=request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=list(completion.token_ids),
+            text=completion.text or "",
             finish_reason=completion.finish_reason,
             kv_transfer_params=dict(final.kv_transfer_params) if final.kv_transfer_params else None,
-            num_cached_prompt_tokens=cached if state.loads_remote else 0, metrics=metrics)
+            num_cached_prompt_tokens=cached if state.loads_remote else 0,
+            metrics=metrics,
+        )
         return self.hooks.output(text, state.rows, state.role)
 
     # ---- control ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         import vllm
-        return {"engine": "vllm", "vllm_version": vllm.__version__, "kv_role": self.kv_role,
-                "takes_multimodal_prompts": self.hooks.takes_multimodal_prompts,
-                "engine_id": self.engine_id, "bootstrap_port": self.bootstrap_port,
-                "startup_s": round(self.startup_s, 3)}
+
+        return {
+            "engine": "vllm",
+            "vllm_version": vllm.__version__,
+            "kv_role": self.kv_role,
+            "takes_multimodal_prompts": self.hooks.takes_multimodal_prompts,
+            "engine_id": self.engine_id,
+            "bootstrap_port": self.bootstrap_port,
+            "startup_s": round(self.startup_s, 3),
+        }
 
     def patch_status(self) -> dict[str, str]:
         from .patches import results
+
         return {name: r.status for name, r in results().items()}
 
     def _external_tokens(self, vllm_id: str) -> int:
         """Prompt tokens the scheduler plans to load over the KV connector for a request (set when
         it is first scheduled, taken with its first output); 0 when not known (yet)."""
         from .patches.offline_drain import _inproc_scheduler
+
         scheduler = _inproc_scheduler(self.engine)
         request = scheduler.requests.get(vllm_id) if scheduler is not None else None
         stats = getattr(request, "prefill_stats", None)
@@ -389,6 +454,7 @@ class VllmEngine(StageEngine):
     def _held(self, transfer_id: str | None = None) -> int:
         """Finished requests whose blocks vLLM still holds for a KV send (all, or one transfer)."""
         from .patches.offline_drain import _inproc_scheduler, _state
+
         scheduler = _inproc_scheduler(self.engine)
         if scheduler is None:
             return 0
@@ -418,13 +484,17 @@ class VllmEngine(StageEngine):
 
     def debug_state_counts(self) -> dict[str, int]:
         from .patches.offline_drain import _inproc_scheduler, _state
+
         scheduler = _inproc_scheduler(self.engine)
         counts = {"vllm.engine_requests": len(self._requests)}
         if scheduler is None:
             return {**counts, "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
         with _state(self.engine).lock:
-            return {**counts, "vllm.requests": len(scheduler.requests),
-                    "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
+            return {
+                **counts,
+                "vllm.requests": len(scheduler.requests),
+                "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests()),
+            }
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)
@@ -433,6 +503,7 @@ class VllmEngine(StageEngine):
         self.engine = None
         self._requests.clear()
         from .patches.offline_drain import stop_draining
+
         stop_draining(engine)
         try:
             engine.engine_core.shutdown()
@@ -445,9 +516,12 @@ def _published(kv_in: dict[str, Any]) -> str:
     if flag is None:
         return "nothing about publishing its KV"
     status = kv_in.get("omni_pd_finish_status", "?")
-    return ("its KV as published" if flag else
-            f"its KV as NOT published (it finished as {status}, not length-capped: were its "
-            "stop conditions neutralised?)")
+    return (
+        "its KV as published"
+        if flag
+        else f"its KV as NOT published (it finished as {status}, not length-capped: were its "
+        "stop conditions neutralised?)"
+    )
 
 
 def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHooks) -> dict[str, Any]:
@@ -460,8 +534,10 @@ def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHo
         if key == "additional_config":
             merged[key] = {**(merged.get(key) or {}), **value}
         elif key in merged and merged[key] != value:
-            raise ValueError(f"stage {stage_id}: engine_args.{key} is {merged[key]!r}, but this "
-                             f"model's vLLM stage needs {value!r}; remove it or set it to {value!r}")
+            raise ValueError(
+                f"stage {stage_id}: engine_args.{key} is {merged[key]!r}, but this "
+                f"model's vLLM stage needs {value!r}; remove it or set it to {value!r}"
+            )
         else:
             merged[key] = value
     return merged
@@ -469,11 +545,13 @@ def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHo
 
 def build_vllm_engine(stage, model: str, hooks: VllmModelHooks | None = None) -> StageEngine:
     if stage.stage_type != "llm":
-        raise ValueError(f"stage {stage.stage_id}: engine vllm runs LLM stages only, "
-                         f"not stage_type {stage.stage_type!r}")
+        raise ValueError(
+            f"stage {stage.stage_id}: engine vllm runs LLM stages only, not stage_type {stage.stage_type!r}"
+        )
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         from . import INSTALL_HINT
+
         raise RuntimeError(f"stage {stage.stage_id} has engine: vllm, but {INSTALL_HINT} ({exc})") from exc
     return VllmEngine(stage, model, hooks)

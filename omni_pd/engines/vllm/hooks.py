@@ -5,6 +5,7 @@ downstream stages need more than tokens (an omni thinker feeding a talker) subcl
 own package and returns it from its `ModelSpec.vllm_hooks`. The engine calls it; it never runs
 vLLM itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class VllmModelHooks:
     def check_prompt(self, stage_id: int, prompt: TokenPrompt) -> None:
         """Raise ValueError, naming what to change, for a prompt this engine cannot take."""
         if prompt.has_multimodal_inputs():
-            raise ValueError(f"stage {stage_id}: the vLLM text engine takes token ids only, not "
-                             "multimodal inputs")
+            raise ValueError(
+                f"stage {stage_id}: the vLLM text engine takes token ids only, not multimodal inputs"
+            )
 
     def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
         """The prompt as vLLM's `LLMEngine.add_request` takes it."""
@@ -48,8 +50,15 @@ class VllmModelHooks:
         """The stage's output record for a finished request."""
         return text
 
-    def chunk(self, prompt_token_ids: list[int], new_token_ids: list[int], rows: RequestRows,
-              rows_from: int, role: LegRole, first: bool) -> tuple[Any, int] | None:
+    def chunk(
+        self,
+        prompt_token_ids: list[int],
+        new_token_ids: list[int],
+        rows: RequestRows,
+        rows_from: int,
+        role: LegRole,
+        first: bool,
+    ) -> tuple[Any, int] | None:
         """A streamed request's chunk for a downstream stage that runs alongside, and the
         position its rows reach; None: this model streams tokens only."""
         return None

@@ -4,6 +4,7 @@ MooncakeConnector runs, and the model classes of omni-pd's registered models (an
 that can record rows for its talker) are known wherever vLLM builds a model. Idempotent; never
 raises (a fix that does not fit the installed vLLM is refused and logged once; see
 patches/_guard.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,7 @@ log = logging.getLogger(__name__)
 
 def register() -> None:
     from .patches import apply_all
+
     apply_all()
     register_model_classes()
 
@@ -21,6 +23,7 @@ def register_model_classes() -> None:
     from vllm import ModelRegistry
 
     from ... import registry
+
     try:
         classes = registry.vllm_model_classes()
     except registry.ModelNotFound as exc:  # omni-pd not installed: vLLM keeps its own classes

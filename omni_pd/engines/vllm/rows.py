@@ -16,6 +16,7 @@ placed by absolute position. A dummy or profiling pass (no request scheduled) re
 On GPUs a full CUDA graph replays without running `forward` in Python: run such a stage with
 `enforce_eager` or piecewise graphs (the outer model forward is not captured in those).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -33,13 +34,15 @@ SUPPORTED_VLLM = ("0.32.0",)
 def check_vllm_version(version: str | None = None) -> None:
     """Refuse, naming both, a vLLM this row recording was not written for."""
     from .patches._guard import base_version, vllm_version
+
     version = version or vllm_version()
     if base_version(version) not in SUPPORTED_VLLM:
         raise RuntimeError(
             f"omni-pd records a vLLM model's per-token rows (the embeddings and hidden states an "
             f"omni model's next stage reads) through vLLM internals written for vLLM "
             f"{', '.join(SUPPORTED_VLLM)}, but vLLM {version} is installed: install a supported "
-            "vLLM (`pip install 'omni-pd[vllm]'`), or port omni_pd/engines/vllm/rows.py")
+            "vLLM (`pip install 'omni-pd[vllm]'`), or port omni_pd/engines/vllm/rows.py"
+        )
 
 
 class RowSink:
@@ -57,14 +60,17 @@ class RowSink:
         bounds = self._runner.query_start_loc.np
         total = int(bounds[len(ids)])
         if any(t.shape[0] < total for t in tensors):
-            raise RuntimeError(f"the model recorded {[t.shape[0] for t in tensors]} rows for a pass "
-                               f"of {total} scheduled tokens")
+            raise RuntimeError(
+                f"the model recorded {[t.shape[0] for t in tensors]} rows for a pass "
+                f"of {total} scheduled tokens"
+            )
         for i, request_id in enumerate(ids):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             if hi > lo:
                 start = int(batch.num_computed_tokens_cpu[i])
                 self._rows[request_id].append(
-                    (start, tuple(t[lo:hi].detach().to("cpu", copy=True) for t in tensors)))
+                    (start, tuple(t[lo:hi].detach().to("cpu", copy=True) for t in tensors))
+                )
 
     def take(self) -> dict[str, list[tuple[int, tuple[torch.Tensor, ...]]]]:
         rows, self._rows = dict(self._rows), defaultdict(list)
@@ -78,8 +84,10 @@ class RowCaptureExtension:
     def omni_pd_attach_rows(self) -> bool:
         model = self.model_runner.get_model()
         if not hasattr(model, SINK_ATTRIBUTE):
-            raise TypeError(f"{type(model).__name__} does not record rows: its model package must "
-                            f"register a model class with a {SINK_ATTRIBUTE!r} attribute")
+            raise TypeError(
+                f"{type(model).__name__} does not record rows: its model package must "
+                f"register a model class with a {SINK_ATTRIBUTE!r} attribute"
+            )
         setattr(model, SINK_ATTRIBUTE, RowSink(self.model_runner))
         return True
 

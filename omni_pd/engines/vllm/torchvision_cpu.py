@@ -17,6 +17,7 @@ imported, and the check made, only when something first imports torchvision.
 Guarded: where torchvision's compiled ops load (a CUDA torch with its matching torchvision, or a
 CPU build of torchvision), they are registered as usual and nothing is defined here.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -38,6 +39,7 @@ _library = None  # the torch.library.Library holding the schemas: kept alive for
 def compiled_ops_load(package_dir: Path) -> bool:
     """Whether torchvision's compiled ops load into this torch (they then register themselves)."""
     import torch
+
     for lib in sorted(package_dir.glob("_C*.so")) + sorted(package_dir.glob("_C*.pyd")):
         try:
             torch.ops.load_library(str(lib))
@@ -57,12 +59,16 @@ def define_missing_ops() -> bool:
     if compiled_ops_load(Path(next(iter(spec.submodule_search_locations)))):
         return False
     import torch
+
     library = torch.library.Library("torchvision", "DEF")
     for schema in UNGUARDED_OPS:
         library.define(schema)
     _library = library
-    log.debug("torchvision's compiled ops do not load under torch %s: defined the schemas of %s so "
-              "that it imports", torch.__version__, ", ".join(s.split("(")[0] for s in UNGUARDED_OPS))
+    log.debug(
+        "torchvision's compiled ops do not load under torch %s: defined the schemas of %s so that it imports",
+        torch.__version__,
+        ", ".join(s.split("(")[0] for s in UNGUARDED_OPS),
+    )
     return True
 
 

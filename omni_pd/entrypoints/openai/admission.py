@@ -12,6 +12,7 @@ for at most that many batches to drain before it starts, so its latency stays wi
 multiple of a loaded request's. A client turned away sooner can retry, or go to another replica,
 for less than that wait would cost it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,11 +66,15 @@ class AdmissionControl:
             return Slot(self)
         if len(self._waiting) >= self.max_queued:
             self.rejected += 1
-            raise APIError(429, f"the server is overloaded: {self.running} requests are being "
-                           f"served and {len(self._waiting)} are waiting (at most "
-                           f"{self.max_queued}); retry after {RETRY_AFTER_S} s",
-                           type="server_error", code="server_overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(
+                429,
+                f"the server is overloaded: {self.running} requests are being "
+                f"served and {len(self._waiting)} are waiting (at most "
+                f"{self.max_queued}); retry after {RETRY_AFTER_S} s",
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
         try:

@@ -6,6 +6,7 @@ Hostile input: bodies over `max_request_bytes` are refused (413) before they are
 `Authorization: Bearer <api_key>` when a key is set (401), every other problem is a 400 in
 OpenAI's error shape naming the field, and the CPU work a request brings (decoding its audio,
 tokenizing its text) runs off the event loop, so one request cannot stall the others."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...audio_io import PCM16_SAMPLE_RATE, pcm16_bytes, stage_config_pcm16_gain, write_wav
-from ...orchestrator.async_omni import (AsyncOmni, AudioDelta, Finished, PreparedPrompt,
-                                        PromptTooLong, RequestAborted, RequestTimeout, TextDelta)
+from ...orchestrator.async_omni import (
+    AsyncOmni,
+    AudioDelta,
+    Finished,
+    PreparedPrompt,
+    PromptTooLong,
+    RequestAborted,
+    RequestTimeout,
+    TextDelta,
+)
 from ...orchestrator.heap import freeze_startup_heap
 from ...orchestrator.outputs import OmniRequestOutput
 from ...orchestrator.stage_client import StageError, StageTimeout, StageUnavailable
@@ -93,16 +102,19 @@ class RequestGuard:
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
-                                                                     self.api_key)
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key)
 
     def _too_large(self) -> JSONResponse:
         limit = self.max_request_bytes
-        return _error_response(APIError(
-            413, f"the request body is over this server's limit of {limit} bytes "
-            f"({limit / 2**20:g} MiB); send less (a shorter audio clip, or FLAC / OGG instead of "
-            "WAV), or start the server with a larger --max-request-bytes",
-            code="request_too_large"))
+        return _error_response(
+            APIError(
+                413,
+                f"the request body is over this server's limit of {limit} bytes "
+                f"({limit / 2**20:g} MiB); send less (a shorter audio clip, or FLAC / OGG instead of "
+                "WAV), or start the server with a larger --max-request-bytes",
+                code="request_too_large",
+            )
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -110,12 +122,21 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        if (self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
-                and not self._authorized(headers)):
-            response = _error_response(APIError(
-                401, "missing or incorrect API key: send the header `Authorization: Bearer <key>` "
-                "with the key the server was started with (--api-key or OMNI_PD_API_KEY)",
-                code="invalid_api_key"), headers={"www-authenticate": "Bearer"})
+        if (
+            self.api_key
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+            and not self._authorized(headers)
+        ):
+            response = _error_response(
+                APIError(
+                    401,
+                    "missing or incorrect API key: send the header `Authorization: Bearer <key>` "
+                    "with the key the server was started with (--api-key or OMNI_PD_API_KEY)",
+                    code="invalid_api_key",
+                ),
+                headers={"www-authenticate": "Bearer"},
+            )
             return await response(scope, receive, send)
         limit = self.max_request_bytes
         if not limit:
@@ -162,33 +183,70 @@ class RequestGuard:
         the protocol: the socket opens, one `error` event (code `invalid_api_key`), then a close
         with 1008. Other clients get a 401 where the server can answer a handshake with HTTP
         (uvicorn can), else the 1008 close."""
-        if not self.api_key or not scope["path"].startswith("/v1") \
-                or self._authorized(Headers(scope=scope)) or self._subprotocol_authorized(scope):
+        if (
+            not self.api_key
+            or not scope["path"].startswith("/v1")
+            or self._authorized(Headers(scope=scope))
+            or self._subprotocol_authorized(scope)
+        ):
             return await self.app(scope, receive, send)
         await receive()  # websocket.connect
         if subprotocols.offered(scope):
             await send({"type": "websocket.accept", "subprotocol": subprotocols.chosen(scope)})
-            await send({"type": "websocket.send", "text": json.dumps({
-                "type": "error", "event_id": "event_refused", "error": {
-                    "type": "invalid_request_error", "code": "invalid_api_key", "param": None,
-                    "event_id": None, "message": "missing or incorrect API key: offer the "
-                    "subprotocol `openai-insecure-api-key.<key>` (or send the header "
-                    "`Authorization: Bearer <key>`) with the key the server was started with"}})})
-            await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION,
-                        "reason": "missing or incorrect API key"})
+            await send(
+                {
+                    "type": "websocket.send",
+                    "text": json.dumps(
+                        {
+                            "type": "error",
+                            "event_id": "event_refused",
+                            "error": {
+                                "type": "invalid_request_error",
+                                "code": "invalid_api_key",
+                                "param": None,
+                                "event_id": None,
+                                "message": "missing or incorrect API key: offer the "
+                                "subprotocol `openai-insecure-api-key.<key>` (or send the header "
+                                "`Authorization: Bearer <key>`) with the key the server was started with",
+                            },
+                        }
+                    ),
+                }
+            )
+            await send(
+                {
+                    "type": "websocket.close",
+                    "code": WS_POLICY_VIOLATION,
+                    "reason": "missing or incorrect API key",
+                }
+            )
         elif "websocket.http.response" in scope.get("extensions", {}):
-            body = json.dumps(APIError(401, "missing or incorrect API key: send the header "
-                                       "`Authorization: Bearer <key>` (browsers: the subprotocol "
-                                       "`openai-insecure-api-key.<key>`) with the key the server "
-                                       "was started with (--api-key or OMNI_PD_API_KEY)",
-                                       code="invalid_api_key").body.model_dump()).encode()
-            await send({"type": "websocket.http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"www-authenticate", b"Bearer")]})
+            body = json.dumps(
+                APIError(
+                    401,
+                    "missing or incorrect API key: send the header "
+                    "`Authorization: Bearer <key>` (browsers: the subprotocol "
+                    "`openai-insecure-api-key.<key>`) with the key the server "
+                    "was started with (--api-key or OMNI_PD_API_KEY)",
+                    code="invalid_api_key",
+                ).body.model_dump()
+            ).encode()
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                }
+            )
             await send({"type": "websocket.http.response.body", "body": body})
         else:
-            await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION,
-                        "reason": "missing or incorrect API key"})
+            await send(
+                {
+                    "type": "websocket.close",
+                    "code": WS_POLICY_VIOLATION,
+                    "reason": "missing or incorrect API key",
+                }
+            )
 
 
 def wav_base64(audio, sample_rate: int) -> str:
@@ -216,8 +274,11 @@ class ServerState:
     def ready_omni(self) -> AsyncOmni:
         """The orchestrator, or a 503 saying why there is none yet."""
         if self.omni is None:
-            raise APIError(503, self.startup_error or "the stages are still starting; retry when "
-                           "GET /health answers 200", type="service_unavailable")
+            raise APIError(
+                503,
+                self.startup_error or "the stages are still starting; retry when GET /health answers 200",
+                type="service_unavailable",
+            )
         return self.omni
 
     async def admit(self) -> Slot:
@@ -265,8 +326,9 @@ def _prepare_inline(body: ChatCompletionRequest) -> bool:
     return chars <= INLINE_PREPARE_CHARS
 
 
-def _prepare(omni: AsyncOmni, body: ChatCompletionRequest, served_model: str
-             ) -> tuple[TranslatedRequest, PreparedPrompt]:
+def _prepare(
+    omni: AsyncOmni, body: ChatCompletionRequest, served_model: str
+) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request translated (its audio decoded), its prompt built and its length checked: CPU
     work that runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and
     the server answered nothing meanwhile, /health included), unless `_prepare_inline`. Checked
@@ -297,18 +359,26 @@ async def _until_disconnected(http_request: Request) -> None:
         pass
 
 
-def create_app(make_omni: Callable[[], AsyncOmni], served_model: str, *,
-               enable_debug_endpoints: bool = False, on_startup_failure: Callable[[], None] | None = None,
-               api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-               max_queued_requests: int | None = None, demo_page: bool = True) -> FastAPI:
+def create_app(
+    make_omni: Callable[[], AsyncOmni],
+    served_model: str,
+    *,
+    enable_debug_endpoints: bool = False,
+    on_startup_failure: Callable[[], None] | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    max_queued_requests: int | None = None,
+    demo_page: bool = True,
+) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
     default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
     demo page at /demo/ (demo.py)."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     state = ServerState(served_model)
-    app = FastAPI(title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests,
-                                                     on_startup_failure))
+    app = FastAPI(
+        title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests, on_startup_failure)
+    )
     app.state.omni_pd = state
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     _add_error_handlers(app, state)
@@ -327,14 +397,16 @@ def _admission_for(omni: AsyncOmni, max_queued_requests: int | None) -> Admissio
     """Every request passes through each stage, so the server admits what its narrowest stage
     does; None queues DEFAULT_QUEUE_FACTOR x that."""
     capacity = min(s.max_num_seqs * s.runtime.num_replicas for s in omni.stages.values())
-    queued = (max_queued_requests if max_queued_requests is not None
-              else DEFAULT_QUEUE_FACTOR * capacity)
+    queued = max_queued_requests if max_queued_requests is not None else DEFAULT_QUEUE_FACTOR * capacity
     return AdmissionControl(capacity, queued)
 
 
-async def _start_stages(state: ServerState, make_omni: Callable[[], AsyncOmni],
-                        max_queued_requests: int | None,
-                        on_startup_failure: Callable[[], None] | None) -> None:
+async def _start_stages(
+    state: ServerState,
+    make_omni: Callable[[], AsyncOmni],
+    max_queued_requests: int | None,
+    on_startup_failure: Callable[[], None] | None,
+) -> None:
     """Build the orchestrator off the event loop (the server answers /health meanwhile); a
     failure is kept for /health and handed to `on_startup_failure`."""
     try:
@@ -344,12 +416,21 @@ async def _start_stages(state: ServerState, make_omni: Callable[[], AsyncOmni],
         state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
         state.metrics.name_stages(omni.health())
         state.admission = _admission_for(omni, max_queued_requests)
-        log.info("serving %s: every stage is up; %d requests at once, %d more may wait "
-                 "(--max-queued-requests), then 429", state.served_model,
-                 state.admission.capacity, state.admission.max_queued)
-        log.info("pcm16 audio: %d Hz mono int16 after a gain of %g (%s)", PCM16_SAMPLE_RATE,
-                 state.pcm16_gain, "the audio stage loads dummy weights, whose waveform is "
-                 "near silent" if state.pcm16_gain != 1.0 else "real weights")
+        log.info(
+            "serving %s: every stage is up; %d requests at once, %d more may wait "
+            "(--max-queued-requests), then 429",
+            state.served_model,
+            state.admission.capacity,
+            state.admission.max_queued,
+        )
+        log.info(
+            "pcm16 audio: %d Hz mono int16 after a gain of %g (%s)",
+            PCM16_SAMPLE_RATE,
+            state.pcm16_gain,
+            "the audio stage loads dummy weights, whose waveform is near silent"
+            if state.pcm16_gain != 1.0
+            else "real weights",
+        )
     except Exception as exc:
         state.startup_error = f"{type(exc).__name__}: {exc}"
         log.error("the stages failed to start: %s", state.startup_error)
@@ -357,14 +438,20 @@ async def _start_stages(state: ServerState, make_omni: Callable[[], AsyncOmni],
             on_startup_failure()
 
 
-def _lifespan(state: ServerState, make_omni: Callable[[], AsyncOmni],
-              max_queued_requests: int | None, on_startup_failure: Callable[[], None] | None):
+def _lifespan(
+    state: ServerState,
+    make_omni: Callable[[], AsyncOmni],
+    max_queued_requests: int | None,
+    on_startup_failure: Callable[[], None] | None,
+):
     """Start the stages in the background as the app starts; stop them as it stops (after a
     start still under way has ended)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        starting = asyncio.create_task(_start_stages(state, make_omni, max_queued_requests,
-                                                     on_startup_failure))
+        starting = asyncio.create_task(
+            _start_stages(state, make_omni, max_queued_requests, on_startup_failure)
+        )
         try:
             yield
         finally:
@@ -373,6 +460,7 @@ def _lifespan(state: ServerState, make_omni: Callable[[], AsyncOmni],
             if state.omni is not None:
                 await asyncio.to_thread(state.omni.close)
                 log.info("all stages stopped")
+
     return lifespan
 
 
@@ -389,23 +477,26 @@ def _validation_error_message(request: Request, exc: RequestValidationError) -> 
     if kind == "json_invalid":
         at = f" at character {loc[1]}" if len(loc) > 1 else ""
         return APIError(
-            400, f"the request body is not valid JSON: {(first.get('ctx') or {}).get('error', '')}"
-            f"{at}", code="invalid_json")
+            400,
+            f"the request body is not valid JSON: {(first.get('ctx') or {}).get('error', '')}{at}",
+            code="invalid_json",
+        )
     where = _param_path(loc)
     if where is None and kind == "missing":
         message = "the request body is missing: send a JSON object with `model` and `messages`"
     elif where is None:
         content_type = request.headers.get("content-type", "application/json")
-        message = ("the request body must be a JSON object with `model` and `messages`" +
-                   ("" if "json" in content_type else
-                    f", sent with Content-Type: application/json, not {content_type!r}"))
+        message = "the request body must be a JSON object with `model` and `messages`" + (
+            ""
+            if "json" in content_type
+            else f", sent with Content-Type: application/json, not {content_type!r}"
+        )
     else:
         message = f"{where}: {first.get('msg', 'invalid')}"
     return APIError(400, message, param=where)
 
 
-def _http_error_message(state: ServerState, request: Request,
-                        exc: StarletteHTTPException) -> APIError:
+def _http_error_message(state: ServerState, request: Request, exc: StarletteHTTPException) -> APIError:
     """Starlette's own errors (unknown URL or method, an unreadable body) in OpenAI's words."""
     message = str(exc.detail)
     if exc.status_code == 404:
@@ -414,14 +505,17 @@ def _http_error_message(state: ServerState, request: Request,
         message = f"{request.method} is not allowed on {request.url.path}"
     elif exc.status_code == 400 and exc.__cause__ is not None:  # the body could not be read
         _count_bad_request(state, request)
-        message = (f"the request body could not be read as JSON ({type(exc.__cause__).__name__}: "
-                   f"{exc.__cause__}); send a UTF-8 JSON object")
+        message = (
+            f"the request body could not be read as JSON ({type(exc.__cause__).__name__}: "
+            f"{exc.__cause__}); send a UTF-8 JSON object"
+        )
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
     return APIError(exc.status_code, message, type=kind)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     """Every error, ours or the framework's, leaves in OpenAI's error JSON."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc, headers=exc.headers)
@@ -437,8 +531,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):  # Starlette logs it, then re-raises
-        return _error_response(APIError(500, f"{type(exc).__name__}: {exc}",
-                                        type="internal_server_error"))
+        return _error_response(APIError(500, f"{type(exc).__name__}: {exc}", type="internal_server_error"))
 
 
 # ---- /health, /v1/models, /metrics, /debug/state --------------------------------------------
@@ -446,24 +539,27 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         if state.omni is None:
-            return JSONResponse({"status": "failed" if state.startup_error else "starting",
-                                 "error": state.startup_error}, status_code=503)
+            return JSONResponse(
+                {"status": "failed" if state.startup_error else "starting", "error": state.startup_error},
+                status_code=503,
+            )
         # 503 while any stage restarts, is down or is silent; the body names it and says why.
         report = state.omni.health()
         return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.served_model, "object": "model",
-                                            "created": 0, "owned_by": "omni-pd"}]}
+        return {
+            "object": "list",
+            "data": [{"id": state.served_model, "object": "model", "created": 0, "owned_by": "omni-pd"}],
+        }
 
     @app.get("/metrics")
     async def metrics():
         if state.omni is not None:
             state.metrics.observe_health(state.omni.health())
             state.metrics.queued.set(state.admission.queued)
-        return PlainTextResponse(generate_latest(state.metrics.registry),
-                                 media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
@@ -482,11 +578,13 @@ def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
 def _realtime_refusal(state: ServerState, model: str | None) -> tuple[str, int] | None:
     """Why a socket cannot have a session (and its close code), or None when it can."""
     if state.omni is None:
-        return (state.startup_error or "the stages are still starting; retry when "
-                "GET /health answers 200"), WS_TRY_AGAIN_LATER
+        return (
+            state.startup_error or "the stages are still starting; retry when GET /health answers 200"
+        ), WS_TRY_AGAIN_LATER
     if model is not None and model != state.served_model:
-        return (f"the model {model!r} does not exist; this server serves "
-                f"{state.served_model!r}"), WS_POLICY_VIOLATION
+        return (
+            f"the model {model!r} does not exist; this server serves {state.served_model!r}"
+        ), WS_POLICY_VIOLATION
     return None
 
 
@@ -500,15 +598,27 @@ def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
         refusal = _realtime_refusal(state, model)
         if refusal is not None:
             reason, code = refusal
-            await websocket.send_json({"type": "error", "event_id": "event_refused", "error": {
-                "type": "invalid_request_error", "code": "model_not_found" if model else None,
-                "message": reason, "param": "model", "event_id": None}})
+            await websocket.send_json(
+                {
+                    "type": "error",
+                    "event_id": "event_refused",
+                    "error": {
+                        "type": "invalid_request_error",
+                        "code": "model_not_found" if model else None,
+                        "message": reason,
+                        "param": "model",
+                        "event_id": None,
+                    },
+                }
+            )
             await websocket.close(code, reason[:120])
             return
-        beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1") \
-            or subprotocols.wants_beta(websocket.scope)
-        session = RealtimeSession(websocket, state.omni, state, state.served_model,
-                                  lambda exc: _as_api_error(state, exc), beta=beta)
+        beta = websocket.headers.get("openai-beta", "").startswith("realtime=v1") or subprotocols.wants_beta(
+            websocket.scope
+        )
+        session = RealtimeSession(
+            websocket, state.omni, state, state.served_model, lambda exc: _as_api_error(state, exc), beta=beta
+        )
         state.realtime_sessions.add(session)
         state.metrics.realtime_sessions.inc()
         log.debug("realtime session %s opened", session.id)
@@ -535,13 +645,17 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
                 slot.release()
 
 
-async def _prepare_checked(state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest
-                           ) -> tuple[TranslatedRequest, PreparedPrompt]:
+async def _prepare_checked(
+    state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest
+) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request checked, translated and its prompt built; any refusal as an API error."""
     try:
         if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
-            raise APIError(400, f"voice {body.audio.voice!r} is not available; choose one of "
-                           f"{list(omni.pipeline.voices)}", param="audio.voice")
+            raise APIError(
+                400,
+                f"voice {body.audio.voice!r} is not available; choose one of {list(omni.pipeline.voices)}",
+                param="audio.voice",
+            )
         if _prepare_inline(body):
             return _prepare(omni, body, state.served_model)
         return await asyncio.to_thread(_prepare, omni, body, state.served_model)
@@ -552,27 +666,38 @@ async def _prepare_checked(state: ServerState, omni: AsyncOmni, body: ChatComple
 def _stage_params(omni: AsyncOmni, request: TranslatedRequest) -> list:
     """The request's sampling params for the text stage (and a P/D pair's prefill leg); the
     other stages keep their defaults (None)."""
-    return [request.thinker_params if sid == omni.text_stage_id or
-            (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id) else None
-            for sid in (s.stage_id for s in omni.config.stages)]
+    return [
+        request.thinker_params
+        if sid == omni.text_stage_id or (omni.pd_pair and sid == omni.pd_pair.prefill_stage_id)
+        else None
+        for sid in (s.stage_id for s in omni.config.stages)
+    ]
 
 
-async def _serve_chat(state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest,
-                      http_request: Request, slot: Slot):
+async def _serve_chat(
+    state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest, http_request: Request, slot: Slot
+):
     request, prepared = await _prepare_checked(state, omni, body)
     params = _stage_params(omni, request)
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     created = int(time.time())
     if body.stream:
-        events = _stream(omni, state, request, prepared, params, completion_id, created,
-                         include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        events = _stream(
+            omni,
+            state,
+            request,
+            prepared,
+            params,
+            completion_id,
+            created,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
         # The stream keeps the request's slot until it ends, or is collected unstarted when
         # the client leaves before its first byte.
         streamed = _holding(slot, events)
         slot.release_with(streamed)
         return StreamingResponse(streamed, media_type="text/event-stream")
-    output = await _generate_unless_gone(state, omni, request, prepared, params, completion_id,
-                                         http_request)
+    output = await _generate_unless_gone(state, omni, request, prepared, params, completion_id, http_request)
     if output is None:
         return Response(status_code=499)  # nobody is there to read it
     state.metrics.requests.labels(outcome="success").inc()
@@ -580,14 +705,21 @@ async def _serve_chat(state: ServerState, omni: AsyncOmni, body: ChatCompletionR
     return _completion(state, request, output, completion_id, created)
 
 
-async def _generate_unless_gone(state: ServerState, omni: AsyncOmni, request: TranslatedRequest,
-                                prepared: PreparedPrompt, params: list, completion_id: str,
-                                http_request: Request) -> OmniRequestOutput | None:
+async def _generate_unless_gone(
+    state: ServerState,
+    omni: AsyncOmni,
+    request: TranslatedRequest,
+    prepared: PreparedPrompt,
+    params: list,
+    completion_id: str,
+    http_request: Request,
+) -> OmniRequestOutput | None:
     """The whole answer, or None (counted as aborted) when the client leaves before it: then
     the request is aborted so that the stages stop working for nobody."""
     state.metrics.in_flight.inc()
-    generation = asyncio.ensure_future(omni.generate(
-        prepared, params, request_id=completion_id, modalities=request.modalities))
+    generation = asyncio.ensure_future(
+        omni.generate(prepared, params, request_id=completion_id, modalities=request.modalities)
+    )
     client_gone = asyncio.ensure_future(_until_disconnected(http_request))
     try:
         await asyncio.wait([generation, client_gone], return_when=asyncio.FIRST_COMPLETED)
@@ -608,8 +740,13 @@ async def _generate_unless_gone(state: ServerState, omni: AsyncOmni, request: Tr
         state.metrics.in_flight.dec()
 
 
-def _completion(state: ServerState, request: TranslatedRequest, output: OmniRequestOutput,
-                completion_id: str, created: int) -> dict[str, Any]:
+def _completion(
+    state: ServerState,
+    request: TranslatedRequest,
+    output: OmniRequestOutput,
+    completion_id: str,
+    created: int,
+) -> dict[str, Any]:
     """A non-streamed answer as OpenAI's `chat.completion`, the audio whole in the asked format."""
     message: dict[str, Any] = {"role": "assistant", "content": output.text}
     if output.audio is not None and "audio" in request.modalities:
@@ -617,14 +754,22 @@ def _completion(state: ServerState, request: TranslatedRequest, output: OmniRequ
             data = pcm16_base64(output.audio, output.sample_rate, state.pcm16_gain)
         else:
             data = wav_base64(output.audio, output.sample_rate)
-        message["audio"] = {"id": f"audio-{secrets.token_hex(8)}",
-                            "expires_at": created + AUDIO_EXPIRES_S, "data": data,
-                            "transcript": output.text}
-    return {"id": completion_id, "object": "chat.completion", "created": created,
-            "model": state.served_model,
-            "choices": [{"index": 0, "message": message, "finish_reason": output.finish_reason,
-                         "logprobs": None}],
-            "usage": _usage(output)}
+        message["audio"] = {
+            "id": f"audio-{secrets.token_hex(8)}",
+            "expires_at": created + AUDIO_EXPIRES_S,
+            "data": data,
+            "transcript": output.text,
+        }
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.served_model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": output.finish_reason, "logprobs": None}
+        ],
+        "usage": _usage(output),
+    }
 
 
 async def _holding(slot: Slot, events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -639,10 +784,12 @@ def _usage(output) -> dict[str, Any]:
     """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt tokens whose KV
     came from the prefix cache."""
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {
-                "cached_tokens": int(output.metrics.get("prefix_cached_tokens", 0))}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(output.metrics.get("prefix_cached_tokens", 0))},
+    }
 
 
 def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:
@@ -661,8 +808,12 @@ def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:
     if isinstance(exc, StageUnavailable):  # restarting or down: nothing was computed
         state.metrics.requests.labels(outcome="unavailable").inc()
         retry = exc.retry_after_s
-        return APIError(503, str(exc), type="service_unavailable",
-                        headers={"retry-after": str(max(1, round(retry)))} if retry else None)
+        return APIError(
+            503,
+            str(exc),
+            type="service_unavailable",
+            headers={"retry-after": str(max(1, round(retry)))} if retry else None,
+        )
     if isinstance(exc, (RequestAborted, asyncio.CancelledError)):
         state.metrics.requests.labels(outcome="aborted").inc()
         return exc
@@ -677,9 +828,16 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedRequest,
-                  prepared: PreparedPrompt, params,
-                  completion_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    omni: AsyncOmni,
+    state: ServerState,
+    request: TranslatedRequest,
+    prepared: PreparedPrompt,
+    params,
+    completion_id: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
@@ -688,10 +846,15 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     The first chunk leaves with the first text or audio and carries `role`, as vLLM's does:
     clients time the first token from the first chunk (vLLM's `bench serve`), and a role-only
     chunk sent before the prompt has run would read as a first token in a few milliseconds."""
+
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-        return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.served_model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.served_model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        }
 
     role_sent = False
 
@@ -705,8 +868,7 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
     audio_id = f"audio-{secrets.token_hex(8)}"
     untranscribed, audio_sent, counted = "", False, False
     state.metrics.in_flight.inc()
-    events = omni.stream(prepared, params, request_id=completion_id,
-                         modalities=request.modalities)
+    events = omni.stream(prepared, params, request_id=completion_id, modalities=request.modalities)
     try:
         # A client that goes is noticed by starlette's StreamingResponse, which listens for the
         # disconnect while this generator runs and cancels it; `finally` then closes `events`,
@@ -718,8 +880,9 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                 yield _sse(chunk(with_role({"content": event.text})))
             elif isinstance(event, AudioDelta) and event.audio.numel():
                 data = pcm16_base64(event.audio, event.sample_rate, state.pcm16_gain)
-                yield _sse(chunk(with_role({"audio": {"id": audio_id, "data": data,
-                                                      "transcript": untranscribed}})))
+                yield _sse(
+                    chunk(with_role({"audio": {"id": audio_id, "data": data, "transcript": untranscribed}}))
+                )
                 untranscribed, audio_sent = "", True
             elif isinstance(event, Finished):
                 output = event.output
@@ -729,12 +892,18 @@ async def _stream(omni: AsyncOmni, state: ServerState, request: TranslatedReques
                         last["transcript"] = untranscribed
                     yield _sse(chunk({"audio": last}))
                 # An answer with nothing to send still opens with the role.
-                yield _sse(chunk(with_role({"content": ""}) if not role_sent else {},
-                                 output.finish_reason))
+                yield _sse(chunk(with_role({"content": ""}) if not role_sent else {}, output.finish_reason))
                 if include_usage:
-                    yield _sse({"id": completion_id, "object": "chat.completion.chunk",
-                                "created": created, "model": state.served_model, "choices": [],
-                                "usage": _usage(output)})
+                    yield _sse(
+                        {
+                            "id": completion_id,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": state.served_model,
+                            "choices": [],
+                            "usage": _usage(output),
+                        }
+                    )
                 state.metrics.requests.labels(outcome="success").inc()
                 counted = True
                 state.metrics.observe(output.metrics)

@@ -1,4 +1,5 @@
 """OpenAI chat-completions request schema (the subset omni-pd serves) and its error body."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -25,9 +26,16 @@ class ErrorResponse(BaseModel):
 class APIError(Exception):
     """A request error that becomes OpenAI's error JSON with this status."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.headers = headers  # e.g. Retry-After on a 503

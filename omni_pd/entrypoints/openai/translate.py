@@ -1,5 +1,6 @@
 """OpenAI chat request -> omni-pd prompt, thinker sampling params and modalities; every problem
 is an APIError naming the parameter."""
+
 from __future__ import annotations
 
 import base64
@@ -76,11 +77,19 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
         value = extra.get(name)
         if not any(_same(value, noop) for noop in noops):
             allowed = " or ".join(json.dumps(v) for v in noops)
-            raise _bad(f"omni-pd does not support `{name}` (got {json.dumps(value)[:80]}); "
-                       f"remove it or send {allowed}", name, "unsupported_parameter")
+            raise _bad(
+                f"omni-pd does not support `{name}` (got {json.dumps(value)[:80]}); "
+                f"remove it or send {allowed}",
+                name,
+                "unsupported_parameter",
+            )
     if request.n != 1:
-        raise _bad(f"omni-pd does not support `n` other than 1 (got {request.n}): it returns one "
-                   "choice per request; send n: 1 or several requests", "n", "unsupported_parameter")
+        raise _bad(
+            f"omni-pd does not support `n` other than 1 (got {request.n}): it returns one "
+            "choice per request; send n: 1 or several requests",
+            "n",
+            "unsupported_parameter",
+        )
 
 
 def _invalid_unicode(value: Any, path: str) -> str | None:
@@ -94,8 +103,9 @@ def _invalid_unicode(value: Any, path: str) -> str | None:
     elif isinstance(value, dict):
         for key, item in value.items():
             name = str(key).encode("utf-8", "backslashreplace").decode()
-            found = (_invalid_unicode(key, f"{path}.{name}" if path else name)
-                     or _invalid_unicode(item, f"{path}.{name}" if path else name))
+            found = _invalid_unicode(key, f"{path}.{name}" if path else name) or _invalid_unicode(
+                item, f"{path}.{name}" if path else name
+            )
             if found:
                 return found
     elif isinstance(value, list):
@@ -116,76 +126,112 @@ def _content(message_index: int, content: Any) -> Any:
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise _bad(f"a text part's `text` must be a string, got {json.dumps(text)[:80]}",
-                           f"{param}.text")
+                raise _bad(
+                    f"a text part's `text` must be a string, got {json.dumps(text)[:80]}", f"{param}.text"
+                )
             parts.append({"type": "text", "text": text})
         elif kind == "input_audio":
             spec = part.get("input_audio")
             if not isinstance(spec, dict):
-                raise _bad("`input_audio` must be an object {\"data\": <base64 audio file>, "
-                           "\"format\": \"wav\"}", f"{param}.input_audio")
+                raise _bad(
+                    '`input_audio` must be an object {"data": <base64 audio file>, "format": "wav"}',
+                    f"{param}.input_audio",
+                )
             fmt = spec.get("format", "wav")
             if fmt not in AUDIO_INPUT_FORMATS:
-                raise _bad(f"input audio format {fmt!r} is not supported; send one of "
-                           f"{list(AUDIO_INPUT_FORMATS)}", f"{param}.input_audio.format")
+                raise _bad(
+                    f"input audio format {fmt!r} is not supported; send one of {list(AUDIO_INPUT_FORMATS)}",
+                    f"{param}.input_audio.format",
+                )
             data = spec.get("data")
             if not isinstance(data, str) or not data:
-                raise _bad(f"`input_audio.data` must be the base64 of a {fmt} file, got "
-                           f"{json.dumps(data)[:80]}", f"{param}.input_audio.data")
+                raise _bad(
+                    f"`input_audio.data` must be the base64 of a {fmt} file, got {json.dumps(data)[:80]}",
+                    f"{param}.input_audio.data",
+                )
             try:
                 audio = decode_audio(base64.b64decode(data, validate=True), fmt)
             except (binascii.Error, ValueError, RuntimeError) as exc:
-                raise _bad(f"input audio could not be decoded as base64 {fmt}: {exc}",
-                           f"{param}.input_audio.data") from None
+                raise _bad(
+                    f"input audio could not be decoded as base64 {fmt}: {exc}", f"{param}.input_audio.data"
+                ) from None
             if audio.size == 0 or not np.isfinite(audio).all():
-                raise _bad("the input audio holds no samples" if audio.size == 0 else
-                           "the input audio holds NaN or infinite samples", f"{param}.input_audio.data")
+                raise _bad(
+                    "the input audio holds no samples"
+                    if audio.size == 0
+                    else "the input audio holds NaN or infinite samples",
+                    f"{param}.input_audio.data",
+                )
             parts.append({"type": "audio", "audio": audio})
         else:
-            raise _bad(f"content part type {kind!r} is not supported; use 'text' or 'input_audio'",
-                       f"{param}.type", "unsupported_content")
+            raise _bad(
+                f"content part type {kind!r} is not supported; use 'text' or 'input_audio'",
+                f"{param}.type",
+                "unsupported_content",
+            )
     return parts
 
 
-def translate(request: ChatCompletionRequest, thinker_defaults: SamplingParams,
-              served_model: str) -> TranslatedRequest:
+def translate(
+    request: ChatCompletionRequest, thinker_defaults: SamplingParams, served_model: str
+) -> TranslatedRequest:
     where = _invalid_unicode(request.model_dump(exclude_unset=True), "")
     if where:
-        raise _bad(f"{where} holds a lone UTF-16 surrogate (such as \\ud800 without its pair), "
-                   "which is not valid Unicode; send UTF-8 text, with any surrogates in pairs",
-                   where, "invalid_unicode")
+        raise _bad(
+            f"{where} holds a lone UTF-16 surrogate (such as \\ud800 without its pair), "
+            "which is not valid Unicode; send UTF-8 text, with any surrogates in pairs",
+            where,
+            "invalid_unicode",
+        )
     if request.model != served_model:
-        raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
-                       f"{served_model!r}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {request.model!r} does not exist; this server serves {served_model!r}",
+            param="model",
+            code="model_not_found",
+        )
     if not request.messages:
         raise _bad("messages must hold at least one message", "messages")
     _refuse_unsupported(request)
     modalities = tuple(request.modalities or ["text"])
     if modalities not in (("text",), ("text", "audio"), ("audio", "text")):
-        raise _bad(f"modalities {list(modalities)} are not supported; use ['text'] or "
-                   "['text', 'audio']", "modalities", "unsupported_modality")
+        raise _bad(
+            f"modalities {list(modalities)} are not supported; use ['text'] or ['text', 'audio']",
+            "modalities",
+            "unsupported_modality",
+        )
     audio = request.audio
     audio_format = (audio.format if audio else None) or ("pcm16" if request.stream else "wav")
     if audio_format not in AUDIO_OUTPUT_FORMATS:
-        raise _bad(f"audio format {audio_format!r} is not supported; use one of "
-                   f"{list(AUDIO_OUTPUT_FORMATS)}", "audio.format", "unsupported_audio_format")
+        raise _bad(
+            f"audio format {audio_format!r} is not supported; use one of {list(AUDIO_OUTPUT_FORMATS)}",
+            "audio.format",
+            "unsupported_audio_format",
+        )
     if request.stream and audio_format != "pcm16":
         # As OpenAI: a streamed answer's audio comes in pieces, which only raw PCM can be.
-        raise _bad(f"audio format {audio_format!r} cannot be streamed; use \"pcm16\" with "
-                   "stream: true, or stream: false for a whole wav", "audio.format",
-                   "unsupported_audio_format")
+        raise _bad(
+            f'audio format {audio_format!r} cannot be streamed; use "pcm16" with '
+            "stream: true, or stream: false for a whole wav",
+            "audio.format",
+            "unsupported_audio_format",
+        )
     changes: dict[str, Any] = {}
     if request.temperature is not None:
         if not 0.0 <= request.temperature <= 2.0:  # NaN too
-            raise _bad(f"temperature {request.temperature} is out of range [0, 2]; send 0 for "
-                       f"greedy decoding (any temperature below {GREEDY_BELOW_TEMPERATURE:g} is "
-                       "greedy too)", "temperature")
+            raise _bad(
+                f"temperature {request.temperature} is out of range [0, 2]; send 0 for "
+                f"greedy decoding (any temperature below {GREEDY_BELOW_TEMPERATURE:g} is "
+                "greedy too)",
+                "temperature",
+            )
         greedy = request.temperature < GREEDY_BELOW_TEMPERATURE
         changes["temperature"] = 0.0 if greedy else request.temperature
     if request.top_p is not None:
         if not 0.0 < request.top_p <= 1.0:
-            raise _bad(f"top_p {request.top_p} is out of range (0, 1]; send 1 for no nucleus "
-                       "filtering", "top_p")
+            raise _bad(
+                f"top_p {request.top_p} is out of range (0, 1]; send 1 for no nucleus filtering", "top_p"
+            )
         changes["top_p"] = request.top_p
     name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, name)
@@ -202,9 +248,14 @@ def translate(request: ChatCompletionRequest, thinker_defaults: SamplingParams,
         if len(stops) > 4:
             raise _bad("at most 4 stop sequences are allowed", "stop")
         changes["stop"] = tuple(s for s in stops if s)
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": _content(i, m.content)} for i, m in enumerate(request.messages)]
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _content(i, m.content)}
+        for i, m in enumerate(request.messages)
+    ]
     prompt = {"messages": messages, "speaker": audio.voice if audio else "ethan"}
-    return TranslatedRequest(prompt=prompt, thinker_params=thinker_defaults.replace(**changes),
-                             modalities=("text", "audio") if "audio" in modalities else ("text",),
-                             audio_format=audio_format)
+    return TranslatedRequest(
+        prompt=prompt,
+        thinker_params=thinker_defaults.replace(**changes),
+        modalities=("text", "audio") if "audio" in modalities else ("text",),
+        audio_format=audio_format,
+    )

@@ -10,6 +10,7 @@ on top of the part itself.
 
 Every problem a user can fix is a `CheckpointError` naming the file and the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,18 @@ SINGLE_FILE = "model.safetensors"
 MAP_WINDOW_BYTES = 32 * 2**20
 # Checkpoint dtypes a floating-point parameter can be converted from.
 _FLOAT_SOURCES = {"F64", "F32", "F16", "BF16"}
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
@@ -61,35 +71,49 @@ def read_shard_index(directory: str | Path) -> ShardIndex:
         try:
             data = json.loads(index_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{index_path} is not valid JSON ({exc}); re-write it (e.g. "
-                                  "save_pretrained) or copy it again from the checkpoint") from exc
+            raise CheckpointError(
+                f"{index_path} is not valid JSON ({exc}); re-write it (e.g. "
+                "save_pretrained) or copy it again from the checkpoint"
+            ) from exc
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if (not isinstance(weight_map, dict) or not weight_map
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
-            raise CheckpointError(f"{index_path} has no `weight_map` (a non-empty object of tensor "
-                                  "name -> shard file); re-write the index or copy it again")
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+        ):
+            raise CheckpointError(
+                f"{index_path} has no `weight_map` (a non-empty object of tensor "
+                "name -> shard file); re-write the index or copy it again"
+            )
         escaping = [v for v in set(weight_map.values()) if Path(v).name != v]
         if escaping:
-            raise CheckpointError(f"{index_path}: weight_map names shard {escaping[0]!r}, which is "
-                                  "not a file name in the checkpoint directory")
+            raise CheckpointError(
+                f"{index_path}: weight_map names shard {escaping[0]!r}, which is "
+                "not a file name in the checkpoint directory"
+            )
         return ShardIndex(directory, index_path, dict(weight_map))
     single = directory / SINGLE_FILE
     if single.is_file():
         with _open(single) as handle:
             return ShardIndex(directory, single, {name: SINGLE_FILE for name in handle.keys()})
-    raise CheckpointError(f"{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}: the hf stages "
-                          "load safetensors checkpoints (convert other formats with save_pretrained)")
+    raise CheckpointError(
+        f"{directory} has neither {INDEX_FILE} nor {SINGLE_FILE}: the hf stages "
+        "load safetensors checkpoints (convert other formats with save_pretrained)"
+    )
 
 
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except FileNotFoundError as exc:
-        raise CheckpointError(f"shard {path} is missing; copy it into the checkpoint directory "
-                              "again") from exc
+        raise CheckpointError(
+            f"shard {path} is missing; copy it into the checkpoint directory again"
+        ) from exc
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"shard {path} is not a readable safetensors file ({exc}); it may be "
-                              "truncated or corrupt: copy it again") from exc
+        raise CheckpointError(
+            f"shard {path} is not a readable safetensors file ({exc}); it may be "
+            "truncated or corrupt: copy it again"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -137,30 +161,43 @@ def read_plan(index: ShardIndex, plan: TensorPlan, part: str) -> tuple[dict[str,
                 by_shard[shard].append((key, piece))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{index.source} lacks {len(missing)} tensor(s) of the {part} part: "
-                              f"{shown}; the checkpoint does not match its config.json (use the "
-                              "checkpoint's own config, or a complete checkpoint)")
+        raise CheckpointError(
+            f"{index.source} lacks {len(missing)} tensor(s) of the {part} part: "
+            f"{shown}; the checkpoint does not match its config.json (use the "
+            "checkpoint's own config, or a complete checkpoint)"
+        )
     out: dict[str, torch.Tensor] = {}
     for shard in sorted(by_shard):
         _read_shard(index.directory / shard, by_shard[shard], plan, out)
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
-    report = LoadReport(part, sum(len(v) for v in by_shard.values()), nbytes, tuple(sorted(by_shard)),
-                        len(index.shards), time.perf_counter() - began)
+    report = LoadReport(
+        part,
+        sum(len(v) for v in by_shard.values()),
+        nbytes,
+        tuple(sorted(by_shard)),
+        len(index.shards),
+        time.perf_counter() - began,
+    )
     return out, report
 
 
-def _read_shard(path: Path, wanted: list[tuple[str, Piece]], plan: TensorPlan,
-                out: dict[str, torch.Tensor]) -> None:
+def _read_shard(
+    path: Path, wanted: list[tuple[str, Piece]], plan: TensorPlan, out: dict[str, torch.Tensor]
+) -> None:
     if not path.is_file():
-        raise CheckpointError(f"shard {path} is missing (the index says it holds "
-                              f"{wanted[0][1].name}); copy it into the checkpoint directory again")
+        raise CheckpointError(
+            f"shard {path} is missing (the index says it holds "
+            f"{wanted[0][1].name}); copy it into the checkpoint directory again"
+        )
     handle, mapped = _open(path), 0
     keys = set(handle.keys())
     try:
         for key, piece in wanted:
             if piece.name not in keys:
-                raise CheckpointError(f"shard {path} lacks {piece.name}, which the index says it "
-                                      "holds; the index and the shards do not match: copy both again")
+                raise CheckpointError(
+                    f"shard {path} lacks {piece.name}, which the index says it "
+                    "holds; the index and the shards do not match: copy both again"
+                )
             if mapped >= MAP_WINDOW_BYTES:  # drop the mapped pages read so far
                 del handle
                 handle, mapped = _open(path), 0
@@ -171,17 +208,20 @@ def _read_shard(path: Path, wanted: list[tuple[str, Piece]], plan: TensorPlan,
     log.debug("read %d tensors from %s", len(wanted), path.name)
 
 
-def _read_piece(handle, path: Path, key: str, piece: Piece, plan: TensorPlan,
-                out: dict[str, torch.Tensor]) -> torch.Tensor:
+def _read_piece(
+    handle, path: Path, key: str, piece: Piece, plan: TensorPlan, out: dict[str, torch.Tensor]
+) -> torch.Tensor:
     target = plan.dtypes[key]
     try:
         stored = handle.get_slice(piece.name).get_dtype()
     except SafetensorError as exc:
         raise CheckpointError(f"shard {path}: cannot read {piece.name} ({exc}); copy it again") from exc
     if target.is_floating_point and stored not in _FLOAT_SOURCES:
-        raise CheckpointError(f"shard {path}: tensor {piece.name} is {stored}, which the hf stage "
-                              f"cannot use as {target} (quantized or non-float weights); use a "
-                              "checkpoint with float32, float16 or bfloat16 weights")
+        raise CheckpointError(
+            f"shard {path}: tensor {piece.name} is {stored}, which the hf stage "
+            f"cannot use as {target} (quantized or non-float weights); use a "
+            "checkpoint with float32, float16 or bfloat16 weights"
+        )
     if not target.is_floating_point and _DTYPES.get(stored) != target:
         raise CheckpointError(f"shard {path}: tensor {piece.name} is {stored}, expected {target}")
     if key not in out:
@@ -190,11 +230,15 @@ def _read_piece(handle, path: Path, key: str, piece: Piece, plan: TensorPlan,
     try:
         source = handle.get_tensor(piece.name)
     except SafetensorError as exc:
-        raise CheckpointError(f"shard {path}: cannot read {piece.name} ({exc}); the file may be "
-                              "truncated or corrupt: copy it again") from exc
+        raise CheckpointError(
+            f"shard {path}: cannot read {piece.name} ({exc}); the file may be "
+            "truncated or corrupt: copy it again"
+        ) from exc
     if tuple(source.shape) != tuple(dest.shape):
-        raise CheckpointError(f"shard {path}: tensor {piece.name} has shape {tuple(source.shape)}, "
-                              f"the model needs {tuple(dest.shape)}; the checkpoint does not match "
-                              "its config.json")
+        raise CheckpointError(
+            f"shard {path}: tensor {piece.name} has shape {tuple(source.shape)}, "
+            f"the model needs {tuple(dest.shape)}; the checkpoint does not match "
+            "its config.json"
+        )
     dest.copy_(source)
     return source

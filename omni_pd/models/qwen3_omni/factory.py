@@ -5,6 +5,7 @@
 transformers leaves the talker's MoE experts as `torch.empty` and its router at zeros, so those are
 filled from a generator seeded by the parameter's name.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,9 @@ def resolve_model(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} has no config.json; "
-                                    f"write one with `omni-pd make-tiny-model {path}`")
+            raise FileNotFoundError(
+                f"model directory {path} has no config.json; write one with `omni-pd make-tiny-model {path}`"
+            )
         return ModelSource(name=model, directory=path.resolve())
     raise FileNotFoundError(
         f"model {model!r} is neither the embedded {TINY_MODEL_NAME!r} nor a local directory "
@@ -92,8 +94,9 @@ def _fill_uninitialised(model: torch.nn.Module, seed: int, std: float) -> None:
             param.copy_(torch.randn(param.shape, generator=_seeded_generator(seed, name)) * std)
 
 
-def build_dummy_model(config: Qwen3OmniMoeConfig, seed: int = DEFAULT_DUMMY_SEED,
-                      dtype: torch.dtype = torch.float32) -> Qwen3OmniMoeForConditionalGeneration:
+def build_dummy_model(
+    config: Qwen3OmniMoeConfig, seed: int = DEFAULT_DUMMY_SEED, dtype: torch.dtype = torch.float32
+) -> Qwen3OmniMoeForConditionalGeneration:
     """Seeded random weights; the same seed gives the same bytes in every process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -102,16 +105,19 @@ def build_dummy_model(config: Qwen3OmniMoeConfig, seed: int = DEFAULT_DUMMY_SEED
     return model.to(dtype).eval()
 
 
-def load_model(model: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_SEED,
-               dtype: torch.dtype = torch.float32) -> Qwen3OmniMoeForConditionalGeneration:
+def load_model(
+    model: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_SEED, dtype: torch.dtype = torch.float32
+) -> Qwen3OmniMoeForConditionalGeneration:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
     source = resolve_model(model)
     if load_format == "dummy":
         return build_dummy_model(load_config(source), seed=seed, dtype=dtype)
     if source.is_embedded:
-        raise ValueError(f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format "
-                         "'dummy', or write a checkpoint with `omni-pd make-tiny-model DIR`")
+        raise ValueError(
+            f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format "
+            "'dummy', or write a checkpoint with `omni-pd make-tiny-model DIR`"
+        )
     loaded = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(source.directory), dtype=dtype)
     # safetensors can map tensors at misaligned addresses, which changes the last bit of some
     # CPU kernels' results; owning fresh aligned copies keeps outputs equal to a seeded build.
@@ -121,8 +127,13 @@ def load_model(model: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_
     return loaded.eval()
 
 
-def load_stage(model: str, stage: str, load_format: str = "auto", seed: int = DEFAULT_DUMMY_SEED,
-               dtype: torch.dtype = torch.float32) -> tuple[StageParts, list[LoadReport]]:
+def load_stage(
+    model: str,
+    stage: str,
+    load_format: str = "auto",
+    seed: int = DEFAULT_DUMMY_SEED,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[StageParts, list[LoadReport]]:
     """The modules `stage` runs. From a checkpoint directory: only that stage's part, read lean
     (see stage_parts). `dummy`: the whole seeded model is built (tiny; its bytes depend on
     building every part in order) and only the stage's part is kept (no reports)."""
@@ -132,8 +143,10 @@ def load_stage(model: str, stage: str, load_format: str = "auto", seed: int = DE
     if load_format == "dummy":
         return StageParts.of(build_dummy_model(load_config(source), seed=seed, dtype=dtype), stage), []
     if source.is_embedded:
-        raise ValueError(f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format "
-                         "'dummy', or write a checkpoint with `omni-pd make-tiny-model DIR`")
+        raise ValueError(
+            f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format "
+            "'dummy', or write a checkpoint with `omni-pd make-tiny-model DIR`"
+        )
     index = read_shard_index(source.directory)
     return load_stage_parts(index, load_config(source), stage, dtype)
 
@@ -149,8 +162,12 @@ def model_config_dict(size: str = "tiny") -> dict:
     raise ValueError(f"model size {size!r} is not one of {MODEL_SIZES}")
 
 
-def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_DUMMY_SEED, size: str = "tiny",
-                    max_shard_size: str | int | None = None) -> Path:
+def save_tiny_model(
+    directory: str | os.PathLike,
+    seed: int = DEFAULT_DUMMY_SEED,
+    size: str = "tiny",
+    max_shard_size: str | int | None = None,
+) -> Path:
     """Write a seeded random model (config, tokenizer, weights) as a checkpoint: the embedded
     tiny one, or `medium` (1.1 GB of float32, parts sized like the real model's). With
     `max_shard_size` (e.g. "200MB") the weights go in HF's sharded layout
@@ -173,26 +190,41 @@ def save_tiny_processor(directory: str | os.PathLike) -> None:
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor
 
     from .prompt import AUDIO_SAMPLE_RATE
+
     config = tiny_config_dict()["thinker_config"]
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), extra_special_tokens={
-        "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
-        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-        "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
-    features = WhisperFeatureExtractor(feature_size=config["audio_config"]["num_mel_bins"],
-                                       sampling_rate=AUDIO_SAMPLE_RATE)
-    Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(),
-                          video_processor=Qwen2VLVideoProcessor(), feature_extractor=features,
-                          tokenizer=tokenizer, chat_template=tokenizer.chat_template
-                          ).save_pretrained(str(directory))
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(directory),
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+            "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>",
+        },
+    )
+    features = WhisperFeatureExtractor(
+        feature_size=config["audio_config"]["num_mel_bins"], sampling_rate=AUDIO_SAMPLE_RATE
+    )
+    Qwen3OmniMoeProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        video_processor=Qwen2VLVideoProcessor(),
+        feature_extractor=features,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    ).save_pretrained(str(directory))
 
 
 def ensure_tiny_checkpoint(seed: int = DEFAULT_DUMMY_SEED) -> Path:
     """The embedded tiny model as a checkpoint directory for vLLM (what `save_tiny_model` writes,
     plus the processor files), built once per machine in omni-pd's cache: vLLM then runs the
     same weights as the hf stages' `load_format: dummy` with the same seed."""
+
     def write(directory: Path) -> None:
         save_tiny_model(directory, seed=seed)
         save_tiny_processor(directory)
+
     key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 2})
     return cached_checkpoint(TINY_MODEL_NAME, key, write)
 
@@ -202,6 +234,7 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
     digest = xxhash.xxh3_128()
     for name, tensor in module.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                      if tensor.numel() else b"")
+        digest.update(
+            tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        )
     return digest.hexdigest()

@@ -6,6 +6,7 @@ thinker largest (~0.8 GB of float32), the talker in the middle (~0.25 GB), code2
 per token, so the pipeline stays quick on a CPU. Token ids, vocabularies, head sizes and the
 audio/vision encoders are the tiny model's (same tokenizer, same kernel paths).
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,15 +20,25 @@ MEDIUM_THINKER_HIDDEN = 256
 def medium_config_dict() -> dict[str, Any]:
     config = copy.deepcopy(tiny_config_dict())
     thinker = config["thinker_config"]
-    thinker["text_config"].update(hidden_size=MEDIUM_THINKER_HIDDEN, intermediate_size=512,
-                                  num_hidden_layers=8, moe_intermediate_size=512, num_experts=64)
+    thinker["text_config"].update(
+        hidden_size=MEDIUM_THINKER_HIDDEN,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        moe_intermediate_size=512,
+        num_experts=64,
+    )
     # The encoders project into the thinker's width.
     thinker["audio_config"]["output_dim"] = MEDIUM_THINKER_HIDDEN
     thinker["vision_config"]["out_hidden_size"] = MEDIUM_THINKER_HIDDEN
     talker = config["talker_config"]
-    talker["text_config"].update(hidden_size=256, intermediate_size=512, num_hidden_layers=5,
-                                 moe_intermediate_size=256, shared_expert_intermediate_size=512,
-                                 num_experts=64)
+    talker["text_config"].update(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=5,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=512,
+        num_experts=64,
+    )
     # The code predictor reads the talker's hidden states: the same width.
     talker["code_predictor_config"].update(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     talker["thinker_hidden_size"] = MEDIUM_THINKER_HIDDEN

@@ -1,4 +1,5 @@
 """Qwen3-Omni-MoE as the orchestrator sees it (`omni_pd.registry.ModelPipeline`)."""
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,17 @@ def qwen3_omni_pipeline(model: str) -> ModelPipeline:
     tokenizer = load_tokenizer(source)
     builder = PromptBuilder(tokenizer, config.thinker_config)
     return ModelPipeline(
-        name=model, config=config, tokenizer=tokenizer,
+        name=model,
+        config=config,
+        tokenizer=tokenizer,
         eos_token_ids=thinker_eos_ids(config, tokenizer),
         context_len=config.thinker_config.text_config.max_position_embeddings,
         voices=tuple(sorted(config.talker_config.speaker_id or {})),
-        normalize_prompt=normalize_prompt, build_prompt=builder.build, speaks=speaks,
-        speech_text=SpeechText(tokenizer, config.code2wav_config))
+        normalize_prompt=normalize_prompt,
+        build_prompt=builder.build,
+        speaks=speaks,
+        speech_text=SpeechText(tokenizer, config.code2wav_config),
+    )
 
 
 class SpeechText:
@@ -46,7 +52,7 @@ class SpeechText:
 
     def __call__(self, text: str, seconds: float) -> str:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        heard = ids[:max(0, int(seconds * self.frames_per_s))]
+        heard = ids[: max(0, int(seconds * self.frames_per_s))]
         return self.tokenizer.decode(heard, skip_special_tokens=True) if heard else ""
 
 

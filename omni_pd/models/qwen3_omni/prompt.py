@@ -4,6 +4,7 @@ Audio parts go through `WhisperFeatureExtractor`; each audio's single `<|audio_p
 chat template is expanded to the number of positions the audio encoder produces for it, as
 Qwen3-Omni's processor does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -56,11 +57,16 @@ def normalize_prompt(prompt: Any) -> OmniPrompt:
             messages = [{"role": "user", "content": prompt["prompt"]}]
         if messages is None and prompt.get("prompt_token_ids") is None:
             raise ValueError("a prompt dict needs 'messages', 'prompt' or 'prompt_token_ids'")
-        return OmniPrompt(messages=messages, prompt_token_ids=prompt.get("prompt_token_ids"),
-                          audios=list(prompt.get("audios", [])),
-                          speaker=prompt.get("speaker", "ethan"))
-    raise TypeError(f"unsupported prompt type {type(prompt).__name__}: pass a str, a list of chat "
-                    "messages or a dict with 'messages' / 'prompt' / 'prompt_token_ids'")
+        return OmniPrompt(
+            messages=messages,
+            prompt_token_ids=prompt.get("prompt_token_ids"),
+            audios=list(prompt.get("audios", [])),
+            speaker=prompt.get("speaker", "ethan"),
+        )
+    raise TypeError(
+        f"unsupported prompt type {type(prompt).__name__}: pass a str, a list of chat "
+        "messages or a dict with 'messages' / 'prompt' / 'prompt_token_ids'"
+    )
 
 
 class PromptBuilder:
@@ -68,8 +74,9 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.audio_token_id = thinker_config.audio_token_id
         self.n_window = thinker_config.audio_config.n_window
-        self.features = WhisperFeatureExtractor(feature_size=thinker_config.audio_config.num_mel_bins,
-                                                sampling_rate=AUDIO_SAMPLE_RATE)
+        self.features = WhisperFeatureExtractor(
+            feature_size=thinker_config.audio_config.num_mel_bins, sampling_rate=AUDIO_SAMPLE_RATE
+        )
 
     def _audio_from_parts(self, messages: list[dict[str, Any]]) -> list[np.ndarray]:
         found = []
@@ -82,9 +89,11 @@ class PromptBuilder:
                         found.append(decode_audio(spec["data"], spec.get("format"), AUDIO_SAMPLE_RATE))
                     elif part.get("type") == "audio":
                         if part.get("audio") is None:
-                            raise ValueError("an audio part needs 'audio' (16 kHz mono float "
-                                             "samples); or send {'type': 'input_audio', "
-                                             "'input_audio': {'data': <base64 WAV>, 'format': 'wav'}}")
+                            raise ValueError(
+                                "an audio part needs 'audio' (16 kHz mono float "
+                                "samples); or send {'type': 'input_audio', "
+                                "'input_audio': {'data': <base64 WAV>, 'format': 'wav'}}"
+                            )
                         found.append(np.asarray(part["audio"], dtype=np.float32))
         return found
 
@@ -96,12 +105,16 @@ class PromptBuilder:
         if not prompt.messages:
             raise ValueError("the prompt has no messages")
         audios = prompt.audios or self._audio_from_parts(prompt.messages)
-        ids = list(self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False))
+        ids = list(
+            self.tokenizer.apply_chat_template(
+                prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
         placeholders = ids.count(self.audio_token_id)
         if placeholders != len(audios):
-            raise ValueError(f"the messages have {placeholders} audio part(s) but {len(audios)} "
-                             "audio input(s) were given")
+            raise ValueError(
+                f"the messages have {placeholders} audio part(s) but {len(audios)} audio input(s) were given"
+            )
         if not audios:
             return ThinkerPrompt(prompt_token_ids=ids)
         features, mask = self._clip_features(audios)
@@ -109,16 +122,23 @@ class PromptBuilder:
         expanded: list[int] = []
         for token in ids:
             expanded.extend([token] * next(counts) if token == self.audio_token_id else [token])
-        return ThinkerPrompt(prompt_token_ids=expanded, input_features=features,
-                             feature_attention_mask=mask)
+        return ThinkerPrompt(prompt_token_ids=expanded, input_features=features, feature_attention_mask=mask)
 
     def _clip_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each clip's mel features computed alone, then zero-padded to the longest: a clip's
         frames do not depend on the other clips of the prompt (padded together, the STFT of a
         shorter clip's last frames would see the padding), so a clip that comes back in a later
         turn has the same features and the prefix cache can reuse its blocks."""
-        clips = [self.features(audio, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True,
-                               return_tensors="pt", padding="longest") for audio in audios]
+        clips = [
+            self.features(
+                audio,
+                sampling_rate=AUDIO_SAMPLE_RATE,
+                return_attention_mask=True,
+                return_tensors="pt",
+                padding="longest",
+            )
+            for audio in audios
+        ]
         frames = max(clip["input_features"].shape[-1] for clip in clips)
         features = torch.zeros((len(clips), clips[0]["input_features"].shape[1], frames))
         mask = torch.zeros((len(clips), frames), dtype=torch.long)

@@ -1,6 +1,7 @@
 """What Qwen3-Omni's stages exchange: the thinker's prompt and output (the generic records of
 omni_pd/engines/types.py plus the rows the talker reads), the talker's input and codes, and
 code2wav's input. One record per request per stage."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

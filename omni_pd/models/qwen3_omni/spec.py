@@ -1,5 +1,6 @@
 """Qwen3-Omni-MoE as the registry sees it (omni_pd/registry.py): named in pyproject.toml's
 `omni_pd.models` entry points. Each callable imports the model code it needs when called."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -12,34 +13,41 @@ from .vllm import ARCHITECTURE, MODEL_CLASS
 
 def _pipeline(model: str) -> ModelPipeline:
     from .pipeline import qwen3_omni_pipeline
+
     return qwen3_omni_pipeline(model)
 
 
 def _build_hf_engine(stage_config: Any, model: str) -> Any:
     from .hf.stage_engines import build_hf_engine
+
     return build_hf_engine(stage_config, model)
 
 
 def _materialize(model: str, seed: int) -> str:
     from .factory import ensure_tiny_checkpoint
+
     return str(ensure_tiny_checkpoint(seed))
 
 
 def _vllm_hooks(model: str) -> Any:
     from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen3OmniThinkerHooks
+
     config = load_config(resolve_model(model))
-    return Qwen3OmniThinkerHooks(config.talker_config.accept_hidden_layer,
-                                 config.thinker_config.audio_token_id)
+    return Qwen3OmniThinkerHooks(
+        config.talker_config.accept_hidden_layer, config.thinker_config.audio_token_id
+    )
 
 
 def _topologies() -> dict[str, Any]:
     from .topology import PIPELINES
+
     return dict(PIPELINES)
 
 
 def _native_kernels() -> tuple[Any, ...]:
     from .hf.code2wav_native import CODE2WAV
+
     return (CODE2WAV,)
 
 
@@ -56,8 +64,9 @@ SPEC = ModelSpec(
     engine_args={
         # code2wav's convolutional decoder on omni-pd's C kernels (built with the system C
         # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
-        "code2wav_kernels": EngineArg(Literal["native", "torch"], "native",
-                                      "a code2wav stage runs on engine: hf"),
+        "code2wav_kernels": EngineArg(
+            Literal["native", "torch"], "native", "a code2wav stage runs on engine: hf"
+        ),
     },
     vllm_omni_engine_args=("subtalker_sampling_params",),
     # vllm-omni's names for this model's stage input processors (config/aliases.py): its legacy

@@ -11,6 +11,7 @@ downstream stage's opening prompt as soon as there is enough input for one (None
 `take()` the input that arrived since (and whether it is the last). In total the downstream
 stage gets exactly what `X` would build from the whole upstream output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,7 @@ import logging
 import torch
 
 from ...engines.base import StageInputs
-from .records import (Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt, ThinkerChunk,
-                      ThinkerOutput)
+from .records import Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt, ThinkerChunk, ThinkerOutput
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +28,25 @@ class StageInputError(ValueError):
     """Upstream outputs that cannot make a valid input for the next stage."""
 
 
-def _merge_rows(request_id: str, name: str, prompt_rows: torch.Tensor, output_rows: torch.Tensor,
-                output_start: int, prompt_len: int, expected: int) -> torch.Tensor:
+def _merge_rows(
+    request_id: str,
+    name: str,
+    prompt_rows: torch.Tensor,
+    output_rows: torch.Tensor,
+    output_start: int,
+    prompt_len: int,
+    expected: int,
+) -> torch.Tensor:
     if prompt_rows.shape[0] < output_start:
         raise StageInputError(
             f"request {request_id}: the prompt {name} cover {prompt_rows.shape[0]} positions but the "
-            f"generated-token {name} start at position {output_start} (prompt length {prompt_len})")
+            f"generated-token {name} start at position {output_start} (prompt length {prompt_len})"
+        )
     if prompt_rows.shape[1:] != output_rows.shape[1:]:
         raise StageInputError(
             f"request {request_id}: prompt {name} have shape {tuple(prompt_rows.shape)} but "
-            f"generated-token {name} have {tuple(output_rows.shape)}")
+            f"generated-token {name} have {tuple(output_rows.shape)}"
+        )
     # Rows the decode leg recomputed (a decode engine may re-run the last prompt position) replace
     # the prefill leg's copy of the same positions.
     merged = torch.cat([prompt_rows[:output_start], output_rows], dim=0)
@@ -45,7 +54,8 @@ def _merge_rows(request_id: str, name: str, prompt_rows: torch.Tensor, output_ro
         raise StageInputError(
             f"request {request_id}: merged {name} cover {merged.shape[0]} positions, expected "
             f"{expected} (prompt {prompt_len} + generated tokens fed back); prompt rows "
-            f"{prompt_rows.shape[0]}, generated rows {output_rows.shape[0]} from position {output_start}")
+            f"{prompt_rows.shape[0]}, generated rows {output_rows.shape[0]} from position {output_start}"
+        )
     return merged
 
 
@@ -57,52 +67,85 @@ def thinker2talker(inputs: StageInputs) -> TalkerPrompt:
         raise StageInputError(
             f"request {inputs.request_id}: stage {inputs.stage_id} needs exactly one thinker output "
             f"with prompt embeddings and one with generated-token embeddings; got "
-            f"{len(with_prompt)} and {len(with_output)} from stages {sorted(inputs.upstream)}")
+            f"{len(with_prompt)} and {len(with_output)} from stages {sorted(inputs.upstream)}"
+        )
     prompt_out, gen_out = with_prompt[0], with_output[0]
     if prompt_out.prompt_token_ids != gen_out.prompt_token_ids:
         raise StageInputError(
             f"request {inputs.request_id}: the prefill leg saw a {len(prompt_out.prompt_token_ids)}-token "
-            f"prompt, the decode leg a {len(gen_out.prompt_token_ids)}-token one; they must be the same")
+            f"prompt, the decode leg a {len(gen_out.prompt_token_ids)}-token one; they must be the same"
+        )
     prompt_len = len(gen_out.prompt_token_ids)
     # Every generated token but the last was fed back through the thinker.
     expected = prompt_len + max(len(gen_out.token_ids) - 1, 0)
-    embeds = _merge_rows(inputs.request_id, "embeddings", prompt_out.prompt_embeds,
-                         gen_out.output_embeds, gen_out.output_start, prompt_len, expected)
-    hidden = _merge_rows(inputs.request_id, "hidden states", prompt_out.prompt_hidden,
-                         gen_out.output_hidden, gen_out.output_start, prompt_len, expected)
-    return TalkerPrompt(request_id=inputs.request_id, prompt_token_ids=list(gen_out.prompt_token_ids),
-                        output_token_ids=list(gen_out.token_ids), thinker_embeds=embeds,
-                        thinker_hidden=hidden, speaker=inputs.speaker)
+    embeds = _merge_rows(
+        inputs.request_id,
+        "embeddings",
+        prompt_out.prompt_embeds,
+        gen_out.output_embeds,
+        gen_out.output_start,
+        prompt_len,
+        expected,
+    )
+    hidden = _merge_rows(
+        inputs.request_id,
+        "hidden states",
+        prompt_out.prompt_hidden,
+        gen_out.output_hidden,
+        gen_out.output_start,
+        prompt_len,
+        expected,
+    )
+    return TalkerPrompt(
+        request_id=inputs.request_id,
+        prompt_token_ids=list(gen_out.prompt_token_ids),
+        output_token_ids=list(gen_out.token_ids),
+        thinker_embeds=embeds,
+        thinker_hidden=hidden,
+        speaker=inputs.speaker,
+    )
 
 
 def _speech_frames(frames: list[list[int]], c2w, already: int) -> tuple[int, bool]:
     """How many leading `frames` are speech, given `already` frames were taken before, and
     whether the speech ends among them. A frame with an id outside the codebook (an
     end-of-speech or control code) ends the speech; so does code2wav's position limit."""
-    keep = next((i for i, frame in enumerate(frames)
-                 if any(code < 0 or code >= c2w.codebook_size for code in frame)), len(frames))
+    keep = next(
+        (i for i, frame in enumerate(frames) if any(code < 0 or code >= c2w.codebook_size for code in frame)),
+        len(frames),
+    )
     keep = max(min(keep, c2w.max_position_embeddings - already), 0)
     return keep, keep < len(frames)
 
 
 def _check_frames(request_id: str, frames: list[list[int]], c2w) -> None:
     if any(len(frame) != c2w.num_quantizers for frame in frames):
-        raise StageInputError(f"request {request_id}: codec frames must have {c2w.num_quantizers} "
-                              f"codes each, got {sorted({len(f) for f in frames})}")
+        raise StageInputError(
+            f"request {request_id}: codec frames must have {c2w.num_quantizers} "
+            f"codes each, got {sorted({len(f) for f in frames})}"
+        )
 
 
 def _log_dropped(request_id: str, kept: int, frames: int, c2w) -> None:
-    log.warning("request %s: code2wav takes %d of %d codec frames (ids must be below %d, at most "
-                "%d frames); the rest is dropped", request_id, kept, frames, c2w.codebook_size,
-                c2w.max_position_embeddings)
+    log.warning(
+        "request %s: code2wav takes %d of %d codec frames (ids must be below %d, at most "
+        "%d frames); the rest is dropped",
+        request_id,
+        kept,
+        frames,
+        c2w.codebook_size,
+        c2w.max_position_embeddings,
+    )
 
 
 def _talker_output(inputs: StageInputs) -> TalkerOutput:
     sources = [inputs.upstream[s] for s in inputs.source_stage_ids if s in inputs.upstream]
     talker_outputs = [o for o in sources if isinstance(o, TalkerOutput)]
     if len(talker_outputs) != 1:
-        raise StageInputError(f"request {inputs.request_id}: stage {inputs.stage_id} needs one talker "
-                              f"output among its sources {inputs.source_stage_ids}")
+        raise StageInputError(
+            f"request {inputs.request_id}: stage {inputs.stage_id} needs one talker "
+            f"output among its sources {inputs.source_stage_ids}"
+        )
     return talker_outputs[0]
 
 
@@ -110,8 +153,10 @@ def talker2code2wav(inputs: StageInputs) -> Code2WavPrompt:
     codes = _talker_output(inputs).codes
     c2w = inputs.model_config.code2wav_config
     if codes.dim() != 2 or codes.shape[0] != c2w.num_quantizers:
-        raise StageInputError(f"request {inputs.request_id}: codes have shape {tuple(codes.shape)}, "
-                              f"code2wav takes [{c2w.num_quantizers}, frames]")
+        raise StageInputError(
+            f"request {inputs.request_id}: codes have shape {tuple(codes.shape)}, "
+            f"code2wav takes [{c2w.num_quantizers}, frames]"
+        )
     keep, ended = _speech_frames(codes.t().tolist(), c2w, 0)
     if ended:
         _log_dropped(inputs.request_id, keep, codes.shape[1], c2w)
@@ -155,8 +200,10 @@ class talker2code2wav_stream:  # noqa: N801 - named after the processor it strea
     def close(self, output: TalkerOutput) -> None:
         """The talker finished: its chunks must have been its whole output."""
         if self.seen != output.codes.shape[1]:
-            raise StageInputError(f"request {self.request_id}: the talker streamed {self.seen} "
-                                  f"frames but its output has {output.codes.shape[1]}")
+            raise StageInputError(
+                f"request {self.request_id}: the talker streamed {self.seen} "
+                f"frames but its output has {output.codes.shape[1]}"
+            )
         if self.kept < self.seen:
             _log_dropped(self.request_id, self.kept, self.seen, self.c2w)
         self.closed = True
@@ -174,8 +221,11 @@ class talker2code2wav_stream:  # noqa: N801 - named after the processor it strea
         needed = self.first_chunk - sent if sent < self.first_chunk else self.chunk
         if not self.closed and len(self.pending) < needed:
             return None, False
-        codes = (torch.tensor(self.pending, dtype=torch.long).t().contiguous() if self.pending
-                 else torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long))
+        codes = (
+            torch.tensor(self.pending, dtype=torch.long).t().contiguous()
+            if self.pending
+            else torch.zeros((self.c2w.num_quantizers, 0), dtype=torch.long)
+        )
         self.pending = []
         return codes, self.closed
 
@@ -189,8 +239,11 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
 
     def __init__(self, inputs: StageInputs):
         self.inputs = inputs
-        prefill = [o for o in inputs.upstream.values()
-                   if isinstance(o, ThinkerOutput) and o.prompt_embeds is not None]
+        prefill = [
+            o
+            for o in inputs.upstream.values()
+            if isinstance(o, ThinkerOutput) and o.prompt_embeds is not None
+        ]
         self.prompt_ids: list[int] | None = list(prefill[0].prompt_token_ids) if prefill else None
         self.prompt_embeds = prefill[0].prompt_embeds if prefill else None
         self.prompt_hidden = prefill[0].prompt_hidden if prefill else None
@@ -206,23 +259,34 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
     def feed(self, chunk: ThinkerChunk) -> None:
         if chunk.prompt_token_ids is not None:
             if self.prompt_ids is not None and chunk.prompt_token_ids != self.prompt_ids:
-                raise StageInputError(f"request {self.inputs.request_id}: the prefill leg saw a "
-                                      f"{len(self.prompt_ids)}-token prompt, the decode leg a "
-                                      f"{len(chunk.prompt_token_ids)}-token one; they must be the same")
+                raise StageInputError(
+                    f"request {self.inputs.request_id}: the prefill leg saw a "
+                    f"{len(self.prompt_ids)}-token prompt, the decode leg a "
+                    f"{len(chunk.prompt_token_ids)}-token one; they must be the same"
+                )
             self.prompt_ids = list(chunk.prompt_token_ids)
         if chunk.prompt_embeds is not None:
             self.prompt_embeds, self.prompt_hidden = chunk.prompt_embeds, chunk.prompt_hidden
         if self.output_start is None and self.prompt_embeds is not None:
             # Rows the decode leg recomputed replace the prefill leg's copy of those positions.
             self.output_start = chunk.start
-            _merge_rows(self.inputs.request_id, "embeddings", self.prompt_embeds, chunk.embeds,
-                        chunk.start, len(self.prompt_ids), chunk.start + chunk.embeds.shape[0])
-            self.embeds.append(self.prompt_embeds[:chunk.start])
-            self.hidden = self.prompt_hidden[:chunk.start]
+            _merge_rows(
+                self.inputs.request_id,
+                "embeddings",
+                self.prompt_embeds,
+                chunk.embeds,
+                chunk.start,
+                len(self.prompt_ids),
+                chunk.start + chunk.embeds.shape[0],
+            )
+            self.embeds.append(self.prompt_embeds[: chunk.start])
+            self.hidden = self.prompt_hidden[: chunk.start]
             self.rows = chunk.start
         if self.rows != chunk.start:
-            raise StageInputError(f"request {self.inputs.request_id}: thinker rows from position "
-                                  f"{chunk.start} arrived, expected {self.rows}")
+            raise StageInputError(
+                f"request {self.inputs.request_id}: thinker rows from position "
+                f"{chunk.start} arrived, expected {self.rows}"
+            )
         self.tokens.extend(chunk.token_ids)
         if chunk.embeds.shape[0]:
             self.embeds.append(chunk.embeds)
@@ -231,8 +295,10 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
     def close(self, output: ThinkerOutput) -> None:
         """The thinker finished: what it streamed must be its whole output."""
         if self.output_start is not None and self.tokens != list(output.token_ids):
-            raise StageInputError(f"request {self.inputs.request_id}: the thinker streamed "
-                                  f"{len(self.tokens)} tokens but its output has {len(output.token_ids)}")
+            raise StageInputError(
+                f"request {self.inputs.request_id}: the thinker streamed "
+                f"{len(self.tokens)} tokens but its output has {len(output.token_ids)}"
+            )
         self.output = output
 
     def prompt(self) -> TalkerPrompt | None:
@@ -241,24 +307,36 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
             self.opened = True
             upstream = dict(self.inputs.upstream)
             upstream[max(self.inputs.source_stage_ids)] = self.output
-            whole = StageInputs(self.inputs.request_id, self.inputs.stage_id,
-                                self.inputs.source_stage_ids, upstream, self.inputs.model_config,
-                                self.inputs.speaker)
+            whole = StageInputs(
+                self.inputs.request_id,
+                self.inputs.stage_id,
+                self.inputs.source_stage_ids,
+                upstream,
+                self.inputs.model_config,
+                self.inputs.speaker,
+            )
             return thinker2talker(whole)
         if self.prompt_ids is None or self.rows <= len(self.prompt_ids) or not self.tokens:
             return None  # the talker's prefill needs the first generated token's row
         self.opened = True
         embeds = torch.cat(self.embeds)
         self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
-        return TalkerPrompt(request_id=self.inputs.request_id, prompt_token_ids=list(self.prompt_ids),
-                            output_token_ids=list(self.tokens), thinker_embeds=embeds,
-                            thinker_hidden=self.hidden, speaker=self.inputs.speaker, final=False)
+        return TalkerPrompt(
+            request_id=self.inputs.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            output_token_ids=list(self.tokens),
+            thinker_embeds=embeds,
+            thinker_hidden=self.hidden,
+            speaker=self.inputs.speaker,
+            final=False,
+        )
 
     def take(self) -> tuple[TalkerInputDelta, bool]:
         width = self.embeds[0].shape[1]
-        new_embeds = self.embeds[self.given_blocks:]
+        new_embeds = self.embeds[self.given_blocks :]
         delta = TalkerInputDelta(
-            output_token_ids=self.tokens[self.given_tokens:],
-            thinker_embeds=torch.cat(new_embeds) if new_embeds else torch.zeros((0, width)))
+            output_token_ids=self.tokens[self.given_tokens :],
+            thinker_embeds=torch.cat(new_embeds) if new_embeds else torch.zeros((0, width)),
+        )
         self.given_tokens, self.given_blocks = len(self.tokens), len(self.embeds)
         return delta, self.output is not None

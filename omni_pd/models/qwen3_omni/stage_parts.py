@@ -14,15 +14,19 @@ recomputed by the model's own weight init, which skips every tensor that was loa
 `load_format: dummy` still builds the whole seeded model (tiny; its bytes depend on building all
 parts in order) and keeps only the stage's part.
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import (Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConfig,
-                          Qwen3OmniMoeTalkerForConditionalGeneration,
-                          Qwen3OmniMoeThinkerForConditionalGeneration)
+from transformers import (
+    Qwen3OmniMoeCode2Wav,
+    Qwen3OmniMoeConfig,
+    Qwen3OmniMoeTalkerForConditionalGeneration,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
+)
 
 from .checkpoint import CheckpointError, LoadReport, Piece, ShardIndex, TensorPlan, read_plan
 
@@ -30,9 +34,11 @@ log = logging.getLogger(__name__)
 
 PARTS = ("thinker", "talker", "code2wav")
 THINKER_EMBEDDING = "thinker.model.embed_tokens.weight"
-_CLASSES = {"thinker": (Qwen3OmniMoeThinkerForConditionalGeneration, "thinker_config"),
-            "talker": (Qwen3OmniMoeTalkerForConditionalGeneration, "talker_config"),
-            "code2wav": (Qwen3OmniMoeCode2Wav, "code2wav_config")}
+_CLASSES = {
+    "thinker": (Qwen3OmniMoeThinkerForConditionalGeneration, "thinker_config"),
+    "talker": (Qwen3OmniMoeTalkerForConditionalGeneration, "talker_config"),
+    "code2wav": (Qwen3OmniMoeCode2Wav, "code2wav_config"),
+}
 _FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -52,12 +58,13 @@ class StageParts:
         if isinstance(model, StageParts):
             return model
         wanted = PARTS if stage is None else (stage,)
-        return cls(config=model.config,
-                   thinker=model.thinker if "thinker" in wanted else None,
-                   talker=model.talker if "talker" in wanted else None,
-                   code2wav=model.code2wav if "code2wav" in wanted else None,
-                   thinker_embedding=(model.thinker.get_input_embeddings()
-                                      if "talker" in wanted else None))
+        return cls(
+            config=model.config,
+            thinker=model.thinker if "thinker" in wanted else None,
+            talker=model.talker if "talker" in wanted else None,
+            code2wav=model.code2wav if "code2wav" in wanted else None,
+            thinker_embedding=(model.thinker.get_input_embeddings() if "talker" in wanted else None),
+        )
 
     def to(self, device: torch.device | str) -> "StageParts":
         """The same parts moved to `device` (in place, as nn.Module.to)."""
@@ -107,14 +114,20 @@ def _expert_pieces(name: str, fused: str, shape: torch.Size) -> list[Piece]:
     experts = shape[0]
     if fused.endswith("gate_up_proj"):
         half = shape[1] // 2
-        return [piece for e in range(experts) for piece in (
-            Piece(f"{stem}{e}.gate_proj.weight", (e, slice(0, half))),
-            Piece(f"{stem}{e}.up_proj.weight", (e, slice(half, 2 * half))))]
+        return [
+            piece
+            for e in range(experts)
+            for piece in (
+                Piece(f"{stem}{e}.gate_proj.weight", (e, slice(0, half))),
+                Piece(f"{stem}{e}.up_proj.weight", (e, slice(half, 2 * half))),
+            )
+        ]
     return [Piece(f"{stem}{e}.down_proj.weight", (e,)) for e in range(experts)]
 
 
-def load_part(index: ShardIndex, config: Qwen3OmniMoeConfig, part: str,
-              dtype: torch.dtype) -> tuple[torch.nn.Module, LoadReport]:
+def load_part(
+    index: ShardIndex, config: Qwen3OmniMoeConfig, part: str, dtype: torch.dtype
+) -> tuple[torch.nn.Module, LoadReport]:
     module = empty_part(config, part, dtype)
     plan, tied_absent = part_plan(module, f"{part}.", index)
     tensors, report = read_plan(index, plan, part)
@@ -126,8 +139,10 @@ def load_part(index: ShardIndex, config: Qwen3OmniMoeConfig, part: str,
     _materialise_buffers(module)
     left = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if left:
-        raise CheckpointError(f"{index.source}: the {part} part has no values for {left[:5]}; the "
-                              "checkpoint does not match its config.json")
+        raise CheckpointError(
+            f"{index.source}: the {part} part has no values for {left[:5]}; the "
+            "checkpoint does not match its config.json"
+        )
     return module.eval(), report
 
 
@@ -142,8 +157,9 @@ def _materialise_buffers(module: torch.nn.Module) -> None:
     module.initialize_weights()
 
 
-def load_thinker_embedding(index: ShardIndex, config: Qwen3OmniMoeConfig,
-                           dtype: torch.dtype) -> tuple[torch.nn.Embedding, LoadReport]:
+def load_thinker_embedding(
+    index: ShardIndex, config: Qwen3OmniMoeConfig, dtype: torch.dtype
+) -> tuple[torch.nn.Embedding, LoadReport]:
     text = config.thinker_config.text_config
     with torch.device("meta"):
         embedding = torch.nn.Embedding(text.vocab_size, text.hidden_size, dtype=dtype)
@@ -154,8 +170,9 @@ def load_thinker_embedding(index: ShardIndex, config: Qwen3OmniMoeConfig,
     return embedding.eval(), report
 
 
-def load_stage_parts(index: ShardIndex, config: Qwen3OmniMoeConfig, stage: str,
-                     dtype: torch.dtype) -> tuple[StageParts, list[LoadReport]]:
+def load_stage_parts(
+    index: ShardIndex, config: Qwen3OmniMoeConfig, stage: str, dtype: torch.dtype
+) -> tuple[StageParts, list[LoadReport]]:
     """The modules `stage` runs, read from the checkpoint; nothing of the other parts."""
     if stage not in PARTS:
         raise ValueError(f"model_stage {stage!r} is not one of {PARTS}")

@@ -7,6 +7,7 @@ the same weights.
 Config keys that transformers' modelling code reads but the config classes do not declare are set
 explicitly (`shared_expert_intermediate_size`, `spatial_merge_size`, `vision_start_token_id`).
 """
+
 from __future__ import annotations
 
 from typing import Any

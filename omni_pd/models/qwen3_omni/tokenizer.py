@@ -4,6 +4,7 @@
 tokens (transformers' talker hand-off finds the user turns by the token after `<|im_start|>`),
 then the Qwen3-Omni special tokens, all pinned to the ids in `tiny_config.py`.
 """
+
 from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers

@@ -7,6 +7,7 @@ the paged cache), a decode step's on the native kernel or torch's attention per 
 request's bits do not depend on its batch, and P/D (the engines' generic legs) equals colocated.
 Prompts are token ids only (audio or images are refused by name).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,13 @@ from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, P
 from omni_pd.engines.core.text import TextStops, sample_tokens
 from omni_pd.engines.device import enter as enter_device, kernels_for
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import DecodeRows, check_kernels, decode_attention, native_builds, paged_geometry
+from omni_pd.engines.hf.attention_native import (
+    DecodeRows,
+    check_kernels,
+    decode_attention,
+    native_builds,
+    paged_geometry,
+)
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.engines.types import TextOutput
 from omni_pd.kv import BlockLayout
@@ -33,8 +40,12 @@ from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-_DTYPES = {"auto": torch.float32, "float": torch.float32, "float32": torch.float32,
-           "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "auto": torch.float32,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -57,28 +68,40 @@ class Qwen3TextRunner(ArRunnerBase):
 
     def kv_layout(self, block_size: int) -> BlockLayout:
         config = self.llm.config
-        return BlockLayout.default_for(config.num_hidden_layers, config.num_key_value_heads, self.head_dim,
-                                       _NAMES[next(self.llm.parameters()).dtype], block_size=block_size)
+        return BlockLayout.default_for(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            self.head_dim,
+            _NAMES[next(self.llm.parameters()).dtype],
+            block_size=block_size,
+        )
 
     def identity(self) -> RunnerIdentity:
         config = self.llm.config
-        return RunnerIdentity(config.name_or_path or config.model_type,
-                              weights_digest(self.llm.named_parameters()),
-                              self.device, native_builds(self.kernels))
+        return RunnerIdentity(
+            config.name_or_path or config.model_type,
+            weights_digest(self.llm.named_parameters()),
+            self.device,
+            native_builds(self.kernels),
+        )
 
     def describe(self) -> dict[str, Any]:
         return {"takes_multimodal_prompts": False}
 
-    def new_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    block_size: int) -> EngineRequest:
+    def new_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, block_size: int
+    ) -> EngineRequest:
         if getattr(prompt, "has_multimodal_inputs", lambda: False)():
-            raise ValueError(f"request {request_id}: stage {self.name} runs a text-only Qwen3, which "
-                             "takes token ids only; send a prompt without audio or images")
+            raise ValueError(
+                f"request {request_id}: stage {self.name} runs a text-only Qwen3, which "
+                "takes token ids only; send a prompt without audio or images"
+            )
         ids = [int(t) for t in prompt.prompt_token_ids]
         vocab = self.llm.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"request {request_id}: a prompt token id is outside the vocabulary "
-                             f"of {vocab} ids")
+            raise ValueError(
+                f"request {request_id}: a prompt token id is outside the vocabulary of {vocab} ids"
+            )
         return EngineRequest(request_id, prompt, params, prompt_len=len(ids), token_ids=ids)
 
     # ---- the forward passes --------------------------------------------------------------------
@@ -108,8 +131,11 @@ class Qwen3TextRunner(ArRunnerBase):
                     old_k, old_v = cache.layer_kv(index, items[i].request.blocks, starts[i])
                     keys = torch.cat([old_k.unsqueeze(0), keys], dim=2)
                     values = torch.cat([old_v.unsqueeze(0), values], dim=2)
-                outs.append(bi.attend_rows(q[:, :, a:b], keys.contiguous(), values.contiguous(),
-                                           attn.scaling, starts[i]))
+                outs.append(
+                    bi.attend_rows(
+                        q[:, :, a:b], keys.contiguous(), values.contiguous(), attn.scaling, starts[i]
+                    )
+                )
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
         last = torch.tensor([b - 1 for b in bounds[1:]])
@@ -135,24 +161,38 @@ class Qwen3TextRunner(ArRunnerBase):
             q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [B, heads, hd]
             if native is not None:
                 k_base, v_base, geometry = paged_geometry(cache, index)
-                out = decode_attention(q, k, v, native, torch.full((count,), k_base, dtype=torch.long),
-                                       torch.full((count,), v_base, dtype=torch.long), geometry,
-                                       attn.scaling)
+                out = decode_attention(
+                    q,
+                    k,
+                    v,
+                    native,
+                    torch.full((count,), k_base, dtype=torch.long),
+                    torch.full((count,), v_base, dtype=torch.long),
+                    geometry,
+                    attn.scaling,
+                )
             else:
                 rows = []
                 for b, request in enumerate(requests):
                     cache.write_token(index, request.blocks, request.position, k[b], v[b])
                     keys, values = cache.layer_kv(index, request.blocks, request.position + 1)
-                    rows.append(F.scaled_dot_product_attention(
-                        q[b:b + 1].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0),
-                        scale=attn.scaling, enable_gqa=True)[:, :, 0])
+                    rows.append(
+                        F.scaled_dot_product_attention(
+                            q[b : b + 1].unsqueeze(2),
+                            keys.unsqueeze(0),
+                            values.unsqueeze(0),
+                            scale=attn.scaling,
+                            enable_gqa=True,
+                        )[:, :, 0]
+                    )
                 out = torch.cat(rows)
             h = h + bi.linear_module(attn.o_proj, out.reshape(count, -1))
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
         return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
 
-    def sample(self, requests: Sequence[EngineRequest], logits: torch.Tensor,
-               first: bool) -> list[int | Exception]:
+    def sample(
+        self, requests: Sequence[EngineRequest], logits: torch.Tensor, first: bool
+    ) -> list[int | Exception]:
         return list(sample_tokens(requests, logits, first))
 
     # ---- results -------------------------------------------------------------------------------
@@ -161,12 +201,17 @@ class Qwen3TextRunner(ArRunnerBase):
 
     def output(self, request: EngineRequest, reason: str) -> TextOutput:
         text = "" if request.publishes else self.stops.detokenize(request.tokens, request.params)
-        return TextOutput(request_id=request.request_id, prompt_token_ids=list(request.token_ids),
-                          token_ids=list(request.tokens), text=text, finish_reason=reason,
-                          metrics={**request.metrics, "prefix_cached_tokens": request.cached_len})
+        return TextOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.token_ids),
+            token_ids=list(request.tokens),
+            text=text,
+            finish_reason=reason,
+            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len},
+        )
 
     def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
-        new = request.tokens[request.streamed:]
+        new = request.tokens[request.streamed :]
         request.streamed = len(request.tokens)
         return new, None
 
@@ -180,10 +225,15 @@ def build_hf_engine(stage_config, model: str) -> StageEngine:
 
     args = stage_config.engine_args
     if args.dtype not in _DTYPES:
-        raise ValueError(f"stage {stage_config.stage_id}: the hf Qwen3 engine runs dtype float32 or "
-                         f"bfloat16, not {args.dtype!r}")
-    directory = (ensure_tiny_text_model(args.seed if args.seed is not None else DEFAULT_SEED)
-                 if model == TINY_TEXT_MODEL_NAME else Path(model))
+        raise ValueError(
+            f"stage {stage_config.stage_id}: the hf Qwen3 engine runs dtype float32 or "
+            f"bfloat16, not {args.dtype!r}"
+        )
+    directory = (
+        ensure_tiny_text_model(args.seed if args.seed is not None else DEFAULT_SEED)
+        if model == TINY_TEXT_MODEL_NAME
+        else Path(model)
+    )
     device = stage_device(stage_config)
     began = time.perf_counter()
     llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=_DTYPES[args.dtype]).eval()
@@ -194,7 +244,12 @@ def build_hf_engine(stage_config, model: str) -> StageEngine:
         enter_device(device)
         llm = llm.to(device)
         kernels = kernels_for(device, kernels, "attention", stage_config.stage_id)
-    log.info("stage %d: hf Qwen3 text engine ready in %.1f s on %s (%s)", stage_config.stage_id,
-             time.perf_counter() - began, device, directory)
+    log.info(
+        "stage %d: hf Qwen3 text engine ready in %.1f s on %s (%s)",
+        stage_config.stage_id,
+        time.perf_counter() - began,
+        device,
+        directory,
+    )
     runner = Qwen3TextRunner(llm, AutoTokenizer.from_pretrained(directory), args.model_stage, kernels)
     return ar_engine(stage_config, runner)

@@ -14,6 +14,7 @@ independent of the prompt and a negative control meaningless). `load_format: dum
 
 head_dim is 32: vLLM's CPU attention supports head sizes {32, 64, 80, 96, ...}.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ _FORMAT_VERSION = 1  # bump when the files written below change shape
 
 def tiny_text_config_dict() -> dict[str, Any]:
     from ..qwen3_omni.tiny_config import SPECIAL_TOKENS, TEXT_VOCAB_SIZE
+
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -77,5 +79,6 @@ def ensure_tiny_text_model(seed: int = DEFAULT_SEED, cache_root: str | os.PathLi
     """The directory holding the tiny text model (built on first use, once per machine)."""
     config = tiny_text_config_dict()
     key = content_key({"config": config, "seed": seed, "v": _FORMAT_VERSION})
-    return cached_checkpoint(TINY_TEXT_MODEL_NAME, key,
-                             lambda directory: _write_model(directory, config, seed), cache_root)
+    return cached_checkpoint(
+        TINY_TEXT_MODEL_NAME, key, lambda directory: _write_model(directory, config, seed), cache_root
+    )

@@ -2,6 +2,7 @@
 versions it was written for. `apply_all()` is idempotent and never raises: a patch that does not
 fit the installed vLLM is refused, logged once, and reported by `results()`; the omni-pd vLLM
 engine refuses to run a P/D stage whose fixes were refused."""
+
 from __future__ import annotations
 
 from ._guard import PatchResult, results, vllm_version

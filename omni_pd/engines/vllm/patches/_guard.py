@@ -1,6 +1,7 @@
 """Version guard shared by the patches: each patch names the vLLM releases it was written for
 and verified against; on any other release it refuses (logs why, once) instead of patching code
 it has never seen."""
+
 from __future__ import annotations
 
 import logging
@@ -29,6 +30,7 @@ class PatchResult:
 
 def vllm_version() -> str:
     import vllm
+
     return str(getattr(vllm, "__version__", "unknown"))
 
 
@@ -51,19 +53,27 @@ class Patch:
                 return done
             version = vllm_version()
             if base_version(version) not in self.supported:
-                result = PatchResult(self.name, "refused", (
-                    f"omni-pd's vLLM fix '{self.name}' ({self.what}) was written for vLLM "
-                    f"{', '.join(self.supported)}, but vLLM {version} is installed; it is NOT applied. "
-                    f"Install a supported vLLM (`pip install 'omni-pd[vllm]'`) or port the fix "
-                    f"(omni_pd/engines/vllm/patches/)."))
+                result = PatchResult(
+                    self.name,
+                    "refused",
+                    (
+                        f"omni-pd's vLLM fix '{self.name}' ({self.what}) was written for vLLM "
+                        f"{', '.join(self.supported)}, but vLLM {version} is installed; it is NOT applied. "
+                        f"Install a supported vLLM (`pip install 'omni-pd[vllm]'`) or port the fix "
+                        f"(omni_pd/engines/vllm/patches/)."
+                    ),
+                )
                 log.error("%s", result.detail)
             else:
                 try:
                     reason = self.install()
                 except Exception as exc:  # the code moved under us: refuse, do not half-patch
-                    result = PatchResult(self.name, "refused",
-                                         f"omni-pd's vLLM fix '{self.name}' could not be applied to "
-                                         f"vLLM {version}: {type(exc).__name__}: {exc}")
+                    result = PatchResult(
+                        self.name,
+                        "refused",
+                        f"omni-pd's vLLM fix '{self.name}' could not be applied to "
+                        f"vLLM {version}: {type(exc).__name__}: {exc}",
+                    )
                     log.error("%s", result.detail)
                 else:
                     if reason is None:

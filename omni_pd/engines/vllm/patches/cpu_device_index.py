@@ -9,6 +9,7 @@ Patched: while `MooncakeConnectorWorker.__init__` runs on a machine where
 `torch.accelerator.is_available()` is False, `torch.accelerator.current_device_index` returns 0
 (vLLM's CPU platform ignores the device index). Nothing changes when an accelerator exists.
 """
+
 from __future__ import annotations
 
 import inspect

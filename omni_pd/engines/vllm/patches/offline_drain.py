@@ -17,6 +17,7 @@ the engine (every `DRAIN_INTERVAL_S`) until that work is gone -- sent, or expire
 connector's own timeout. `generate()` still returns as soon as its requests finish. Engines with
 a separate engine-core process are left alone.
 """
+
 from __future__ import annotations
 
 import threading
@@ -102,8 +103,11 @@ def _install() -> str | None:
             outputs = original_step(self, *args, **kwargs)
             if state.thread is None and not state.closed and pending_connector_work(self):
                 state.thread = threading.Thread(
-                    target=_drain, args=(weakref.ref(self), state, original_step),
-                    name="omni-pd-kv-drain", daemon=True)
+                    target=_drain,
+                    args=(weakref.ref(self), state, original_step),
+                    name="omni-pd-kv-drain",
+                    daemon=True,
+                )
                 state.thread.start()
         return outputs
 

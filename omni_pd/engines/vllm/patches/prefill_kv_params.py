@@ -17,6 +17,7 @@ Patched: for a request with `do_remote_decode` and a `transfer_id`, the returned
   omni_pd_finish_status  the vLLM request status at finish
 The blocks are held or freed exactly as upstream decides.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,7 +29,8 @@ SUPPORTED = ("0.32.0",)
 
 def _bootstrap_addr(vllm_config) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
-        get_mooncake_bootstrap_addr)
+        get_mooncake_bootstrap_addr,
+    )
     from vllm.utils.network_utils import get_ip
 
     host, port = get_mooncake_bootstrap_addr(vllm_config)
@@ -53,8 +55,13 @@ def _install() -> str | None:
     def request_finished(self, request, block_ids):
         delay_free_blocks, params = original(self, request, block_ids)
         req_params = request.kv_transfer_params
-        if (params is not None or not req_params or not req_params.get("do_remote_decode")
-                or not req_params.get("transfer_id") or self.is_kv_consumer):
+        if (
+            params is not None
+            or not req_params
+            or not req_params.get("do_remote_decode")
+            or not req_params.get("transfer_id")
+            or self.is_kv_consumer
+        ):
             return delay_free_blocks, params
         kv_config = self.vllm_config.kv_transfer_config
         out = {
@@ -76,7 +83,7 @@ def _install() -> str | None:
 PATCH = Patch(
     name="prefill_kv_params",
     what="MooncakeConnector prefill outputs carry remote_engine_id / remote_bootstrap_addr / "
-         "remote_request_id / transfer_id in kv_transfer_params",
+    "remote_request_id / transfer_id in kv_transfer_params",
     supported=SUPPORTED,
     install=_install,
 )

@@ -1,5 +1,6 @@
 """Realtime audio in: base64 pcm16 at 24 kHz, decoded, and resampled to what its readers take
 (the thinker's audio encoder: 16 kHz; the VAD: 16 kHz)."""
+
 from __future__ import annotations
 
 import base64
@@ -18,11 +19,12 @@ def decode_pcm16(data: str, param: str = "audio") -> bytes:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise RealtimeError(f"`{param}` is not base64: send base64 of 16-bit little-endian PCM, "
-                            f"mono, {PCM_RATE} Hz", param=param) from None
+        raise RealtimeError(
+            f"`{param}` is not base64: send base64 of 16-bit little-endian PCM, mono, {PCM_RATE} Hz",
+            param=param,
+        ) from None
     if len(raw) % 2:
-        raise RealtimeError(f"`{param}` holds {len(raw)} bytes, not whole 16-bit samples",
-                            param=param)
+        raise RealtimeError(f"`{param}` holds {len(raw)} bytes, not whole 16-bit samples", param=param)
     return raw
 
 

@@ -5,6 +5,7 @@ audio input (resampled once, when the item is added, so a later turn resends the
 and the prefix cache reuses their blocks), user text as text, the assistant's earlier answers as
 their text (for a spoken answer, its transcript as far as the listener heard it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,8 +41,14 @@ class Item:
     status: str = "completed"
 
     def public(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "object": "realtime.item", "status": self.status,
-                "role": self.role, "content": [p.public() for p in self.parts]}
+        return {
+            "id": self.id,
+            "type": "message",
+            "object": "realtime.item",
+            "status": self.status,
+            "role": self.role,
+            "content": [p.public() for p in self.parts],
+        }
 
 
 def item_from_client(spec: ItemIn) -> Item:
@@ -50,20 +57,32 @@ def item_from_client(spec: ItemIn) -> Item:
     for index, part in enumerate(spec.content):
         where = f"item.content[{index}]"
         kind = {"text": "output_text", "audio": "output_audio"}.get(part.type, part.type)  # beta
-        allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
-                   "assistant": ("output_text", "output_audio")}[spec.role]
+        allowed = {
+            "user": ("input_text", "input_audio"),
+            "system": ("input_text",),
+            "assistant": ("output_text", "output_audio"),
+        }[spec.role]
         if kind not in allowed:
-            raise RealtimeError(f"a {spec.role} item takes content of type {' or '.join(allowed)}, "
-                                f"not {part.type!r}", param=f"{where}.type")
+            raise RealtimeError(
+                f"a {spec.role} item takes content of type {' or '.join(allowed)}, not {part.type!r}",
+                param=f"{where}.type",
+            )
         if kind == "input_audio":
             if not part.audio:
-                raise RealtimeError("an input_audio part needs `audio`: base64 pcm16, 24 kHz mono",
-                                    param=f"{where}.audio")
+                raise RealtimeError(
+                    "an input_audio part needs `audio`: base64 pcm16, 24 kHz mono", param=f"{where}.audio"
+                )
             pcm = decode_pcm16(part.audio, f"{where}.audio")
             if not pcm:
                 raise RealtimeError("the input_audio part holds no samples", param=f"{where}.audio")
-            parts.append(Part(kind, transcript=part.transcript, audio=pcm16_to_model_rate(pcm),
-                              audio_ms=duration_ms(pcm)))
+            parts.append(
+                Part(
+                    kind,
+                    transcript=part.transcript,
+                    audio=pcm16_to_model_rate(pcm),
+                    audio_ms=duration_ms(pcm),
+                )
+            )
         elif kind == "output_audio":
             text = part.transcript or ""
             parts.append(Part(kind, transcript=text, spoken_text=text))
@@ -82,15 +101,17 @@ class Conversation:
         for item in self.items:
             if item.id == item_id:
                 return item
-        raise RealtimeError(f"no item {item_id!r} in this conversation", param=param,
-                            code="item_not_found")
+        raise RealtimeError(f"no item {item_id!r} in this conversation", param=param, code="item_not_found")
 
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Append (or insert after `previous_item_id`; "root": first); returns the id of the
         item before it."""
         if any(i.id == item.id for i in self.items):
-            raise RealtimeError(f"the conversation has an item {item.id!r} already", param="item.id",
-                                code="item_already_exists")
+            raise RealtimeError(
+                f"the conversation has an item {item.id!r} already",
+                param="item.id",
+                code="item_already_exists",
+            )
         if previous_item_id is None:
             index = len(self.items)
         elif previous_item_id == "root":
@@ -110,12 +131,15 @@ class Conversation:
             messages.append({"role": "system", "content": instructions})
         for item in self.items:
             if item.role == "user":
-                content = [{"type": "text", "text": p.text} if p.type == "input_text"
-                           else {"type": "audio", "audio": p.audio} for p in item.parts]
+                content = [
+                    {"type": "text", "text": p.text}
+                    if p.type == "input_text"
+                    else {"type": "audio", "audio": p.audio}
+                    for p in item.parts
+                ]
                 messages.append({"role": "user", "content": content})
             else:
-                text = "".join(p.text if p.type.endswith("text") else p.transcript or ""
-                               for p in item.parts)
+                text = "".join(p.text if p.type.endswith("text") else p.transcript or "" for p in item.parts)
                 if text:  # an answer cut before a word was heard says nothing
                     messages.append({"role": item.role, "content": text})
         return messages

@@ -6,6 +6,7 @@ names are the protocol (`output_modalities`, `audio.input.turn_detection`, ...);
 session names (`modalities`, `voice`, `turn_detection`, `input_audio_format: pcm16`, ...) are
 read too, since they map one to one. Server events always use the GA names.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,15 @@ PCM_RATE = 24_000  # the only audio/pcm rate the protocol has, in and out
 class RealtimeError(Exception):
     """A client event the session refuses: becomes one `error` event."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value",
-                 type: str = "invalid_request_error", event_id: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_value",
+        type: str = "invalid_request_error",
+        event_id: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.type = message, param, code, type
         self.event_id = event_id  # the client event it answers, where that event had one
@@ -161,10 +169,20 @@ class ResponseCancel(_Event):
     response_id: str | None = None
 
 
-CLIENT_EVENTS: dict[str, type[_Event]] = {model.model_fields["type"].annotation.__args__[0]: model
-                                         for model in (SessionUpdate, ItemCreate, ItemTruncate,
-                                                       ItemDelete, BufferAppend, BufferCommit,
-                                                       BufferClear, ResponseCreate, ResponseCancel)}
+CLIENT_EVENTS: dict[str, type[_Event]] = {
+    model.model_fields["type"].annotation.__args__[0]: model
+    for model in (
+        SessionUpdate,
+        ItemCreate,
+        ItemTruncate,
+        ItemDelete,
+        BufferAppend,
+        BufferCommit,
+        BufferClear,
+        ResponseCreate,
+        ResponseCancel,
+    )
+}
 
 
 def parse_client_event(text: str | bytes) -> _Event:
@@ -174,15 +192,20 @@ def parse_client_event(text: str | bytes) -> _Event:
     except (ValueError, UnicodeDecodeError) as exc:
         raise RealtimeError(f"the message is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(raw, dict):
-        raise RealtimeError("a client event must be a JSON object with a `type`", param="type",
-                            code="invalid_event")
+        raise RealtimeError(
+            "a client event must be a JSON object with a `type`", param="type", code="invalid_event"
+        )
     kind, event_id = raw.get("type"), raw.get("event_id")
     event_id = event_id if isinstance(event_id, str) else None
     model = CLIENT_EVENTS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise RealtimeError(f"unknown event type {json.dumps(kind)[:80]}; this server takes "
-                            f"{', '.join(sorted(CLIENT_EVENTS))}", param="type", code="invalid_event",
-                            event_id=event_id)
+        raise RealtimeError(
+            f"unknown event type {json.dumps(kind)[:80]}; this server takes "
+            f"{', '.join(sorted(CLIENT_EVENTS))}",
+            param="type",
+            code="invalid_event",
+            event_id=event_id,
+        )
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -205,9 +228,16 @@ def server_event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def error_event(error: RealtimeError) -> dict[str, Any]:
-    return server_event("error", error={"type": error.type, "code": error.code,
-                                        "message": error.message, "param": error.param,
-                                        "event_id": error.event_id})
+    return server_event(
+        "error",
+        error={
+            "type": error.type,
+            "code": error.code,
+            "message": error.message,
+            "param": error.param,
+            "event_id": error.event_id,
+        },
+    )
 
 
 # Server events the beta protocol names otherwise (its clients send `OpenAI-Beta: realtime=v1`);
@@ -230,4 +260,3 @@ def beta_event(event: dict[str, Any]) -> dict[str, Any] | None:
         return event
     name = _BETA_NAMES[event["type"]]
     return None if name is None else {**event, "type": name}
-

@@ -10,6 +10,7 @@ It also calls the first ~3 frames of any stream speech while it adapts, hence `S
 The protocol's `threshold` (0..1, Silero's probability) maps onto webrtcvad's aggressiveness
 (0..3): `min(3, int(threshold * 4))`, so the default 0.5 is 2 and 0.75 and above are 3.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ decodes: chunks add up to the whole-utterance waveform bit for bit, whether ever
 carried from chunk to chunk (the default) or the decoder re-runs at least its receptive field of
 left context.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,11 +29,16 @@ class Code2WavRunner:
     def generate(self, prompt: Code2WavPrompt) -> AudioOutput:
         began = time.perf_counter()
         audio = self.exact.decode(prompt.codes).float().contiguous()
-        return AudioOutput(request_id=prompt.request_id, audio=audio, sample_rate=SAMPLE_RATE,
-                           metrics={"code2wav_ms": (time.perf_counter() - began) * 1e3})
+        return AudioOutput(
+            request_id=prompt.request_id,
+            audio=audio,
+            sample_rate=SAMPLE_RATE,
+            metrics={"code2wav_ms": (time.perf_counter() - began) * 1e3},
+        )
 
-    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor,
-                     left_context: int | None = None) -> torch.Tensor:
+    def decode_chunk(
+        self, stream: Code2WavStream, codes: torch.Tensor, left_context: int | None = None
+    ) -> torch.Tensor:
         """The samples the next frames add to a streamed utterance (see ExactCode2Wav)."""
         return self.exact.decode_chunk(stream, codes, left_context).float().contiguous()
 
@@ -53,15 +59,17 @@ class Code2WavStageRunner:
     def check_units(self, request_id: str, units) -> torch.Tensor:
         if not isinstance(units, torch.Tensor) or units.dim() != 2 or units.shape[0] != self.num_quantizers:
             shape = tuple(units.shape) if isinstance(units, torch.Tensor) else type(units).__name__
-            raise ValueError(f"request {request_id}: codes must be a [{self.num_quantizers}, frames] "
-                             f"tensor, got {shape}")
+            raise ValueError(
+                f"request {request_id}: codes must be a [{self.num_quantizers}, frames] tensor, got {shape}"
+            )
         return units.to(torch.long)
 
     def new_stream(self) -> Code2WavStream:
         return Code2WavStream()
 
-    def decode_chunk(self, state: Code2WavStream, units: torch.Tensor,
-                     left_context: int | None) -> torch.Tensor:
+    def decode_chunk(
+        self, state: Code2WavStream, units: torch.Tensor, left_context: int | None
+    ) -> torch.Tensor:
         return self.runner.decode_chunk(state, units, left_context)
 
     def decode_whole(self, request_id: str, units: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ shipped configs) before each chunk, vllm-omni's way.
 The result differs from transformers' forward in the last bits only (a test bounds it), and the
 chunks add up to the whole decode exactly (tests/test_code2wav_stream.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,7 @@ log = logging.getLogger(__name__)
 MIN_ROWS = 16
 
 
-def tiled_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def tiled_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(rows, weight, bias)` for rows [N, K], computed so that a row's result does not
     depend on N or on the row's position. Measured on CPU (tests/test_code2wav_stream.py guards
     it for the model's shapes): one matrix product of at least `MIN_ROWS` rows with at least two
@@ -117,11 +117,14 @@ def geometry(config) -> Code2WavGeometry:
         reach += 1 / rate  # the transposed conv's overlap with the previous input sample
         rate *= factor
         reach += sum(6 * d for d in (1, 3, 9)) / rate  # residual units, k=7, dilations 1, 3, 9
-        trim += factor * math.prod(config.upsample_rates[index + 1:])
+        trim += factor * math.prod(config.upsample_rates[index + 1 :])
     reach += 6 / rate  # the final causal conv, k=7
-    return Code2WavGeometry(samples_per_frame, trim,
-                            attention_frames=config.num_hidden_layers * (config.sliding_window - 1),
-                            decoder_frames=math.ceil(reach - 1e-9))
+    return Code2WavGeometry(
+        samples_per_frame,
+        trim,
+        attention_frames=config.num_hidden_layers * (config.sliding_window - 1),
+        decoder_frames=math.ceil(reach - 1e-9),
+    )
 
 
 @dataclass
@@ -158,6 +161,7 @@ class ExactCode2Wav:
         self._native = self._front = self._upsampler = None
         if kernels == "native":
             from .code2wav_native import NativeDecoder, NativeTransformer, NativeUpsampler
+
             self._native = NativeDecoder(module)
             # The embedding, pre-transformer and upsampler cost a few torch ops per layer, fixed
             # per chunk (~0.4 ms of a streamed chunk's ~2.5): one C loop each instead.
@@ -179,8 +183,9 @@ class ExactCode2Wav:
         return self._decoder(hidden)
 
     @torch.no_grad()
-    def decode_chunk(self, stream: Code2WavStream, codes: torch.Tensor,
-                     left_context: int | None = None) -> torch.Tensor:
+    def decode_chunk(
+        self, stream: Code2WavStream, codes: torch.Tensor, left_context: int | None = None
+    ) -> torch.Tensor:
         """The samples the next frames `codes` [num_quantizers, n] add to a streamed utterance.
 
         The pre-transformer continues from the carried keys and values (exactly as in the whole
@@ -200,11 +205,11 @@ class ExactCode2Wav:
         if stream.hidden_tail is not None and left_context > 0:
             hidden = torch.cat([stream.hidden_tail[-left_context:], hidden])
         wav = self._decoder(hidden)
-        stream.hidden_tail = hidden[-max(left_context, 1):]
+        stream.hidden_tail = hidden[-max(left_context, 1) :]
         stream.frames += count
         # The first chunk's decode gives all its samples; a later chunk's left context yields the
         # samples before the new frames' own (at least one frame of context covers `trim`).
-        return wav if start == 0 else wav[-count * self.geometry.samples_per_frame:]
+        return wav if start == 0 else wav[-count * self.geometry.samples_per_frame :]
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -245,9 +250,9 @@ class ExactCode2Wav:
         x = self._conv(decoder[-1], self._snake(decoder[-2], x), carry)
         return x.reshape(-1).clamp(min=-1, max=1)
 
-    def _transformer(self, x: torch.Tensor, first_frame: int,
-                     past: list[tuple[torch.Tensor, torch.Tensor]] | None
-                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _transformer(
+        self, x: torch.Tensor, first_frame: int, past: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The pre-transformer on frames from `first_frame` on, continuing from `past` (each
         layer's rotated keys and values of up to `sliding_window - 1` earlier frames)."""
         model = self.m.pre_transformer
@@ -256,20 +261,27 @@ class ExactCode2Wav:
         carried = []
         for index, layer in enumerate(model.layers[: self.config.num_hidden_layers]):
             h = layer.input_layernorm(x)
-            attended, kv = self._attention(layer.self_attn, h, cos[0], sin[0],
-                                           past[index] if past else None)
+            attended, kv = self._attention(layer.self_attn, h, cos[0], sin[0], past[index] if past else None)
             carried.append(kv)
             x = x + layer.self_attn_layer_scale(attended)
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
-            h = tiled_linear(bi.activation(mlp.act_fn)(tiled_linear(h, mlp.gate_proj.weight))
-                             * tiled_linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+            h = tiled_linear(
+                bi.activation(mlp.act_fn)(tiled_linear(h, mlp.gate_proj.weight))
+                * tiled_linear(h, mlp.up_proj.weight),
+                mlp.down_proj.weight,
+            )
             x = x + layer.mlp_layer_scale(h)
         return model.norm(x), carried
 
-    def _attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   past: tuple[torch.Tensor, torch.Tensor] | None
-                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def _attention(
+        self,
+        attn,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         steps, d = x.shape[0], attn.head_dim
         q = tiled_linear(x, attn.q_proj.weight, attn.q_proj.bias).view(steps, -1, d)
         k = tiled_linear(x, attn.k_proj.weight, attn.k_proj.bias).view(steps, -1, d)
@@ -279,7 +291,7 @@ class ExactCode2Wav:
         if past is not None:
             k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
         earlier = k.shape[0] - steps
-        carried = (k[-(w - 1):], v[-(w - 1):]) if w > 1 else (k[:0], v[:0])
+        carried = (k[-(w - 1) :], v[-(w - 1) :]) if w > 1 else (k[:0], v[:0])
         heads, kv_heads = q.shape[1], k.shape[1]
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -292,8 +304,11 @@ class ExactCode2Wav:
         valid = (torch.arange(steps).unsqueeze(1) + torch.arange(w).unsqueeze(0)) >= pad
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [T, heads, 1, d]
-            keys.permute(0, 1, 3, 2).contiguous(), values.permute(0, 1, 3, 2).contiguous(),
-            attn_mask=valid.view(steps, 1, 1, w), scale=attn.scaling)
+            keys.permute(0, 1, 3, 2).contiguous(),
+            values.permute(0, 1, 3, 2).contiguous(),
+            attn_mask=valid.view(steps, 1, 1, w),
+            scale=attn.scaling,
+        )
         return tiled_linear(out.reshape(steps, -1), attn.o_proj.weight, attn.o_proj.bias), carried
 
     # -- convolutions, time-major [T, C] ---------------------------------------------------------
@@ -345,15 +360,15 @@ class ExactCode2Wav:
         padded = x.new_zeros((channels, halo + columns))
         if previous is not None:
             padded[:, :halo] = previous
-        padded[:, halo:halo + steps] = x
+        padded[:, halo : halo + steps] = x
         if carry is not None and halo:
-            carry[module] = padded[:, steps:halo + steps].clone()  # the last `halo` inputs
+            carry[module] = padded[:, steps : halo + steps].clone()  # the last `halo` inputs
         width = max(c_out, 2)
         weight = conv.weight if c_out == width else torch.cat([conv.weight, torch.zeros_like(conv.weight)])
         bias = conv.bias if c_out == width else torch.cat([conv.bias, conv.bias.new_zeros(1)])
         out = bias.unsqueeze(1).expand(width, columns).contiguous()
         for tap in range(kernel):
-            out.addmm_(weight[:, :, tap], padded[:, tap * dilation: tap * dilation + columns])
+            out.addmm_(weight[:, :, tap], padded[:, tap * dilation : tap * dilation + columns])
         return out[:c_out, :steps]
 
     @staticmethod
@@ -373,14 +388,17 @@ class ExactCode2Wav:
             carry[module] = padded[-halo:]
         out = padded[:steps] * conv.weight[:, 0, 0]
         for tap in range(1, kernel):
-            out += padded[tap * dilation: tap * dilation + steps] * conv.weight[:, 0, tap]
+            out += padded[tap * dilation : tap * dilation + steps] * conv.weight[:, 0, tap]
         return out + conv.bias
 
     def _convnext(self, block, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         h = self._depthwise(block.dwconv, x, carry)
         h = block.norm(h)
-        h = tiled_linear(block.act(tiled_linear(h, block.pwconv1.weight, block.pwconv1.bias)),
-                         block.pwconv2.weight, block.pwconv2.bias)
+        h = tiled_linear(
+            block.act(tiled_linear(h, block.pwconv1.weight, block.pwconv1.bias)),
+            block.pwconv2.weight,
+            block.pwconv2.bias,
+        )
         return x + block.gamma * h
 
     def _snake(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -389,8 +407,10 @@ class ExactCode2Wav:
         same operations in the same order as transformers', so the same bits)."""
         factors = self._snake_factors.get(module)
         if factors is None:
-            factors = (torch.exp(module.alpha).unsqueeze(1),
-                       1.0 / (torch.exp(module.beta).unsqueeze(1) + module.no_div_by_zero))
+            factors = (
+                torch.exp(module.alpha).unsqueeze(1),
+                1.0 / (torch.exp(module.beta).unsqueeze(1) + module.no_div_by_zero),
+            )
             self._snake_factors[module] = factors
         alpha, inverse = factors
         y = x * alpha

@@ -14,6 +14,7 @@ Buffers are `[channels, width]` with `width` the step count rounded up to `ALIGN
 compute whole vectors and never a scalar tail. Columns past the step count are zeros on input
 to a convolution and ignored on output.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,11 @@ import torch
 
 from omni_pd.engines.hf.native_build import NativeKernel, load
 
-CODE2WAV = NativeKernel("code2wav", Path(__file__).resolve().parent / "native" / "code2wav.c",
-                        "the code2wav stage's engine_args.code2wav_kernels: torch")
+CODE2WAV = NativeKernel(
+    "code2wav",
+    Path(__file__).resolve().parent / "native" / "code2wav.c",
+    "the code2wav stage's engine_args.code2wav_kernels: torch",
+)
 
 ALIGN = 32  # the conv kernel's step: two vectors of 16 time steps
 
@@ -54,10 +58,24 @@ def _library() -> ctypes.CDLL:
 class _Layer(ctypes.Structure):
     """One decoder layer for `omni_c2w_decode` (native/code2wav.c's `c2w_layer`)."""
 
-    _fields_ = [("kind", _I), ("c_in", _I), ("rows", _I), ("c_out", _I), ("kernel", _I),
-                ("dilation", _I), ("stride", _I), ("carry", _L),
-                ("w", _P), ("b", _P), ("alpha", _P), ("inv", _P),
-                ("w2", _P), ("b2", _P), ("alpha2", _P), ("inv2", _P)]
+    _fields_ = [
+        ("kind", _I),
+        ("c_in", _I),
+        ("rows", _I),
+        ("c_out", _I),
+        ("kernel", _I),
+        ("dilation", _I),
+        ("stride", _I),
+        ("carry", _L),
+        ("w", _P),
+        ("b", _P),
+        ("alpha", _P),
+        ("inv", _P),
+        ("w2", _P),
+        ("b2", _P),
+        ("alpha2", _P),
+        ("inv2", _P),
+    ]
 
 
 _CONV, _TRANSPOSED, _UNIT, _SNAKE_CONV = 0, 1, 2, 3
@@ -160,8 +178,10 @@ class NativeDecoder:
         self.blocks = []
         for block in decoder[1:-2]:
             snake, transposed, *residuals = block.block
-            units = tuple(_Unit(_Snake.of(u.act1), _conv_of(u.conv1), _Snake.of(u.act2),
-                                _conv_of(u.conv2)) for u in residuals)
+            units = tuple(
+                _Unit(_Snake.of(u.act1), _conv_of(u.conv1), _Snake.of(u.act2), _conv_of(u.conv2))
+                for u in residuals
+            )
             for unit in units:  # the fused unit kernel's shape: c -> c -> c, c a multiple of 4
                 assert unit.conv1.c_out == unit.conv1.c_in == unit.conv2.c_out and unit.conv1.c_in % 4 == 0
             self.blocks.append(_Block(_Snake.of(snake), _Transposed.of(transposed), units))
@@ -175,14 +195,29 @@ class NativeDecoder:
         layers: list[_Layer] = []
         offset = 0
 
-        def add(kind: int, conv: _Conv, snake: _Snake | None = None, c_out: int | None = None,
-                stride: int = 1, unit: _Unit | None = None) -> None:
+        def add(
+            kind: int,
+            conv: _Conv,
+            snake: _Snake | None = None,
+            c_out: int | None = None,
+            stride: int = 1,
+            unit: _Unit | None = None,
+        ) -> None:
             nonlocal offset
-            layer = _Layer(kind, conv.c_in, conv.weight.shape[0], conv.c_out if c_out is None else c_out,
-                           conv.kernel, conv.dilation, stride, offset,
-                           conv.weight.data_ptr(), conv.bias.data_ptr(),
-                           snake.alpha.data_ptr() if snake else None,
-                           snake.inverse.data_ptr() if snake else None)
+            layer = _Layer(
+                kind,
+                conv.c_in,
+                conv.weight.shape[0],
+                conv.c_out if c_out is None else c_out,
+                conv.kernel,
+                conv.dilation,
+                stride,
+                offset,
+                conv.weight.data_ptr(),
+                conv.bias.data_ptr(),
+                snake.alpha.data_ptr() if snake else None,
+                snake.inverse.data_ptr() if snake else None,
+            )
             if unit is not None:
                 layer.w2, layer.b2 = unit.conv2.weight.data_ptr(), unit.conv2.bias.data_ptr()
                 layer.alpha2, layer.inv2 = unit.snake2.alpha.data_ptr(), unit.snake2.inverse.data_ptr()
@@ -209,10 +244,16 @@ class NativeDecoder:
         steps, channels = hidden.shape
         tails, started = _carried(carry, self, self.carry_floats)
         out = torch.empty(steps * self.strides)
-        count = self.lib.omni_c2w_decode(ctypes.addressof(self.layers), len(self.layers),
-                                         hidden.data_ptr(), channels, steps,
-                                         None if tails is None else tails.data_ptr(), int(started),
-                                         out.data_ptr())
+        count = self.lib.omni_c2w_decode(
+            ctypes.addressof(self.layers),
+            len(self.layers),
+            hidden.data_ptr(),
+            channels,
+            steps,
+            None if tails is None else tails.data_ptr(),
+            int(started),
+            out.data_ptr(),
+        )
         if count < 0:
             raise MemoryError(f"code2wav's native decoder could not allocate buffers for {steps} steps")
         return out[:count]
@@ -224,21 +265,50 @@ _F = ctypes.c_float
 
 
 class _TLayer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("in_norm", "wq", "wk", "wv", "wo", "attn_scale",
-                                        "post_norm", "wg", "wu", "wd", "mlp_scale")]
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "in_norm",
+            "wq",
+            "wk",
+            "wv",
+            "wo",
+            "attn_scale",
+            "post_norm",
+            "wg",
+            "wu",
+            "wd",
+            "mlp_scale",
+        )
+    ]
 
 
 class _TParams(ctypes.Structure):
-    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("inter", _I), ("window", _I), ("quantizers", _I), ("eps", _F), ("scaling", _F),
-                ("rope_scaling", _F), ("embed", _P), ("offsets", _P), ("inv_freq", _P),
-                ("final_norm", _P), ("layer", _P)]
+    _fields_ = [
+        ("layers", _I),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("inter", _I),
+        ("window", _I),
+        ("quantizers", _I),
+        ("eps", _F),
+        ("scaling", _F),
+        ("rope_scaling", _F),
+        ("embed", _P),
+        ("offsets", _P),
+        ("inv_freq", _P),
+        ("final_norm", _P),
+        ("layer", _P),
+    ]
 
 
 class _UpBlock(ctypes.Structure):
     _fields_ = [("c", _I), ("stride", _I), ("inter", _I), ("kernel", _I), ("eps", _F)] + [
-        (name, _P) for name in ("up_w", "up_b", "dw_w", "dw_b", "ln_w", "ln_b", "pw1", "pw1_b",
-                                "pw2", "pw2_b", "gamma")]
+        (name, _P)
+        for name in ("up_w", "up_b", "dw_w", "dw_b", "ln_w", "ln_b", "pw1", "pw1_b", "pw2", "pw2_b", "gamma")
+    ]
 
 
 @functools.cache
@@ -294,21 +364,41 @@ class NativeTransformer:
         table = []
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            table.append(_TLayer(ptr(layer.input_layernorm.weight), ptr(a.q_proj.weight.t()),
-                                 ptr(a.k_proj.weight.t()), ptr(a.v_proj.weight.t()),
-                                 ptr(a.o_proj.weight.t()), ptr(layer.self_attn_layer_scale.scale),
-                                 ptr(layer.post_attention_layernorm.weight), ptr(m.gate_proj.weight.t()),
-                                 ptr(m.up_proj.weight.t()), ptr(m.down_proj.weight.t()),
-                                 ptr(layer.mlp_layer_scale.scale)))
+            table.append(
+                _TLayer(
+                    ptr(layer.input_layernorm.weight),
+                    ptr(a.q_proj.weight.t()),
+                    ptr(a.k_proj.weight.t()),
+                    ptr(a.v_proj.weight.t()),
+                    ptr(a.o_proj.weight.t()),
+                    ptr(layer.self_attn_layer_scale.scale),
+                    ptr(layer.post_attention_layernorm.weight),
+                    ptr(m.gate_proj.weight.t()),
+                    ptr(m.up_proj.weight.t()),
+                    ptr(m.down_proj.weight.t()),
+                    ptr(layer.mlp_layer_scale.scale),
+                )
+            )
         self._layers = (_TLayer * len(table))(*table)
         rotary = model.rotary_emb
         self.params = _TParams(
-            self.num_layers, self.hidden, config.num_attention_heads, config.num_key_value_heads,
-            attn.head_dim, layers[0].mlp.gate_proj.out_features, config.sliding_window,
-            module.code_offset.numel(), layers[0].input_layernorm.variance_epsilon, attn.scaling,
-            float(rotary.attention_scaling), ptr(module.code_embedding.weight),
-            ptr(module.code_offset.reshape(-1), torch.long), ptr(rotary.inv_freq),
-            ptr(model.norm.weight), ctypes.addressof(self._layers))
+            self.num_layers,
+            self.hidden,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            attn.head_dim,
+            layers[0].mlp.gate_proj.out_features,
+            config.sliding_window,
+            module.code_offset.numel(),
+            layers[0].input_layernorm.variance_epsilon,
+            attn.scaling,
+            float(rotary.attention_scaling),
+            ptr(module.code_embedding.weight),
+            ptr(module.code_offset.reshape(-1), torch.long),
+            ptr(rotary.inv_freq),
+            ptr(model.norm.weight),
+            ctypes.addressof(self._layers),
+        )
         self.lib = _front_library()
 
     @staticmethod
@@ -318,12 +408,26 @@ class NativeTransformer:
         model = module.pre_transformer
         layer = model.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-        widths = (config.hidden_size, attn.q_proj.out_features, attn.k_proj.out_features,
-                  mlp.gate_proj.out_features)
+        widths = (
+            config.hidden_size,
+            attn.q_proj.out_features,
+            attn.k_proj.out_features,
+            mlp.gate_proj.out_features,
+        )
         if any(w % 16 for w in widths):
             return f"widths {widths} are not multiples of 16"
-        if any(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                            mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if any(
+            p.bias is not None
+            for p in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            )
+        ):
             return "projections with biases"
         if not all(isinstance(n, torch.nn.Identity) for n in (attn.q_norm, attn.k_norm)):
             return "q/k norms"
@@ -335,8 +439,9 @@ class NativeTransformer:
             return f"activation {type(mlp.act_fn).__name__}"
         return None
 
-    def __call__(self, codes: torch.Tensor, start: int, kv: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, codes: torch.Tensor, start: int, kv: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [n, hidden] of frames start .. start + n - 1 (codes [quantizers, n]),
         and the key/value buffer for the next chunk (`kv` updated, or a new one at start 0)."""
         codes = codes.to(torch.long).contiguous()
@@ -344,11 +449,20 @@ class NativeTransformer:
         if kv is None:
             kv = torch.zeros((self.num_layers, 2, self.carried, self.kv_width))
         out = torch.empty((steps, self.hidden))
-        status = self.lib.omni_c2w_transformer(ctypes.byref(self.params), codes.data_ptr(),
-                                               codes.stride(0), steps, start, kv.data_ptr(),
-                                               min(start, self.carried), out.data_ptr())
+        status = self.lib.omni_c2w_transformer(
+            ctypes.byref(self.params),
+            codes.data_ptr(),
+            codes.stride(0),
+            steps,
+            start,
+            kv.data_ptr(),
+            min(start, self.carried),
+            out.data_ptr(),
+        )
         if status < 0:
-            raise MemoryError(f"code2wav's native pre-transformer could not allocate buffers for {steps} frames")
+            raise MemoryError(
+                f"code2wav's native pre-transformer could not allocate buffers for {steps} frames"
+            )
         return out, kv
 
 
@@ -365,13 +479,26 @@ class NativeUpsampler:
         for transposed, convnext in module.upsample:
             conv, dw = transposed.conv, convnext.dwconv.conv
             c_in, c_out, kernel = conv.weight.shape
-            blocks.append(_UpBlock(c_out, kernel, convnext.pwconv1.out_features, dw.kernel_size[0],
-                                   convnext.norm.eps, ptr(conv.weight.permute(2, 0, 1)), ptr(conv.bias),
-                                   ptr(dw.weight.reshape(c_out, -1)), ptr(dw.bias),
-                                   ptr(convnext.norm.weight), ptr(convnext.norm.bias),
-                                   ptr(convnext.pwconv1.weight.t()), ptr(convnext.pwconv1.bias),
-                                   ptr(convnext.pwconv2.weight.t()), ptr(convnext.pwconv2.bias),
-                                   ptr(convnext.gamma)))
+            blocks.append(
+                _UpBlock(
+                    c_out,
+                    kernel,
+                    convnext.pwconv1.out_features,
+                    dw.kernel_size[0],
+                    convnext.norm.eps,
+                    ptr(conv.weight.permute(2, 0, 1)),
+                    ptr(conv.bias),
+                    ptr(dw.weight.reshape(c_out, -1)),
+                    ptr(dw.bias),
+                    ptr(convnext.norm.weight),
+                    ptr(convnext.norm.bias),
+                    ptr(convnext.pwconv1.weight.t()),
+                    ptr(convnext.pwconv1.bias),
+                    ptr(convnext.pwconv2.weight.t()),
+                    ptr(convnext.pwconv2.bias),
+                    ptr(convnext.gamma),
+                )
+            )
             self.stride *= kernel
         self.channels = blocks[0].c
         self.carry_floats = sum((b.kernel - 1) * b.c for b in blocks)
@@ -388,13 +515,18 @@ class NativeUpsampler:
                 return "a transposed convolution whose kernel is not its stride"
             if dw.groups != c_out or dw.stride[0] != 1 or dw.dilation[0] != 1:
                 return "a ConvNeXt convolution that is not depthwise, stride 1, dilation 1"
-            if type(convnext.act).__name__ != "GELU" or getattr(convnext.act, "approximate", "none") != "none":
+            if (
+                type(convnext.act).__name__ != "GELU"
+                or getattr(convnext.act, "approximate", "none") != "none"
+            ):
                 return f"ConvNeXt activation {convnext.act}"
             widths.update((c_in, c_out, convnext.pwconv1.out_features))
         if any(w % 16 for w in widths):
             return f"widths {sorted(widths)} are not multiples of 16"
-        stages = [(t.conv.weight.shape[0], t.conv.weight.shape[1], c.pwconv1.out_features)
-                  for t, c in module.upsample]
+        stages = [
+            (t.conv.weight.shape[0], t.conv.weight.shape[1], c.pwconv1.out_features)
+            for t, c in module.upsample
+        ]
         if len(set(stages)) != 1 or stages[0][0] != stages[0][1]:
             return "stages of different widths"
         return None
@@ -404,9 +536,16 @@ class NativeUpsampler:
         hidden = hidden.detach().float().contiguous()
         tails, _ = _carried(carry, self, self.carry_floats)
         out = torch.empty((hidden.shape[0] * self.stride, self.channels))
-        rows = self.lib.omni_c2w_upsample(ctypes.addressof(self._blocks), len(self._blocks),
-                                          hidden.data_ptr(), hidden.shape[0],
-                                          None if tails is None else tails.data_ptr(), out.data_ptr())
+        rows = self.lib.omni_c2w_upsample(
+            ctypes.addressof(self._blocks),
+            len(self._blocks),
+            hidden.data_ptr(),
+            hidden.shape[0],
+            None if tails is None else tails.data_ptr(),
+            out.data_ptr(),
+        )
         if rows < 0:
-            raise MemoryError(f"code2wav's native upsampler could not allocate buffers for {hidden.shape[0]} steps")
+            raise MemoryError(
+                f"code2wav's native upsampler could not allocate buffers for {hidden.shape[0]} steps"
+            )
         return out[:rows]

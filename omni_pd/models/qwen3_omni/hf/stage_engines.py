@@ -1,5 +1,6 @@
 """hf (transformers) engines for the three Qwen3-Omni stages: the generic engines of
 `engines/core` on this package's runners, built from a stage config."""
+
 from __future__ import annotations
 
 import logging
@@ -23,50 +24,84 @@ from .thinker_stage import ThinkerStageRunner
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"auto": torch.float32, "float": torch.float32, "float32": torch.float32,
-           "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "auto": torch.float32,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def thinker_runner(model, tokenizer) -> ThinkerRunner:
     """`model`: a whole model or a thinker stage's StageParts."""
     parts = StageParts.of(model)
     config = parts.config
-    return ThinkerRunner(parts.require("thinker"), tokenizer, config.talker_config.accept_hidden_layer,
-                         thinker_eos_ids(config, tokenizer))
+    return ThinkerRunner(
+        parts.require("thinker"),
+        tokenizer,
+        config.talker_config.accept_hidden_layer,
+        thinker_eos_ids(config, tokenizer),
+    )
 
 
 def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     args = stage_config.engine_args
     model_stage = args.model_stage
     if model_stage not in ("thinker", "talker", "code2wav"):
-        raise ValueError(f"stage {stage_config.stage_id}: engine 'hf' runs model_stage thinker, "
-                         f"talker or code2wav, not {model_stage!r}")
+        raise ValueError(
+            f"stage {stage_config.stage_id}: engine 'hf' runs model_stage thinker, "
+            f"talker or code2wav, not {model_stage!r}"
+        )
     name = model_name  # the stage's engine_args.model, else the pipeline's (engine_factory)
     dtype = _DTYPES[args.dtype]
     device = stage_device(stage_config)  # raises, naming the stage, where its GPU is not visible
     began = time.perf_counter()
     # Only this stage's part (the talker also gets the thinker's token embedding, for the tts
     # special tokens); from a checkpoint nothing else is read.
-    model, reports = load_stage(name, model_stage,
-                                load_format="dummy" if args.load_format == "dummy" else "auto",
-                                seed=args.seed if args.seed is not None else 0, dtype=dtype)
+    model, reports = load_stage(
+        name,
+        model_stage,
+        load_format="dummy" if args.load_format == "dummy" else "auto",
+        seed=args.seed if args.seed is not None else 0,
+        dtype=dtype,
+    )
     for r in reports:
-        log.info("stage %d: loaded %s part, %d tensors, %.1f MiB from %d of %d shards in %.2f s",
-                 stage_config.stage_id, r.part, r.tensors, r.bytes / 2**20, len(r.shards_read),
-                 r.shards_total, r.seconds)
+        log.info(
+            "stage %d: loaded %s part, %d tensors, %.1f MiB from %d of %d shards in %.2f s",
+            stage_config.stage_id,
+            r.part,
+            r.tensors,
+            r.bytes / 2**20,
+            len(r.shards_read),
+            r.shards_total,
+            r.seconds,
+        )
     if device != "cpu":
         enter_device(device)
         model = model.to(device)
         # The C kernels read host memory: torch's kernels stand in on the GPU (logged once).
-        args = args.model_copy(update={
-            "attention_kernels": kernels_for(device, args.attention_kernels, "attention",
-                                             stage_config.stage_id),
-            "code2wav_kernels": kernels_for(device, args.code2wav_kernels, "code2wav",
-                                            stage_config.stage_id)})
+        args = args.model_copy(
+            update={
+                "attention_kernels": kernels_for(
+                    device, args.attention_kernels, "attention", stage_config.stage_id
+                ),
+                "code2wav_kernels": kernels_for(
+                    device, args.code2wav_kernels, "code2wav", stage_config.stage_id
+                ),
+            }
+        )
         stage_config = stage_config.model_copy(update={"engine_args": args})
-    log.info("stage %d: hf %s engine ready in %.1f s on %s (model %s, load_format %s)",
-             stage_config.stage_id, model_stage, time.perf_counter() - began, device, name,
-             args.load_format)
+    log.info(
+        "stage %d: hf %s engine ready in %.1f s on %s (model %s, load_format %s)",
+        stage_config.stage_id,
+        model_stage,
+        time.perf_counter() - began,
+        device,
+        name,
+        args.load_format,
+    )
     engine = _build(stage_config, model, model_stage, name)
     engine.device = device
     return engine
@@ -77,16 +112,21 @@ def _build(stage_config, model: StageParts, model_stage: str, name: str) -> Stag
     args = stage_config.engine_args
     parts = StageParts.of(model)
     if model_stage == "thinker":
-        runner = ThinkerStageRunner(thinker_runner(parts, load_tokenizer(resolve_model(name))),
-                                    args.attention_kernels)
+        runner = ThinkerStageRunner(
+            thinker_runner(parts, load_tokenizer(resolve_model(name))), args.attention_kernels
+        )
         return ar_engine(stage_config, runner)
     if model_stage == "talker":
         talker = parts.require("talker")
         speech = TalkerRunner(talker, parts.require("thinker_embedding"), parts.config)
         return ar_engine(stage_config, BatchedTalker(talker, speech, kernels=args.attention_kernels))
-    runner = Code2WavStageRunner(parts.require("code2wav"), parts.config.code2wav_config.num_quantizers,
-                                 args.code2wav_kernels)
-    return ChunkedEngine(stage_config.stage_id, runner,
-                         initial_chunk_frames=args.initial_codec_chunk_frames,
-                         chunk_frames=args.codec_chunk_frames,
-                         left_context_frames=args.codec_left_context_frames)
+    runner = Code2WavStageRunner(
+        parts.require("code2wav"), parts.config.code2wav_config.num_quantizers, args.code2wav_kernels
+    )
+    return ChunkedEngine(
+        stage_config.stage_id,
+        runner,
+        initial_chunk_frames=args.initial_codec_chunk_frames,
+        chunk_frames=args.codec_chunk_frames,
+        left_context_frames=args.codec_left_context_frames,
+    )

@@ -5,6 +5,7 @@ does for one sequence (user turns projected from the thinker, the assistant turn
 codec control tokens, the remaining assistant text fed one position per step), then runs the
 talker's own `generate`.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,11 @@ class TalkerRunner:
         vocab = tcfg.text_config.vocab_size
         # As transformers does: the top 1024 ids are control codes the talker must not emit.
         self.suppressed = [i for i in range(max(vocab - 1024, 0), vocab) if i != self.codec_eos]
-        self.multimodal_ids = {config.thinker_config.audio_token_id,
-                               config.thinker_config.image_token_id,
-                               config.thinker_config.video_token_id}
+        self.multimodal_ids = {
+            config.thinker_config.audio_token_id,
+            config.thinker_config.image_token_id,
+            config.thinker_config.video_token_id,
+        }
 
     def speaker_id(self, speaker: str) -> int:
         speakers = self.config.talker_config.speaker_id or {}
@@ -55,16 +58,25 @@ class TalkerRunner:
         (fixed 16-row tiles): a streamed talker projects rows as they arrive, a whole one all at
         once, and both must get the same bits."""
         mlp = self.talker.text_projection
-        return bi.linear(bi.activation(mlp.act_fn)(bi.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
-                         mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+        return bi.linear(
+            bi.activation(mlp.act_fn)(bi.linear(rows, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
+            mlp.linear_fc2.weight,
+            mlp.linear_fc2.bias,
+        )
 
     def _assistant_start(self, prompt: TalkerPrompt) -> int:
         # The ids read once: a transformers config attribute costs microseconds per access.
-        ids, im_start, assistant = prompt.prompt_token_ids, self.config.im_start_token_id, self.config.assistant_token_id
+        ids, im_start, assistant = (
+            prompt.prompt_token_ids,
+            self.config.im_start_token_id,
+            self.config.assistant_token_id,
+        )
         starts = [i for i in range(len(ids) - 1) if ids[i] == im_start and ids[i + 1] == assistant]
         if not starts:
-            raise ValueError(f"request {prompt.request_id}: the prompt has no "
-                             "'<|im_start|>assistant' turn; build it with add_generation_prompt")
+            raise ValueError(
+                f"request {prompt.request_id}: the prompt has no "
+                "'<|im_start|>assistant' turn; build it with add_generation_prompt"
+            )
         return starts[-1]
 
     def _tts_specials(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,10 +104,12 @@ class TalkerRunner:
         talker = self.talker
         prompt_len = len(prompt.prompt_token_ids)
         if prompt.thinker_embeds.shape[0] <= prompt_len:
-            raise ValueError(f"request {prompt.request_id}: the talker needs the thinker's row for "
-                             f"its first generated token (position {prompt_len}); the thinker gave "
-                             f"{prompt.thinker_embeds.shape[0]} rows and {len(prompt.output_token_ids)} "
-                             "tokens (a one-token answer has no speech)")
+            raise ValueError(
+                f"request {prompt.request_id}: the talker needs the thinker's row for "
+                f"its first generated token (position {prompt_len}); the thinker gave "
+                f"{prompt.thinker_embeds.shape[0]} rows and {len(prompt.output_token_ids)} "
+                "tokens (a one-token answer has no speech)"
+            )
         embeds = prompt.thinker_embeds.unsqueeze(0)
         hidden = prompt.thinker_hidden.unsqueeze(0)
         ids = torch.tensor([prompt.prompt_token_ids], dtype=torch.long)
@@ -123,22 +137,35 @@ class TalkerRunner:
         assistant_start = self._assistant_start(prompt)
         tts_bos, _, tts_pad = self._tts_specials()
         # The assistant turn's first four rows: <|im_start|>assistant\n and the first answer token.
-        assistant = self._project_text(embeds[0, assistant_start:assistant_start + 4]).unsqueeze(0)
-        assistant_text = torch.cat((assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos,
-                                    assistant[:, 3:4]), dim=1)
-        codec_specials = torch.tensor([[tcfg.codec_nothink_id, tcfg.codec_think_bos_id,
-                                        tcfg.codec_think_eos_id, self.speaker_id(prompt.speaker),
-                                        tcfg.codec_pad_id, tcfg.codec_bos_id]])
-        assistant_codec = torch.cat((torch.zeros((1, 3, width), dtype=embeds.dtype),
-                                     talker.get_input_embeddings()(codec_specials)), dim=1)
+        assistant = self._project_text(embeds[0, assistant_start : assistant_start + 4]).unsqueeze(0)
+        assistant_text = torch.cat(
+            (assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1
+        )
+        codec_specials = torch.tensor(
+            [
+                [
+                    tcfg.codec_nothink_id,
+                    tcfg.codec_think_bos_id,
+                    tcfg.codec_think_eos_id,
+                    self.speaker_id(prompt.speaker),
+                    tcfg.codec_pad_id,
+                    tcfg.codec_bos_id,
+                ]
+            ]
+        )
+        assistant_codec = torch.cat(
+            (torch.zeros((1, 3, width), dtype=embeds.dtype), talker.get_input_embeddings()(codec_specials)),
+            dim=1,
+        )
         assistant_embeds = assistant_text + assistant_codec
         assistant_ids = torch.full((1, assistant_text.shape[1]), cfg.tts_pad_token_id, dtype=torch.long)
         return {
             "inputs_embeds": torch.cat((user_part.unsqueeze(0), assistant_embeds), dim=1),
             "tts_pad_embed": tts_pad,
             "talker_input_ids": torch.cat((user_ids.unsqueeze(0), assistant_ids), dim=1),
-            "attention_mask": torch.ones((1, len(user_positions) + assistant_embeds.shape[1]),
-                                         dtype=torch.long),
+            "attention_mask": torch.ones(
+                (1, len(user_positions) + assistant_embeds.shape[1]), dtype=torch.long
+            ),
         }
 
     @torch.no_grad()
@@ -170,7 +197,7 @@ class TalkerRunner:
             start, end, token_rows, eos, rows = plan
             pieces = []
             if rows is not None:
-                pieces.append(projected[offset:offset + rows.shape[0]])
+                pieces.append(projected[offset : offset + rows.shape[0]])
                 offset += rows.shape[0]
             _, tts_eos, tts_pad = self._tts_specials()
             if end > token_rows:
@@ -200,7 +227,7 @@ class TalkerRunner:
             return None
         rows = None
         if min(end, token_rows) > start:
-            rows = prompt.thinker_embeds[first + start:first + min(end, token_rows)]
+            rows = prompt.thinker_embeds[first + start : first + min(end, token_rows)]
         return _TrailingPlan(start, end, token_rows, eos, rows)
 
     @torch.no_grad()
@@ -218,15 +245,24 @@ class TalkerRunner:
             return_dict_in_generate=True,
         )
         if not params.greedy:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k if params.top_k > 0 else 0)
+            kwargs.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else 0,
+            )
         # The talker samples through torch's global generator (code predictor included): seed it
         # per request, inside fork_rng so no other request's randomness moves.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(params.seed if params.seed is not None else 0)
             result = self.talker.generate(**inputs, **kwargs)
         steps = [h[-1] for h in result.hidden_states if h[-1] is not None]
-        codes = (torch.stack(steps, dim=1)[0].transpose(0, 1) if steps
-                 else torch.zeros((self.config.talker_config.num_code_groups, 0), dtype=torch.long))
-        return TalkerOutput(request_id=prompt.request_id, codes=codes.to(torch.long).contiguous(),
-                            metrics={"talker_ms": (time.perf_counter() - began) * 1e3})
+        codes = (
+            torch.stack(steps, dim=1)[0].transpose(0, 1)
+            if steps
+            else torch.zeros((self.config.talker_config.num_code_groups, 0), dtype=torch.long)
+        )
+        return TalkerOutput(
+            request_id=prompt.request_id,
+            codes=codes.to(torch.long).contiguous(),
+            metrics={"talker_ms": (time.perf_counter() - began) * 1e3},
+        )

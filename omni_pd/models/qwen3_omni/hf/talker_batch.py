@@ -28,6 +28,7 @@ starts from [the talker's final-norm hidden state at t, embedding of code0]. cod
 request; the EOS code0, or a code0 cut off by max_tokens, gets no frame (transformers computes a
 frame's residual codes only when it feeds that frame back).
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,13 @@ from omni_pd.engines.core.fallback import each_alone
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import (DecodeRows, check_kernels, decode_attention, native_builds,
-                                                 paged_geometry)
+from omni_pd.engines.hf.attention_native import (
+    DecodeRows,
+    check_kernels,
+    decode_attention,
+    native_builds,
+    paged_geometry,
+)
 from omni_pd.engines.hf.paged_cache import PagedKVCache
 from omni_pd.engines.sampler import step_uniform
 from omni_pd.kv import BlockLayout
@@ -89,8 +95,14 @@ class TalkerState:
         return torch.tensor(self.frames, dtype=torch.long).transpose(0, 1).contiguous()
 
 
-def process_code0_scores(logits: torch.Tensor, generated: list[list[int]], penalties: list[float],
-                         suppress_mask: torch.Tensor, no_eos: list[bool], eos: int) -> torch.Tensor:
+def process_code0_scores(
+    logits: torch.Tensor,
+    generated: list[list[int]],
+    penalties: list[float],
+    suppress_mask: torch.Tensor,
+    no_eos: list[bool],
+    eos: int,
+) -> torch.Tensor:
     """transformers' logits processors for the talker, for a batch of rows ([B, vocab]): the
     repetition penalty of each row over its generated ids (the prompt is embeddings only, so
     only they count), then suppress_tokens, and the codec EOS for the rows in `no_eos`.
@@ -181,8 +193,9 @@ class BatchedTalker(ArRunnerBase):
 
     name = "talker"
 
-    def __init__(self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False,
-                 kernels: str = "native"):
+    def __init__(
+        self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False, kernels: str = "native"
+    ):
         self.talker = talker
         self.runner = runner  # builds each request's inputs (thinker rows projected)
         talker_config = runner.config.talker_config
@@ -196,8 +209,9 @@ class BatchedTalker(ArRunnerBase):
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.kv_heads = text.num_key_value_heads
         cp_config = talker_config.code_predictor_config
-        self.cp_head_dim = (getattr(cp_config, "head_dim", None)
-                            or cp_config.hidden_size // cp_config.num_attention_heads)
+        self.cp_head_dim = (
+            getattr(cp_config, "head_dim", None) or cp_config.hidden_size // cp_config.num_attention_heads
+        )
         self.cp_kv_heads = cp_config.num_key_value_heads
         if getattr(text, "sliding_window", None) or getattr(cp_config, "sliding_window", None):
             raise NotImplementedError("the batched talker has no sliding-window attention")
@@ -218,20 +232,30 @@ class BatchedTalker(ArRunnerBase):
 
     def kv_layout(self, block_size: int) -> BlockLayout:
         text = self.config.text_config
-        return BlockLayout.default_for(text.num_hidden_layers, self.kv_heads, self.head_dim,
-                                       _TORCH_TO_NAME[self.row_dtype], block_size=block_size)
+        return BlockLayout.default_for(
+            text.num_hidden_layers,
+            self.kv_heads,
+            self.head_dim,
+            _TORCH_TO_NAME[self.row_dtype],
+            block_size=block_size,
+        )
 
     def identity(self) -> RunnerIdentity:
-        return RunnerIdentity(f"{self.config.model_type} talker", weights_digest(self.talker.named_parameters()),
-                              self.device, native_builds(self.kernels))
+        return RunnerIdentity(
+            f"{self.config.model_type} talker",
+            weights_digest(self.talker.named_parameters()),
+            self.device,
+            native_builds(self.kernels),
+        )
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "hf-talker-batched", "attention_kernels": self.kernels}
 
     # -- requests -------------------------------------------------------------------------------
 
-    def new_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams,
-                    block_size: int) -> EngineRequest:
+    def new_request(
+        self, request_id: str, prompt: TalkerPrompt, params: SamplingParams, block_size: int
+    ) -> EngineRequest:
         """A request from the thinker's output (`prompt.final`), or from its first part while
         it runs (later tokens arrive through `append_input`)."""
         self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
@@ -240,20 +264,25 @@ class BatchedTalker(ArRunnerBase):
                 inputs = self.runner.build_inputs(prompt)
             else:  # the thinker still runs: its later tokens arrive through append_input
                 inputs = self.runner.prefill_inputs(prompt)
-                inputs["trailing_text_hidden"] = self.runner.trailing_rows(prompt, 0, final=False).unsqueeze(0)
+                inputs["trailing_text_hidden"] = self.runner.trailing_rows(prompt, 0, final=False).unsqueeze(
+                    0
+                )
         except ValueError:
             raise
         except Exception as exc:  # a malformed prompt this engine can never run
             raise ValueError(f"request {request_id}: cannot build the talker input: {exc}") from exc
-        state = TalkerState(prompt_embeds=inputs["inputs_embeds"][0].detach().contiguous(),
-                            trailing=inputs["trailing_text_hidden"][0].detach().contiguous(),
-                            tts_pad=inputs["tts_pad_embed"].reshape(-1).detach().contiguous())
+        state = TalkerState(
+            prompt_embeds=inputs["inputs_embeds"][0].detach().contiguous(),
+            trailing=inputs["trailing_text_hidden"][0].detach().contiguous(),
+            tts_pad=inputs["tts_pad_embed"].reshape(-1).detach().contiguous(),
+        )
         if not prompt.final:
             state.thinker_so_far, state.trailing_complete = prompt, False
         if self.trace:
             state.trace = {"code0_logits": [], "cp_logits": [], "hidden": []}
-        return EngineRequest(request_id, prompt, params, prompt_len=state.prompt_embeds.shape[0],
-                             token_ids=None, model=state)
+        return EngineRequest(
+            request_id, prompt, params, prompt_len=state.prompt_embeds.shape[0], token_ids=None, model=state
+        )
 
     def append_input(self, request: EngineRequest, data: TalkerInputDelta, final: bool) -> None:
         """More thinker output for a talker started while its thinker runs: the trailing text
@@ -284,7 +313,8 @@ class BatchedTalker(ArRunnerBase):
 
         def rows_of(batch: Sequence[EngineRequest]) -> list[torch.Tensor]:
             return self.runner.trailing_rows_many(
-                [(r.model.thinker_so_far, r.model.trailing.shape[0], r.model.stale) for r in batch])
+                [(r.model.thinker_so_far, r.model.trailing.shape[0], r.model.stale) for r in batch]
+            )
 
         def fail(request: EngineRequest, exc: Exception) -> None:
             request.model.stale = None
@@ -331,8 +361,9 @@ class BatchedTalker(ArRunnerBase):
             return DecodeResult(logits)
         # The text row each fed-back frame gets: trailing_text_hidden at the frame's index, or
         # tts_pad past its end.
-        text_rows = [s.trailing[len(s.frames)] if len(s.frames) < s.trailing.shape[0] else s.tts_pad
-                     for s in states]
+        text_rows = [
+            s.trailing[len(s.frames)] if len(s.frames) < s.trailing.shape[0] else s.tts_pad for s in states
+        ]
         for i in alive:
             states[i].frames.append([requests[i].tokens[-1]] + residuals[i])
         inputs = frame_embeds + torch.stack(text_rows)  # elementwise: per row
@@ -348,8 +379,9 @@ class BatchedTalker(ArRunnerBase):
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def sample(self, requests: Sequence[EngineRequest], logits: torch.Tensor,
-               first: bool) -> list[int | Exception]:
+    def sample(
+        self, requests: Sequence[EngineRequest], logits: torch.Tensor, first: bool
+    ) -> list[int | Exception]:
         """The next code0 of every request (row i of `logits` is request i's)."""
         states = [r.model for r in requests]
         for state, row in zip(states, logits):
@@ -358,12 +390,25 @@ class BatchedTalker(ArRunnerBase):
                 state.trace["hidden"].append(state.hidden.detach().clone())
         # ignore_eos: an EOS code0 has no frame to decode, so rather than go on past it (vLLM's
         # meaning for text), the talker never samples it and runs to max_tokens.
-        scores = process_code0_scores(logits, [r.tokens for r in requests],
-                                      [r.params.repetition_penalty for r in requests], self.suppress_mask,
-                                      [r.params.ignore_eos for r in requests], self.codec_eos)
-        specs = [RowSampling(r.params.greedy, r.params.temperature, max(r.params.top_k, 0),
-                             r.params.top_p, _seed(r), len(r.tokens) * self.num_code_groups)
-                 for r in requests]
+        scores = process_code0_scores(
+            logits,
+            [r.tokens for r in requests],
+            [r.params.repetition_penalty for r in requests],
+            self.suppress_mask,
+            [r.params.ignore_eos for r in requests],
+            self.codec_eos,
+        )
+        specs = [
+            RowSampling(
+                r.params.greedy,
+                r.params.temperature,
+                max(r.params.top_k, 0),
+                r.params.top_p,
+                _seed(r),
+                len(r.tokens) * self.num_code_groups,
+            )
+            for r in requests
+        ]
         picks = self._sample(requests, scores, specs, "talker sampling")
         return [pick if pick is not None else RuntimeError(s.error) for pick, s in zip(picks, states)]
 
@@ -374,18 +419,28 @@ class BatchedTalker(ArRunnerBase):
             return "length"
         return None
 
-    def _take_residuals(self, requests: Sequence[EngineRequest], group: int,
-                        logits: torch.Tensor) -> list[int]:
+    def _take_residuals(
+        self, requests: Sequence[EngineRequest], group: int, logits: torch.Tensor
+    ) -> list[int]:
         # transformers mirrors the talker's do_sample onto the code predictor.
-        specs = [RowSampling(r.params.greedy, self.cp_temperature, CODE_PREDICTOR_TOP_K,
-                             CODE_PREDICTOR_TOP_P, _seed(r), (len(r.tokens) - 1) * self.num_code_groups + group)
-                 for r in requests]
+        specs = [
+            RowSampling(
+                r.params.greedy,
+                self.cp_temperature,
+                CODE_PREDICTOR_TOP_K,
+                CODE_PREDICTOR_TOP_P,
+                _seed(r),
+                (len(r.tokens) - 1) * self.num_code_groups + group,
+            )
+            for r in requests
+        ]
         picks = self._sample(requests, logits.float(), specs, f"code predictor sampling (group {group})")
         return [0 if pick is None else pick for pick in picks]
 
     @staticmethod
-    def _sample(requests: Sequence[EngineRequest], scores: torch.Tensor,
-                specs: list[RowSampling], what: str) -> list[int | None]:
+    def _sample(
+        requests: Sequence[EngineRequest], scores: torch.Tensor, specs: list[RowSampling], what: str
+    ) -> list[int | None]:
         """All rows at once; if that raises (a NaN row, say), row by row, so that only the
         requests whose rows fail are failed (their pick is None, their state's `error` set)."""
         picks: list[int | None] = [None] * len(requests)
@@ -405,9 +460,11 @@ class BatchedTalker(ArRunnerBase):
 
     def output(self, request: EngineRequest, reason: str) -> TalkerOutput:
         elapsed = (time.perf_counter() - request.admitted_at) * 1e3
-        return TalkerOutput(request_id=request.request_id,
-                            codes=request.model.codes(self.num_code_groups),
-                            metrics={"talker_ms": elapsed})
+        return TalkerOutput(
+            request_id=request.request_id,
+            codes=request.model.codes(self.num_code_groups),
+            metrics={"talker_ms": elapsed},
+        )
 
     def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
         """The frames to send now: none until a whole chunk is there (or the request is done).
@@ -421,15 +478,21 @@ class BatchedTalker(ArRunnerBase):
                 return [], None
         if len(state.frames) == state.frames_sent:
             return [], None
-        new = state.frames[state.frames_sent:]  # plain lists: a fraction of a tensor to send
+        new = state.frames[state.frames_sent :]  # plain lists: a fraction of a tensor to send
         state.frames_sent = len(state.frames)
         return [], new
 
     # -- the talker -----------------------------------------------------------------------------
 
-    def _talker_forward(self, x: torch.Tensor, positions: torch.Tensor, requests: Sequence[EngineRequest],
-                        counts: list[int], cache: PagedKVCache, prefill: bool
-                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _talker_forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        requests: Sequence[EngineRequest],
+        counts: list[int],
+        cache: PagedKVCache,
+        prefill: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`counts[i]` new rows of `x` ([rows, hidden]) per request, in order, at `positions`;
         returns the final-norm hidden states ([rows, hidden]: what transformers'
         `hidden_states[0][-1]` holds and what the codec head reads) and, for a prefill, each
@@ -443,27 +506,53 @@ class BatchedTalker(ArRunnerBase):
             rows = DecodeRows([r.blocks for r in requests], [r.position + 1 for r in requests])
         kv: list[list[torch.Tensor]] = [[] for _ in requests]
         for index, layer in enumerate(self.model.layers):
-            x = x + self._talker_attention(layer.self_attn, layer.input_layernorm(x), cos, sin,
-                                           requests, counts, index, rows, cache, kv if prefill else None)
+            x = x + self._talker_attention(
+                layer.self_attn,
+                layer.input_layernorm(x),
+                cos,
+                sin,
+                requests,
+                counts,
+                index,
+                rows,
+                cache,
+                kv if prefill else None,
+            )
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.model.norm(x), [torch.stack(layers).contiguous() for layers in kv] if prefill else []
 
-    def _talker_attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          requests: Sequence[EngineRequest], counts: list[int], layer: int,
-                          rows: DecodeRows | None, cache: PagedKVCache,
-                          kv: list[list[torch.Tensor]] | None) -> torch.Tensor:
+    def _talker_attention(
+        self,
+        attn,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        requests: Sequence[EngineRequest],
+        counts: list[int],
+        layer: int,
+        rows: DecodeRows | None,
+        cache: PagedKVCache,
+        kv: list[list[torch.Tensor]] | None,
+    ) -> torch.Tensor:
         q, k, v = bi.projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
         if rows is not None:  # a decode step on the kernel: one new row per sequence
             k_base, v_base, geometry = paged_geometry(cache, layer)
             count = len(requests)
-            out = decode_attention(_row_major(q), _row_major(k), _row_major(v), rows,
-                                   torch.full((count,), k_base, dtype=torch.long),
-                                   torch.full((count,), v_base, dtype=torch.long), geometry, attn.scaling)
+            out = decode_attention(
+                _row_major(q),
+                _row_major(k),
+                _row_major(v),
+                rows,
+                torch.full((count,), k_base, dtype=torch.long),
+                torch.full((count,), v_base, dtype=torch.long),
+                geometry,
+                attn.scaling,
+            )
             return bi.linear_module(attn.o_proj, out.reshape(out.shape[0], -1))
         outputs, start = [], 0
         for i, (request, count) in enumerate(zip(requests, counts)):
-            new_k = k[0, :, start:start + count].transpose(0, 1).contiguous()  # [count, kvh, hd]
-            new_v = v[0, :, start:start + count].transpose(0, 1).contiguous()
+            new_k = k[0, :, start : start + count].transpose(0, 1).contiguous()  # [count, kvh, hd]
+            new_v = v[0, :, start : start + count].transpose(0, 1).contiguous()
             if kv is not None:  # a prompt: its KV goes to the cache with the engine's write
                 kv[i].append(torch.stack([new_k.transpose(0, 1), new_v.transpose(0, 1)]))
                 keys, values, cached = _head_major(new_k), _head_major(new_v), 0
@@ -476,14 +565,13 @@ class BatchedTalker(ArRunnerBase):
                 keys = _head_major(keys.transpose(0, 1).contiguous())
                 values = _head_major(values.transpose(0, 1).contiguous())
                 cached = position
-            outputs.append(bi.attend(q[:, :, start:start + count], keys, values, attn.scaling, cached))
+            outputs.append(bi.attend(q[:, :, start : start + count], keys, values, attn.scaling, cached))
             start += count
         return bi.linear_module(attn.o_proj, torch.cat(outputs))
 
     # -- the code predictor ---------------------------------------------------------------------
 
-    def _predict_residuals(self, requests: Sequence[EngineRequest]
-                           ) -> tuple[list[list[int]], torch.Tensor]:
+    def _predict_residuals(self, requests: Sequence[EngineRequest]) -> tuple[list[list[int]], torch.Tensor]:
         """Codes 1..G-1 of every state's pending frame, batched: every request has the same
         predictor length at a given group. Returns the codes and the frames' summed code
         embeddings ([B, hidden]: the talker's codec embedding of code0 plus the predictor's
@@ -499,9 +587,13 @@ class BatchedTalker(ArRunnerBase):
         hidden = torch.stack([s.hidden for s in states])  # [B, hidden]
         # Prefill [past_hidden, code0 embedding] (2 rows per request), then one row per group.
         x = torch.stack([hidden, first], dim=1).reshape(2 * batch, -1)
-        caches = [(torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype),
-                   torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype))
-                  for _ in cp.layers]
+        caches = [
+            (
+                torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype),
+                torch.zeros((batch, self.cp_kv_heads, groups, self.cp_head_dim), dtype=x.dtype),
+            )
+            for _ in cp.layers
+        ]
         length = 0
         for group in range(1, groups):
             width = 2 if group == 1 else 1
@@ -521,8 +613,14 @@ class BatchedTalker(ArRunnerBase):
                 codes[b].append(picks[b])
         return codes, total
 
-    def _predictor_forward(self, x: torch.Tensor, batch: int, width: int, start: int,
-                           caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _predictor_forward(
+        self,
+        x: torch.Tensor,
+        batch: int,
+        width: int,
+        start: int,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         cp = self.predictor.model
         positions = torch.arange(start, start + width).repeat(batch).unsqueeze(0)  # [1, rows]
         cos, sin = cp.rotary_emb(x.unsqueeze(0), positions)
@@ -534,12 +632,16 @@ class BatchedTalker(ArRunnerBase):
             # (tests/test_talker_batch.py holds batched == solo to the bit).
             if width > 1 and start:
                 raise NotImplementedError("several new predictor rows after cached ones")
-            keys[:, :, start:start + width] = _per_request(k, batch, width)
-            values[:, :, start:start + width] = _per_request(v, batch, width)
+            keys[:, :, start : start + width] = _per_request(k, batch, width)
+            values[:, :, start : start + width] = _per_request(v, batch, width)
             out = F.scaled_dot_product_attention(
-                _per_request(q, batch, width).contiguous(), keys[:, :, :start + width],
-                values[:, :, :start + width], is_causal=width > 1, scale=attn.scaling,
-                enable_gqa=keys.shape[1] != q.shape[1])  # [B, heads, width, hd]
+                _per_request(q, batch, width).contiguous(),
+                keys[:, :, : start + width],
+                values[:, :, : start + width],
+                is_causal=width > 1,
+                scale=attn.scaling,
+                enable_gqa=keys.shape[1] != q.shape[1],
+            )  # [B, heads, width, hd]
             x = x + bi.linear_module(attn.o_proj, out.transpose(1, 2).reshape(batch * width, -1))
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
         return cp.norm(x)

@@ -5,6 +5,7 @@ hidden states; `decode` continues from a cache, whether that cache was built her
 rebuilt from blocks another process sent (P/D). Both legs share one code path, which is what
 makes P/D byte-identical to a colocated run.
 """
+
 from __future__ import annotations
 
 import time
@@ -67,24 +68,29 @@ def audio_clips(prompt: ThinkerPrompt, audio_token_id: int, n_window: int) -> li
     clips, taken = [], 0
     for index, frames in enumerate(prompt.feature_attention_mask.sum(-1).tolist()):
         length = audio_token_count(int(frames), n_window)
-        span = placeholders[taken:taken + length]
+        span = placeholders[taken : taken + length]
         if len(span) != length or span[-1] - span[0] != length - 1:
-            raise ValueError(f"audio input {index} needs {length} consecutive placeholder "
-                             f"positions; the prompt has {len(placeholders)} placeholders in all")
-        features = np.ascontiguousarray(prompt.input_features[index, :, :int(frames)].cpu().numpy())
+            raise ValueError(
+                f"audio input {index} needs {length} consecutive placeholder "
+                f"positions; the prompt has {len(placeholders)} placeholders in all"
+            )
+        features = np.ascontiguousarray(prompt.input_features[index, :, : int(frames)].cpu().numpy())
         digest = xxhash.xxh3_128(np.asarray(features.shape, dtype="<i8").tobytes())
         digest.update(features.astype("<f4", copy=False).tobytes())
         clips.append(AudioClip(index, span[0], length, digest.digest()))
         taken += length
     if taken != len(placeholders):
-        raise ValueError(f"the prompt has {len(placeholders)} audio placeholders, its "
-                         f"{len(clips)} audio input(s) fill {taken}")
+        raise ValueError(
+            f"the prompt has {len(placeholders)} audio placeholders, its "
+            f"{len(clips)} audio input(s) fill {taken}"
+        )
     return clips
 
 
 class ThinkerRunner:
-    def __init__(self, thinker: torch.nn.Module, tokenizer, accept_hidden_layer: int,
-                 eos_token_ids: set[int]):
+    def __init__(
+        self, thinker: torch.nn.Module, tokenizer, accept_hidden_layer: int, eos_token_ids: set[int]
+    ):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.accept_hidden_layer = accept_hidden_layer
@@ -109,13 +115,15 @@ class ThinkerRunner:
                 continue
             i = clip.index
             encoded = self.thinker.get_audio_features(
-                prompt.input_features[i:i + 1], prompt.feature_attention_mask[i:i + 1],
-                return_dict=True).last_hidden_state.to(rows.dtype)
+                prompt.input_features[i : i + 1], prompt.feature_attention_mask[i : i + 1], return_dict=True
+            ).last_hidden_state.to(rows.dtype)
             if encoded.shape[0] != clip.length:
-                raise ValueError(f"audio input {i}: the encoder gave {encoded.shape[0]} rows for "
-                                 f"{clip.length} placeholders")
+                raise ValueError(
+                    f"audio input {i}: the encoder gave {encoded.shape[0]} rows for "
+                    f"{clip.length} placeholders"
+                )
             skip = max(0, start - clip.start)
-            rows[clip.start + skip - start:clip.end - start] = encoded[skip:]
+            rows[clip.start + skip - start : clip.end - start] = encoded[skip:]
         return rows
 
     def _positions(self, start: int, length: int, rope_deltas: int) -> torch.Tensor:
@@ -131,8 +139,9 @@ class ThinkerRunner:
         audio_lengths = None
         if prompt.feature_attention_mask is not None:
             audio_lengths = prompt.feature_attention_mask.sum(-1)
-        mrope, deltas = self.thinker.get_rope_index(input_ids, None, None, attention_mask, False,
-                                                    audio_lengths, None)
+        mrope, deltas = self.thinker.get_rope_index(
+            input_ids, None, None, attention_mask, False, audio_lengths, None
+        )
         rope_deltas = int(deltas.reshape(-1)[0].item())
         text = torch.arange(input_ids.shape[1]).view(1, 1, -1)
         position_ids = torch.cat([text, mrope.to(torch.long)], dim=0)
@@ -147,8 +156,7 @@ class ThinkerRunner:
             use_cache=True,
             output_hidden_states=True,
         )
-        first = sample_next_token(out.logits[0, -1], params, step=0,
-                                  seen_token_ids=prompt.prompt_token_ids)
+        first = sample_next_token(out.logits[0, -1], params, step=0, seen_token_ids=prompt.prompt_token_ids)
         return PrefillResult(
             cache=cache,
             logits=out.logits[0, -1],
@@ -166,8 +174,15 @@ class ThinkerRunner:
         return self.stops.detokenize(tokens, params)
 
     @torch.no_grad()
-    def decode(self, prompt_token_ids: list[int], cache: DynamicCache, rope_deltas: int,
-               first_token: int, params: SamplingParams, on_token=None) -> DecodeResult:
+    def decode(
+        self,
+        prompt_token_ids: list[int],
+        cache: DynamicCache,
+        rope_deltas: int,
+        first_token: int,
+        params: SamplingParams,
+        on_token=None,
+    ) -> DecodeResult:
         """Generate from a cache holding the whole prompt; `first_token` was sampled at step 0."""
         began = time.perf_counter()
         prompt_len = len(prompt_token_ids)
@@ -191,8 +206,9 @@ class ThinkerRunner:
             )
             embeds.append(out.hidden_states[0][0, -1])
             hidden.append(out.hidden_states[self.accept_hidden_layer][0, -1])
-            token = sample_next_token(out.logits[0, -1], params, step=len(tokens),
-                                      seen_token_ids=prompt_token_ids + tokens)
+            token = sample_next_token(
+                out.logits[0, -1], params, step=len(tokens), seen_token_ids=prompt_token_ids + tokens
+            )
             tokens.append(token)
             if on_token is not None:
                 on_token(token)

@@ -12,6 +12,7 @@ together the same way (`prefill`); prompts with images or video would run alone 
 transformers' own forward (their 3D rotary); either way their KV is then copied into the
 request's blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,15 +63,20 @@ class BatchedThinkerDecoder:
         self.num_layers = config.num_hidden_layers
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if not 0 <= accept_hidden_layer < self.num_layers:
-            raise ValueError(f"accept_hidden_layer {accept_hidden_layer} must name a layer below "
-                             f"{self.num_layers}")
+            raise ValueError(
+                f"accept_hidden_layer {accept_hidden_layer} must name a layer below {self.num_layers}"
+            )
         self.accept_hidden_layer = accept_hidden_layer
         self.kernels = check_kernels(kernels)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], prefixes: list[CachedPrefix | None] | None = None,
-                cache: PagedKVCache | None = None,
-                inputs: list[torch.Tensor | None] | None = None) -> list[Prefilled]:
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        prefixes: list[CachedPrefix | None] | None = None,
+        cache: PagedKVCache | None = None,
+        inputs: list[torch.Tensor | None] | None = None,
+    ) -> list[Prefilled]:
         """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
         layer and the MoE on tiles over all their rows, attention causal within each prompt.
         A prompt's results do not depend on the others in the pass (the same premise as the
@@ -95,9 +101,14 @@ class BatchedThinkerDecoder:
         if any(starts) and cache is None:
             raise ValueError("prefill over cached prefixes needs their cache")
         lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
-        h = torch.cat([rows if rows is not None
-                       else self.text.embed_tokens(torch.tensor(p[start:], dtype=torch.long))
-                       for p, start, rows in zip(prompts, starts, inputs)])  # [N, hidden]
+        h = torch.cat(
+            [
+                rows
+                if rows is not None
+                else self.text.embed_tokens(torch.tensor(p[start:], dtype=torch.long))
+                for p, start, rows in zip(prompts, starts, inputs)
+            ]
+        )  # [N, hidden]
         if h.shape[0] != sum(lengths):
             raise ValueError("a prompt's layer-0 rows must cover the positions it computes")
         embeds, accept = h, None
@@ -119,8 +130,11 @@ class BatchedThinkerDecoder:
                     old_k, old_v = cache.layer_kv(index, prefixes[i].blocks, starts[i])
                     keys = torch.cat([old_k.unsqueeze(0), keys], dim=2)
                     values = torch.cat([old_v.unsqueeze(0), values], dim=2)
-                outs.append(bi.attend_rows(q[:, :, a:b], keys.contiguous(), values.contiguous(),
-                                           attn.scaling, starts[i]))
+                outs.append(
+                    bi.attend_rows(
+                        q[:, :, a:b], keys.contiguous(), values.contiguous(), attn.scaling, starts[i]
+                    )
+                )
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
             if index + 1 == self.accept_hidden_layer:
@@ -131,9 +145,15 @@ class BatchedThinkerDecoder:
         logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h[last]))
         # Per prompt: its last position's logits, the KV of the positions it computed, their rows
         # (layer 0 and the accept layer); a text or audio prompt has no rotary offset.
-        return [Prefilled(logits[i], torch.stack(kv[i]).contiguous(),
-                          {"embeds": embeds[a:b].clone(), "hidden": accept[a:b].clone()}, {"rope_deltas": 0})
-                for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        return [
+            Prefilled(
+                logits[i],
+                torch.stack(kv[i]).contiguous(),
+                {"embeds": embeds[a:b].clone(), "hidden": accept[a:b].clone()},
+                {"rope_deltas": 0},
+            )
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
 
     @torch.no_grad()
     def step(self, rows: list[DecodeRow], cache: PagedKVCache) -> DecodeStepResult:
@@ -150,8 +170,9 @@ class BatchedThinkerDecoder:
         if self.kernels == "native":
             native = DecodeRows([r.blocks for r in rows], [r.position + 1 for r in rows])
         for index, layer in enumerate(self.text.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index,
-                                    cache, native)
+            h = h + self._attention(
+                layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index, cache, native
+            )
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
             if index + 1 == self.accept_hidden_layer:
                 accept = h
@@ -160,9 +181,17 @@ class BatchedThinkerDecoder:
         logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h))
         return DecodeStepResult(logits=logits, embeds=embeds, hidden=accept)
 
-    def _attention(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   rows: list[DecodeRow], layer: int, cache: PagedKVCache,
-                   native: DecodeRows | None) -> torch.Tensor:
+    def _attention(
+        self,
+        attn,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: list[DecodeRow],
+        layer: int,
+        cache: PagedKVCache,
+        native: DecodeRows | None,
+    ) -> torch.Tensor:
         count, hd = x.shape[0], self.head_dim
         q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
         k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
@@ -170,17 +199,25 @@ class BatchedThinkerDecoder:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
         if native is not None:
             k_base, v_base, geometry = paged_geometry(cache, layer)
-            out = decode_attention(q[:, :, 0].contiguous(), k[:, :, 0].contiguous(), v.contiguous(),
-                                   native, torch.full((count,), k_base, dtype=torch.long),
-                                   torch.full((count,), v_base, dtype=torch.long), geometry,
-                                   attn.scaling)
+            out = decode_attention(
+                q[:, :, 0].contiguous(),
+                k[:, :, 0].contiguous(),
+                v.contiguous(),
+                native,
+                torch.full((count,), k_base, dtype=torch.long),
+                torch.full((count,), v_base, dtype=torch.long),
+                geometry,
+                attn.scaling,
+            )
             return bi.linear_module(attn.o_proj, out.reshape(count, -1))
         outputs = []
         for b, row in enumerate(rows):
             cache.write_token(layer, row.blocks, row.position, k[b, :, 0], v[b])
             keys, values = cache.layer_kv(layer, row.blocks, row.position + 1)
-            outputs.append(F.scaled_dot_product_attention(
-                q[b:b + 1], keys.unsqueeze(0), values.unsqueeze(0), scale=attn.scaling,
-                enable_gqa=True))
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q[b : b + 1], keys.unsqueeze(0), values.unsqueeze(0), scale=attn.scaling, enable_gqa=True
+                )
+            )
         out = torch.cat(outputs).transpose(1, 2).reshape(count, -1)
         return bi.linear_module(attn.o_proj, out)

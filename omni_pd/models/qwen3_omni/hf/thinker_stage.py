@@ -7,6 +7,7 @@ not compute: those prompts run alone through transformers' forward, and their ro
 accept layer), for the prompt and for every generated token fed back; and its records
 (`ThinkerOutput`, `ThinkerChunk`). The engine does the rest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ def thinker_layout(thinker, block_size: int) -> BlockLayout:
     text = thinker.config.text_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     dtype = _TORCH_TO_NAME[next(thinker.parameters()).dtype]
-    return BlockLayout.default_for(text.num_hidden_layers, text.num_key_value_heads, head_dim,
-                                   dtype, block_size=block_size)
+    return BlockLayout.default_for(
+        text.num_hidden_layers, text.num_key_value_heads, head_dim, dtype, block_size=block_size
+    )
 
 
 def model_name(thinker: torch.nn.Module) -> str:
@@ -78,9 +80,11 @@ class ThinkerStageRunner(ArRunnerBase):
         self.row_dtype = next(runner.thinker.parameters()).dtype
         config = runner.thinker.config
         # Images and video need the 3D rotary, which the batched pass does not compute.
-        self._vision_ids = frozenset(getattr(config, name) for name in
-                                     ("image_token_id", "video_token_id")
-                                     if getattr(config, name, None) is not None)
+        self._vision_ids = frozenset(
+            getattr(config, name)
+            for name in ("image_token_id", "video_token_id")
+            if getattr(config, name, None) is not None
+        )
 
     @property
     def device(self) -> str:
@@ -90,17 +94,23 @@ class ThinkerStageRunner(ArRunnerBase):
         return thinker_layout(self.thinker, block_size)
 
     def identity(self) -> RunnerIdentity:
-        return RunnerIdentity(model_name(self.thinker), weights_digest(self.thinker.named_parameters()),
-                              self.device, native_builds(self.decoder.kernels))
+        return RunnerIdentity(
+            model_name(self.thinker),
+            weights_digest(self.thinker.named_parameters()),
+            self.device,
+            native_builds(self.decoder.kernels),
+        )
 
-    def new_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams,
-                    block_size: int) -> EngineRequest:
+    def new_request(
+        self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams, block_size: int
+    ) -> EngineRequest:
         ids = list(prompt.prompt_token_ids)
         request = EngineRequest(request_id, prompt, params, prompt_len=len(ids), token_ids=ids)
         # Audio inputs are placed and hashed now: a malformed prompt fails here, alone.
         clips = self.runner.audio_clips(prompt)
-        request.extra_keys = multimodal_extra_keys([(c.start, c.end, c.key) for c in clips],
-                                                   len(ids), block_size)
+        request.extra_keys = multimodal_extra_keys(
+            [(c.start, c.end, c.key) for c in clips], len(ids), block_size
+        )
         request.batchable = self._vision_ids.isdisjoint(ids)
         request.model = ThinkerState(clips=clips)
         return request
@@ -116,14 +126,19 @@ class ThinkerStageRunner(ArRunnerBase):
     def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
         return self.decoder.prefill(
             [i.request.prompt.prompt_token_ids for i in items],
-            [CachedPrefix(i.start, i.request.blocks) if i.start else None for i in items], cache,
-            [self._layer0(i.request, i.start) for i in items])
+            [CachedPrefix(i.start, i.request.blocks) if i.start else None for i in items],
+            cache,
+            [self._layer0(i.request, i.start) for i in items],
+        )
 
     def prefill_alone(self, request: EngineRequest) -> Prefilled:
         run = self.runner.prefill(request.prompt, request.params)
-        return Prefilled(run.logits, cache_to_canonical(run.cache),
-                         {"embeds": run.prompt_embeds, "hidden": run.prompt_hidden},
-                         {"rope_deltas": run.rope_deltas})
+        return Prefilled(
+            run.logits,
+            cache_to_canonical(run.cache),
+            {"embeds": run.prompt_embeds, "hidden": run.prompt_hidden},
+            {"rope_deltas": run.rope_deltas},
+        )
 
     def decode(self, requests: Sequence[EngineRequest], cache: PagedKVCache) -> DecodeResult:
         rows = [DecodeRow(r.tokens[-1], r.position, r.model.rope_deltas, r.blocks) for r in requests]
@@ -133,8 +148,9 @@ class ThinkerStageRunner(ArRunnerBase):
             request.model.output_hidden.append(result.hidden[b].clone())
         return DecodeResult(result.logits)
 
-    def sample(self, requests: Sequence[EngineRequest], logits: torch.Tensor,
-               first: bool) -> list[int | Exception]:
+    def sample(
+        self, requests: Sequence[EngineRequest], logits: torch.Tensor, first: bool
+    ) -> list[int | Exception]:
         return list(sample_tokens(requests, logits, first))
 
     def prefilled(self, request: EngineRequest, result: Prefilled) -> None:
@@ -159,7 +175,8 @@ class ThinkerStageRunner(ArRunnerBase):
         generated = not request.publishes
         prompt_rows = request.prefills_here
         return ThinkerOutput(
-            request_id=request.request_id, prompt_token_ids=list(request.token_ids),
+            request_id=request.request_id,
+            prompt_token_ids=list(request.token_ids),
             token_ids=list(request.tokens),
             text=self.runner.detokenize(request.tokens, request.params) if generated else "",
             finish_reason=reason,
@@ -168,17 +185,18 @@ class ThinkerStageRunner(ArRunnerBase):
             output_embeds=self._rows(state.output_embeds) if generated else None,
             output_hidden=self._rows(state.output_hidden) if generated else None,
             output_start=request.prompt_len,
-            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len})
+            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len},
+        )
 
     def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
         """New tokens (for the client's text) and, for a talker that runs alongside, a chunk
         with them and the rows of the tokens fed back since the last one."""
-        new = request.tokens[request.streamed:]
+        new = request.tokens[request.streamed :]
         request.streamed = len(request.tokens)
         if not request.chunks:
             return new, None
         state = request.model
-        rows = state.output_embeds[state.rows_streamed:]
+        rows = state.output_embeds[state.rows_streamed :]
         first = request.chunks_sent == 0
         chunk = ThinkerChunk(
             token_ids=list(new),
@@ -186,7 +204,8 @@ class ThinkerStageRunner(ArRunnerBase):
             start=request.prompt_len + state.rows_streamed,
             prompt_token_ids=list(request.token_ids) if first else None,
             prompt_embeds=state.prompt_embeds if first else None,
-            prompt_hidden=state.prompt_hidden if first else None)
+            prompt_hidden=state.prompt_hidden if first else None,
+        )
         state.rows_streamed = len(state.output_embeds)
         request.chunks_sent += 1
         return new, chunk

@@ -12,6 +12,7 @@ never fed, as in transformers). Each leg reports the rows it owns:
   first token; that row is its own, and the prefill leg's copy of it is the one the merge keeps,
   as it is what a colocated run computed in its one prefill pass.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,8 +55,10 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
             return
         audios = prompt.input_features.shape[0]
         if audios > MAX_AUDIOS_PER_PROMPT:
-            raise ValueError(f"stage {stage_id}: the prompt has {audios} audio inputs; the vLLM "
-                             f"thinker takes at most {MAX_AUDIOS_PER_PROMPT} per prompt")
+            raise ValueError(
+                f"stage {stage_id}: the prompt has {audios} audio inputs; the vLLM "
+                f"thinker takes at most {MAX_AUDIOS_PER_PROMPT} per prompt"
+            )
 
     def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
         """The prompt builder's token ids and audio features, as vLLM takes them: the features
@@ -66,25 +69,38 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
         if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
             return {"prompt_token_ids": ids}
         lengths = prompt.feature_attention_mask.sum(-1)
-        features = torch.cat([prompt.input_features[i, :, :int(n)] for i, n in enumerate(lengths)],
-                             dim=1)
-        folded = [t for i, t in enumerate(ids)
-                  if t != self.audio_token_id or i == 0 or ids[i - 1] != self.audio_token_id]
-        return {"prompt_token_ids": folded, "multi_modal_data": {"audio": {
-            "input_audio_features": features, "audio_feature_lengths": lengths.to(torch.long),
-            "feature_attention_mask": prompt.feature_attention_mask}}}
+        features = torch.cat([prompt.input_features[i, :, : int(n)] for i, n in enumerate(lengths)], dim=1)
+        folded = [
+            t
+            for i, t in enumerate(ids)
+            if t != self.audio_token_id or i == 0 or ids[i - 1] != self.audio_token_id
+        ]
+        return {
+            "prompt_token_ids": folded,
+            "multi_modal_data": {
+                "audio": {
+                    "input_audio_features": features,
+                    "audio_feature_lengths": lengths.to(torch.long),
+                    "feature_attention_mask": prompt.feature_attention_mask,
+                }
+            },
+        }
 
-    def _prompt_rows(self, request_id: str, rows: RequestRows, prompt_len: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt_rows(
+        self, request_id: str, rows: RequestRows, prompt_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         span = rows.span(0, prompt_len)
         if span is None:
-            raise RuntimeError(f"request {request_id}: the vLLM thinker recorded "
-                               f"{sum(p < prompt_len for p in rows.rows)} of the prompt's "
-                               f"{prompt_len} rows")
+            raise RuntimeError(
+                f"request {request_id}: the vLLM thinker recorded "
+                f"{sum(p < prompt_len for p in rows.rows)} of the prompt's "
+                f"{prompt_len} rows"
+            )
         return span
 
-    def _output_rows(self, request_id: str, rows: RequestRows, lo: int, hi: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _output_rows(
+        self, request_id: str, rows: RequestRows, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if hi <= lo:
             width = next(iter(rows.rows.values()))[0].shape[-1] if len(rows) else 0
             empty = torch.zeros((0, width))
@@ -92,34 +108,61 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
         span = rows.span(lo, hi)
         if span is None:
             missing = [p for p in range(lo, hi) if p not in rows.rows]
-            raise RuntimeError(f"request {request_id}: the vLLM thinker recorded no rows for "
-                               f"positions {missing[:8]} of {lo}..{hi - 1}")
+            raise RuntimeError(
+                f"request {request_id}: the vLLM thinker recorded no rows for "
+                f"positions {missing[:8]} of {lo}..{hi - 1}"
+            )
         return span
 
     def output(self, text: TextOutput, rows: RequestRows, role: LegRole) -> ThinkerOutput:
         prompt_len = len(text.prompt_token_ids)
-        out = ThinkerOutput(**{f: getattr(text, f) for f in (
-            "request_id", "prompt_token_ids", "token_ids", "text", "finish_reason",
-            "kv_transfer_params", "num_cached_prompt_tokens", "metrics")}, output_start=prompt_len)
+        out = ThinkerOutput(
+            **{
+                f: getattr(text, f)
+                for f in (
+                    "request_id",
+                    "prompt_token_ids",
+                    "token_ids",
+                    "text",
+                    "finish_reason",
+                    "kv_transfer_params",
+                    "num_cached_prompt_tokens",
+                    "metrics",
+                )
+            },
+            output_start=prompt_len,
+        )
         if role.computes_prompt:
             out.prompt_embeds, out.prompt_hidden = self._prompt_rows(text.request_id, rows, prompt_len)
         if role.decodes:
             # Every generated token but the last was fed back.
             fed = max(len(text.token_ids) - 1, 0)
             out.output_embeds, out.output_hidden = self._output_rows(
-                text.request_id, rows, prompt_len, prompt_len + fed)
+                text.request_id, rows, prompt_len, prompt_len + fed
+            )
         return out
 
-    def chunk(self, prompt_token_ids: list[int], new_token_ids: list[int], rows: RequestRows,
-              rows_from: int, role: LegRole, first: bool) -> tuple[ThinkerChunk, int]:
+    def chunk(
+        self,
+        prompt_token_ids: list[int],
+        new_token_ids: list[int],
+        rows: RequestRows,
+        rows_from: int,
+        role: LegRole,
+        first: bool,
+    ) -> tuple[ThinkerChunk, int]:
         prompt_len = len(prompt_token_ids)
         start = max(rows_from, prompt_len)
         end = start
         while end in rows.rows:  # the generated tokens' rows that arrived since the last chunk
             end += 1
         embeds, _ = self._output_rows("", rows, start, end)
-        chunk = ThinkerChunk(token_ids=list(new_token_ids), embeds=embeds, start=start,
-                             prompt_token_ids=list(prompt_token_ids) if first else None)
+        chunk = ThinkerChunk(
+            token_ids=list(new_token_ids),
+            embeds=embeds,
+            start=start,
+            prompt_token_ids=list(prompt_token_ids) if first else None,
+        )
         if first and role.computes_prompt:
             chunk.prompt_embeds, chunk.prompt_hidden = self._prompt_rows("", rows, prompt_len)
         return chunk, end

@@ -13,6 +13,7 @@ EAGLE-3 auxiliary outputs (`set_aux_hidden_state_layers`) add the two back toget
 output, which is the same tensor, and they are computed inside the compiled language model. The
 last layer is different (transformers normalises it), so an accept layer must be below the last.
 """
+
 from __future__ import annotations
 
 from vllm.model_executor.models.qwen3_omni_moe_thinker import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -33,17 +34,22 @@ class RowRecordingThinker(Qwen3OmniMoeThinkerForConditionalGeneration):
             layer = int(extra[LAYER_KEY])
             layers = self.config.text_config.num_hidden_layers
             if not 1 <= layer < layers:
-                raise ValueError(f"accept_hidden_layer {layer} must be between 1 and {layers - 1} "
-                                 f"(the thinker has {layers} layers; the last one's output is "
-                                 "normalised in transformers and not in vLLM)")
+                raise ValueError(
+                    f"accept_hidden_layer {layer} must be between 1 and {layers - 1} "
+                    f"(the thinker has {layers} layers; the last one's output is "
+                    "normalised in transformers and not in vLLM)"
+                )
             self.accept_layer = layer
             self.set_aux_hidden_state_layers((layer,))  # before the language model is compiled
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if self.accept_layer is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        embeds = (inputs_embeds if inputs_embeds is not None
-                  else self.language_model.model.embed_input_ids(input_ids))
+        embeds = (
+            inputs_embeds
+            if inputs_embeds is not None
+            else self.language_model.model.embed_input_ids(input_ids)
+        )
         # A copy: on GPUs the first layer's fused add-norm writes into this buffer in place.
         embeds = embeds.detach().clone()
         hidden, aux = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
