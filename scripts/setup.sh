@@ -4,6 +4,7 @@
 # `vllm` distribution alias so vLLM's own CLI runs);
 # OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray);
 # OMNI_PD_BROWSER=1 Debian's chromium and chromium-driver (the demo page's browser test).
+# OMNI_PD_DEV=1 the lint and type checkers (requirements-dev.lock: ruff, mypy).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -11,6 +12,7 @@ cd "$repo"
 with_vllm="${OMNI_PD_VLLM:-0}"
 with_ray="${OMNI_PD_RAY:-0}"
 with_browser="${OMNI_PD_BROWSER:-0}"
+with_dev="${OMNI_PD_DEV:-0}"
 
 # Mooncake's transfer engine links against libibverbs even for TCP transfers.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
@@ -92,6 +94,17 @@ if [ "$with_ray" = "1" ]; then
     pip_install --no-deps -r requirements-ray.lock
     .venv/bin/python -c "import ray"
     echo "$rwant" > "$rstamp"
+  fi
+fi
+
+if [ "$with_dev" = "1" ]; then
+  dstamp=.venv/.omni-pd-setup-dev
+  dwant="$(cat requirements.lock requirements-dev.lock | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$dstamp" 2>/dev/null)" != "$dwant" ]; then
+    echo "setup: installing the lint and type checkers into .venv"
+    pip_install --no-deps -r requirements-dev.lock
+    .venv/bin/ruff --version >/dev/null && .venv/bin/mypy --version >/dev/null
+    echo "$dwant" > "$dstamp"
   fi
 fi
 

@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# The test suite, end-to-end tests included, vLLM and Ray tests too (the setup installs both extras),
-# and the demo page's test in headless Chromium (the setup installs Debian's chromium).
+# Lint and types first (ruff check, ruff format --check, mypy on the generic layers: pyproject.toml
+# configures all three), then the test suite, end-to-end tests included, vLLM and Ray tests too
+# (the setup installs both extras and the checkers), and the demo page's test in headless
+# Chromium (the setup installs Debian's chromium).
 # Then the exactness suites (pytest -m exactness) a second time with torch dispatching to an older
 # CPU level than the host's best (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 host, the x86-64 baseline
 # on an AVX2 host), so that one host checks the bits of both kinds of CI host. Extra arguments go to
-# both pytest runs; OMNI_PD_SECOND_ISA=0 skips the second.
+# both pytest runs; OMNI_PD_SECOND_ISA=0 skips the second, OMNI_PD_LINT=0 the checks.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-OMNI_PD_VLLM=1 OMNI_PD_RAY=1 OMNI_PD_BROWSER=1 bash "$repo/scripts/setup.sh"
+OMNI_PD_VLLM=1 OMNI_PD_RAY=1 OMNI_PD_BROWSER=1 OMNI_PD_DEV=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
+if [ "${OMNI_PD_LINT:-1}" = "1" ]; then
+  echo "test.sh: ruff check, ruff format --check, mypy"
+  .venv/bin/ruff check omni_pd tests e2e scripts examples
+  .venv/bin/ruff format --check omni_pd tests e2e scripts examples
+  .venv/bin/mypy
+fi
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 [ "${OMNI_PD_SECOND_ISA:-1}" = "1" ] || exit 0
