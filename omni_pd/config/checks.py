@@ -215,14 +215,17 @@ def check_kv_extra_keys(ctx: CheckContext) -> list[ConfigIssue]:
     ours = KVConnectorExtraConfig.DECODE_GOVERNED_KEYS + ("kv_same_host",)
     for index, stage in ctx.stages:
         kv = stage.kv_transfer_config
-        for key in (kv.kv_connector_extra_config.model_extra or {}) if kv else {}:
+        if kv is None:
+            continue
+        extra = kv.kv_connector_extra_config.model_extra or {}
+        for key in extra:
             hint = suggest(key, ours)
             if hint is not None:
                 issues.append(
                     ctx.issue(
                         stage,
                         _ek(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
-                        kv.kv_connector_extra_config.model_extra[key],
+                        extra[key],
                         ", ".join(ours),
                         f"unknown key '{key}'; did you mean '{hint}'?",
                     )

@@ -524,7 +524,9 @@ class _Converter:
         for name in dict.fromkeys(names):
             spec = connectors.get(name)
             extra = spec.get("extra") if isinstance(spec, Mapping) else None
-            for key in CODEC_CHUNK_KEYS if isinstance(extra, Mapping) else ():
+            if not isinstance(extra, Mapping):
+                continue
+            for key in CODEC_CHUNK_KEYS:
                 if key not in extra:
                     continue
                 if key in found and found[key][0] != extra[key]:

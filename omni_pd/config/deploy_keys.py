@@ -51,8 +51,8 @@ class DeployKeyMap:
         else:
             file = self.doc.origin((re.split(r"[.\[]", key)[0],)).file
 
-        def rename(text: str | None) -> str | None:
-            return None if text is None else text.replace("runtime.connectors", "connectors")
+        def rename(text: str) -> str:
+            return text.replace("runtime.connectors", "connectors")
 
         return dataclasses.replace(
             issue,
@@ -60,7 +60,7 @@ class DeployKeyMap:
             stage_id=stage_id,
             key=key,
             message=rename(issue.message),
-            allowed=rename(issue.allowed),
+            allowed=None if issue.allowed is None else rename(issue.allowed),
         )
 
     def _stage_location(self, sid: int, rest: str) -> tuple[str, str]:

@@ -146,7 +146,8 @@ def _stage_list(value: Any, where: str, file: str, issues: list[ConfigIssue]) ->
             )
         )
         return []
-    out, seen = [], {}
+    out: list[dict[str, Any]] = []
+    seen: dict[int, int] = {}  # stage_id -> index of the entry that declared it
     for index, raw in enumerate(value):
         at = f"{where}[{index}]"
         if not isinstance(raw, Mapping):

@@ -13,6 +13,7 @@ import typing
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from omni_pd.config.errors import ConfigIssue
 
@@ -88,7 +89,7 @@ def _describe_allowed(allowed: set[str]) -> str:
 
 
 def _issue_from_error(
-    err: dict[str, Any], root: type, file: str, stage_id: int | None, prefix: Loc
+    err: ErrorDetails, root: type, file: str, stage_id: int | None, prefix: Loc
 ) -> ConfigIssue:
     loc: Loc = tuple(err["loc"])
     key = format_key(prefix + loc)
@@ -111,11 +112,11 @@ def _issue_from_error(
             key = format_key(prefix + loc + (first_word,))
             if isinstance(got, dict):
                 got = got.get(first_word)
-    allowed = None
+    expected: str | None = None
     ctx = err.get("ctx") or {}
     if "expected" in ctx:
-        allowed = str(ctx["expected"])
-    return ConfigIssue(file, stage_id, key, got, allowed, message)
+        expected = str(ctx["expected"])
+    return ConfigIssue(file, stage_id, key, got, expected, message)
 
 
 def issues_from_validation_error(

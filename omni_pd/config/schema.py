@@ -7,7 +7,7 @@ stages (P/D pairing, graph, imports) live in `checks.py` so that every problem c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator, model_validator
 
@@ -208,14 +208,21 @@ _PASSTHROUGH = sorted(
     - set(_TypedEngineArgs.model_fields)
     - set(_MODEL_KEYS)
 )
-EngineArgsConfig = create_model(  # type: ignore[call-overload]
-    "EngineArgsConfig",
-    __base__=_TypedEngineArgs,
-    __doc__="A stage's engine_args: typed omni-pd keys (generic, and those the registered models "
-    "declare) plus allow-listed vLLM / vllm-omni keys.",
-    **_MODEL_KEYS,
-    **{name: (Any, None) for name in _PASSTHROUGH},
-)
+if TYPE_CHECKING:
+    # mypy cannot follow `create_model`'s dynamic fields: it sees the typed keys, and the keys the
+    # registered models declare and the passthrough ones (known only at run time) as Any.
+    class EngineArgsConfig(_TypedEngineArgs):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    EngineArgsConfig = create_model(
+        "EngineArgsConfig",
+        __base__=_TypedEngineArgs,
+        __doc__="A stage's engine_args: typed omni-pd keys (generic, and those the registered models "
+        "declare) plus allow-listed vLLM / vllm-omni keys.",
+        **_MODEL_KEYS,
+        **{name: (Any, None) for name in _PASSTHROUGH},
+    )
 
 
 class StageRuntime(_Model):
@@ -272,7 +279,7 @@ class StageConfig(_Model):
     is_decode_only: bool = False
     is_comprehension: bool = False
     runtime: StageRuntime = Field(default_factory=StageRuntime)
-    engine_args: EngineArgsConfig  # type: ignore[valid-type]
+    engine_args: EngineArgsConfig
     engine_input_source: tuple[int, ...] = ()
     custom_process_input_func: str | None = Field(default=None, pattern=_DOTTED_PATH)
     final_output: bool = False
