@@ -76,7 +76,10 @@ def wsum64(data: torch.Tensor) -> str:
 def checksum(data: torch.Tensor, kind: str = "xxh3") -> str:
     """The checksum of a block's bytes (a uint8 tensor)."""
     if kind == "xxh3":
-        return xxhash.xxh3_64_hexdigest(data.numpy() if data.device.type == "cpu" else data.cpu().numpy())
+        return xxhash.xxh3_64_hexdigest(
+            # numpy's stubs give ndarray its __buffer__ only for Python >= 3.12; it is a buffer here too.
+            data.numpy() if data.device.type == "cpu" else data.cpu().numpy()  # type: ignore[arg-type]
+        )
     if kind == "wsum64":
         return wsum64(data)
     raise ValueError(f"checksum kind must be one of {list(CHECKSUM_KINDS)}, got {kind!r}")

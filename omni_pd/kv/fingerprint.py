@@ -51,7 +51,8 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         raw = tensor.detach().reshape(-1).view(torch.uint8)  # bf16 has no numpy dtype: use bytes
         if limit is not None:
             raw = raw[:limit]
-        digest.update(raw.cpu().contiguous().numpy())
+        # numpy's stubs give ndarray its __buffer__ only for Python >= 3.12; it is a buffer here too.
+        digest.update(raw.cpu().contiguous().numpy())  # type: ignore[arg-type]
     return f"{'full' if limit is None else 'sampled'}:{digest.hexdigest()}"
 
 

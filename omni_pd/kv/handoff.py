@@ -144,6 +144,19 @@ class Transfer(_Tracked):
     unverified: set[int] = field(default_factory=set)  # remote block indices not checked yet
 
 
+def _descriptor_of(transfer: Transfer) -> KVDescriptor:
+    """The descriptor `KVReceiver.start` gave the transfer (None only before that)."""
+    assert transfer.descriptor is not None, f"transfer {transfer.transfer_id} was never started"
+    return transfer.descriptor
+
+
+def _read_of(transfer: Transfer) -> AsyncRead:
+    """The Mooncake read `KVReceiver.start` submitted (None on a same-host path, or when the
+    submission failed: then `failure` is set and nothing reaches the read)."""
+    assert transfer.read is not None, f"transfer {transfer.transfer_id} has no Mooncake read"
+    return transfer.read
+
+
 # -- descriptor ------------------------------------------------------------------------------
 
 
@@ -670,7 +683,8 @@ class KVReceiver:
             )
             self._end(transfer, TransferState.DONE)
             return result
-        state = transfer.read.poll()
+        read = _read_of(transfer)
+        state = read.poll()
         try:
             self._verify_landed(transfer)
         except KVIntegrityError as exc:
@@ -683,7 +697,7 @@ class KVReceiver:
             self._end(transfer, TransferState.ABANDONED, error)
             raise error
         if state is ReadState.FAILED:
-            error = self.transport.read_failure(transfer.read)
+            error = self.transport.read_failure(read)
             self._end(transfer, TransferState.FAILED, error)
             raise error
         try:
@@ -710,8 +724,9 @@ class KVReceiver:
                 return 0
             still, freed = [], 0
             for transfer in self._quarantine:
-                transfer.read.poll()
-                if transfer.read.settled:
+                read = _read_of(transfer)  # quarantined: its read has not settled
+                read.poll()
+                if read.settled:
                     self.pool.free(transfer.block_ids)
                     freed += len(transfer.block_ids)
                     log.debug(
@@ -787,7 +802,7 @@ class KVReceiver:
                 self._quarantine.append(transfer)
 
     def _miss(self, transfer: Transfer) -> KVMissError:
-        d = transfer.descriptor
+        d = _descriptor_of(transfer)
         return KVMissError(
             f"transfer {d.transfer_id}: the KV from prefill peer {d.remote_session} (engine "
             f"{d.remote_engine_id}) did not arrive within {transfer.wait_s:g} s (kv_wait_s, or the "
@@ -820,15 +835,14 @@ class KVReceiver:
             why = "its block layout differs from this engine's (converted through staging)"
         else:
             highest = max(descriptor.remote_block_ids) + 1
+            # The checks above leave a path only when the descriptor carries its handle.
+            where = descriptor.cuda_ipc if path == "cuda_ipc" else descriptor.shm_path
+            assert where is not None, f"transfer {descriptor.transfer_id}: no {path} handle"
             try:
                 pool = (
-                    self._peer_gpus.get(
-                        descriptor.remote_session, descriptor.cuda_ipc, highest * descriptor.block_bytes
-                    )
+                    self._peer_gpus.get(descriptor.remote_session, where, highest * descriptor.block_bytes)
                     if path == "cuda_ipc"
-                    else self._peers.get(
-                        descriptor.remote_session, descriptor.shm_path, highest * descriptor.block_bytes
-                    )
+                    else self._peers.get(descriptor.remote_session, where, highest * descriptor.block_bytes)
                 )
             except OSError as exc:
                 why = f"its pool cannot be {'opened' if path == 'cuda_ipc' else 'mapped'} from here ({exc})"
@@ -865,7 +879,7 @@ class KVReceiver:
     def _copy_shared(self, transfer: Transfer, peer_pool: torch.Tensor) -> None:
         """Copy each remote block's transferred bytes from the mapped peer pool into its
         destination block, checksumming it right after, while it is still in cache."""
-        descriptor = transfer.descriptor
+        descriptor = _descriptor_of(transfer)
         bb = descriptor.block_bytes
         for j, (remote, length) in enumerate(zip(descriptor.remote_block_ids, transfer.lengths)):
             dest = self.pool.block_view(transfer.dest[j])[:length]
@@ -876,15 +890,16 @@ class KVReceiver:
 
     def _staged(self, transfer: Transfer) -> torch.Tensor:
         """The staging blocks as the remote blocks landed there, back to back (a view)."""
-        remote = transfer.descriptor.kv_layout
-        count = remote.num_blocks_for(transfer.descriptor.num_tokens)
+        descriptor = _descriptor_of(transfer)
+        remote = descriptor.kv_layout
+        count = remote.num_blocks_for(descriptor.num_tokens)
         raw = self.landing.gather(transfer.staging).reshape(-1)[: count * remote.block_bytes]
         return raw.view(count, remote.block_bytes)
 
     def _verify_landed(self, transfer: Transfer) -> None:
         """Check the blocks whose entries have all landed (later entries may still fly)."""
         ready: list[int] = []
-        for entry in transfer.read.take_landed():
+        for entry in _read_of(transfer).take_landed():
             for j in transfer.blocks_of_entry[entry] if 0 <= entry < len(transfer.blocks_of_entry) else ():
                 transfer.unlanded[j] -= 1
                 if transfer.unlanded[j] == 0 and j in transfer.unverified:
@@ -897,7 +912,7 @@ class KVReceiver:
         j * remote block bytes, split at local block boundaries): (block id, offset within it,
         bytes), in order."""
         local_bb = self.layout.block_bytes
-        offset, left = j * transfer.descriptor.block_bytes, length
+        offset, left = j * _descriptor_of(transfer).block_bytes, length
         while left:
             block, within = divmod(offset, local_bb)
             piece = min(left, local_bb - within)
@@ -921,11 +936,11 @@ class KVReceiver:
             else self.landing.block_view(transfer.dest[j])
             for j in blocks
         }
-        self._verify(transfer.descriptor, views, transfer.lengths)
+        self._verify(_descriptor_of(transfer), views, transfer.lengths)
         transfer.unverified.difference_update(blocks)
 
     def _assemble(self, transfer: Transfer) -> FetchResult:
-        descriptor = transfer.descriptor
+        descriptor = _descriptor_of(transfer)
         remote = descriptor.kv_layout
         lengths = transfer.lengths
         if transfer.unverified:  # the last entries' blocks, or all when nothing reported early
@@ -942,7 +957,7 @@ class KVReceiver:
             list(transfer.dest),
             sum(lengths),
             transfer_ms,
-            transfer.read.num_segments,
+            _read_of(transfer).num_segments,
             converted=bool(transfer.staging),
         )
 

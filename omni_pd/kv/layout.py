@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -32,7 +32,7 @@ DTypeName = Literal["float32", "float16", "bfloat16"]
 KVSplit = Literal["fused", "split"]
 Order = Literal["token_major", "head_major"]
 
-_DTYPES: dict[str, torch.dtype] = {
+_DTYPES: dict[DTypeName, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -52,7 +52,7 @@ _BLOCK_AXES: dict[tuple[str, str], str] = {
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> DTypeName:
     for name, value in _DTYPES.items():
         if value == dtype:
             return name
@@ -84,7 +84,8 @@ class BlockLayout:
     def default_for(
         cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str | torch.dtype, block_size: int = 16
     ) -> "BlockLayout":
-        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        # A name given as text is checked against DTypeName by __post_init__.
+        name = cast(DTypeName, dtype) if isinstance(dtype, str) else dtype_name(dtype)
         return cls(
             block_size=block_size,
             num_layers=num_layers,
@@ -93,7 +94,7 @@ class BlockLayout:
             dtype=name,
             kv_split="fused",
             order="token_major",
-        )  # type: ignore[arg-type]
+        )
 
     # -- plain-data form for the handshake ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

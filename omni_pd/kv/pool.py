@@ -150,6 +150,8 @@ class BlockPool:
             raise ValueError(f"hold of free KV blocks {loose}")
         for i in ids:
             if self._refs[i] == 0:
+                # Not free and held by nobody: kept, which only a keeper does (see free()).
+                assert self.keeper is not None, f"KV block {i} is kept but the pool has no keeper"
                 self.keeper.taken(i)
             self._refs[i] += 1
 

@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from .errors import KVTransferError
 
@@ -112,7 +112,9 @@ def allowed_destinations(host: str) -> Destinations | None:
         addresses = {ipaddress.ip_address(host.strip("[]"))}
     except ValueError:  # a host name: what it resolves to here
         addresses = {
-            ipaddress.ip_address(info[4][0].split("%")[0])
+            # A TCP (AF_INET / AF_INET6) sockaddr starts with the address as text; typeshed's
+            # sockaddr type also covers families whose first item is an int.
+            ipaddress.ip_address(cast(str, info[4][0]).split("%")[0])
             for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
         }
     v4: list[ipaddress.IPv4Network] = []
@@ -123,10 +125,10 @@ def allowed_destinations(host: str) -> Destinations | None:
         if address.is_unspecified:
             return None
         if address.is_loopback:
-            v4.append(ipaddress.ip_network("127.0.0.0/8"))
+            v4.append(ipaddress.IPv4Network("127.0.0.0/8"))
             v6.append(ipaddress.IPv6Address("::1"))
         elif isinstance(address, ipaddress.IPv4Address):
-            v4.append(ipaddress.ip_network(address))
+            v4.append(ipaddress.IPv4Network(address))
         else:
             v6.append(address)
     return sorted(set(v4)), sorted(set(v6))

@@ -178,9 +178,12 @@ def _fresh(value: Any) -> Any:
     """A new object equal to `value` (pickle must not find it in its memo; see the module doc)."""
     if isinstance(value, (tuple, list)):
         return tuple(_fresh(item) for item in value)
-    if isinstance(value, (str, bytes, bytearray, memoryview)):
-        data = str(value) if isinstance(value, str) else bytes(value)
-        return data[:1] + data[1:] if len(data) > 1 else data  # 0/1-long: shared in vLLM too
+    if isinstance(value, str):
+        text = str(value)
+        return text[:1] + text[1:] if len(text) > 1 else text  # 0/1-long: shared in vLLM too
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        return data[:1] + data[1:] if len(data) > 1 else data
     return value
 
 
