@@ -70,7 +70,7 @@ def to_device(value: Any, device: torch.device | str) -> Any:
     if isinstance(value, torch.Tensor):
         return value if value.device == dev else value.to(dev)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {}
+        changes: dict[str, Any] = {}
         for f in dataclasses.fields(value):
             old = getattr(value, f.name)
             new = to_device(old, dev)
@@ -83,11 +83,11 @@ def to_device(value: Any, device: torch.device | str) -> Any:
             object.__setattr__(moved, name, new)  # frozen dataclasses too
         return moved
     if isinstance(value, dict):
-        moved = {k: to_device(v, dev) for k, v in value.items()}
-        return value if all(moved[k] is value[k] for k in value) else moved
+        moved_map = {k: to_device(v, dev) for k, v in value.items()}
+        return value if all(moved_map[k] is value[k] for k in value) else moved_map
     if isinstance(value, (list, tuple)):
-        moved = [to_device(v, dev) for v in value]
-        if all(a is b for a, b in zip(moved, value)):
+        moved_items = [to_device(v, dev) for v in value]
+        if all(a is b for a, b in zip(moved_items, value)):
             return value
-        return type(value)(moved) if isinstance(value, list) else tuple(moved)
+        return type(value)(moved_items) if isinstance(value, list) else tuple(moved_items)
     return value

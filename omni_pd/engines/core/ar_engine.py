@@ -254,7 +254,17 @@ class ArEngine(StageEngine):
         its logits give the first token."""
         if not (self.prefix_caching and request.prefills_here and request.batchable and request.cacheable):
             return []
-        return self.kv.match(request.token_ids, request.extra_keys, limit=request.prompt_len - 1)
+        return self.kv.match(self._prompt_ids(request), request.extra_keys, limit=request.prompt_len - 1)
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        """The prompt's token ids, which the prefix cache names blocks by: a runner that caches
+        prefixes gives every prompt its ids."""
+        if request.token_ids is None:
+            raise RuntimeError(
+                f"stage {self.stage_id}: request {request.request_id}: the prefix cache needs the "
+                "prompt's token ids, but its runner gave none"
+            )
+        return request.token_ids
 
     def _cache_prompt(self, request: EngineRequest, pre: Prefilled, checksums: Sequence[str] = ()) -> None:
         """Name the prompt's full blocks for later prompts, with their rows (and, on the prefill
@@ -264,7 +274,9 @@ class ArEngine(StageEngine):
         full = request.prompt_len // self.block_size
         if self.kv.keeps_rows:
             self.kv.keep_rows(request.blocks, request.cached_len // self.block_size, full, pre.rows, 0)
-        self.kv.register(request.blocks[:full], request.token_ids, request.extra_keys, checksums=checksums)
+        self.kv.register(
+            request.blocks[:full], self._prompt_ids(request), request.extra_keys, checksums=checksums
+        )
 
     # ---- prefill -------------------------------------------------------------------------------
     def _prefill_together(self, requests: list[EngineRequest]) -> None:
@@ -327,6 +339,7 @@ class ArEngine(StageEngine):
         self._cache_prompt(request, pre)
         self.runner.prefilled(request, pre)
         request.metrics["prefill_ms"] = pre.prefill_ms
+        assert pre.first_token is not None, "_prefill samples the first token"
         return self._first_token(request, pre.first_token)
 
     def _first_token(self, request: EngineRequest, token: int) -> list[StepOutput]:

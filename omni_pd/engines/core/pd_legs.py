@@ -66,6 +66,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _kv_params(request: EngineRequest) -> dict[str, Any]:
+    """The kv_transfer_params of a request that a leg's _check found carrying them."""
+    params = request.params.kv_transfer_params
+    assert params is not None, f"request {request.request_id} has no kv_transfer_params"
+    return params
+
+
+def _remote_kv(request: EngineRequest) -> KVDescriptor:
+    """A decode-leg request's remote prompt KV (None only for a prompt prefilled here)."""
+    assert request.kv is not None, f"request {request.request_id} has no remote KV"
+    return request.kv
+
+
 class PrefillEngine(ArEngine):
     """The prefill leg: prefills each admitted prompt and publishes its KV for the decode leg,
     answering with the first token."""
@@ -116,18 +129,21 @@ class PrefillEngine(ArEngine):
         request.publishes = True
 
     def _start(self, request: EngineRequest) -> list[StepOutput]:
-        transfer_id = request.params.kv_transfer_params["transfer_id"]
+        transfer_id = _kv_params(request)["transfer_id"]
         pre = self._prefill(request)
+        assert pre.first_token is not None, "_prefill samples the first token"
+        sums: list[str] | None
         if request.cached_len:
             # Cached blocks go with the checksums they were named with (memory that changed
             # since fails the handoff); the rest are checksummed as they now lie.
             self.kv.write(request.blocks, request.cached_len, pre.kv)
             reused = request.cached_len // self.block_size
-            sums = [self.kv.checksum(b) for b in request.blocks[:reused]] + self.kv.checksums(
+            sums = [self._named_checksum(b) for b in request.blocks[:reused]] + self.kv.checksums(
                 request.blocks, request.prompt_len, first=reused
             )
         else:  # block by block as written (each still in cache): no second pass at publish
             sums = self.kv.write(request.blocks, 0, pre.kv, checksums=True)
+            assert sums is not None, "write(checksums=True) returns them"
         self._cache_prompt(request, pre, sums)
         prompt_blocks = self.kv.blocks_for(request.prompt_len)
         descriptor = self.sender.publish_blocks(
@@ -160,6 +176,13 @@ class PrefillEngine(ArEngine):
         output.kv_transfer_params = out_params
         self._drop(request)
         return [StepOutput(request.request_id, finished=True, output=output)]
+
+    def _named_checksum(self, block: int) -> str:
+        """A cached block's checksum: every prompt this engine names was published, and named
+        with the checksums it was published with."""
+        checksum = self.kv.checksum(block)
+        assert checksum is not None, f"stage {self.stage_id}: cached KV block {block} has no checksum"
+        return checksum
 
     def _match_prefix(self, request: EngineRequest) -> list[int]:
         if self._fault_pending:  # the oldest waiting request is the next one published
@@ -282,15 +305,15 @@ class DecodeEngine(ArEngine):
         holds already (an earlier turn's), so that only the rest moves. Blocks are named here
         without their rows, which stay with the prefill leg, so a prompt this engine prefills
         itself (the fallback) does not reuse them."""
-        if request.prefills_here or not self.prefix_caching or request.kv.kv_layout != self.layout:
+        if request.prefills_here or not self.prefix_caching or _remote_kv(request).kv_layout != self.layout:
             return []
-        if request.params.kv_transfer_params.get("kv_cacheable") is False:
+        if _kv_params(request).get("kv_cacheable") is False:
             request.cacheable = False
             return []
-        return self.kv.match(request.token_ids, request.extra_keys, limit=request.prompt_len)
+        return self.kv.match(self._prompt_ids(request), request.extra_keys, limit=request.prompt_len)
 
     def _resume(self, request: EngineRequest) -> list[StepOutput]:
-        kv_params = request.params.kv_transfer_params
+        kv_params = _kv_params(request)
         self.runner.resume(request, {key: int(kv_params[key]) for key in self.runner.handoff_keys})
         return self._first_token(request, int(kv_params["first_token"]))
 
@@ -302,8 +325,8 @@ class DecodeEngine(ArEngine):
                 request.prompt_len,
             )
             return self._prefill_here(request)
-        kv_params = request.params.kv_transfer_params
-        self.peers.check(request.kv.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
+        kv_params, remote = _kv_params(request), _remote_kv(request)
+        self.peers.check(remote.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
         # The blocks this engine holds already stay; only the rest of the prompt moves.
         reused = request.cached_len // self.block_size
         request.reused, request.cached_len = request.blocks[:reused], 0
@@ -311,11 +334,11 @@ class DecodeEngine(ArEngine):
             kv_reused_tokens=reused * self.block_size,
             kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
         )
-        if reused == len(request.kv.remote_block_ids):  # the whole prompt is here
+        if reused == len(remote.remote_block_ids):  # the whole prompt is here
             request.reused = []  # they stay among the request's blocks
             request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
             return self._resume(request)
-        descriptor = request.kv.without_first(reused) if reused else request.kv
+        descriptor = remote.without_first(reused) if reused else remote
         # The prompt's blocks go to the receiver for the read and come back with the result;
         # the request keeps the blocks its output will fill.
         prompt_blocks = self.receiver.dest_blocks(descriptor)
@@ -332,25 +355,25 @@ class DecodeEngine(ArEngine):
             "request %s: reading %d prompt positions of KV as transfer %s from %s",
             request.request_id,
             request.prompt_len,
-            request.kv.transfer_id,
-            request.kv.remote_session,
+            remote.transfer_id,
+            remote.remote_session,
         )
         # A same-host copy is complete already: the first token leaves in this step.
-        fetched = self.receiver.poll(request.kv.transfer_id)
+        fetched = self.receiver.poll(remote.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
 
     def _name_blocks(self, request: EngineRequest) -> None:
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
-        if self.prefix_caching and request.kv.kv_layout == self.layout and request.cacheable:
+        if self.prefix_caching and _remote_kv(request).kv_layout == self.layout and request.cacheable:
             full = request.prompt_len // self.block_size
-            self.kv.register(request.blocks[:full], request.token_ids, request.extra_keys)
+            self.kv.register(request.blocks[:full], self._prompt_ids(request), request.extra_keys)
 
     def _progress(self) -> list[StepOutput]:
         self.receiver.reclaim()
         outputs: list[StepOutput] = []
         for request in [self.scheduler.requests[r] for r in self.scheduler.fetching]:
             try:
-                fetched = self.receiver.poll(request.kv.transfer_id)
+                fetched = self.receiver.poll(_remote_kv(request).transfer_id)
                 if fetched is not None:
                     outputs.extend(self._fetched(request, fetched))
             except Exception as exc:  # this request's transfer failed or timed out
@@ -379,7 +402,7 @@ class DecodeEngine(ArEngine):
         # place needs only the request's own blocks; one whose layout differs stages too.
         if request.prefills_here:
             return True
-        staging = self.receiver.staging_blocks(request.kv)
+        staging = self.receiver.staging_blocks(_remote_kv(request))
         return (
             staging == 0
             or staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
@@ -389,7 +412,7 @@ class DecodeEngine(ArEngine):
     def _release(self, request: EngineRequest) -> None:
         if request.phase is Phase.FETCHING:
             # Mooncake may still write the prompt's blocks: the receiver quarantines them.
-            self.receiver.abandon(request.kv.transfer_id, f"request {request.request_id} left")
+            self.receiver.abandon(_remote_kv(request).transfer_id, f"request {request.request_id} left")
         self.kv.free(request.reused)  # the cached blocks it held while the rest moved
         request.reused = []
 

@@ -83,7 +83,8 @@ class DecodeRows:
     set up once per step and shared by every layer's call."""
 
     def __init__(self, tables: list[list[int]], lengths: list[int]):
-        starts, flat = [], []
+        starts: list[int] = []
+        flat: list[int] = []
         for table in tables:
             starts.append(len(flat))
             flat.extend(table)

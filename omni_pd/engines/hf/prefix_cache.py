@@ -86,7 +86,7 @@ class PrefixCache:
         del self._idle[block]
 
     def evict(self, count: int) -> list[int]:
-        evicted = []
+        evicted: list[int] = []
         while self._idle and len(evicted) < count:
             block, _ = self._idle.popitem(last=False)
             self._forget(block)
@@ -114,7 +114,7 @@ class PrefixCache:
         for _, ids, extra, digest in self._chain(token_ids[:count], extra_keys):
             block = self._by_hash.get(digest)
             entry = self._entries.get(block) if block is not None else None
-            if entry is None or entry.token_ids != ids or entry.extra_keys != extra:
+            if block is None or entry is None or entry.token_ids != ids or entry.extra_keys != extra:
                 break  # a miss, or a collision: never reuse a block for other tokens
             found.append(block)
         self.pool.hold(found)

@@ -39,7 +39,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ... import registry
 from ...sampling import SamplingParams
@@ -48,6 +48,11 @@ from ..types import TextOutput, TokenPrompt
 from .hooks import LegRole, VllmModelHooks
 from .rows import EXTENSION as ROWS_EXTENSION
 from .rows import RequestRows, check_vllm_version
+
+if TYPE_CHECKING:  # vLLM is optional: imported where it runs
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +132,7 @@ class VllmEngine(StageEngine):
 
     def __init__(self, stage, model: str, hooks: VllmModelHooks | None = None):
         self.stage_id = stage.stage_id
-        self.engine = None
+        self.engine: LLMEngine | None = None  # None once closed
         self.hooks = hooks or VllmModelHooks()
         self._requests: dict[str, _RequestState] = {}
         for key, value in {**ENV_DEFAULTS, **stage.runtime.env}.items():
@@ -223,9 +228,9 @@ class VllmEngine(StageEngine):
             self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote else max(self.kv_wait_s, 60.0) + 600.0
         )
         # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
-        vllm_id = self.engine.add_request(
-            request_id, self.hooks.vllm_prompt(prompt), to_vllm_sampling_params(params)
-        )
+        # The hooks build a vLLM TokensPrompt (a TypedDict) as a plain dict.
+        vllm_prompt = cast("TokensPrompt", self.hooks.vllm_prompt(prompt))
+        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params))
         role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"))
         self._requests[request_id] = _RequestState(
             request_id=request_id,
@@ -247,10 +252,16 @@ class VllmEngine(StageEngine):
         self._abort_in_vllm(state)
         self._hand_over_to_drain()
 
+    def _live(self) -> LLMEngine:
+        """The vLLM engine, which close() drops (with every request)."""
+        if self.engine is None:
+            raise RuntimeError(f"stage {self.stage_id}: the vLLM engine is closed")
+        return self.engine
+
     def _abort_in_vllm(self, state: "_RequestState") -> None:
         # vLLM's id is internal (the caller's id plus a random suffix): internal=True, or vLLM
         # would look it up as an external id, find nothing, and abort nothing.
-        self.engine.abort_request([state.vllm_id], internal=True)
+        self._live().abort_request([state.vllm_id], internal=True)
 
     def _hand_over_to_drain(self) -> None:
         """After an abort that leaves no request: the worker stops stepping, but a prefill that
@@ -261,10 +272,11 @@ class VllmEngine(StageEngine):
             return  # step() keeps stepping
         from .patches.offline_drain import _state, pending_connector_work
 
-        with _state(self.engine).lock:
-            if self.engine.get_num_unfinished_requests() == 0 and pending_connector_work(self.engine):
+        engine = self._live()
+        with _state(engine).lock:
+            if engine.get_num_unfinished_requests() == 0 and pending_connector_work(engine):
                 try:
-                    self.engine.step()  # no request is unfinished: no output to lose
+                    engine.step()  # no request is unfinished: no output to lose
                 except Exception:  # an abort must not fail; the KV lease expires on its own
                     log.exception("stage %d: stepping vLLM after an abort failed", self.stage_id)
 
@@ -281,16 +293,18 @@ class VllmEngine(StageEngine):
 
         # One lock for stepping and for reading the scheduler: the drain thread of a prefill
         # engine steps under it too (the patched LLMEngine.step re-enters it; it is an RLock).
-        with _state(self.engine).lock:
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        engine = self._live()  # close() drops the requests: there are none once it is gone
+        with _state(engine).lock:
+            # A generation model's engine gives RequestOutputs (no pooling outputs).
+            outputs = cast("list[RequestOutput]", engine.step() if engine.has_unfinished_requests() else [])
             if self.hooks.records_rows:
                 self._take_rows()
             # Taken while vLLM still holds the request: a finished decode leg is gone from the
             # scheduler (see _external_tokens).
-            for state in self._requests.values():
-                if state.loads_remote and not state.remote_tokens:
-                    state.remote_tokens = self._external_tokens(state.vllm_id)
-            vllm_unfinished = self.engine.get_num_unfinished_requests()
+            for held in self._requests.values():
+                if held.loads_remote and not held.remote_tokens:
+                    held.remote_tokens = self._external_tokens(held.vllm_id)
+            vllm_unfinished = engine.get_num_unfinished_requests()
         now = time.perf_counter()
         results: list[StepOutput] = []
         for out in outputs:
@@ -342,7 +356,7 @@ class VllmEngine(StageEngine):
 
     def _take_rows(self) -> None:
         """The rows the model recorded in this step, onto their requests (by vLLM's id)."""
-        taken = self.engine.collective_rpc("omni_pd_take_rows")[0]
+        taken = self._live().collective_rpc("omni_pd_take_rows")[0]
         if not taken:
             return
         by_vllm_id = {s.vllm_id: s for s in self._requests.values()}
@@ -485,15 +499,16 @@ class VllmEngine(StageEngine):
     def debug_state_counts(self) -> dict[str, int]:
         from .patches.offline_drain import _inproc_scheduler, _state
 
-        scheduler = _inproc_scheduler(self.engine)
+        engine = self._live()
+        scheduler = _inproc_scheduler(engine)
         counts = {"vllm.engine_requests": len(self._requests)}
         if scheduler is None:
-            return {**counts, "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests())}
-        with _state(self.engine).lock:
+            return {**counts, "vllm.unfinished_requests": int(engine.get_num_unfinished_requests())}
+        with _state(engine).lock:
             return {
                 **counts,
                 "vllm.requests": len(scheduler.requests),
-                "vllm.unfinished_requests": int(self.engine.get_num_unfinished_requests()),
+                "vllm.unfinished_requests": int(engine.get_num_unfinished_requests()),
             }
 
     def close(self) -> None:

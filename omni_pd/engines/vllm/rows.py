@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,10 @@ class RowSink:
 class RowCaptureExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); called by name through
     `collective_rpc`, so no callable crosses a process boundary."""
+
+    # Set by the vLLM worker this is mixed into (its V1 model runner); declared for the type
+    # checker only, since vLLM is optional here.
+    model_runner: Any
 
     def omni_pd_attach_rows(self) -> bool:
         model = self.model_runner.get_model()
