@@ -23,7 +23,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 import torch
 
@@ -42,7 +42,7 @@ from ..planning import (
     find_pd_pair,
     new_transfer_id,
 )
-from ..planning.pd import handoff_policy
+from ..planning.pd import PDPair, handoff_policy
 from ..sampling import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .graph import topological_order
@@ -167,6 +167,12 @@ class AsyncOmni:
             load_deploy_config if deploy_config is not None else load_pipeline_config
         )(self.stage_configs_path)
         self.config = check_devices(self.config, device)  # before any worker starts
+
+    @property
+    def _pair(self) -> PDPair:
+        """The P/D pair, for the code that runs only in a pipeline that has one (the handoff's)."""
+        assert self.pd_pair is not None, "this pipeline has no P/D pair"
+        return self.pd_pair
 
     def _plan_pd_pair(self) -> None:
         """The P/D pair, if the config has one, with its handoff policy and breakers."""
@@ -548,6 +554,7 @@ class AsyncOmni:
             if output.text.startswith(sent) and len(output.text) > len(sent):
                 yield TextDelta(output.text[len(sent) :])  # what the deltas held back
             if output.audio is not None and output.audio.numel() > samples_sent:
+                assert output.sample_rate is not None, "an output's audio comes with its sample rate"
                 # Without streaming between stages the audio exists only now, in one piece.
                 yield AudioDelta(output.audio[samples_sent:], output.sample_rate)
             yield Finished(output)
@@ -584,7 +591,8 @@ class AsyncOmni:
         if text_prompt is None:
             # Tokenizing (and extracting audio features) is CPU work: off the event loop, which
             # serves every other request meanwhile.
-            text_prompt = await asyncio.to_thread(self.pipeline.build_prompt, state.prompt)
+            # build_prompt gives a TokenPrompt; the registry types it Any, as it imports no layer above it.
+            text_prompt = cast(TokenPrompt, await asyncio.to_thread(self.pipeline.build_prompt, state.prompt))
         self._check_multimodal(text_prompt)
         prompt_len = state.prompt_len = len(text_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
@@ -626,7 +634,7 @@ class AsyncOmni:
         failed); with kv_fallback 'error' that decision is a HandoffFailed instead. A streamed
         request's first token leaves as soon as the prefill leg has it: the KV handoff is not on
         its time to first token (the decode leg's stream starts with the same token, skipped)."""
-        pair, policy = self.pd_pair, self.handoff
+        pair, policy = self._pair, self.handoff
         # The decode replica first: the prefill replica is the best one whose link to it is up.
         self._route(state, pair.decode_stage_id)
         decode = state.replicas[pair.decode_stage_id].index
@@ -681,8 +689,8 @@ class AsyncOmni:
         self.handoff_failures += 1
         self._link_breaker(state).failure(why)
         self._release_kv(state)
-        state.outputs.pop(self.pd_pair.prefill_stage_id, None)
-        state.stage_spans.pop(self.pd_pair.prefill_stage_id, None)
+        state.outputs.pop(self._pair.prefill_stage_id, None)
+        state.stage_spans.pop(self._pair.prefill_stage_id, None)
         self._no_remote(state, why)
 
     def _no_remote(self, state: RequestState, why: str) -> None:
@@ -801,12 +809,14 @@ class AsyncOmni:
         """The decode leg with the prefill leg's KV. A failed handoff (a KV read that missed its
         window, a corrupted block, an incompatible peer) fails before the leg produces anything,
         so the request is run again on the fallback path."""
-        pair = self.pd_pair
+        pair = self._pair
         decode_id = pair.decode_stage_id
         prefill_out = state.outputs[pair.prefill_stage_id]
+        assert state.transfer_id is not None, "the prefill leg set the transfer id"
         params = build_decode_sampling_params(
             state.params[decode_id], prefill_out.kv_transfer_params or {}, state.transfer_id
         )
+        assert params.kv_transfer_params is not None, "build_decode_sampling_params sets them"
         wait_s = min(
             self.handoff.miss_window_s, state.handoff_deadline - time.monotonic(), deadline - time.monotonic()
         )
@@ -882,15 +892,15 @@ class AsyncOmni:
             await assignment.client.wait_usable(deadline - time.monotonic())
 
     def _link_breaker(self, state: RequestState) -> CircuitBreaker:
-        pair = self.pd_pair
+        pair = self._pair
         return self.breakers[
             (state.replicas[pair.prefill_stage_id].index, state.replicas[pair.decode_stage_id].index)
         ]
 
     def _prefill_name(self, state: RequestState) -> str:
-        assignment = state.replicas.get(self.pd_pair.prefill_stage_id)
+        assignment = state.replicas.get(self._pair.prefill_stage_id)
         return (
-            assignment.client if assignment is not None else self.pools[self.pd_pair.prefill_stage_id].first
+            assignment.client if assignment is not None else self.pools[self._pair.prefill_stage_id].first
         ).name
 
     def _time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:
@@ -935,7 +945,7 @@ class AsyncOmni:
         if state.transfer_id is None or state.kv_released or self.closed:
             return
         state.kv_released = True
-        client = state.replicas[self.pd_pair.prefill_stage_id].client
+        client = state.replicas[self._pair.prefill_stage_id].client
         try:
             future = client.control_future("release_kv", transfer_id=state.transfer_id)
         except StageError as exc:  # restarting or down: its leases went with the old worker
@@ -996,6 +1006,7 @@ class AsyncOmni:
         if state.silent:
             metrics["no_speech"] = True  # the answer had nothing to speak: text, no audio
         if audio is not None:
+            assert audio_stage is not None, "found with the audio"
             # Streamed: when the first chunk was handed on; otherwise the audio came whole at the end.
             metrics["ttfa_ms"] = (
                 state.audio_chunk_ms[0] if state.audio_chunk_ms else state.stage_spans[audio_stage][1]
@@ -1185,7 +1196,9 @@ class _StreamedGroup:
             if failed:
                 await self._stop(tasks, pending)
                 # The upstream-most failure is the cause; downstream ones follow from it.
-                raise min(failed, key=lambda t: group.index(tasks[t])).exception()
+                cause = min(failed, key=lambda t: group.index(tasks[t])).exception()
+                assert cause is not None, "failed holds the tasks that raised"
+                raise cause
         finally:
             state.active_stages.difference_update(group)
             for task in tasks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import AbstractSet
+
 from ..sampling import SamplingParams
 
 
@@ -9,7 +11,7 @@ class IncrementalDetokenizer:
     """Decodes the growing token list and hands out only text that can no longer change: text
     that may still become part of a stop string, or an incomplete UTF-8 sequence, is held back."""
 
-    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: set[int]):
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: AbstractSet[int]):
         self.tokenizer = tokenizer
         self.params = params
         self.hidden = set(eos_token_ids) | set(params.stop_token_ids)

@@ -10,7 +10,7 @@ import contextlib
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -127,7 +127,7 @@ class Omni:
         sampling_params_list: Sequence[SamplingParams | None] | None = None,
         *,
         modalities: Sequence[str] = ("text", "audio"),
-    ) -> Iterator[TextDelta | AudioDelta | Finished]:
+    ) -> Generator[TextDelta | AudioDelta | Finished, None, None]:
         """`AsyncOmni.stream` for one prompt, synchronously: text and audio deltas as the stages
         produce them, then `Finished`. The request starts at the first `next()`; closing the
         generator early (break, `.close()`) aborts it."""

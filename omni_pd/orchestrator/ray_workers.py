@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class RayProcess:
         self.ref = self.actor.run.remote(
             stage_config, model, self._listener.address, authkey, log_level, threads, tag
         )
-        self._conn = None
+        self._conn: Connection | None = None  # set once the worker has connected back
         self._accepted = threading.Event()
         threading.Thread(target=self._accept, name=f"omni-pd-{tag}-accept", daemon=True).start()
         log.info("%s: Ray actor on node %s (%s), pid %d", tag, self.node_id[:12], self.node_ip, self.pid)

@@ -79,8 +79,9 @@ class StagePool:
     def unavailable(self) -> StageUnavailable | None:
         """None when some replica can take a request; else why not (the first replica's reason,
         or each one's when there are several)."""
-        reasons = [client.unavailable() for client in self.clients]
-        if any(r is None for r in reasons):
+        answers = [client.unavailable() for client in self.clients]
+        reasons = [r for r in answers if r is not None]
+        if len(reasons) < len(answers):  # some replica answered None
             return None
         if len(reasons) == 1:
             return reasons[0]

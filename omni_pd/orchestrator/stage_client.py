@@ -95,6 +95,11 @@ class _Waiter:
             self.future.set_exception(message)
 
 
+def _wake(future: asyncio.Future) -> None:  # on the event loop
+    if not future.done():
+        future.set_result(None)
+
+
 def _deliver_all(deliveries: list[tuple[_Waiter, Any]]) -> None:  # on the event loop
     for waiter, message in deliveries:
         waiter.deliver(message)
@@ -158,7 +163,7 @@ class StageClient:
         if self.stage_config.engine_args.distributed_executor_backend == "ray":
             from .ray_workers import RayProcess  # it connects back once its actor runs
 
-            process = RayProcess(
+            ray_process = RayProcess(
                 self.stage_config,
                 self.model,
                 logging.getLogger().getEffectiveLevel(),
@@ -166,7 +171,7 @@ class StageClient:
                 self.tag,
                 self.startup_timeout_s,
             )
-            return _Worker(None, process=process, pid=process.pid)
+            return _Worker(None, process=ray_process, pid=ray_process.pid)
         if self.stage_config.runtime.process:
             context = worker_context()
             conn, child = context.Pipe(duplex=True)
@@ -205,6 +210,7 @@ class StageClient:
             return not multiprocessing.connection.wait([worker.process.sentinel], 0)
         if worker.process is not None:  # a Ray actor
             return worker.process.is_alive()
+        assert worker.thread is not None, "a worker is a process, a Ray actor or a thread"
         return worker.thread.is_alive()
 
     def alive(self) -> bool:
@@ -287,7 +293,7 @@ class StageClient:
             waiters, self._status_waiters = self._status_waiters, []
         for loop, future in waiters:
             try:
-                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+                loop.call_soon_threadsafe(_wake, future)
             except RuntimeError:  # that event loop is closed
                 pass
 
@@ -500,7 +506,7 @@ class StageClient:
             return
         request_id = getattr(message, "request_id", None)
         with self._lock:
-            waiter = self._waiters.get(request_id)
+            waiter = self._waiters.get(request_id) if request_id is not None else None
         if waiter is None:  # an answer to a request that timed out or was aborted
             log.debug("%s: dropping a late %s for %s", self.name, type(message).__name__, request_id)
             return
@@ -720,6 +726,7 @@ class StageClient:
             if self._is_actor(worker):
                 worker.process.kill()  # its worker loop has ended; the actor has not
         else:
+            assert worker.thread is not None, "a worker is a process, a Ray actor or a thread"
             worker.thread.join(timeout_s)
         with self._lock:
             self.status = StageStatus.CLOSED

@@ -24,23 +24,29 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING
 
 from .. import registry
+
+if TYPE_CHECKING:  # ForkServerContext exists on POSIX only
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
+    # The contexts of METHODS: their Process classes are what stage workers run as.
+    WorkerContext = ForkServerContext | SpawnContext
 
 log = logging.getLogger(__name__)
 ENV = "OMNI_PD_WORKER_START"
 METHODS = ("forkserver", "spawn")
 
 _lock = threading.Lock()
-_context: BaseContext | None = None
+_context: WorkerContext | None = None
 
 
 def preload_modules() -> list[str]:
     return ["omni_pd.orchestrator.worker", *registry.worker_preload()]
 
 
-def worker_context() -> BaseContext:
+def worker_context() -> WorkerContext:
     """The multiprocessing context stage workers start from (made once per process)."""
     global _context
     with _lock:
@@ -50,7 +56,9 @@ def worker_context() -> BaseContext:
                 raise ValueError(f"{ENV}={method!r}: use one of {', '.join(METHODS)}")
             if method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
                 raise ValueError(f"this platform has no forkserver start method: set {ENV}=spawn")
-            context = mp.get_context(method)
+            context: WorkerContext = (
+                mp.get_context("forkserver") if method == "forkserver" else mp.get_context("spawn")
+            )
             if method == "forkserver":
                 modules = preload_modules()
                 context.set_forkserver_preload(modules)
