@@ -32,6 +32,8 @@ from .worker import thread_main, worker_main
 from .worker_start import ParentStdio, worker_context
 
 log = logging.getLogger(__name__)
+# How long a send that found the pipe broken waits for the worker's exit, to name its cause.
+SEND_EXIT_WAIT_S = 0.5
 POLL_S = 0.2  # how often the reader checks that the worker is still alive
 
 
@@ -539,9 +541,20 @@ class StageClient:
             self._worker.conn.send_bytes(msg.dumps(message))
         except (BrokenPipeError, OSError) as exc:
             raise StageError(
-                f"{self.name}: {self._which(self._worker)} went away before the message "
-                "was sent; it is restarted unless it died too often"
+                f"{self.name}: {self._gone(self._worker)} before the message was sent; it is "
+                "restarted unless it died too often"
             ) from exc
+
+    def _gone(self, worker: _Worker) -> str:
+        """What became of a worker whose pipe broke: a local process's exit, with its signal,
+        once its sentinel says so (a broken pipe can beat the exit by a moment; the wait is
+        short and only on this error path), else the worker named."""
+        process = worker.process
+        if isinstance(process, mp.process.BaseProcess) and multiprocessing.connection.wait(
+            [process.sentinel], SEND_EXIT_WAIT_S
+        ):
+            return self._cause(worker)
+        return f"{self._which(worker)} went away"
 
     @staticmethod
     def _which(worker: _Worker) -> str:
