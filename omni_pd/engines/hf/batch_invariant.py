@@ -6,13 +6,14 @@ row in a matrix of 8 or more rows, and differs in the last bits; with random-wei
 flat, that flips tokens. So every linear layer here runs on tiles of exactly `ROW_TILE` rows (the
 last tile padded with zeros): a row's result then comes from the same kernel, the same shape and
 the same reduction order whatever the batch holds (tests/test_batch_invariant.py checks row
-position and neighbours). MoE experts run on every row of a pass through the same tiles, and each
-row sums its experts' contributions in ascending expert order, as transformers does (0 for the
-experts it did not pick), so a row's sum does not depend on which other rows picked which experts.
-Per-row ops (RMSNorm, rotary, softmax/top-k over one row) are invariant already; elementwise
-activations are made so (`activation`, `sigmoid`: see there); attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does not depend
-on how much of its prompt is computed in the call either), `attend`, or the engines' native decode
-kernel.
+position and neighbours). MoE experts run on the same tiles, each expert in use on its routed
+rows (or, for tiny experts, every expert on every row: `experts_form`), and each row sums its
+experts' contributions in ascending expert order, as transformers does, so a row's sum does not
+depend on which other rows picked which experts. Per-row ops (RMSNorm, rotary, softmax/top-k over
+one row) are invariant already; elementwise activations are made so (`activation`, `sigmoid`: see
+there); attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does
+not depend on how much of its prompt is computed in the call either), `attend`, or the engines'
+native decode kernel.
 """
 
 from __future__ import annotations
@@ -139,18 +140,41 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top_value.to(logits.dtype), top_index
 
 
-def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
+# An MoE layer's two exact forms, chosen by the shape of its experts (`experts_form`).
+#  * routed: each expert that some row picked runs on its rows only, on fixed 16-row tiles. A
+#    step reads the weights of the experts in use, which is what an MoE costs: at the real
+#    thinker's shape (128 experts, top-8, 2048 x 768) one row's step reads 8 of 128 experts.
+#  * every expert: every expert on every row, as one tiled product for all experts' gate/up
+#    projections and one batched product per tile for their down projections, 0 for the experts
+#    a row did not pick. A fixed dozen ops a step: where the experts are tiny, the per-op
+#    overhead of the routed form's two products per expert in use costs more than the work.
+# Either way a row adds its experts' outputs in ascending expert order, weighted by its routing
+# weight, so its bits do not depend on which experts other rows picked. The rule was measured
+# with `omni-pd bench roofline` (docs): on this CPU the every-expert form is faster while all
+# experts' weights of one layer fit in EVERY_EXPERT_MAX_BYTES (the tiny model's 4 x 16 x 64
+# floats); the routed form from a few MiB up (the medium and real shapes). The form depends on
+# the shapes alone, so a prefill engine and its decode engine always agree on it.
+EVERY_EXPERT_MAX_BYTES = 2 * 2**20
 
-    Tiled (every batched pass): every expert runs on every row, as one tiled product for all
-    experts' gate/up projections and one batched product per tile for their down projections,
-    and each row adds its experts' outputs in ascending expert order, weighted by its routing
-    weight, 0 for the experts it did not pick (adding a zero product leaves a sum as it is). A
-    row's result then cannot depend on which experts the other rows picked, and a step costs a
-    fixed dozen ops instead of ten per expert in use (a 16-request thinker step: 4 experts x 4
-    layers). Untiled (the negative control): only the routed rows, per expert."""
-    if not _enabled:
+
+def experts_form(module) -> str:
+    """'every' or 'routed' for an experts module (see above)."""
+    weights = module.gate_up_proj.numel() + module.down_proj.numel()
+    return "every" if weights * module.gate_up_proj.element_size() <= EVERY_EXPERT_MAX_BYTES else "routed"
+
+
+def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) on rows `x`
+    routed to `top_index` with `top_weights` ([rows, k] each), batch-invariant in the layer's
+    form; untiled (the negative control): only the routed rows, per expert, plain products."""
+    if not _enabled or experts_form(module) == "routed":
         return _routed_experts(module, x, top_index, top_weights)
+    return _every_expert(module, x, top_index, top_weights)
+
+
+def _every_expert(
+    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+) -> torch.Tensor:
     count, width = x.shape
     num_experts, double, _ = module.gate_up_proj.shape
     inter = double // 2
@@ -173,12 +197,25 @@ def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch
 def _routed_experts(
     module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
 ) -> torch.Tensor:
+    """The experts in use, ascending, each on its rows (row order): on fixed tiles through
+    `linear` when the tiles are on, plain products when they are off (the negative control)."""
     out = torch.zeros_like(x)
-    for expert in torch.unique(top_index).tolist():  # ascending, as transformers iterates
-        rows, slot = torch.where(top_index == expert)
+    k = top_index.shape[1]
+    flat = top_index.reshape(-1)
+    # (row, slot) pairs grouped by expert, ascending; a stable sort keeps rows ascending in a group.
+    order = torch.argsort(flat, stable=True)
+    rows_sorted, slots_sorted = order // k, order % k
+    counts = torch.bincount(flat, minlength=module.gate_up_proj.shape[0]).tolist()
+    act = activation(module.act_fn)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        rows, slots = rows_sorted[start : start + n], slots_sorted[start : start + n]
+        start += n
         gate, up = linear(x[rows], module.gate_up_proj[expert]).chunk(2, dim=-1)
-        hidden = linear(activation(module.act_fn)(gate) * up, module.down_proj[expert])
-        out.index_add_(0, rows, hidden * top_weights[rows, slot, None])
+        hidden = linear(act(gate) * up, module.down_proj[expert])
+        out.index_add_(0, rows, hidden * top_weights[rows, slots, None])
     return out
 
 
