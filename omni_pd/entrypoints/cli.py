@@ -242,6 +242,12 @@ def _cmd_bench_handoff(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_bench_roofline(args: argparse.Namespace) -> int:
+    from ..bench.roofline import run
+
+    return run(args)
+
+
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     from ..bench.checkpoint_load import run
 
@@ -383,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_handoff_arguments(bench_handoff)
     bench_handoff.set_defaults(func=_cmd_bench_handoff)
+    from ..bench.roofline import add_arguments as add_bench_roofline_arguments
+
+    bench_roofline = bench_sub.add_parser(
+        "roofline",
+        help="each stage's step at real shapes against the memory and compute roofline measured in the same run",
+    )
+    add_bench_roofline_arguments(bench_roofline)
+    bench_roofline.set_defaults(func=_cmd_bench_roofline)
 
     shim = sub.add_parser(
         "vllm-shim",

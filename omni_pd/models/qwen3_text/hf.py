@@ -137,7 +137,7 @@ class Qwen3TextRunner(ArRunnerBase):
                     )
                 )
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
         last = torch.tensor([b - 1 for b in bounds[1:]])
         logits = bi.linear_module(self.llm.lm_head, self.text.norm(h[last]))
         return [Prefilled(logits[i], torch.stack(kv[i]).contiguous()) for i in range(len(items))]
@@ -187,7 +187,7 @@ class Qwen3TextRunner(ArRunnerBase):
                     )
                 out = torch.cat(rows)
             h = h + bi.linear_module(attn.o_proj, out.reshape(count, -1))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
         return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
 
     def sample(
