@@ -51,7 +51,7 @@ static inline v16 load_tail(const float *p, int n) {
 }
 
 /* res[r][j] = a[r] . w[j] for nr <= ROWS rows of a (stride as) and 2 weight rows (stride ws). */
-static void dots2(const float *a, long as, int nr, const float *w0, const float *w1, long k,
+static inline __attribute__((always_inline)) void dots2(const float *a, long as, int nr, const float *w0, const float *w1, long k,
                   float res[ROWS][2]) {
     v16 acc0[ROWS], acc1[ROWS];
     for (int r = 0; r < ROWS; r++) {
@@ -82,7 +82,7 @@ static void dots2(const float *a, long as, int nr, const float *w0, const float 
     }
 }
 
-static void dots1(const float *a, long as, int nr, const float *w0, long k, float res[ROWS]) {
+static inline __attribute__((always_inline)) void dots1(const float *a, long as, int nr, const float *w0, long k, float res[ROWS]) {
     v16 acc[ROWS];
     for (int r = 0; r < ROWS; r++)
         acc[r] = (v16){0};
@@ -122,7 +122,10 @@ static void *gate_up_phase(void *arg) {
             const float *gate = weights + i * w->hidden, *up = weights + (w->inter + i) * w->hidden;
             for (long p = w->starts[g]; p < w->starts[g + 1]; p += ROWS) {
                 int nr = (int)(w->starts[g + 1] - p < ROWS ? w->starts[g + 1] - p : ROWS);
-                dots2(w->xs + p * w->hidden, w->hidden, nr, gate, up, w->hidden, res);
+                if (nr == ROWS) /* a constant row count: the accumulators stay in registers */
+                    dots2(w->xs + p * w->hidden, w->hidden, ROWS, gate, up, w->hidden, res);
+                else
+                    dots2(w->xs + p * w->hidden, w->hidden, nr, gate, up, w->hidden, res);
                 for (int r = 0; r < nr; r++)
                     w->hidden_act[(p + r) * w->inter + i] = silu(res[r][0]) * res[r][1];
             }
@@ -142,8 +145,11 @@ static void *down_phase(void *arg) {
         for (; h + 1 < w->hi; h += 2) {
             for (long p = w->starts[g]; p < w->starts[g + 1]; p += ROWS) {
                 int nr = (int)(w->starts[g + 1] - p < ROWS ? w->starts[g + 1] - p : ROWS);
-                dots2(w->hidden_act + p * w->inter, w->inter, nr, weights + h * w->inter,
-                      weights + (h + 1) * w->inter, w->inter, res);
+                const float *d0 = weights + h * w->inter, *d1 = d0 + w->inter;
+                if (nr == ROWS)
+                    dots2(w->hidden_act + p * w->inter, w->inter, ROWS, d0, d1, w->inter, res);
+                else
+                    dots2(w->hidden_act + p * w->inter, w->inter, nr, d0, d1, w->inter, res);
                 for (int r = 0; r < nr; r++) {
                     float *row = w->out + w->rows[p + r] * w->hidden;
                     row[h] += w->weights[p + r] * res[r][0];
