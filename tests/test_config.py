@@ -682,6 +682,33 @@ def test_misspelt_handoff_key_is_not_passed_through_silently(tmp_path: Path) -> 
     assert "did you mean 'kv_miss_window_s'" in issue.message
 
 
+@pytest.mark.parametrize(("prefill", "decode"), [(16, 32), (32, 16), (16, 64), (8, 8)])
+def test_kv_block_sizes_that_divide_one_another_load(tmp_path: Path, prefill: int, decode: int) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_args"]["kv_block_size"] = prefill
+    data["stage_args"][1]["engine_args"]["kv_block_size"] = decode
+    cfg = load_pipeline_config(write(tmp_path, data))
+    assert (cfg.stage(0).engine_args.kv_block_size, cfg.stage(1).engine_args.kv_block_size) == (
+        prefill,
+        decode,
+    )
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(16, 24), (32, 48), (12, 16)])
+def test_kv_block_sizes_that_do_not_divide_are_refused_by_name(
+    tmp_path: Path, prefill: int, decode: int
+) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_args"]["kv_block_size"] = prefill
+    data["stage_args"][1]["engine_args"]["kv_block_size"] = decode
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.kv_block_size")
+    assert issue.stage_id == 1 and issue.got == decode
+    assert f"prefill stage 0's kv_block_size {prefill}" in issue.allowed
+    assert (
+        "do not divide one another" in issue.message and "set either stage's kv_block_size" in issue.message
+    )
+
+
 def test_kv_both_is_fine_on_either_side(tmp_path: Path) -> None:
     data = pd_config()
     _kvcfg(data, 0)["kv_role"] = "kv_both"
