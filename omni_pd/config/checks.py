@@ -463,6 +463,18 @@ def _check_pair(
             )
         )
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
+    mode = dkv.kv_connector_extra_config.transfer_mode
+    if mode == "push" and (ps.engine != "hf" or ds.engine != "hf"):
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.kv_connector_extra_config.transfer_mode",
+                mode,
+                "'pull' (or engine: hf on both stages of the pair)",
+                "push writes into blocks an hf decode engine reserves; on a vLLM stage the KV "
+                "moves through vLLM's connector, which omni-pd does not drive in push mode",
+            )
+        )
     insist = dkv.kv_connector_extra_config.kv_same_host
     if pkv.kv_connector_extra_config.kv_same_host == "off" and insist in ("shm", "cuda_ipc"):
         add(
