@@ -401,6 +401,7 @@ def _check_pair(
                 )
             )
 
+    issues.extend(_check_block_sizes(ctx, p, d))
     pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
     for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
         side = "prefill" if stage is ps else "decode"
@@ -462,6 +463,18 @@ def _check_pair(
             )
         )
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
+    mode = dkv.kv_connector_extra_config.transfer_mode
+    if mode == "push" and (ps.engine != "hf" or ds.engine != "hf"):
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.kv_connector_extra_config.transfer_mode",
+                mode,
+                "'pull' (or engine: hf on both stages of the pair)",
+                "push writes into blocks an hf decode engine reserves; on a vLLM stage the KV "
+                "moves through vLLM's connector, which omni-pd does not drive in push mode",
+            )
+        )
     insist = dkv.kv_connector_extra_config.kv_same_host
     if pkv.kv_connector_extra_config.kv_same_host == "off" and insist in ("shm", "cuda_ipc"):
         add(
@@ -507,6 +520,32 @@ def _check_pair(
             )
         )
     return issues
+
+
+def _check_block_sizes(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """hf legs may page their caches in different block sizes when one divides the other: a
+    block of the larger size is whole blocks of the smaller (a pull converts through staging, a
+    push writes each block's token range straight into the peer's)."""
+    (_, ps), (di, ds) = p, d
+    if ps.engine != "hf" or ds.engine != "hf":
+        return []
+    pb, db = ps.engine_args.kv_block_size, ds.engine_args.kv_block_size
+    if pb % db == 0 or db % pb == 0:
+        return []
+    return [
+        ctx.issue(
+            ds,
+            _ek(di, "engine_args.kv_block_size"),
+            db,
+            f"a divisor or multiple of prefill stage {ps.stage_id}'s kv_block_size {pb} "
+            f"(e.g. {pb} or {2 * pb})",
+            f"decode stage's kv_block_size {db} and prefill stage {ps.stage_id}'s {pb} do not "
+            "divide one another: a block of one would straddle blocks of the other; set either "
+            "stage's kv_block_size so that one divides the other",
+        )
+    ]
 
 
 def _ports(first: int | None, replicas: int) -> set[int]:

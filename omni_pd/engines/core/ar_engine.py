@@ -216,7 +216,7 @@ class ArEngine(StageEngine):
             if self.prefix_caching and request.prefills_here and request.batchable:
                 self.kv.count_query(request.prompt_len, request.cached_len)
         self._stats.record(len(admitted), len(decoding))
-        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable])
+        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable and self._batches(r)])
         for request in admitted:
             try:
                 outputs.extend(self._start(request))
@@ -237,6 +237,11 @@ class ArEngine(StageEngine):
     def _progress(self) -> list[StepOutput]:
         """Advance requests that wait on I/O (the decode leg's KV reads); none here."""
         return []
+
+    def _batches(self, request: EngineRequest) -> bool:
+        """Whether an admitted prompt joins the step's batched prefill (a pushed one prefills in
+        chunks at its start instead)."""
+        return True
 
     def _can_start(self, request: EngineRequest) -> bool:
         """Role-specific resources a request needs to be admitted (beyond cache blocks)."""
