@@ -387,7 +387,10 @@ def _check_pair(
                 f"decode stage must be fed by its prefill stage {ps.stage_id}",
             )
         )
-    for attr in ("model_stage", "engine", "tensor_parallel_size"):
+    vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
+    if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
+        issues.extend(_check_pair_tp(ctx, p, d))
+    for attr in ("model_stage", "engine") + (() if vllm_pair else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
             add(
@@ -546,6 +549,53 @@ def _check_block_sizes(
             "stage's kv_block_size so that one divides the other",
         )
     ]
+
+
+def _kv_heads(stage: StageConfig) -> int | None:
+    """The KV head count of a stage's model, when the model is a checkpoint directory or an
+    embedded model; None when only vLLM can tell."""
+    model = stage.engine_args.model
+    return registry.text_kv_heads(model) if model else None
+
+
+def _check_pair_tp(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """A vLLM pair may differ in tensor_parallel_size (vLLM's MooncakeConnector maps the ranks
+    and reshards the KV heads) when one size divides the other and each side's ranks hold whole
+    KV heads (or whole copies of them)."""
+    (pi, ps), (di, ds) = p, d
+    ptp, dtp = ps.engine_args.tensor_parallel_size, ds.engine_args.tensor_parallel_size
+    issues: list[ConfigIssue] = []
+    if max(ptp, dtp) % min(ptp, dtp):
+        issues.append(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.tensor_parallel_size"),
+                dtp,
+                f"a divisor or a multiple of prefill stage {ps.stage_id}'s {ptp}",
+                f"neither the prefill ({ptp}) nor the decode ({dtp}) tensor_parallel_size divides "
+                "the other; the KV connector maps ranks only when one does",
+            )
+        )
+    heads = _kv_heads(ds) or _kv_heads(ps)
+    if heads is None or ptp == dtp == 1:
+        return issues
+    for index, stage, tp in ((pi, ps, ptp), (di, ds, dtp)):
+        if heads % tp and tp % heads:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "engine_args.tensor_parallel_size"),
+                    tp,
+                    f"a divisor of {heads} ({', '.join(map(str, divisors))}) or a multiple of it",
+                    f"the model's {heads} KV heads do not split over {tp} ranks: each rank must hold "
+                    "whole KV heads (or whole copies of them) for the KV cache to move between the "
+                    "prefill and decode stages",
+                )
+            )
+    return issues
 
 
 def _ports(first: int | None, replicas: int) -> set[int]:
