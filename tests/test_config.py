@@ -339,6 +339,21 @@ def test_hf_only_keys_on_a_vllm_stage_are_refused_by_name(tmp_path: Path) -> Non
     load_pipeline_config(write(tmp_path, data))
 
 
+def test_prefix_caching_hash_algo_on_an_hf_stage_is_vllms_and_checked_by_name(tmp_path: Path) -> None:
+    from omni_pd.config.engine_keys import unused_by_hf
+    from omni_pd.kv.vllm_block_hash import SUPPORTED_ALGOS
+
+    data = pd_config()
+    data["stage_args"][1]["engine_args"]["prefix_caching_hash_algo"] = "sha512"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.prefix_caching_hash_algo")
+    assert "'sha512'" in str(issue) and all(f"'{a}'" in issue.message for a in SUPPORTED_ALGOS)
+    for algo in SUPPORTED_ALGOS:  # the control: vLLM's own values load, and the hf engine reads them
+        data["stage_args"][1]["engine_args"]["prefix_caching_hash_algo"] = algo
+        stage = load_pipeline_config(write(tmp_path, data)).stage(1)
+        assert stage.engine_args.prefix_caching_hash_algo == algo
+        assert unused_by_hf(set(stage.engine_args.model_fields_set)) == []
+
+
 def test_duplicate_stage_id(tmp_path: Path) -> None:
     data = pd_config()
     data["stage_args"][3]["stage_id"] = 2
