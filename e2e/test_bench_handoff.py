@@ -77,3 +77,30 @@ def test_bad_arguments_are_named(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "--geometries" in proc.stderr and "tiny" in proc.stderr
+
+
+def test_push_pull_run_reports_both_modes_from_a_checked_run(tmp_path):
+    """`--path push,pull`: each mode moved the bytes unchanged (the bench checks) and the row
+    has both modes' times, their overhead over the prefill alone and the share push hides."""
+    json_path = tmp_path / "modes.json"
+    command = [sys.executable, "-m", "omni_pd.entrypoints.cli", "--log-level", "WARNING", "bench", "handoff"]
+    command += ["--path", "push,pull", "--geometries", "tiny", "--tokens", "100", "--repeats", "1"]
+    command += ["--chunk-tokens", "40", "--json", str(json_path)]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(json_path.read_text())
+    assert report["prefill_us_per_token"] == 15.0 and report["chunk_tokens"] == 48  # whole blocks
+    [row] = report["results"]
+    for key in (
+        "prefill_ms",
+        "push_ms",
+        "pull_ms",
+        "push_over_ms",
+        "pull_over_ms",
+        "push_over_pull",
+        "hidden",
+    ):
+        assert isinstance(row[key], float), key
+    assert row["tokens"] == 100 and "push_over_pull" in proc.stdout

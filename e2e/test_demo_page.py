@@ -68,7 +68,7 @@ def browser(microphone):
 
 def _warm_up(server: Server, wav: Path) -> None:
     """One spoken turn over a plain websocket: a server's first audio input takes about a
-    second more than later ones (README), which the page's timings need not absorb."""
+    second more than later ones (docs/realtime.md), which the page's timings need not absorb."""
     url = server.base.replace("http", "ws", 1) + "/v1/realtime"
     with websockets.sync.client.connect(url, additional_headers=server.headers) as ws:
         audio = base64.b64encode(soundfile.read(wav, dtype="int16")[0].tobytes()).decode()

@@ -68,6 +68,7 @@ def test_entry_point_and_patches_in_every_worker(pd):
             "prefill_kv_params": "applied",
             "offline_drain": "applied",
             "cpu_device_index": "applied",
+            "consumer_peer_watch": "applied",
         }, (stage_id, status)
 
 

@@ -100,6 +100,12 @@ class ModelSpec:
     # (An embedded model's name, weights seed) -> a checkpoint directory written for engines that
     # load from disk; the seed is the one hf stages build the same model's dummy weights with.
     materialize: Callable[[str, int], str] | None = None
+    # An embedded model's name -> the config.json it would be written with (read by config
+    # checks that need a shape, e.g. the KV head count, without writing a checkpoint).
+    config_dict: Callable[[str], dict[str, Any]] | None = None
+    # The keys that lead from config.json to the text model's config (where its
+    # num_key_value_heads is); () for a plain text checkpoint.
+    text_config_keys: tuple[str, ...] = ()
     # The model (name or directory) -> an engines.vllm.hooks.VllmModelHooks for its vLLM text
     # stage, where it needs more than tokens out of vLLM; None: vLLM serves it as a text LLM.
     vllm_hooks: Callable[[str], Any] | None = None
@@ -258,6 +264,39 @@ def checkpoint_dir(model: str, seed: int = 0) -> str:
                 )
             return spec.materialize(model, seed)
     return model
+
+
+def checkpoint_config(model: str) -> dict[str, Any] | None:
+    """The config.json of a model: a checkpoint directory's, or an embedded model's as its
+    package would write it; None for a name only the engine resolves (a hub name)."""
+    path = Path(model) / "config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+    for spec in specs().values():
+        if model in spec.embedded and spec.config_dict is not None:
+            return spec.config_dict(model)
+    return None
+
+
+def text_kv_heads(model: str) -> int | None:
+    """The KV head count of a model's text model (what tensor parallelism splits), from its
+    config.json; None for a name only the engine resolves, or a config without it."""
+    config = checkpoint_config(model)
+    if config is None:
+        return None
+    try:
+        keys = spec_for(model).text_config_keys
+    except ModelNotFound:
+        keys = ()
+    node: Any = config
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    heads = node.get("num_key_value_heads") if isinstance(node, dict) else None
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) else None
 
 
 def topologies() -> dict[str, Any]:

@@ -4,7 +4,8 @@
 # `vllm` distribution alias so vLLM's own CLI runs);
 # OMNI_PD_RAY=1 the [ray] extra (Ray 2.60.0, for distributed_executor_backend: ray);
 # OMNI_PD_BROWSER=1 Debian's chromium and chromium-driver (the demo page's browser test);
-# OMNI_PD_DEV=1 the lint and type checkers (requirements-dev.lock: ruff, mypy).
+# OMNI_PD_DEV=1 the lint and type checkers (requirements-dev.lock: ruff, mypy) and the docs site's
+# builder (requirements-docs.lock: mkdocs).
 # Idempotent: a second run with unchanged pins only checks a stamp file.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -99,11 +100,12 @@ fi
 
 if [ "$with_dev" = "1" ]; then
   dstamp=.venv/.omni-pd-setup-dev
-  dwant="$(cat requirements.lock requirements-dev.lock | sha256sum | cut -d' ' -f1)"
+  dwant="$(cat requirements.lock requirements-dev.lock requirements-docs.lock | sha256sum | cut -d' ' -f1)"
   if [ "$(cat "$dstamp" 2>/dev/null)" != "$dwant" ]; then
-    echo "setup: installing the lint and type checkers into .venv"
-    pip_install --no-deps -r requirements-dev.lock
+    echo "setup: installing the lint and type checkers and the docs builder into .venv"
+    pip_install --no-deps -r requirements-dev.lock -r requirements-docs.lock
     .venv/bin/ruff --version >/dev/null && .venv/bin/mypy --version >/dev/null
+    .venv/bin/mkdocs --version >/dev/null
     echo "$dwant" > "$dstamp"
   fi
 fi

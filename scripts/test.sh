@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Lint and types first (ruff check, ruff format --check, mypy on the generic layers: pyproject.toml
-# configures all three), then the test suite, end-to-end tests included, vLLM and Ray tests too
-# (the setup installs both extras and the checkers), and the demo page's test in headless
-# Chromium (the setup installs Debian's chromium).
+# configures all three), the docs site (mkdocs build --strict into a temporary folder: a broken
+# link or anchor, or a page missing from mkdocs.yml's nav, fails it), then the test suite,
+# end-to-end tests included, vLLM and Ray tests too (the setup installs both extras, the checkers
+# and the docs builder), and the demo page's test in headless Chromium (the setup installs
+# Debian's chromium).
 # Then the exactness suites (pytest -m exactness) a second time with torch dispatching to an older
 # CPU level than the host's best (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 host, the x86-64 baseline
 # on an AVX2 host), so that one host checks the bits of both kinds of CI host. Extra arguments go to
@@ -12,10 +14,14 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 OMNI_PD_VLLM=1 OMNI_PD_RAY=1 OMNI_PD_BROWSER=1 OMNI_PD_DEV=1 bash "$repo/scripts/setup.sh"
 cd "$repo"
 if [ "${OMNI_PD_LINT:-1}" = "1" ]; then
-  echo "test.sh: ruff check, ruff format --check, mypy"
+  echo "test.sh: ruff check, ruff format --check, mypy, mkdocs build --strict"
   .venv/bin/ruff check omni_pd tests e2e scripts examples
   .venv/bin/ruff format --check omni_pd tests e2e scripts examples
   .venv/bin/mypy
+  site="$(mktemp -d)"
+  # not --quiet: it silences the warnings, and with them what --strict counts
+  .venv/bin/mkdocs build --strict --site-dir "$site"
+  rm -rf "$site"
 fi
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

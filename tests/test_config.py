@@ -339,6 +339,21 @@ def test_hf_only_keys_on_a_vllm_stage_are_refused_by_name(tmp_path: Path) -> Non
     load_pipeline_config(write(tmp_path, data))
 
 
+def test_prefix_caching_hash_algo_on_an_hf_stage_is_vllms_and_checked_by_name(tmp_path: Path) -> None:
+    from omni_pd.config.engine_keys import unused_by_hf
+    from omni_pd.kv.vllm_block_hash import SUPPORTED_ALGOS
+
+    data = pd_config()
+    data["stage_args"][1]["engine_args"]["prefix_caching_hash_algo"] = "sha512"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.prefix_caching_hash_algo")
+    assert "'sha512'" in str(issue) and all(f"'{a}'" in issue.message for a in SUPPORTED_ALGOS)
+    for algo in SUPPORTED_ALGOS:  # the control: vLLM's own values load, and the hf engine reads them
+        data["stage_args"][1]["engine_args"]["prefix_caching_hash_algo"] = algo
+        stage = load_pipeline_config(write(tmp_path, data)).stage(1)
+        assert stage.engine_args.prefix_caching_hash_algo == algo
+        assert unused_by_hf(set(stage.engine_args.model_fields_set)) == []
+
+
 def test_duplicate_stage_id(tmp_path: Path) -> None:
     data = pd_config()
     data["stage_args"][3]["stage_id"] = 2
@@ -680,6 +695,64 @@ def test_misspelt_handoff_key_is_not_passed_through_silently(tmp_path: Path) -> 
     _extra(data, 1)["some_connector_key"] = 1  # a connector's own key still passes
     issue = only_issue(errors_of(tmp_path, data), f"stage_args[1].{_EXTRA}.kv_miss_windows_s")
     assert "did you mean 'kv_miss_window_s'" in issue.message
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(16, 32), (32, 16), (16, 64), (8, 8)])
+def test_kv_block_sizes_that_divide_one_another_load(tmp_path: Path, prefill: int, decode: int) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_args"]["kv_block_size"] = prefill
+    data["stage_args"][1]["engine_args"]["kv_block_size"] = decode
+    cfg = load_pipeline_config(write(tmp_path, data))
+    assert (cfg.stage(0).engine_args.kv_block_size, cfg.stage(1).engine_args.kv_block_size) == (
+        prefill,
+        decode,
+    )
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(16, 24), (32, 48), (12, 16)])
+def test_kv_block_sizes_that_do_not_divide_are_refused_by_name(
+    tmp_path: Path, prefill: int, decode: int
+) -> None:
+    data = pd_config()
+    data["stage_args"][0]["engine_args"]["kv_block_size"] = prefill
+    data["stage_args"][1]["engine_args"]["kv_block_size"] = decode
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.kv_block_size")
+    assert issue.stage_id == 1 and issue.got == decode
+    assert f"prefill stage 0's kv_block_size {prefill}" in issue.allowed
+    assert (
+        "do not divide one another" in issue.message and "set either stage's kv_block_size" in issue.message
+    )
+
+
+def test_transfer_mode_defaults_to_pull_and_loads_push(tmp_path: Path) -> None:
+    extra = load_pipeline_config(write(tmp_path, pd_config())).stage(1).kv_transfer_config
+    assert extra.kv_connector_extra_config.transfer_mode == "pull"
+    data = pd_config()
+    for index in (0, 1):  # the prefill stage may repeat the decode stage's value
+        _extra(data, index)["transfer_mode"] = "push"
+    cfg = load_pipeline_config(write(tmp_path, data))
+    assert cfg.stage(1).kv_transfer_config.kv_connector_extra_config.transfer_mode == "push"
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "needle"), [(1, "stream", "'push' or 'pull'"), (0, "push", "governs")]
+)
+def test_bad_transfer_mode_is_refused_by_name(tmp_path: Path, index: int, value: str, needle: str) -> None:
+    data = pd_config()
+    _extra(data, index)["transfer_mode"] = value
+    issue = only_issue(errors_of(tmp_path, data), f"stage_args[{index}].{_EXTRA}.transfer_mode")
+    assert issue.stage_id == index and issue.got == value and needle in f"{issue.allowed} {issue.message}"
+
+
+def test_push_on_a_vllm_pair_is_refused_by_name(tmp_path: Path) -> None:
+    data = pd_config()
+    for index in (0, 1):
+        args = data["stage_args"][index]["engine_args"]
+        args["engine"] = "vllm"
+        _extra(data, index)["transfer_mode"] = "push"
+    issues = errors_of(tmp_path, data)
+    issue = only_issue(issues, f"stage_args[1].{_EXTRA}.transfer_mode")
+    assert issue.got == "push" and "'pull'" in issue.allowed and "vLLM" in issue.message
 
 
 def test_kv_both_is_fine_on_either_side(tmp_path: Path) -> None:

@@ -88,12 +88,16 @@ def clean(decode, prefill):
         "transfers": 0,
         "used_blocks": 0,
         "kv_quarantined_blocks": 0,
+        "push_reservations": 0,
+        "push_fenced_blocks": 0,
     }
     assert prefill.debug_state_counts() == {
         "thinker.requests": 0,
         "thinker.kv_blocks_in_use": 0,
         "leases": 0,
         "used_blocks": 0,
+        "pushes": 0,
+        "push_fenced_blocks": 0,
     }
 
 
@@ -269,6 +273,8 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
             "transfers": 0,
             "used_blocks": 0,
             "kv_quarantined_blocks": 0,
+            "push_reservations": 0,
+            "push_fenced_blocks": 0,
         }
     finally:
         shm.close()

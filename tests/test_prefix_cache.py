@@ -381,3 +381,52 @@ def test_negative_control_another_clip_of_the_same_length_is_not_reused(runner, 
     assert got.metrics["prefix_cached_tokens"] == clip.start // BS * BS  # up to the clip's block
     assert _identical(want_other, got) and not _identical(want, got)
     engine.cache.prefix.check()
+
+
+# ---- blocks named by vLLM's keys (prefix_caching_hash_algo) ----------------------------------
+
+
+def test_every_vllm_hash_algo_hits_the_same_blocks_with_the_same_outputs(runner, tiny_tokenizer, monkeypatch):
+    """Naming blocks by vLLM's keys changes their names only: under each algorithm the turns of a
+    conversation hit exactly as many cached tokens as with omni-pd's own naming, with the same
+    bits out. The names do differ (negative control: the comparison sees the naming)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the xxhash algorithms: a seed both sides can know
+    prompts = _conversation(tiny_tokenizer, 3)
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def turns(**engine_args):
+        engine = _engine(runner, **engine_args)
+        outputs = [_one(engine, p, params, f"t{i}") for i, p in enumerate(prompts)]
+        assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+        engine.cache.prefix.check()
+        return outputs, engine.cache.prefix.block_hashes(prompts[-1].prompt_token_ids)
+
+    want, own_names = turns()
+    want_hits = [o.metrics["prefix_cached_tokens"] for o in want]
+    assert want_hits[0] == 0 and all(h > 0 for h in want_hits[1:])
+    names = {}
+    for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        got, names[algo] = turns(prefix_caching_hash_algo=algo)
+        assert [o.metrics["prefix_cached_tokens"] for o in got] == want_hits, algo
+        assert all(_identical(a, b) for a, b in zip(want, got)), algo
+    assert len({tuple(n) for n in [own_names, *names.values()]}) == 5  # five namings, five names
+
+
+def test_audio_blocks_under_vllm_keys_hit_only_the_same_clip(runner, builder, monkeypatch):
+    """Under vLLM naming a block holding audio is keyed by its clip (omni-pd's content key under
+    its own tag): the same clip hits, another clip of the same length does not."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    sounds = [_tone(440, 12_000), _tone(660, 16_000)]
+    first, second = _audio_conversation(builder, 2, sounds)
+    _, other_second = _audio_conversation(builder, 2, [_tone(500, 12_000), sounds[1]])
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine = _engine(runner, prefix_caching_hash_algo="xxhash_cbor")
+    _one(engine, first, params, "c0")
+    clip = runner.audio_clips(second)[0]
+    full = len(first.prompt_token_ids) // BS * BS
+    assert full > clip.start  # the first turn's cached blocks include the clip's
+    assert _one(engine, second, params, "c1").metrics["prefix_cached_tokens"] == full
+    engine = _engine(runner, prefix_caching_hash_algo="xxhash_cbor")
+    _one(engine, first, params, "c0")
+    assert _one(engine, other_second, params, "c1").metrics["prefix_cached_tokens"] == clip.start // BS * BS
+    engine.cache.prefix.check()

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt
+from omni_pd.sampling import SamplingParams
 from omni_pd.kv.vllm_block_hash import (
     DEFAULT_NONE_HASH_SEED,
     SUPPORTED_ALGOS,
@@ -30,6 +32,8 @@ from omni_pd.kv.vllm_block_hash import (
     block_extra_keys,
     cbor_canonical,
 )
+
+from test_thinker_engine import _engine, _run_together, runner  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 4  # the Request-level captures: small blocks, many of them
@@ -80,6 +84,21 @@ ENGINE = {
     "cache_salt": "salt-1",
     "max_tokens": 30,
 }  # 70 + 30 tokens: blocks 0-1 from the prompt, block 2 from decoding
+# vLLM engines whose prompt blocks the hf engine must name the same (its prefix_caching_hash_algo):
+# vLLM's default-seeded sha256_cbor, and pickle + xxh3 under a set PYTHONHASHSEED.
+HF_BLOCK = 32  # vLLM CPU attention: a multiple of 32
+HF_PROMPT = [(7 * i + 5) % 240 + 3 for i in range(140)]  # 4 full blocks of 32 and 12 tokens
+HF_ENGINES = [
+    {
+        "algo": algo,
+        "pythonhashseed": seed,
+        "block_size": HF_BLOCK,
+        "prompt_token_ids": HF_PROMPT,
+        "cache_salt": None,
+        "max_tokens": 2,  # 142 tokens: vLLM caches the 4 prompt blocks only
+    }
+    for algo, seed in (("sha256_cbor", None), ("xxhash", "7"))
+]
 
 
 def omni_pd_hashes(hasher: VllmBlockHasher, spec: dict, block_size: int = BLOCK) -> list[bytes]:
@@ -113,7 +132,7 @@ def golden(tmp_path_factory):
     spec = {
         "model_dir": str(ensure_tiny_text_model()),
         "block_size": BLOCK,
-        "engines": [ENGINE],
+        "engines": [ENGINE, *HF_ENGINES],
         "configs": [{"algo": a, "pythonhashseed": s} for a in SUPPORTED_ALGOS for s in SEEDS],
         "requests": REQUESTS,
     }
@@ -134,7 +153,7 @@ def golden(tmp_path_factory):
     configs = {
         (c["algo"], c["pythonhashseed"]): captured for c, captured in zip(spec["configs"], out["configs"])
     }
-    return {"engine": out["engines"][0], "configs": configs}
+    return {"engine": out["engines"][0], "hf_engines": out["engines"][1:], "configs": configs}
 
 
 def to_bytes(hexes: list[str]) -> list[bytes]:
@@ -170,6 +189,37 @@ def test_engine_request_block_hashes_equal_omni_pd(golden):
     changed = tokens[:80] + [tokens[80] + 1] + tokens[81:]
     assert hasher.block_hashes(changed, 32, keys)[:2] == ours[:2]
     assert hasher.block_hashes(changed, 32, keys)[2] != ours[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", range(len(HF_ENGINES)))
+def test_hf_engine_names_its_cached_blocks_with_vllm_engine_keys(golden, runner, which, monkeypatch):
+    """An hf thinker stage with `prefix_caching_hash_algo` caches a prompt's blocks under exactly
+    the keys a vLLM engine (same algorithm, same PYTHONHASHSEED) caches them under."""
+    entry, theirs = HF_ENGINES[which], golden["hf_engines"][which]
+    assert (theirs["algo"], theirs["block_size"]) == (entry["algo"], HF_BLOCK)
+    vllm_keys = to_bytes(theirs["block_hashes"])
+    assert len(vllm_keys) == 4 and set(vllm_keys) <= set(to_bytes(theirs["cached_block_hashes"]))
+    if entry["pythonhashseed"] is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", entry["pythonhashseed"])
+
+    def cached_keys(**engine_args) -> list[bytes]:
+        engine = _engine(runner, kv_block_size=HF_BLOCK, **engine_args)
+        _run_together(engine, [ThinkerPrompt(list(HF_PROMPT))], [SamplingParams(temperature=0, max_tokens=2)])
+        prefix = engine.cache.prefix
+        assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+        named = {entry.hash: block for block, entry in prefix._entries.items()}
+        keys = prefix.block_hashes(HF_PROMPT)
+        assert len(keys) == 4 and set(keys) == set(named)  # what it cached is what it names
+        return keys
+
+    assert cached_keys(prefix_caching_hash_algo=entry["algo"]) == vllm_keys
+    # negative controls: omni-pd's own naming, and another seed, give none of vLLM's keys
+    assert not set(cached_keys()) & set(vllm_keys)
+    monkeypatch.setenv("PYTHONHASHSEED", "other")
+    assert not set(cached_keys(prefix_caching_hash_algo=entry["algo"])) & set(vllm_keys)
 
 
 # ---- against vLLM's Request + block hasher, every algorithm and seed --------------------------

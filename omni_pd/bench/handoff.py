@@ -52,6 +52,8 @@ GEOMETRIES = {
     "30b": Geometry("Qwen3-Omni-30B-A3B thinker", 48, 4, 128, "bfloat16"),
 }
 PATHS = ("tcp", "shm", "cuda_ipc", "staged")
+# `--path push,pull`: when the decode side can start in each transfer mode (handoff_push.py).
+MODE_PATHS = ("push", "pull")
 DEFAULT_PATHS = ("tcp", "shm")
 GPU_PATHS = ("cuda_ipc", "staged")
 _READ_PATH = {"tcp": "tcp", "shm": "shm", "cuda_ipc": "cuda_ipc", "staged": "tcp"}  # FetchResult.path
@@ -92,7 +94,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated paths: {', '.join(PATHS)} (default: "
         f"{','.join(DEFAULT_PATHS)}; {' and '.join(GPU_PATHS)} need a CUDA GPU; "
         "in this bench both sides are one process, so a CUDA IPC handle "
-        "resolves to the pool itself: the copy is timed, not the opening)",
+        "resolves to the pool itself: the copy is timed, not the opening); or the transfer "
+        "modes push,pull (Mooncake tcp): when the decode side can start, with a modelled prefill",
+    )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        help="push,pull: the modelled prefill compute, microseconds per prompt token (default 15: "
+        "the 30B-A3B thinker on a GPU sustaining ~400 TFLOP/s)",
+    )
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="push: prompt positions per chunk written while the next computes (default 512, "
+        "kv_push_chunk_tokens' default)",
     )
     parser.add_argument(
         "--repeats",
@@ -281,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     repeats = args.repeats or (2 if args.quick else 5)
     paths = [p.strip() for p in args.path.split(",") if p.strip()]
+    if paths and all(p in MODE_PATHS for p in paths):
+        return _run_modes(args, names, tokens, repeats, paths)
     if not paths or any(p not in PATHS for p in paths):
         print(f"error: --path: expected some of {list(PATHS)}, got {args.path!r}", file=sys.stderr)
         return 2
@@ -331,6 +350,40 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         report = {**run_metadata(sys.argv, repeats=repeats, block_size=args.block_size), "results": results}
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def _run_modes(
+    args: argparse.Namespace, names: list[str], tokens: tuple[int, ...], repeats: int, modes: list[str]
+) -> int:
+    from . import handoff_push
+
+    us = args.prefill_us_per_token
+    us = handoff_push.DEFAULT_PREFILL_US_PER_TOKEN if us is None else us
+    chunk = args.chunk_tokens or handoff_push.DEFAULT_CHUNK_TOKENS
+    if us < 0 or chunk < 1 or min(tokens) < 1 or args.block_size < 1:
+        print(
+            "error: --prefill-us-per-token must be >= 0, --chunk-tokens, --tokens and --block-size positive",
+            file=sys.stderr,
+        )
+        return 2
+    chunk = -(-chunk // args.block_size) * args.block_size  # chunks end on block boundaries
+    rows = []
+    for name in names:
+        g = GEOMETRIES[name]
+        layout = BlockLayout.default_for(
+            g.layers, g.kv_heads, g.head_dim, g.dtype, block_size=args.block_size
+        )
+        for count in tokens:
+            row = handoff_push.measure(layout, count, modes, repeats, us, chunk)
+            rows.append({"geometry": g.name, **row})
+    handoff_push.print_table(rows)
+    if args.json_path:
+        meta = run_metadata(
+            sys.argv, repeats=repeats, block_size=args.block_size, prefill_us_per_token=us, chunk_tokens=chunk
+        )
+        Path(args.json_path).write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
         print(f"wrote {args.json_path}")
     return 0
 

@@ -387,7 +387,10 @@ def _check_pair(
                 f"decode stage must be fed by its prefill stage {ps.stage_id}",
             )
         )
-    for attr in ("model_stage", "engine", "tensor_parallel_size"):
+    vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
+    if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
+        issues.extend(_check_pair_tp(ctx, p, d))
+    for attr in ("model_stage", "engine") + (() if vllm_pair else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
             add(
@@ -401,6 +404,7 @@ def _check_pair(
                 )
             )
 
+    issues.extend(_check_block_sizes(ctx, p, d))
     pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
     for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
         side = "prefill" if stage is ps else "decode"
@@ -462,6 +466,18 @@ def _check_pair(
             )
         )
     issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
+    mode = dkv.kv_connector_extra_config.transfer_mode
+    if mode == "push" and (ps.engine != "hf" or ds.engine != "hf"):
+        add(
+            ctx.issue(
+                ds,
+                f"{dbase}.kv_connector_extra_config.transfer_mode",
+                mode,
+                "'pull' (or engine: hf on both stages of the pair)",
+                "push writes into blocks an hf decode engine reserves; on a vLLM stage the KV "
+                "moves through vLLM's connector, which omni-pd does not drive in push mode",
+            )
+        )
     insist = dkv.kv_connector_extra_config.kv_same_host
     if pkv.kv_connector_extra_config.kv_same_host == "off" and insist in ("shm", "cuda_ipc"):
         add(
@@ -506,6 +522,79 @@ def _check_pair(
                 f"bootstrap port is shared with prefill stage {ps.stage_id}",
             )
         )
+    return issues
+
+
+def _check_block_sizes(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """hf legs may page their caches in different block sizes when one divides the other: a
+    block of the larger size is whole blocks of the smaller (a pull converts through staging, a
+    push writes each block's token range straight into the peer's)."""
+    (_, ps), (di, ds) = p, d
+    if ps.engine != "hf" or ds.engine != "hf":
+        return []
+    pb, db = ps.engine_args.kv_block_size, ds.engine_args.kv_block_size
+    if pb % db == 0 or db % pb == 0:
+        return []
+    return [
+        ctx.issue(
+            ds,
+            _ek(di, "engine_args.kv_block_size"),
+            db,
+            f"a divisor or multiple of prefill stage {ps.stage_id}'s kv_block_size {pb} "
+            f"(e.g. {pb} or {2 * pb})",
+            f"decode stage's kv_block_size {db} and prefill stage {ps.stage_id}'s {pb} do not "
+            "divide one another: a block of one would straddle blocks of the other; set either "
+            "stage's kv_block_size so that one divides the other",
+        )
+    ]
+
+
+def _kv_heads(stage: StageConfig) -> int | None:
+    """The KV head count of a stage's model, when the model is a checkpoint directory or an
+    embedded model; None when only vLLM can tell."""
+    model = stage.engine_args.model
+    return registry.text_kv_heads(model) if model else None
+
+
+def _check_pair_tp(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """A vLLM pair may differ in tensor_parallel_size (vLLM's MooncakeConnector maps the ranks
+    and reshards the KV heads) when one size divides the other and each side's ranks hold whole
+    KV heads (or whole copies of them)."""
+    (pi, ps), (di, ds) = p, d
+    ptp, dtp = ps.engine_args.tensor_parallel_size, ds.engine_args.tensor_parallel_size
+    issues: list[ConfigIssue] = []
+    if max(ptp, dtp) % min(ptp, dtp):
+        issues.append(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.tensor_parallel_size"),
+                dtp,
+                f"a divisor or a multiple of prefill stage {ps.stage_id}'s {ptp}",
+                f"neither the prefill ({ptp}) nor the decode ({dtp}) tensor_parallel_size divides "
+                "the other; the KV connector maps ranks only when one does",
+            )
+        )
+    heads = _kv_heads(ds) or _kv_heads(ps)
+    if heads is None or ptp == dtp == 1:
+        return issues
+    for index, stage, tp in ((pi, ps, ptp), (di, ds, dtp)):
+        if heads % tp and tp % heads:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            issues.append(
+                ctx.issue(
+                    stage,
+                    _ek(index, "engine_args.tensor_parallel_size"),
+                    tp,
+                    f"a divisor of {heads} ({', '.join(map(str, divisors))}) or a multiple of it",
+                    f"the model's {heads} KV heads do not split over {tp} ranks: each rank must hold "
+                    "whole KV heads (or whole copies of them) for the KV cache to move between the "
+                    "prefill and decode stages",
+                )
+            )
     return issues
 
 

@@ -380,6 +380,7 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset(
         "attention_kernels",
         "distributed_executor_backend",  # mp: a local worker process; ray: a Ray actor
         "enable_prefix_caching",  # the autoregressive engines' prefix cache (default on)
+        "prefix_caching_hash_algo",  # its blocks named by vLLM's keys (default: omni-pd's own)
     }
 ) | frozenset(registry.model_engine_args())  # and the keys each model's hf stages read
 

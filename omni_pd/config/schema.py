@@ -61,12 +61,22 @@ class KVConnectorExtraConfig(BaseModel):
     # output may then differ from colocated. False: one WARNING at the first handoff; true:
     # refused (the decode stage's value governs the pair).
     require_identical_kernels: StrictBool = False
+    # How the hf pair's KV moves (the decode stage's value governs the pair): "pull", the decode
+    # side reads the prefill's published blocks after the prefill; "push", the decode side
+    # reserves the request's blocks first and the prefill writes each into them as it computes
+    # it, overlapped with the rest of the prefill (docs/kv_push.md has the measurements).
+    transfer_mode: Literal["push", "pull"] = "pull"
+    # Push: prompt positions the prefill computes before writing what it has (a multiple of
+    # both stages' kv_block_size; rounded up to one). Smaller hides more of the transfer behind
+    # the rest of the prefill, at a fixed cost per chunk.
+    kv_push_chunk_tokens: int = Field(default=512, ge=1)
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
         "kv_miss_window_s",
         "kv_handoff_deadline_s",
         "kv_breaker_threshold",
         "kv_breaker_cooldown_s",
         "kv_fallback",
+        "transfer_mode",
     )
     # Keys of the pair that the decode stage's value governs (a prefill stage may repeat them).
     DECODE_GOVERNED_KEYS: ClassVar[tuple[str, ...]] = HANDOFF_KEYS + ("require_identical_kernels",)
@@ -76,6 +86,7 @@ class KVConnectorExtraConfig(BaseModel):
         "kv_handoff_deadline_s",
         "kv_breaker_threshold",
         "kv_breaker_cooldown_s",
+        "kv_push_chunk_tokens",
         mode="before",
     )
     @classmethod
@@ -162,6 +173,9 @@ class _TypedEngineArgs(_Model):
     trust_remote_code: bool = False
     distributed_executor_backend: Literal["mp", "ray", "uni", "external_launcher"] | None = None
     enable_prefix_caching: bool | None = None
+    # vLLM 0.32's hash of prefix-cache blocks (kv/vllm_block_hash.SUPPORTED_ALGOS). On an hf stage:
+    # its prefix cache names blocks with vLLM's keys (unset: omni-pd's own xxh3-128 chain).
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_num_seqs: int | None = Field(default=None, ge=1)

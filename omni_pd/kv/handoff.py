@@ -388,6 +388,12 @@ class KVSender:
         with self._lock:
             self._fault = (block_index, byte_offset, after_checksum)
 
+    def take_fault(self) -> tuple[int, int, bool] | None:
+        """The pending test fault, now the caller's to apply (a push applies it instead)."""
+        with self._lock:
+            fault, self._fault = self._fault, None
+            return fault
+
     def publish(self, transfer_id: str, kv_canonical: torch.Tensor) -> KVDescriptor:
         """Copy the KV into pool blocks allocated here and publish them (tools and tests)."""
         check_canonical(kv_canonical, self.layout)

@@ -317,7 +317,7 @@ _COMPLETED, _RUNNING = 1, 0
 
 @dataclass(eq=False)
 class AsyncRead:
-    """One submitted read, as one Mooncake batch per segment: the binding's non-blocking
+    """One submitted read (or write: `write`), as one Mooncake batch per segment: the binding's non-blocking
     `transfer_check_status` reports only a batch's first task (its `get_batch_transfer_status`
     waits, spinning, until the batch ends)."""
 
@@ -325,6 +325,7 @@ class AsyncRead:
     num_segments: int
     nbytes: int
     _engine: Any = field(repr=False)
+    write: bool = False  # a push (local -> remote) rather than a read
     _pending: list[int] = field(default_factory=list)  # the submitter's until it is "submitted"
     _entry_of: dict[int, int] = field(default_factory=dict)  # batch id -> its entry's index
     _landed: list[int] = field(default_factory=list)  # entries completed since take_landed()
@@ -419,12 +420,13 @@ class _Submitter:
                 read._end_submit()
 
     def _submit(self, read: AsyncRead, entries: list[Segment]) -> None:
+        call = (
+            self._engine.batch_transfer_async_write if read.write else self._engine.batch_transfer_async_read
+        )
         for index, (local, remote, length) in enumerate(entries):
-            batch_id = self._engine.batch_transfer_async_read(
-                read.remote_session, [local], [remote], [length]
-            )
+            batch_id = call(read.remote_session, [local], [remote], [length])
             if not _valid_batch_id(batch_id):
-                read.error = "Mooncake refused to submit the read"
+                read.error = f"Mooncake refused to submit the {'write' if read.write else 'read'}"
                 return
             read._entry_of[batch_id] = index
             read._pending.append(batch_id)
@@ -538,6 +540,17 @@ class MooncakeTransport:
                 self._submitter = _Submitter(self._engine, f"kv-submit-{self.session_id}")
         self._submitter.put(read, entries)
         return read
+
+    def submit_write(self, remote_session: str, segments: Sequence[Segment]) -> AsyncRead:
+        """Start pushing local registered bytes into a peer's registered memory, as
+        `submit_read` reads (same queue, same polling; `AsyncRead.write` is set)."""
+        entries = list(segments)
+        write = AsyncRead(remote_session, len(entries), sum(e[2] for e in entries), self._engine, write=True)
+        with self._submitter_lock:
+            if self._submitter is None:
+                self._submitter = _Submitter(self._engine, f"kv-submit-{self.session_id}")
+        self._submitter.put(write, entries)
+        return write
 
     def read_failure(self, read: AsyncRead) -> KVTransferError:
         return KVTransferError(

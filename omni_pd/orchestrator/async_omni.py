@@ -34,6 +34,7 @@ from ..config.replicas import replica_configs
 from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
 from ..engines.types import AudioOutput, TextOutput, TokenPrompt
+from ..kv.push import TARGET_KEY
 from ..paths import default_stage_config
 from ..planning import (
     build_decode_sampling_params,
@@ -512,6 +513,7 @@ class AsyncOmni:
             )
         finally:
             self._release_kv(state)  # sent now, its answer awaited in the background
+            self._release_push(state)
             state.release_replicas()
             del self._requests[state.request_id]
 
@@ -656,6 +658,10 @@ class AsyncOmni:
         client = pool.clients[chosen]
         now = time.monotonic()
         state.handoff_deadline = min(now + policy.deadline_s, deadline)
+        if policy.transfer_mode == "push":
+            await self._reserve_push(
+                state, text_prompt, min(now + policy.miss_window_s, state.handoff_deadline)
+            )
         try:
             await self._run_stage(
                 state,
@@ -685,13 +691,66 @@ class AsyncOmni:
             self._text_stream(state, state.params[pair.decode_stage_id], on_text)(first)
             state.tokens_streamed_early = len(first)
 
+    async def _reserve_push(self, state: RequestState, text_prompt: TokenPrompt, until: float) -> None:
+        """Push mode: reserve the request's blocks on its decode replica for the prefill leg to
+        write into. A replica that cannot (no room, restarting, slow to answer) leaves the
+        request to pull, as the pair does in pull mode."""
+        decode_id = self._pair.decode_stage_id
+        state.transfer_id = new_transfer_id(state.request_id)
+        client = state.replicas[decode_id].client
+        try:
+            future = client.control_future(
+                "reserve_kv",
+                transfer_id=state.transfer_id,
+                prompt=text_prompt.tokens_only(),
+                params=state.params[decode_id],
+                wait_s=max(until - time.monotonic(), 0.0),
+            )
+            state.push_target = await client.await_call(
+                future, "reserve_kv", max(until - time.monotonic(), 0.0)
+            )
+        except StageError as exc:
+            log.debug("request %s: no push reservation (%s); the decode leg pulls", state.request_id, exc)
+            self._release_push(state)
+
+    def _release_push(self, state: RequestState, writer_gone: bool = False) -> None:
+        """Push mode: give the decode replica's reservation up (the prefill leg failed, or the
+        request left before its decode leg took it). Sent now, answered in the background."""
+        if state.push_target is None or self.closed:
+            return
+        state.push_target = None
+        client = state.replicas[self._pair.decode_stage_id].client
+        try:
+            future = client.control_future(
+                "release_push", transfer_id=state.transfer_id, writer_gone=writer_gone
+            )
+        except StageError as exc:  # restarting or down: its reservations went with the old worker
+            log.debug("request %s: push reservation not released (%s)", state.request_id, exc)
+            return
+        task = asyncio.ensure_future(self._await_control(client, future, "release_push", state))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _await_control(client: StageClient, future, name: str, state: RequestState) -> None:
+        try:
+            await client.await_call(future, name, RELEASE_KV_TIMEOUT_S)
+        except StageError as exc:
+            log.debug("request %s: %s not answered (%s)", state.request_id, name, exc)
+
     def _handoff_failed(self, state: RequestState, why: str) -> None:
         self.handoff_failures += 1
         self._link_breaker(state).failure(why)
         self._release_kv(state)
+        self._release_push(state, writer_gone=self._prefill_gone(state))
         state.outputs.pop(self._pair.prefill_stage_id, None)
         state.stage_spans.pop(self._pair.prefill_stage_id, None)
         self._no_remote(state, why)
+
+    def _prefill_gone(self, state: RequestState) -> bool:
+        """Whether the request's prefill worker is down (it cannot write a late push)."""
+        assignment = state.replicas.get(self._pair.prefill_stage_id)
+        return assignment is not None and assignment.client.unavailable() is not None
 
     def _no_remote(self, state: RequestState, why: str) -> None:
         if self.handoff.fallback == "error":
@@ -782,8 +841,14 @@ class AsyncOmni:
         prompt: Any = text_prompt
         pair = self.pd_pair
         if pair and stage_id == pair.prefill_stage_id:
-            state.transfer_id = new_transfer_id(state.request_id)
+            if state.push_target is None:  # a push reservation named the transfer already
+                state.transfer_id = new_transfer_id(state.request_id)
+            assert state.transfer_id is not None, "set by the push reservation or just above"
             params = build_prefill_sampling_params(params, state.transfer_id)
+            if state.push_target is not None:
+                params = params.replace(
+                    kv_transfer_params={**(params.kv_transfer_params or {}), TARGET_KEY: state.push_target}
+                )
         elif pair and stage_id == pair.decode_stage_id and not state.local_prefill:
             return await self._remote_decode(state, text_prompt, deadline, on_text, on_chunk)
         elif pair and stage_id == pair.decode_stage_id:
@@ -827,6 +892,7 @@ class AsyncOmni:
         prompt = text_prompt.tokens_only()
         on_tokens = self._text_stream(state, params, on_text) if on_text is not None else None
         remaining = self._time_left(state, deadline, decode_id)
+        state.push_target = None  # the decode leg takes (or frees) its reservation now
         try:
             output = await self._route(state, decode_id).generate(
                 state.request_id, prompt, params, remaining, on_tokens, on_chunk

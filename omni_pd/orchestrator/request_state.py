@@ -21,6 +21,9 @@ class RequestState:
     prompt_len: int = 0  # the text stage's prompt, in tokens (known once it is built)
     transfer_id: str | None = None  # the P/D handoff's key, once the prefill leg starts
     kv_released: bool = False
+    # Push mode: the decode replica's reservation for the prefill leg to write into (its push
+    # target), until the decode leg takes it or it is released.
+    push_target: dict[str, Any] | None = None
     handoff_deadline: float = 0.0  # monotonic time by which the decode leg must have the KV
     local_prefill: bool = False  # the P/D fallback: the decode leg computes the prompt itself
     active_stages: set[int] = field(default_factory=set)  # stages working on it now, for aborts

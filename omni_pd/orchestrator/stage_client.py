@@ -177,10 +177,14 @@ class StageClient:
         if self.stage_config.runtime.process:
             context = worker_context()
             conn, child = context.Pipe(duplex=True)
+            args = self.stage_config.engine_args
             process = context.Process(
                 target=worker_main,
                 name=name,
-                daemon=True,
+                # A vLLM engine with tensor_parallel_size > 1 starts a process per rank, which
+                # a daemonic process may not do; such a worker is closed (and killed) by close()
+                # like any other, and vLLM's rank processes exit with their parent.
+                daemon=not (args.engine == "vllm" and args.tensor_parallel_size > 1),
                 args=(
                     self.stage_config,
                     self.model,

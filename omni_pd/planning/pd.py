@@ -54,12 +54,20 @@ class HandoffPolicy:
     breaker_threshold: int  # consecutive handoff failures that open the breaker to the peer
     breaker_cooldown_s: float  # how long an open breaker stays open
     fallback: str  # "local_prefill" | "error": what a request does when its handoff fails
+    transfer_mode: str = "pull"  # "push": the decode side reserves blocks the prefill writes
 
 
 # HandoffPolicy field -> its kv_connector_extra_config key.
 HANDOFF_POLICY_KEYS: dict[str, str] = dict(
     zip(
-        ("miss_window_s", "deadline_s", "breaker_threshold", "breaker_cooldown_s", "fallback"),
+        (
+            "miss_window_s",
+            "deadline_s",
+            "breaker_threshold",
+            "breaker_cooldown_s",
+            "fallback",
+            "transfer_mode",
+        ),
         KVConnectorExtraConfig.HANDOFF_KEYS,
     )
 )

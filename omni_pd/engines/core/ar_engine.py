@@ -30,6 +30,7 @@ import torch
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from ..hf import batch_invariant as bi
+from ..hf.prefix_cache import OMNI_PD_NAMING, naming_for
 from .kv_manager import KVManager
 from .request import EngineRequest
 from .runner import ArRunner, PrefillItem, Prefilled
@@ -67,6 +68,7 @@ class ArEngine(StageEngine):
             device=self.device,
             row_widths=runner.row_widths if keep_rows else None,
             row_dtype=runner.row_dtype,
+            naming=naming_for(args.prefix_caching_hash_algo) if self.prefix_caching else OMNI_PD_NAMING,
         )
         self.cache = self.kv.cache
         self.layout = self.kv.layout
@@ -81,7 +83,7 @@ class ArEngine(StageEngine):
             self.max_num_batched_tokens,
             args.kv_pool_blocks,
             self.block_size,
-            "on" if self.prefix_caching else "off",
+            f"on, blocks named {self.kv.naming.describe()}" if self.prefix_caching else "off",
         )
 
     # ---- the request lifecycle ---------------------------------------------------------------
@@ -216,7 +218,7 @@ class ArEngine(StageEngine):
             if self.prefix_caching and request.prefills_here and request.batchable:
                 self.kv.count_query(request.prompt_len, request.cached_len)
         self._stats.record(len(admitted), len(decoding))
-        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable])
+        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable and self._batches(r)])
         for request in admitted:
             try:
                 outputs.extend(self._start(request))
@@ -237,6 +239,11 @@ class ArEngine(StageEngine):
     def _progress(self) -> list[StepOutput]:
         """Advance requests that wait on I/O (the decode leg's KV reads); none here."""
         return []
+
+    def _batches(self, request: EngineRequest) -> bool:
+        """Whether an admitted prompt joins the step's batched prefill (a pushed one prefills in
+        chunks at its start instead)."""
+        return True
 
     def _can_start(self, request: EngineRequest) -> bool:
         """Role-specific resources a request needs to be admitted (beyond cache blocks)."""

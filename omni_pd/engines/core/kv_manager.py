@@ -19,6 +19,7 @@ import torch
 
 from ...kv.layout import BlockLayout
 from ..hf.paged_cache import PagedKVCache
+from ..hf.prefix_cache import OMNI_PD_NAMING, BlockNaming
 
 
 class KVManager:
@@ -32,10 +33,12 @@ class KVManager:
         device: str = "cpu",
         row_widths: Mapping[str, int] | None = None,
         row_dtype: torch.dtype = torch.float32,
+        naming: BlockNaming = OMNI_PD_NAMING,
     ):
         self.cache = PagedKVCache(
-            layout, num_blocks, shared=shared, prefix_caching=prefix_caching, device=device
+            layout, num_blocks, shared=shared, prefix_caching=prefix_caching, device=device, naming=naming
         )
+        self.naming = naming
         self.layout = self.cache.layout
         self.block_size = self.cache.block_size
         self.prefix_caching = prefix_caching
@@ -76,6 +79,13 @@ class KVManager:
         if self.cache.prefix is None:
             return []
         return self.cache.prefix.match(token_ids, extra_keys, limit=limit)
+
+    def block_hashes(self, token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> list[bytes]:
+        """The names the prefix cache gives the full blocks of `token_ids` (its `naming`); []
+        without prefix caching."""
+        if self.cache.prefix is None:
+            return []
+        return self.cache.prefix.block_hashes(token_ids, extra_keys)
 
     def count_query(self, queried: int, hit: int) -> None:
         self.query_tokens += queried

@@ -24,11 +24,13 @@ from typing import Any
 
 from ...kv import KVDescriptor, KVReceiver, KVSender, MooncakeTransport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
+from ...kv.push import RECORD_KEY, TARGET_KEY, KVPusher, PushReservations
 from ..base import StepOutput
 from ..hf.compute_identity import compute_identity
 from .ar_engine import ArEngine
 from .request import EngineRequest, Phase
 from .runner import ArRunner
+from . import push_legs
 from .transfer_settings import TransferSettings
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class PrefillEngine(ArEngine):
             same_host=settings.handoff.kv_same_host != "off",
         )
         self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
+        # Push mode: writes prompt blocks into the decode side's reservations (push_legs.py).
+        self.pusher = KVPusher(self.transport, self.sender.pool, self.sender.landing, self.kv.free)
+        self.push_chunk_tokens = settings.handoff.kv_push_chunk_tokens
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -127,8 +132,22 @@ class PrefillEngine(ArEngine):
                 "orchestrator's P/D planning sets them)"
             )
         request.publishes = True
+        if kv_params.get(TARGET_KEY) is not None:
+            push_legs.check_target(self, request, kv_params[TARGET_KEY])
+
+    def _batches(self, request: EngineRequest) -> bool:
+        return request.push_target is None  # a pushed prompt prefills in chunks at its start
+
+    def _prompt_checksums(self, request: EngineRequest) -> list[str]:
+        """The prompt blocks' checksums as they lie now (the cached ones' as they were named)."""
+        reused = request.cached_len // self.block_size
+        return [self._named_checksum(b) for b in request.blocks[:reused]] + self.kv.checksums(
+            request.blocks, request.prompt_len, first=reused
+        )
 
     def _start(self, request: EngineRequest) -> list[StepOutput]:
+        if request.push_target is not None:
+            return push_legs.start_push(self, request)
         transfer_id = _kv_params(request)["transfer_id"]
         pre = self._prefill(request)
         assert pre.first_token is not None, "_prefill samples the first token"
@@ -137,10 +156,7 @@ class PrefillEngine(ArEngine):
             # Cached blocks go with the checksums they were named with (memory that changed
             # since fails the handoff); the rest are checksummed as they now lie.
             self.kv.write(request.blocks, request.cached_len, pre.kv)
-            reused = request.cached_len // self.block_size
-            sums = [self._named_checksum(b) for b in request.blocks[:reused]] + self.kv.checksums(
-                request.blocks, request.prompt_len, first=reused
-            )
+            sums = self._prompt_checksums(request)
         else:  # block by block as written (each still in cache): no second pass at publish
             sums = self.kv.write(request.blocks, 0, pre.kv, checksums=True)
             assert sums is not None, "write(checksums=True) returns them"
@@ -203,12 +219,20 @@ class PrefillEngine(ArEngine):
 
     def housekeeping(self) -> None:
         self.sender.expire_leases()
+        self.pusher.reclaim()
 
     def debug_state_counts(self) -> dict[str, int]:
-        return {**super().debug_state_counts(), **self.sender.debug_state_counts()}
+        return {
+            **super().debug_state_counts(),
+            **self.sender.debug_state_counts(),
+            **self.pusher.debug_state_counts(),
+        }
+
+    def load(self) -> dict[str, int]:
+        return {**super().load(), "kv_push_late_writes": self.pusher.late_writes}
 
     def _blocks_lent(self) -> int:
-        return self.sender.blocks_held
+        return self.sender.blocks_held + self.pusher.blocks_held
 
     def close(self) -> None:
         self.sender.close()
@@ -220,6 +244,7 @@ class DecodeEngine(ArEngine):
     KVMissError (and the orchestrator falls back)."""
 
     prefills_over_cache = False  # its blocks are named without their rows (_match_prefix)
+    control_calls = ArEngine.control_calls | {"reserve_kv", "release_push"}
 
     def __init__(self, stage_config, runner: ArRunner):
         super().__init__(stage_config, runner)
@@ -246,6 +271,15 @@ class DecodeEngine(ArEngine):
             same_host=handoff.kv_same_host,
             buffer_device=settings.buffer_device,
         )
+        # Push mode: blocks reserved for the prefill leg to write (push_legs.py). A late writer
+        # is fenced off for as long as a prefill leg holds a published lease.
+        self.pushes = PushReservations(
+            self.transport.session_id,
+            self.cache.pool,
+            self.receiver.landing,
+            self.kv.free,
+            fence_s=stage_config.engine_args.kv_lease_timeout_s,
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -257,10 +291,25 @@ class DecodeEngine(ArEngine):
             "kv_miss_window_s": self.kv_miss_window_s,
         }
 
+    def reserve_kv(self, transfer_id: str, prompt: Any, params: Any, wait_s: float) -> dict[str, Any]:
+        """Push mode: reserve the blocks of the request that `prompt` and `params` will be,
+        for the prefill leg to write within `wait_s`; returns where (a push target)."""
+        return push_legs.reserve(self, transfer_id, prompt, params, wait_s)
+
+    def release_push(self, transfer_id: str, writer_gone: bool = False) -> bool:
+        """Push mode: the request will not come (its prefill failed or it left): give up its
+        reservation (fenced from a late writer unless `writer_gone`)."""
+        return self.pushes.abandon(transfer_id, "released", writer_gone=writer_gone)
+
     def _check(self, request: EngineRequest) -> None:
         kv_params = request.params.kv_transfer_params
         if not kv_params or not kv_params.get("do_remote_prefill"):
             return  # no remote KV: prefilled here
+        if RECORD_KEY in kv_params:  # pushed into blocks reserved here
+            self._check_handoff_keys(request, kv_params, kv_params.get("transfer_id"))
+            self._wait_s(request.request_id, kv_params)
+            push_legs.take_pushed(self, request, kv_params)
+            return
         descriptor = KVDescriptor.from_params(kv_params)
         if descriptor.num_tokens != request.prompt_len:
             raise ValueError(
@@ -268,13 +317,7 @@ class DecodeEngine(ArEngine):
                 f"KV for {descriptor.num_tokens} tokens but the prompt has "
                 f"{request.prompt_len}"
             )
-        for key in ("first_token", *self.runner.handoff_keys):
-            if not _is_int(kv_params.get(key)):
-                raise ValueError(
-                    f"request {request.request_id}: kv_transfer_params[{key!r}] for "
-                    f"transfer {descriptor.transfer_id}: expected an int from the "
-                    f"prefill stage, got {kv_params.get(key)!r:.80}"
-                )
+        self._check_handoff_keys(request, kv_params, descriptor.transfer_id)
         self._wait_s(request.request_id, kv_params)
         staging = self.receiver.staging_blocks(descriptor)
         needed = staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
@@ -286,6 +329,17 @@ class DecodeEngine(ArEngine):
                 "raise engine_args.kv_pool_blocks"
             )
         request.kv = descriptor
+
+    def _check_handoff_keys(
+        self, request: EngineRequest, kv_params: dict[str, Any], transfer_id: Any
+    ) -> None:
+        for key in ("first_token", *self.runner.handoff_keys):
+            if not _is_int(kv_params.get(key)):
+                raise ValueError(
+                    f"request {request.request_id}: kv_transfer_params[{key!r}] for "
+                    f"transfer {transfer_id}: expected an int from the "
+                    f"prefill stage, got {kv_params.get(key)!r:.80}"
+                )
 
     def _wait_s(self, request_id: str, kv_params: dict[str, Any]) -> float:
         value = kv_params.get("kv_wait_s")
@@ -305,7 +359,9 @@ class DecodeEngine(ArEngine):
         holds already (an earlier turn's), so that only the rest moves. Blocks are named here
         without their rows, which stay with the prefill leg, so a prompt this engine prefills
         itself (the fallback) does not reuse them."""
-        if request.prefills_here or not self.prefix_caching or _remote_kv(request).kv_layout != self.layout:
+        if request.prefills_here or request.pushed or not self.prefix_caching:
+            return []
+        if _remote_kv(request).kv_layout != self.layout:
             return []
         if _kv_params(request).get("kv_cacheable") is False:
             request.cacheable = False
@@ -318,6 +374,8 @@ class DecodeEngine(ArEngine):
         return self._first_token(request, int(kv_params["first_token"]))
 
     def _start(self, request: EngineRequest) -> list[StepOutput]:
+        if request.pushed is not None:
+            return push_legs.start_pushed(self, request)
         if request.prefills_here:
             log.debug(
                 "request %s: no remote KV, prefilling %d prompt positions here",
@@ -400,7 +458,7 @@ class DecodeEngine(ArEngine):
     def _can_start(self, request: EngineRequest) -> bool:
         # Blocks in quarantine come back only when Mooncake ends their reads: wait. A read in
         # place needs only the request's own blocks; one whose layout differs stages too.
-        if request.prefills_here:
+        if request.prefills_here or request.pushed is not None:
             return True
         staging = self.receiver.staging_blocks(_remote_kv(request))
         return (
@@ -427,6 +485,10 @@ class DecodeEngine(ArEngine):
 
     def housekeeping(self) -> None:
         self.receiver.reclaim()
+        self.pushes.expire()
+
+    def load(self) -> dict[str, int]:
+        return {**super().load(), "kv_push_late_records": self.pushes.late_records}
 
     def _output(self, request: EngineRequest, reason: str) -> Any:
         output = super()._output(request, reason)
@@ -435,10 +497,14 @@ class DecodeEngine(ArEngine):
         return output
 
     def debug_state_counts(self) -> dict[str, int]:
-        return {**super().debug_state_counts(), **self.receiver.debug_state_counts()}
+        return {
+            **super().debug_state_counts(),
+            **self.receiver.debug_state_counts(),
+            **self.pushes.debug_state_counts(),
+        }
 
     def _blocks_lent(self) -> int:
-        return self.receiver.blocks_held
+        return self.receiver.blocks_held + self.pushes.blocks_held
 
     def close(self) -> None:
         self.receiver.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...kv import KVDescriptor
+from ...kv.push import PushTarget, Reservation
 from ...sampling import SamplingParams
 
 
@@ -49,6 +50,10 @@ class EngineRequest:
     admitted_at: float = 0.0  # perf_counter() when it was admitted
     phase: Phase = Phase.WAITING
     kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
+    # Push mode. Decode leg: the reservation the prefill wrote the prompt's KV into (its blocks
+    # are the request's from add_request on). Prefill leg: the decode side's blocks to write.
+    pushed: Reservation | None = None
+    push_target: PushTarget | None = None
     # Prefill leg: the request ends with its prompt's KV published and its first token; its
     # output describes the prompt, not a generation (the decode leg's output has that).
     publishes: bool = False
@@ -68,7 +73,7 @@ class EngineRequest:
 
     @property
     def prefills_here(self) -> bool:
-        return self.kv is None
+        return self.kv is None and self.pushed is None
 
     @property
     def position(self) -> int:

@@ -30,11 +30,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefillItem:
-    """One prompt in a batched prefill: positions `start ..` are computed; the ones before are
-    cached in its first blocks (the prefix cache's)."""
+    """One prompt in a batched prefill: positions `start .. end` are computed; the ones before
+    are cached in its first blocks (the prefix cache's, or earlier chunks')."""
 
     request: "EngineRequest"
     start: int = 0
+    # Compute positions start .. end only (None: to the prompt's end): a prompt prefilled in
+    # chunks, each over the KV of the ones before (runners with `prefills_in_chunks`).
+    end: int | None = None
 
 
 @dataclass
@@ -79,6 +82,8 @@ class ArRunner(Protocol):
     row_dtype: torch.dtype
     # Scalars a decode leg continues from besides the KV (`Prefilled.state`'s keys).
     handoff_keys: tuple[str, ...]
+    # Whether `prefill` honours PrefillItem.end (ArRunnerBase: no).
+    prefills_in_chunks: bool
 
     def kv_layout(self, block_size: int) -> BlockLayout: ...
 
@@ -144,6 +149,8 @@ class ArRunnerBase:
     row_widths: Mapping[str, int] = {}
     row_dtype: torch.dtype = torch.float32
     handoff_keys: tuple[str, ...] = ()
+    # Whether `prefill` honours PrefillItem.end (a push prefills in chunks with it).
+    prefills_in_chunks: bool = False
 
     def prefilled(self, request: "EngineRequest", result: Prefilled) -> None:
         pass

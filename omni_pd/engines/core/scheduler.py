@@ -64,18 +64,21 @@ class Scheduler:
         admitted: list[EngineRequest] = []
         while self.waiting and len(admitted) < slots:
             request = self.requests[self.waiting[0]]
-            cached = match_prefix(request)
+            # A pushed prompt holds its reserved blocks from the start (they counted against
+            # admission while reserved); it matches nothing more.
+            held = len(request.blocks)
+            cached = match_prefix(request) if not held else []
             # A remote prompt's KV arrives by transfer: admitting it computes no token.
             cost = request.prompt_len - len(cached) * self.kv.block_size if request.prefills_here else 1
             positions = request.prompt_len + request.params.max_tokens
             if (
                 cost > budget
                 or not can_start(request)
-                or self.kv.blocks_for(positions) - len(cached) > self.kv.num_free
+                or self.kv.blocks_for(positions) - len(cached) - held > self.kv.num_free
             ):
                 self.kv.free(cached)  # oldest first: a long prompt is not overtaken
                 break
-            request.blocks = cached + self.kv.allocate(positions, have=len(cached))
+            request.blocks = request.blocks + cached + self.kv.allocate(positions, have=len(cached) + held)
             request.cached_len = len(cached) * self.kv.block_size
             self.waiting.popleft()
             request.admitted_at = time.perf_counter()

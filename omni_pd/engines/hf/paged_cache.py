@@ -19,7 +19,7 @@ import torch
 from ...kv.errors import PoolExhausted
 from ...kv.layout import BlockLayout
 from ...kv.pool import BlockPool
-from .prefix_cache import PrefixCache
+from .prefix_cache import OMNI_PD_NAMING, BlockNaming, PrefixCache
 
 
 class PagedKVCache:
@@ -30,11 +30,12 @@ class PagedKVCache:
         shared: bool = False,
         prefix_caching: bool = False,
         device: str = "cpu",
+        naming: BlockNaming = OMNI_PD_NAMING,
     ):
         """`shared`: the pool in shared memory a decode process on this host can map (the
         prefill leg's, for the same-host KV path; a GPU pool is shared by CUDA IPC handle).
         `device`: where the blocks live (the model's device). `prefix_caching`: full prompt blocks are
-        named by their content and kept after use (`prefix`, see prefix_cache.py)."""
+        named by their content (`naming`) and kept after use (`prefix`, see prefix_cache.py)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
             raise ValueError(
                 f"the paged cache stores fused token-major blocks, not {layout.kv_split} {layout.order}"
@@ -46,7 +47,7 @@ class PagedKVCache:
         self.data = self.pool.typed_blocks().view(
             num_blocks, layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim
         )
-        self.prefix = PrefixCache(self.pool) if prefix_caching else None
+        self.prefix = PrefixCache(self.pool, naming=naming) if prefix_caching else None
 
     @property
     def num_free(self) -> int:

@@ -3,9 +3,13 @@
 A full block of a prompt is named by a chained hash, as vLLM's `hash_block_tokens` names it: the
 parent block's hash, the block's token ids, and extra keys for what the tokens do not say (a
 hash of a multimodal input's content). So equal hashes mean equal prefixes up to and including
-the block. Where vLLM hashes the pickled (or CBOR) tuple with sha256, this uses xxh3-128 over a
-fixed byte encoding (parent hash, the ids as little-endian int64, the extra keys' bytes): the
-same chain, not the same numbers, so hashes are not exchanged with vLLM.
+the block. By default (`OMNI_PD_NAMING`) this uses xxh3-128 over a fixed byte encoding (parent
+hash, the ids as little-endian int64, the extra keys' bytes): the same chain as vLLM's, not the
+same numbers. With `prefix_caching_hash_algo` set on the stage (`vllm_naming`), blocks are named
+by vLLM's own hashes (kv/vllm_block_hash.py): a block of text tokens gets the key a vLLM engine
+with the same algorithm and NONE_HASH seed gives it, so keys can be exchanged with vLLM. A block
+holding audio is keyed by omni-pd's content key of the clip under its own tag, never equal to a
+vLLM key (vLLM's multimodal identifiers come from its own processor's hasher).
 
 A hash hit is still checked: the cache keeps each block's token ids and extra keys and reuses it
 only when they are equal too, so a collision can cost a recompute, never a wrong answer.
@@ -19,16 +23,25 @@ that line, so cached blocks never keep a request out.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import xxhash
 
 from ...kv.pool import BlockPool
+from ...kv.vllm_block_hash import CRYPTOGRAPHIC_ALGOS, VllmBlockHasher
+
+log = logging.getLogger(__name__)
 
 ROOT_HASH = b"\0" * 16  # the parent of a prompt's first block
+# The extra-key tag of a block holding audio under vLLM naming (see the module doc).
+AUDIO_KEY_TAG = "omni_pd_audio"
+
+HashFn = Callable[[bytes, Sequence[int], bytes], bytes]
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
@@ -55,6 +68,52 @@ def multimodal_extra_keys(
 
 
 @dataclass(frozen=True)
+class BlockNaming:
+    """How a prefix cache names full blocks: the first block's parent, the chained hash, and a
+    description an operator can compare between engines (`describe`)."""
+
+    scheme: str  # "omni-pd-xxh3-128" or "vllm:<prefix_caching_hash_algo>"
+    root: bytes
+    hash: HashFn
+    seed_rule: str = "none"  # where vLLM naming's NONE_HASH seed came from
+
+    def describe(self) -> str:
+        return (
+            self.scheme if self.seed_rule == "none" else f"{self.scheme} (NONE_HASH seed: {self.seed_rule})"
+        )
+
+
+OMNI_PD_NAMING = BlockNaming("omni-pd-xxh3-128", ROOT_HASH, block_hash)
+
+
+def vllm_naming(hasher: VllmBlockHasher, seed_rule: str) -> BlockNaming:
+    """Blocks named by vLLM's hashes under `hasher` (its algorithm and NONE_HASH seed)."""
+
+    def hash_fn(parent: bytes, token_ids: Sequence[int], extra_keys: bytes) -> bytes:
+        keys = ((AUDIO_KEY_TAG, extra_keys),) if extra_keys else None
+        return hasher.hash_block(parent, token_ids, keys)
+
+    return BlockNaming(f"vllm:{hasher.algo}", hasher.none_hash, hash_fn, seed_rule)
+
+
+def naming_for(algo: str | None, environ: Mapping[str, str] = os.environ) -> BlockNaming:
+    """A stage's naming: omni-pd's own without `prefix_caching_hash_algo`, else vLLM 0.32's with
+    the NONE_HASH seed its engine core would pick in this environment: PYTHONHASHSEED when set,
+    else the fixed seed for sha256 / sha256_cbor and a random one (this process only) for the
+    xxhash algorithms, whose keys then match no other engine's."""
+    if algo is None:
+        return OMNI_PD_NAMING
+    seed = environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        rule = f"PYTHONHASHSEED={seed!r}"
+    elif algo in CRYPTOGRAPHIC_ALGOS:
+        rule = "vLLM's fixed default"
+    else:
+        seed, rule = os.urandom(32).hex(), "random, this process only (PYTHONHASHSEED unset)"
+    return vllm_naming(VllmBlockHasher(algo, seed), rule)
+
+
+@dataclass(frozen=True)
 class _Entry:
     hash: bytes
     token_ids: tuple[int, ...]
@@ -65,10 +124,12 @@ class _Entry:
 class PrefixCache:
     """The hash table and the eviction line of one block pool, which it keeps blocks for."""
 
-    def __init__(self, pool: BlockPool, hash_fn: Callable[[bytes, Sequence[int], bytes], bytes] = block_hash):
+    def __init__(self, pool: BlockPool, hash_fn: HashFn | None = None, naming: BlockNaming = OMNI_PD_NAMING):
         self.pool = pool
         self.block_size = pool.layout.block_size
-        self._hash = hash_fn  # a test may force collisions
+        self.naming = naming
+        self._root = naming.root
+        self._hash = hash_fn or naming.hash  # a test may force collisions
         self._entries: dict[int, _Entry] = {}  # named block -> what it holds
         self._by_hash: dict[bytes, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody holds, LRU first
@@ -120,6 +181,10 @@ class PrefixCache:
         self.pool.hold(found)
         return found
 
+    def block_hashes(self, token_ids: Sequence[int], extra_keys: Sequence[bytes] = ()) -> list[bytes]:
+        """The names of the full blocks of `token_ids` (whether cached or not)."""
+        return [digest for _, _, _, digest in self._chain(token_ids, extra_keys)]
+
     def checksum(self, block: int) -> str | None:
         """The checksum a named block's bytes had when it was named."""
         entry = self._entries.get(block)
@@ -150,7 +215,7 @@ class PrefixCache:
 
     def _chain(self, token_ids: Sequence[int], extra_keys: Sequence[bytes]):
         """(index, token ids, extra keys, chained hash) of each full block of `token_ids`."""
-        size, parent = self.block_size, ROOT_HASH
+        size, parent = self.block_size, self._root
         for i in range(len(token_ids) // size):
             ids = tuple(token_ids[i * size : (i + 1) * size])
             extra = extra_keys[i] if i < len(extra_keys) else b""

@@ -9,8 +9,15 @@ MooncakeConnector with omni-pd's fixes (patches/) applied.
 Requests are submitted to the `LLMEngine` as they arrive (`add_request`) and stepped together:
 each `step()` is one `LLMEngine.step()`, so vLLM's scheduler batches every request it holds, and
 the step's `RequestOutput`s become token deltas (streamed requests) and one final record or
-error per request. Each request has a deadline, checked every step: a decode leg that loads
-remote KV waits `kv_lease_timeout_s` + a margin for it, anything else gets a long bound. Stepping
+error per request. Each request has a deadline, checked every step, and a decode leg that loads
+remote KV a bound on its wait for that KV: `kv_transfer_params["kv_wait_s"]` when the orchestrator
+sets it (the pair's `kv_miss_window_s`, cut to the handoff's and the request's deadlines), else
+`kv_lease_timeout_s` + a margin. Past it the leg is aborted in vLLM and fails with
+KVTransferFailed, which the orchestrator counts against the pair's breaker and answers from the
+fallback. vLLM keeps the aborted request's blocks until its connector has settled the receive
+(a late write from the prefill engine cannot land in blocks that another request holds); the
+drain thread steps the engine until then, and the consumer_peer_watch fix ends the receive
+early when the prefill engine is gone (docs/vllm_pd_faults.md). Stepping
 and reading vLLM's scheduler happen under the offline_drain patch's per-engine lock, the lock its
 background thread steps under while a prefill engine has KV sends pending and no request left.
 That thread starts only from inside a step, so an abort that leaves no request takes one idle
@@ -115,6 +122,10 @@ class _RequestState:
     kv_in: dict[str, Any]  # the request's kv_transfer_params
     loads_remote: bool  # a decode leg: its prompt's KV comes from a prefill engine
     deadline: float  # time.monotonic() after which the request is aborted
+    # A decode leg: time.monotonic() by which its KV must have arrived (its first token), the
+    # wait it was given; None once the KV is in (or for a leg that computes its prompt).
+    kv_deadline: float | None
+    kv_wait_s: float
     began: float  # time.perf_counter() at add_request
     stream: bool
     role: LegRole
@@ -224,9 +235,9 @@ class VllmEngine(StageEngine):
         kv_in = dict(params.kv_transfer_params or {})
         loads_remote = bool(kv_in.get("do_remote_prefill"))
         began = time.perf_counter()
-        deadline = time.monotonic() + (
-            self.kv_wait_s + CONSUMER_WAIT_MARGIN_S if loads_remote else max(self.kv_wait_s, 60.0) + 600.0
-        )
+        now = time.monotonic()
+        deadline = now + max(self.kv_wait_s, 60.0) + 600.0
+        kv_wait_s = self._kv_wait_s(request_id, kv_in) if loads_remote else 0.0
         # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
         # The hooks build a vLLM TokensPrompt (a TypedDict) as a plain dict.
         vllm_prompt = cast("TokensPrompt", self.hooks.vllm_prompt(prompt))
@@ -239,11 +250,27 @@ class VllmEngine(StageEngine):
             kv_in=kv_in,
             loads_remote=loads_remote,
             deadline=deadline,
+            kv_deadline=now + kv_wait_s if loads_remote else None,
+            kv_wait_s=kv_wait_s,
             began=began,
             stream=bool(stream),
             role=role,
             chunks=bool(stream and chunks),
         )
+
+    def _kv_wait_s(self, request_id: str, kv_in: dict[str, Any]) -> float:
+        """How long a decode leg waits for its KV: the orchestrator's `kv_wait_s` (the pair's miss
+        window, cut to the handoff's and the request's deadlines), else the stage's
+        kv_lease_timeout_s plus a margin for the producer's answer."""
+        value = kv_in.get("kv_wait_s")
+        if value is None:
+            return self.kv_wait_s + CONSUMER_WAIT_MARGIN_S
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ValueError(
+                f"stage {self.stage_id}: request {request_id}: kv_transfer_params['kv_wait_s'] "
+                f"must be a number of seconds >= 0, got {value!r:.80}"
+            )
+        return float(value)
 
     def abort_request(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -316,6 +343,8 @@ class VllmEngine(StageEngine):
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
             state.seen += len(new)
+            if new or out.finished:
+                state.kv_deadline = None  # the KV is in (or the leg is over): no more KV wait
             record = StepOutput(request_id=state.request_id, new_token_ids=new if state.stream else [])
             if state.chunks and (new or out.finished):
                 record.chunk = self._chunk(state, new)
@@ -341,7 +370,12 @@ class VllmEngine(StageEngine):
                         ),
                     )
                 )
-        expired = [s for s in self._requests.values() if time.monotonic() > s.deadline]
+        now_mono = time.monotonic()
+        expired = [
+            s
+            for s in self._requests.values()
+            if now_mono > s.deadline or (s.kv_deadline is not None and now_mono > s.kv_deadline)
+        ]
         for state in expired:
             del self._requests[state.request_id]
             self._abort_in_vllm(state)
@@ -383,11 +417,14 @@ class VllmEngine(StageEngine):
 
     def _expired_error(self, state: "_RequestState") -> str:
         waited = time.perf_counter() - state.began
-        if state.loads_remote:
+        if state.kv_deadline is not None:
+            source = "kv_wait_s from the orchestrator" if "kv_wait_s" in state.kv_in else "kv_lease_timeout_s"
             return (
                 f"KVTransferFailed: stage {self.stage_id}: request {state.request_id} waited "
-                f"{waited:.1f} s for its KV cache (transfer {state.kv_in.get('transfer_id')}) "
-                f"and got none; the prefill leg reported {_published(state.kv_in)}"
+                f"{waited:.1f} s for its KV cache (transfer {state.kv_in.get('transfer_id')} from "
+                f"engine {state.kv_in.get('remote_engine_id')}) and got none; its wait was "
+                f"{state.kv_wait_s:g} s ({source}); the prefill leg reported "
+                f"{_published(state.kv_in)}"
             )
         return f"TimeoutError: stage {self.stage_id}: request {state.request_id} took over {waited:.0f} s"
 

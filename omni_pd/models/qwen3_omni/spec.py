@@ -29,6 +29,12 @@ def _materialize(model: str, seed: int) -> str:
     return str(ensure_tiny_checkpoint(seed))
 
 
+def _config_dict(model: str) -> dict[str, Any]:
+    from .tiny_config import tiny_config_dict
+
+    return tiny_config_dict()
+
+
 def _vllm_hooks(model: str) -> Any:
     from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen3OmniThinkerHooks
@@ -82,6 +88,8 @@ SPEC = ModelSpec(
         f"{_VLLM_OMNI}.talker2code2wav_full_payload": f"{_OURS}.talker2code2wav",
     },
     materialize=_materialize,
+    config_dict=_config_dict,
+    text_config_keys=("thinker_config", "text_config"),
     vllm_hooks=_vllm_hooks,
     vllm_model_classes={ARCHITECTURE: MODEL_CLASS},
     topologies=_topologies,

@@ -17,6 +17,12 @@ def _materialize(model: str, seed: int) -> str:
     return str(ensure_tiny_text_model(seed))
 
 
+def _config_dict(model: str) -> dict[str, Any]:
+    from .tiny import tiny_text_config_dict
+
+    return tiny_text_config_dict()
+
+
 def _build_hf_engine(stage_config: Any, model: str) -> Any:
     from .hf import build_hf_engine
 
@@ -28,6 +34,7 @@ SPEC = ModelSpec(
     model_types=("qwen3",),
     embedded=(TINY_TEXT_MODEL_NAME,),
     materialize=_materialize,
+    config_dict=_config_dict,
     engine_builders={"hf": _build_hf_engine},
     # The text stage keeps the pipeline's name for it (a Qwen3-Omni pipeline's).
     hf_stages={"thinker": AUTOREGRESSIVE},

@@ -12,7 +12,8 @@ API) steps only when its caller does, and callers stop once no request is unfini
 
 Patched: `LLMEngine.step`, `add_request` and `abort_request` are serialised by a per-engine lock,
 and when a step leaves the in-process scheduler with work (finished requests whose blocks wait
-for a KV send, pending connector work) but no unfinished request, a daemon thread keeps stepping
+for a KV send or, on a decode engine, for an aborted request's receive to settle; pending
+connector work) but no unfinished request, a daemon thread keeps stepping
 the engine (every `DRAIN_INTERVAL_S`) until that work is gone -- sent, or expired by the
 connector's own timeout. `generate()` still returns as soon as its requests finish. Engines with
 a separate engine-core process are left alone.
@@ -57,7 +58,10 @@ def pending_connector_work(engine) -> bool:
         return False
     if engine.output_processor.has_unfinished_requests():
         return False  # the caller is stepping
-    return bool(scheduler.has_requests())
+    # `has_requests()` turns False once a finished request has been reported, but the scheduler
+    # may still hold it: a prefill's blocks waiting for their send, or an aborted decode leg's
+    # blocks waiting for the connector to settle its receive. Only a step collects either.
+    return bool(scheduler.has_requests()) or bool(scheduler.requests)
 
 
 def stop_draining(engine) -> None:

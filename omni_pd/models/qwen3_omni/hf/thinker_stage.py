@@ -69,6 +69,7 @@ class ThinkerState:
 class ThinkerStageRunner(ArRunnerBase):
     name = "thinker"
     caches_prefixes = True
+    prefills_in_chunks = True
     handoff_keys = ("rope_deltas",)
 
     def __init__(self, runner: ThinkerRunner, kernels: str = "native"):
@@ -116,19 +117,20 @@ class ThinkerStageRunner(ArRunnerBase):
         return request
 
     # ---- compute -------------------------------------------------------------------------------
-    def _layer0(self, request: EngineRequest, start: int) -> torch.Tensor | None:
+    def _layer0(self, request: EngineRequest, start: int, end: int | None = None) -> torch.Tensor | None:
         """Layer 0 of the positions a prompt with audio computes (after its cached prefix), its
         audio encoded here; None for text, whose rows the batched pass looks up itself."""
         if not request.model.clips:
             return None
-        return self.runner.layer0_rows(request.prompt, request.model.clips, start)
+        rows = self.runner.layer0_rows(request.prompt, request.model.clips, start)
+        return rows if end is None else rows[: end - start]
 
     def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
         return self.decoder.prefill(
-            [i.request.prompt.prompt_token_ids for i in items],
+            [i.request.prompt.prompt_token_ids[: i.end] for i in items],
             [CachedPrefix(i.start, i.request.blocks) if i.start else None for i in items],
             cache,
-            [self._layer0(i.request, i.start) for i in items],
+            [self._layer0(i.request, i.start, i.end) for i in items],
         )
 
     def prefill_alone(self, request: EngineRequest) -> Prefilled:

@@ -1,0 +1,217 @@
+"""An unmodified vLLM prefill engine's KV, read by omni-pd's hf side over vLLM's own
+MooncakeConnector protocol (kv/vllm_pull.py), translated into the hf engine's fused blocks
+(kv/vllm_layout.py) and named by vLLM's block keys.
+
+The producer is the CI's vLLM thinker prefill leg (stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml,
+the tiny Qwen3-Omni thinker on the hf stages' seeded weights) in its own process. The checks:
+- the translated blocks hold the KV the hf thinker computes for the same prompt (bit for bit in
+  layer 0, within float rounding after it; a perturbed value fails it: the negative control);
+- an hf engine whose prefix cache is keyed by vLLM's hashes reuses those blocks and its greedy
+  tokens equal the hf colocated ones and start with the vLLM prefill's first token;
+- a second pull asking only for the blocks the decode side lacks moves exactly those (the
+  producer sends the last ones: vLLM's partial prefix hit), the rest of staging untouched;
+- incompatible geometries are refused by name, a missing transfer is bounded by the wait, and
+  nothing is left held on either side.
+
+Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); skipped without it outside CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from vllm_required import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+
+from omni_pd.kv.errors import KVIncompatibleError, KVMissError  # noqa: E402
+from omni_pd.kv.layout import BlockLayout  # noqa: E402
+from omni_pd.kv.transport import MooncakeTransport  # noqa: E402
+from omni_pd.kv.vllm_block_hash import VllmBlockHasher  # noqa: E402
+from omni_pd.kv.vllm_layout import VllmKVGeometry, check_geometry, translate_blocks  # noqa: E402
+from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
+from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
+from omni_pd.sampling import SamplingParams  # noqa: E402
+
+from test_thinker_engine import _engine, _run_together, runner  # noqa: E402, F401
+from vllm_kv_producer import serve  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+PRODUCER_CONFIG = REPO / "stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml"
+BS = 32  # vLLM's CPU attention takes multiples of 32
+PROMPT = [(11 * i + 7) % 200 + 20 for i in range(3 * BS + 5)]  # 3 full blocks and 5 tokens
+SECOND = PROMPT[: 2 * BS] + [(5 * i + 3) % 200 + 20 for i in range(BS + 9)]  # shares 2 blocks
+REPLY_S = 180
+
+
+class Producer:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(str(PRODUCER_CONFIG), child), daemon=True)
+        self.process.start()
+        self._reply()
+
+    def _reply(self):
+        assert self.conn.poll(REPLY_S), "the vLLM producer did not answer"
+        status, result = self.conn.recv()
+        assert status == "ok", result
+        return result
+
+    def call(self, *command):
+        self.conn.send(command)
+        return self._reply()
+
+    def close(self):
+        self.call("close")
+        self.process.join(30)
+
+
+@pytest.fixture(scope="module")
+def producer():
+    p = Producer()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def geometry(producer) -> VllmKVGeometry:
+    data = producer.call("geometry")
+    geometry = VllmKVGeometry.from_dict(data)
+    assert data["block_lens"] == [geometry.block_bytes] * geometry.num_layers
+    return geometry
+
+
+@pytest.fixture(scope="module")
+def puller(geometry):
+    transport = MooncakeTransport()
+    p = VllmKVPuller(transport, geometry, staging_blocks=16)
+    yield p
+    p.close()
+
+
+def _pull(producer, puller, request_id, ids, blocks=None, wait_s=30.0):
+    first, params = producer.call("prefill", request_id, ids, f"{request_id}-xfer")
+    assert params["omni_pd_kv_published"] is True
+    worker = puller.worker_address(params["remote_bootstrap_addr"], params["remote_engine_id"], 10.0)
+    count = -(-len(ids) // BS) if blocks is None else blocks
+    pull = puller.start(params["transfer_id"], worker, count, wait_s)
+    puller.wait(pull, wait_s + 5)
+    assert puller.poll(pull)
+    return first, pull
+
+
+def _hf_kv(runner, ids):
+    """The hf thinker's own KV for `ids`' full blocks ([blocks, bs, L, 2, H, hd]), its tokens."""
+    engine = _engine(runner, kv_block_size=BS)
+    [out], _ = _run_together(
+        engine, [ThinkerPrompt(list(ids))], [SamplingParams(temperature=0, max_tokens=6)]
+    )
+    blocks = engine.cache.prefix.match(ids)
+    kv = engine.cache.data[blocks].clone()
+    engine.cache.release(blocks)
+    return kv, out.token_ids
+
+
+def test_vllm_blocks_translate_into_the_hf_engines_kv_and_it_decodes_the_same(producer, puller, runner):
+    first, pull = _pull(producer, puller, "p1", PROMPT)
+    engine = _engine(runner, kv_block_size=BS, prefix_caching_hash_algo="sha256_cbor")
+    check_geometry(puller.geometry, engine.layout)
+    full = len(PROMPT) // BS
+    dests = engine.cache.allocate(full * BS)
+    sums = translate_blocks(puller.layers, pull.staging[:full], engine.cache.data, dests)
+    puller.release(pull)
+    assert len(sums) == full and len(set(sums)) == full
+
+    want_kv, want_tokens = _hf_kv(runner, PROMPT)
+    got_kv = engine.cache.data[dests]
+    # vLLM's KV, translated, is the hf thinker's: bit for bit in layer 0, within float rounding of
+    # two engines' kernels after it (measured max 2e-7).
+    assert torch.equal(got_kv[:, :, 0], want_kv[:, :, 0])
+    torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)
+    # Negative control: one perturbed value in one block fails that comparison.
+    perturbed = got_kv.clone()
+    perturbed[1, 3, 1, 0, 0, 5] += 1e-3
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(perturbed, want_kv, atol=1e-5, rtol=1e-5)
+
+    # Named by vLLM's keys (sha256_cbor, vLLM's fixed seed: what the producer computed too), the
+    # blocks are what the hf engine reuses for the prompt; its greedy tokens are hf colocated's.
+    keys = VllmBlockHasher("sha256_cbor").block_hashes(PROMPT, BS)
+    assert engine.kv.block_hashes(PROMPT, []) == keys
+    engine.kv.register(dests, PROMPT, [])
+    engine.cache.release(dests)
+    [out], _ = _run_together(
+        engine, [ThinkerPrompt(list(PROMPT))], [SamplingParams(temperature=0, max_tokens=6)]
+    )
+    assert out.metrics["prefix_cached_tokens"] == full * BS
+    assert out.token_ids == want_tokens and out.token_ids[0] == first
+    assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+
+
+def test_a_second_prompt_moves_only_the_blocks_the_decode_side_lacks(producer, puller):
+    """SECOND shares PROMPT's first 2 blocks: asking for its last 2 blocks only, exactly those move
+    (the producer's blocks 2 and 3), into 2 staging blocks; a staging block not asked for keeps
+    its sentinel."""
+    assert (
+        VllmBlockHasher("sha256_cbor").block_hashes(SECOND, BS)[:2]
+        == (VllmBlockHasher("sha256_cbor").block_hashes(PROMPT, BS)[:2])
+    )
+    _, whole = _pull(producer, puller, "p2-whole", SECOND)
+    want = [torch.stack([layer[s] for layer in puller.layers]).clone() for s in whole.staging]
+    puller.release(whole)
+    for layer in puller.layers:
+        layer.fill_(7.0)  # sentinel
+    _, delta = _pull(producer, puller, "p2-delta", SECOND, blocks=2)
+    assert len(delta.staging) == 2
+    for index, staging in enumerate(delta.staging):
+        got = torch.stack([layer[staging] for layer in puller.layers])
+        assert torch.equal(got, want[2 + index])  # the last two blocks, exact
+    untouched = [b for b in range(puller.num_staging) if b not in delta.staging]
+    assert all(bool((layer[untouched] == 7.0).all()) for layer in puller.layers)
+    puller.release(delta)
+    assert puller.debug_state_counts() == {"kv.vllm_pulls": 0, "kv.vllm_staging_blocks_held": 0}
+    assert producer.call("released", "p2-delta-xfer") is True  # nothing left on the vLLM side
+
+
+def test_incompatible_geometries_are_refused_by_name(geometry):
+    ours = BlockLayout(BS, geometry.num_layers, geometry.num_kv_heads, geometry.head_size, "float32")
+    check_geometry(geometry, ours)  # the control: the CI pair's geometry translates
+    with pytest.raises(KVIncompatibleError, match="CPU attention kernel: vLLM 'amx'"):
+        check_geometry(dataclasses.replace(geometry, attention_isa="amx"), ours)
+    for field, value, needle in (
+        ("num_layers", geometry.num_layers + 1, "layers (KV slots)"),
+        ("block_size", 64, "block size"),
+        ("num_kv_heads", geometry.num_kv_heads + 1, "KV heads"),
+        ("head_dim", geometry.head_size * 2, "head dim"),
+        ("dtype", "bfloat16", "dtype"),
+    ):
+        other = dataclasses.replace(ours, **{field: value})
+        with pytest.raises(KVIncompatibleError, match=re.escape(needle)) as err:
+            check_geometry(geometry, other)
+        assert repr(value) in str(err.value)
+
+
+def test_a_transfer_the_producer_never_published_is_a_bounded_miss(producer, puller):
+    _, params = producer.call("prefill", "p3", PROMPT, "p3-xfer")
+    worker = puller.worker_address(params["remote_bootstrap_addr"], params["remote_engine_id"], 10.0)
+    _, done = _pull(producer, puller, "p3b", PROMPT)  # the producer serves others meanwhile
+    puller.release(done)
+    pull = puller.start("no-such-transfer", worker, 2, wait_s=0.5)
+    with pytest.raises(KVMissError, match="within 0.5 s"):
+        puller.wait(pull, 10)
+    puller.release(pull)  # its staging blocks stay quarantined until the producer answers
+    assert puller.debug_state_counts()["kv.vllm_staging_blocks_held"] == 2
+    # p3's KV is still held by the producer for a decode side that never came: pulled now, freed
+    pull = puller.start(params["transfer_id"], worker, 4, wait_s=30)
+    puller.wait(pull, 35)
+    puller.release(pull)
+    assert producer.call("released", params["transfer_id"]) is True
