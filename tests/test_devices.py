@@ -126,3 +126,25 @@ def test_shipped_configs_promise_only_what_runs(path):
     assert device_problems(config, cuda_devices=1) == []
     on_gpu = "cuda" in path.name
     assert bool(device_problems(config, cuda_devices=0)) == on_gpu
+
+
+def test_c_kernels_give_way_to_torch_in_another_dtype_and_half_precision_needs_its_instructions(monkeypatch):
+    """The C kernels compute float32: a bfloat16 stage runs torch's kernels (said once). A
+    bfloat16 stage on a CPU level without bf16 arithmetic is refused at start, naming the key
+    and what to set, instead of running slowly through conversions."""
+    import torch
+
+    from omni_pd.engines import device
+    from omni_pd.engines.hf import compute_identity
+
+    assert device.kernels_for("cpu", "native", "attention", 7, torch.bfloat16) == "torch"
+    assert device.kernels_for("cpu", "native", "attention", 7, torch.float32) == "native"
+    device.check_dtype("cpu", torch.float32, 3)  # float32 needs nothing
+    monkeypatch.setattr(device, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(compute_identity, "cpu_capability", lambda: "avx512")
+    device.check_dtype("cpu", torch.bfloat16, 3)
+    for level, flags in (("avx2", {"avx512_bf16"}), ("avx512", {"avx512f"})):
+        monkeypatch.setattr(device, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(compute_identity, "cpu_capability", lambda level=level: level)
+        with pytest.raises(ValueError, match=r"stage 3: engine_args.dtype bfloat16 .* set dtype: float32"):
+            device.check_dtype("cpu", torch.bfloat16, 3)

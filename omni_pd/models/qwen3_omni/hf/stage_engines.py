@@ -12,7 +12,7 @@ from ..factory import load_stage, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
 from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
-from omni_pd.engines.device import enter as enter_device, kernels_for
+from omni_pd.engines.device import check_dtype, enter as enter_device, kernels_for
 from omni_pd.engines.core.build import ar_engine
 from omni_pd.engines.core.chunked import ChunkedEngine
 from ..stage_parts import StageParts
@@ -57,6 +57,7 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     name = model_name  # the stage's engine_args.model, else the pipeline's (engine_factory)
     dtype = _DTYPES[args.dtype]
     device = stage_device(stage_config)  # raises, naming the stage, where its GPU is not visible
+    check_dtype(device, dtype, stage_config.stage_id)
     began = time.perf_counter()
     # Only this stage's part (the talker also gets the thinker's token embedding, for the tts
     # special tokens); from a checkpoint nothing else is read.
@@ -81,18 +82,19 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
     if device != "cpu":
         enter_device(device)
         model = model.to(device)
-        # The C kernels read host memory: torch's kernels stand in on the GPU (logged once).
-        args = args.model_copy(
-            update={
-                "attention_kernels": kernels_for(
-                    device, args.attention_kernels, "attention", stage_config.stage_id
-                ),
-                "code2wav_kernels": kernels_for(
-                    device, args.code2wav_kernels, "code2wav", stage_config.stage_id
-                ),
-            }
-        )
-        stage_config = stage_config.model_copy(update={"engine_args": args})
+    # The C kernels read host memory and compute float32: torch's kernels stand in on the GPU
+    # and in other dtypes (logged once).
+    args = args.model_copy(
+        update={
+            "attention_kernels": kernels_for(
+                device, args.attention_kernels, "attention", stage_config.stage_id, dtype
+            ),
+            "code2wav_kernels": kernels_for(
+                device, args.code2wav_kernels, "code2wav", stage_config.stage_id, dtype
+            ),
+        }
+    )
+    stage_config = stage_config.model_copy(update={"engine_args": args})
     log.info(
         "stage %d: hf %s engine ready in %.1f s on %s (model %s, load_format %s)",
         stage_config.stage_id,
