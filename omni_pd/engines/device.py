@@ -53,7 +53,7 @@ def kernels_for(
     host memory and compute float32, so on a GPU or in another dtype they give way to torch's,
     said once per stage and kind."""
     on_gpu = torch.device(device).type != "cpu"
-    if requested == "native" and (on_gpu or dtype != torch.float32):
+    if requested in ("native", "auto") and (on_gpu or dtype != torch.float32):
         key = f"{stage_id}:{what}"
         if key not in _said:
             _said.add(key)
