@@ -19,20 +19,46 @@ pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 # scripts/gpu_check.sh runs this file with OMNI_PD_E2E_DEVICE=cuda: the same prompts with every
 # hf stage on cuda:0 (colocated and P/D on the GPU are compared with each other).
 _CUDA = "_cuda" if os.environ.get("OMNI_PD_E2E_DEVICE", "cpu") == "cuda" else ""
-COLOCATED = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}.yaml"
-PD = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}_pd.yaml"
+# scripts/test.sh runs it again with OMNI_PD_E2E_DTYPE=bfloat16 where the host has bf16 kernels:
+# every hf stage in bfloat16 (weights, activations and KV; torch's kernels), the same claims.
+DTYPE = os.environ.get("OMNI_PD_E2E_DTYPE", "float32")
 BLOCK = 16
 
 
+def _config(path, tmp_path_factory):
+    """`path` as it is, or a copy with every stage in DTYPE."""
+    if DTYPE == "float32":
+        return path
+    text = path.read_text()
+    assert "dtype: float32" in text
+    copy = tmp_path_factory.mktemp(DTYPE) / path.name
+    copy.write_text(text.replace("dtype: float32", f"dtype: {DTYPE}"))
+    return copy
+
+
+_COLOCATED = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}.yaml"
+_PD = STAGE_CONFIGS_DIR / "ci" / f"qwen3_omni_tiny{_CUDA}_pd.yaml"
+
+
 @pytest.fixture(scope="module")
-def colocated():
-    with Omni(stage_configs_path=COLOCATED, keep_stage_outputs=True) as omni:
+def colocated_config(tmp_path_factory):
+    return _config(_COLOCATED, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pd_config(tmp_path_factory):
+    return _config(_PD, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_config):
+    with Omni(stage_configs_path=colocated_config, keep_stage_outputs=True) as omni:
         yield omni
 
 
 @pytest.fixture(scope="module")
-def pd():
-    with Omni(stage_configs_path=PD, keep_stage_outputs=True) as omni:
+def pd(pd_config):
+    with Omni(stage_configs_path=pd_config, keep_stage_outputs=True) as omni:
         yield omni
 
 
@@ -46,14 +72,16 @@ def _whole_config(tmp_path_factory, path):
 
 
 @pytest.fixture(scope="module")
-def colocated_whole(tmp_path_factory):
-    with Omni(stage_configs_path=_whole_config(tmp_path_factory, COLOCATED), keep_stage_outputs=True) as omni:
+def colocated_whole(tmp_path_factory, colocated_config):
+    with Omni(
+        stage_configs_path=_whole_config(tmp_path_factory, colocated_config), keep_stage_outputs=True
+    ) as omni:
         yield omni
 
 
 @pytest.fixture(scope="module")
-def pd_whole(tmp_path_factory):
-    with Omni(stage_configs_path=_whole_config(tmp_path_factory, PD), keep_stage_outputs=True) as omni:
+def pd_whole(tmp_path_factory, pd_config):
+    with Omni(stage_configs_path=_whole_config(tmp_path_factory, pd_config), keep_stage_outputs=True) as omni:
         yield omni
 
 
@@ -143,7 +171,8 @@ def differences(omni_a, a, omni_b, b) -> list[str]:
 
 def _per_token_kv_bytes(omni):
     text = omni.model_config.thinker_config.text_config
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
+    width = torch.tensor([], dtype=getattr(torch, DTYPE)).element_size()
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * width
 
 
 CASES = ["short", "over_one_block", "block_aligned", "multi_turn", "long_1000", "audio"]

@@ -18,7 +18,7 @@ from omni_pd.orchestrator.stage_client import StageError
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
 from live_server import wait_for
-from test_pd_equivalence import _prompts, alone, colocated, differences  # noqa: F401
+from test_pd_equivalence import _prompts, alone, colocated, colocated_config, differences  # noqa: F401
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (OMNI_PD_RAY=1 setup)")
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -15,7 +15,7 @@ from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
 from live_server import wait_for
-from test_pd_equivalence import CASES, _prompts, alone, colocated, differences  # noqa: F401
+from test_pd_equivalence import CASES, _prompts, alone, colocated, colocated_config, differences  # noqa: F401
 
 pytestmark = pytest.mark.slow
 TWO_BY_TWO = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_2p2d.yaml"

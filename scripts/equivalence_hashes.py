@@ -28,7 +28,7 @@ def _sha(value) -> str:
 
 
 def main() -> None:
-    from test_pd_equivalence import CASES, COLOCATED, PD, _codes, _prompts, _talker_input
+    from test_pd_equivalence import _COLOCATED as COLOCATED, _PD as PD, CASES, _codes, _prompts, _talker_input
 
     from omni_pd.orchestrator.omni import Omni
 

@@ -6,7 +6,10 @@
 #   2. the P/D equivalence prompts with every hf stage on cuda:0 (e2e/test_pd_equivalence.py with
 #      OMNI_PD_E2E_DEVICE=cuda: colocated against P/D, both on the GPU, negative control included);
 #   3. omni-pd bench handoff --path tcp,cuda_ipc,staged (its rows);
-#   4. omni-pd bench serve --quick on the GPU configs.
+#   4. omni-pd bench serve --quick on the GPU configs;
+#   5. a real-shape checkpoint (every dimension of Qwen3-Omni-30B-A3B, 2 layers per stack, bf16)
+#      and omni-pd bench roofline on it on cuda:0 in bf16 (HBM bandwidth and GEMM peak measured
+#      there): omni-pd's first figures at real shapes on a GPU.
 # Uses this host's python3 (a GPU image's torch); packages it lacks come from .whl/ (made by
 # scripts/gpu_wheels.sh on a machine with PyPI). CPU hosts: nothing here runs (it says so).
 set -uo pipefail
@@ -82,6 +85,12 @@ step bench_serve "$PY" -m omni_pd.entrypoints.cli bench serve --quick --ignore-e
   --configs stage_configs/ci/qwen3_omni_tiny_cuda.yaml,stage_configs/ci/qwen3_omni_tiny_cuda_pd.yaml \
   --json "$out/bench_serve_gpu.json"
 tail -n 20 "$out/bench_serve.log" | tee -a "$report"
+step real_checkpoint "$PY" -m omni_pd.entrypoints.cli make-tiny-model "$out/real" --size real --layers 2
+step bench_roofline "$PY" -m omni_pd.entrypoints.cli bench roofline "$out/real" --device cuda:0 \
+  --dtype bfloat16 --batches 1,4,16,64 --prefill-batches 1,4 --repeats 3 \
+  --json "$out/bench_roofline_gpu.json" --plot "$out/bench_roofline_gpu.png"
+grep -E "^(host|thinker|talker|code2wav|speech)" "$out/bench_roofline.log" | tee -a "$report"
+rm -rf "$out/real"
 say ""
 say "gpu_check: $([ $status -eq 0 ] && echo passed || echo FAILED); logs and JSON in $out"
 exit $status

@@ -9,6 +9,7 @@ import torch
 
 from omni_pd.engines.hf import native_build
 from omni_pd.engines.hf.attention_native import ATTENTION, native_builds
+from omni_pd.engines.hf.experts_native import EXPERTS
 from omni_pd.engines.hf.compute_identity import (
     CpuCapabilityError,
     check_capability_value,
@@ -34,7 +35,7 @@ def test_the_identity_names_device_torch_level_and_builds():
         "device": "cpu",
         "torch": torch.__version__,
         "cpu_capability": cpu_capability(),
-        "native": {"attention": native_build.build_id(ATTENTION)},
+        "native": {"attention": native_build.build_id(ATTENTION), "experts": native_build.build_id(EXPERTS)},
     }
     assert compute_identity("cpu", native_builds("torch"))["native"] == {}
 

@@ -119,10 +119,51 @@ SHIPPED = sorted(p for p in STAGE_CONFIGS_DIR.rglob("*.yaml"))
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(STAGE_CONFIGS_DIR)))
 def test_shipped_configs_promise_only_what_runs(path):
-    """No shipped file asks an hf stage for tensor parallelism, or for more than GPU 0; the
-    files made for GPUs (their names say cuda) are refused where torch sees none, and every
-    other one runs on a CPU host."""
+    """No shipped file asks an hf stage for tensor parallelism, or for more than GPUs 0 and 1
+    (only the 2-GPU real-model file names GPU 1); the files made for GPUs (their names say
+    cuda) are refused where torch sees none, and every other one runs on a CPU host."""
     config = load_pipeline_config(path, check_imports=False)
-    assert device_problems(config, cuda_devices=1) == []
+    two = path.name == "qwen3_omni_moe_vllm_cuda.yaml"
+    assert device_problems(config, cuda_devices=2 if two else 1) == []
+    if two:
+        assert device_problems(config, cuda_devices=1)  # GPU 1 named: refused on a 1-GPU host
     on_gpu = "cuda" in path.name
     assert bool(device_problems(config, cuda_devices=0)) == on_gpu
+
+
+def test_c_kernels_give_way_to_torch_in_another_dtype_and_half_precision_needs_its_instructions(monkeypatch):
+    """The C kernels compute float32: a bfloat16 stage runs torch's kernels (said once). A
+    bfloat16 stage on a CPU level without bf16 arithmetic is refused at start, naming the key
+    and what to set, instead of running slowly through conversions."""
+    import torch
+
+    from omni_pd.engines import device
+    from omni_pd.engines.hf import compute_identity
+
+    assert device.kernels_for("cpu", "native", "attention", 7, torch.bfloat16) == "torch"
+    assert device.kernels_for("cpu", "native", "attention", 7, torch.float32) == "native"
+    device.check_dtype("cpu", torch.float32, 3)  # float32 needs nothing
+    monkeypatch.setattr(device, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(compute_identity, "cpu_capability", lambda: "avx512")
+    device.check_dtype("cpu", torch.bfloat16, 3)
+    for level, flags in (("avx2", {"avx512_bf16"}), ("avx512", {"avx512f"})):
+        monkeypatch.setattr(device, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(compute_identity, "cpu_capability", lambda level=level: level)
+        with pytest.raises(ValueError, match=r"stage 3: engine_args.dtype bfloat16 .* set dtype: float32"):
+            device.check_dtype("cpu", torch.bfloat16, 3)
+
+
+def test_code2wav_kernels_auto_follows_the_decoder_width():
+    """`auto`: the C kernels on the tiny model's narrow decoder, torch's at the real model's
+    width (where they are faster); on a GPU or in bfloat16, torch's whatever was asked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_pd.engines import device
+    from omni_pd.models.qwen3_omni.hf.stage_engines import code2wav_kernels
+
+    assert code2wav_kernels("auto", SimpleNamespace(decoder_dim=64), 2) == "native"
+    assert code2wav_kernels("auto", SimpleNamespace(decoder_dim=1536), 2) == "torch"
+    assert code2wav_kernels("native", SimpleNamespace(decoder_dim=1536), 2) == "native"  # asked for
+    assert device.kernels_for("cpu", "auto", "code2wav", 2, torch.bfloat16) == "torch"

@@ -46,21 +46,56 @@ def enter(device: str) -> torch.device:
     return dev
 
 
-def kernels_for(device: torch.device | str, requested: str, what: str, stage_id: int) -> str:
-    """The kernels a stage can run on `device`: omni-pd's C kernels ("native") read host
-    memory, so on a GPU they give way to torch's, said once per stage and kind."""
-    if requested == "native" and torch.device(device).type != "cpu":
+def kernels_for(
+    device: torch.device | str, requested: str, what: str, stage_id: int, dtype: torch.dtype = torch.float32
+) -> str:
+    """The kernels a stage can run on `device` in `dtype`: omni-pd's C kernels ("native") read
+    host memory and compute float32, so on a GPU or in another dtype they give way to torch's,
+    said once per stage and kind."""
+    on_gpu = torch.device(device).type != "cpu"
+    if requested in ("native", "auto") and (on_gpu or dtype != torch.float32):
         key = f"{stage_id}:{what}"
         if key not in _said:
             _said.add(key)
             log.info(
-                "stage %d: %s on %s use torch's kernels (the C kernels run on the CPU only)",
+                "stage %d: %s on %s in %s use torch's kernels (the C kernels compute float32 on the CPU)",
                 stage_id,
                 what,
                 device,
+                str(dtype).removeprefix("torch."),
             )
         return "torch"
     return requested
+
+
+def check_dtype(device: torch.device | str, dtype: torch.dtype, stage_id: int) -> None:
+    """Refuse, at start, a half-precision hf stage on a CPU level with no arithmetic for it:
+    torch would run it through float32 conversions, slower than float32 itself."""
+    if torch.device(device).type != "cpu" or dtype == torch.float32:
+        return
+    from .hf.compute_identity import cpu_capability
+
+    name = str(dtype).removeprefix("torch.")
+    flags = _cpu_flags()
+    wanted = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}.get(name, ())
+    level = cpu_capability()
+    if not wanted or level != "avx512" or not any(f in flags for f in wanted):
+        raise ValueError(
+            f"stage {stage_id}: engine_args.dtype {name} on this CPU (torch's level {level}; "
+            f"{'/'.join(wanted) or 'no ' + name + ' instructions'} "
+            f"{'present' if any(f in flags for f in wanted) else 'absent'}) has no {name} kernels: "
+            "set dtype: float32, or run the stage on a GPU (runtime.devices)"
+        )
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def to_device(value: Any, device: torch.device | str) -> Any:

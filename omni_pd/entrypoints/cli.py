@@ -173,6 +173,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from ..models.qwen3_omni.factory import save_tiny_model
 
+    if args.size == "real":
+        return _make_real_model(args)
+    if args.layers is not None:
+        print("error: --layers cuts the real-shape model's stacks; use it with --size real", file=sys.stderr)
+        return 2
     out = save_tiny_model(args.directory, seed=args.seed, size=args.size, max_shard_size=args.max_shard_size)
     layout = f"shards of at most {args.max_shard_size}" if args.max_shard_size else "one file"
     print(
@@ -233,6 +238,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench_handoff(args: argparse.Namespace) -> int:
     from ..bench.handoff import run
+
+    return run(args)
+
+
+def _cmd_bench_roofline(args: argparse.Namespace) -> int:
+    from ..bench.roofline import run
 
     return run(args)
 
@@ -378,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_handoff_arguments(bench_handoff)
     bench_handoff.set_defaults(func=_cmd_bench_handoff)
+    from ..bench.roofline import add_arguments as add_bench_roofline_arguments
+
+    bench_roofline = bench_sub.add_parser(
+        "roofline",
+        help="each stage's step at real shapes against the memory and compute roofline measured in the same run",
+    )
+    add_bench_roofline_arguments(bench_roofline)
+    bench_roofline.set_defaults(func=_cmd_bench_roofline)
 
     shim = sub.add_parser(
         "vllm-shim",
@@ -415,10 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--size",
-        choices=("tiny", "medium"),
+        choices=("tiny", "medium", "real"),
         default="tiny",
         help="tiny: the embedded model (default); medium: 1.1 GB of float32 with "
-        "parts sized like the real model's (thinker > talker > code2wav)",
+        "parts sized like the real model's (thinker > talker > code2wav); real: every dimension of "
+        "Qwen3-Omni-30B-A3B-Instruct in bf16, each transformer stack cut to --layers",
+    )
+    tiny.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --size real: layers per transformer stack (1 to 48; a stack with fewer keeps them all)",
     )
     tiny.add_argument(
         "--max-shard-size",
@@ -429,6 +456,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
+
+
+def _make_real_model(args: argparse.Namespace) -> int:
+    from ..models.qwen3_omni.real_checkpoint import save_real_model
+
+    if args.layers is None:
+        print(
+            "error: --size real needs --layers N (each transformer stack is cut to N layers)", file=sys.stderr
+        )
+        return 2
+    try:
+        shard = _parse_size(args.max_shard_size) if args.max_shard_size else 4 * 2**30
+        save_real_model(args.directory, args.layers, seed=args.seed, max_shard_size=shard)
+    except (ValueError, MemoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parse_size(text: str) -> int:
+    """'200MB', '4GB', '4GiB' or a byte count -> bytes (as save_pretrained reads max_shard_size)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for suffix, factor in units.items():
+        if upper.endswith(suffix) and upper[: -len(suffix)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(suffix)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise ValueError(f"--max-shard-size {text!r}: use a size such as 200MB, 4GB or 4GiB")
 
 
 def run_vllm_command(argv: list[str] | None = None) -> None:

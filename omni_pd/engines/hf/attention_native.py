@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import experts_native
 from .native_build import SOURCES, NativeKernel, build_id, check_choice, load
 
 ATTENTION = NativeKernel(
@@ -55,16 +56,18 @@ def _library() -> ctypes.CDLL:
 
 
 def check_kernels(kernels: str) -> str:
-    """The `attention_kernels` value, checked; `native` is built (or loaded) here."""
+    """The `attention_kernels` value, checked; `native` (decode attention and the MoE experts'
+    kernel) is built (or loaded) here."""
     if check_choice(kernels, "attention_kernels") == "native":
         _library()  # build (or load) now: a missing compiler fails the stage at start
+        experts_native.check()
     return kernels
 
 
 def native_builds(kernels: str) -> dict[str, str]:
-    """The native builds a stage running decode attention on `kernels` computes with, for its
-    compute identity."""
-    return {ATTENTION.name: build_id(ATTENTION)} if kernels == "native" else {}
+    """The native builds a stage running on `kernels` computes with (decode attention, MoE
+    experts), for its compute identity."""
+    return {ATTENTION.name: build_id(ATTENTION), **experts_native.builds()} if kernels == "native" else {}
 
 
 @dataclass

@@ -6,13 +6,14 @@ row in a matrix of 8 or more rows, and differs in the last bits; with random-wei
 flat, that flips tokens. So every linear layer here runs on tiles of exactly `ROW_TILE` rows (the
 last tile padded with zeros): a row's result then comes from the same kernel, the same shape and
 the same reduction order whatever the batch holds (tests/test_batch_invariant.py checks row
-position and neighbours). MoE experts run on every row of a pass through the same tiles, and each
-row sums its experts' contributions in ascending expert order, as transformers does (0 for the
-experts it did not pick), so a row's sum does not depend on which other rows picked which experts.
-Per-row ops (RMSNorm, rotary, softmax/top-k over one row) are invariant already; elementwise
-activations are made so (`activation`, `sigmoid`: see there); attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does not depend
-on how much of its prompt is computed in the call either), `attend`, or the engines' native decode
-kernel.
+position and neighbours). MoE experts run on the same tiles, each expert in use on its routed
+rows (native kernel or tiles; or, for tiny experts, every expert on every row: `experts_form`), and each row sums its
+experts' contributions in ascending expert order, as transformers does, so a row's sum does not
+depend on which other rows picked which experts. Per-row ops (RMSNorm, rotary, softmax/top-k over
+one row) are invariant already; elementwise activations are made so (`activation`, `sigmoid`: see
+there); attention is computed per sequence: `attend_rows` for prompts (tiled too, so a row does
+not depend on how much of its prompt is computed in the call either), `attend`, or the engines'
+native decode kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from . import experts_native
 
 ROW_TILE = 16
 _enabled = True
@@ -139,18 +142,59 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top_value.to(logits.dtype), top_index
 
 
-def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
+# An MoE layer's three exact forms, chosen by the shape of its experts and the stage's kernels
+# (`experts_form`).
+#  * native: each expert that some row picked runs on its rows only, in the C kernel of
+#    native/experts.c (experts_native.py), every output element one dot product computed alone.
+#    A step reads the weights of the experts in use, which is what an MoE costs: at the real
+#    thinker's shape (128 experts, top-8, 2048 x 768) one row's step reads 8 of 128 experts, and
+#    runs within 1.05x of the plain routed product (`omni-pd bench roofline`, docs).
+#  * tiles: the same on torch ops (the stage's `attention_kernels: torch`, bf16, or a GPU): each
+#    expert in use on its rows padded to fixed 16-row tiles; exact, but an expert with one row
+#    computes 16 (2-2.5x the plain routed product at the real shape).
+#  * every expert: every expert on every row, as one tiled product for all experts' gate/up
+#    projections and one batched product per tile for their down projections, 0 for the experts
+#    a row did not pick. A fixed dozen ops a step: where the experts are tiny, the per-op
+#    overhead of the routed forms costs more than the work.
+# Either way a row adds its experts' outputs in ascending expert order, weighted by its routing
+# weight, so its bits do not depend on which experts other rows picked. The rule was measured
+# (docs: benchmarks, MoE forms): on this CPU the every-expert form is as fast or faster while all
+# experts' weights of one layer fit in EVERY_EXPERT_MAX_BYTES (the tiny model's 4 x 16 x 64
+# floats: 0.09 MiB), the routed forms from a few MiB up (the medium model's 96 MiB: 0.7 against
+# 38 ms a row). The form depends on the shapes, the dtype and the kernels setting alone, so a
+# prefill engine and its decode engine agree on it whenever their compute identities agree.
+EVERY_EXPERT_MAX_BYTES = 2 * 2**20
 
-    Tiled (every batched pass): every expert runs on every row, as one tiled product for all
-    experts' gate/up projections and one batched product per tile for their down projections,
-    and each row adds its experts' outputs in ascending expert order, weighted by its routing
-    weight, 0 for the experts it did not pick (adding a zero product leaves a sum as it is). A
-    row's result then cannot depend on which experts the other rows picked, and a step costs a
-    fixed dozen ops instead of ten per expert in use (a 16-request thinker step: 4 experts x 4
-    layers). Untiled (the negative control): only the routed rows, per expert."""
+
+def experts_form(module, kernels: str = "torch") -> str:
+    """'every', 'native' or 'tiles' for an experts module on a stage with `kernels` (see above)."""
+    weights = module.gate_up_proj.numel() + module.down_proj.numel()
+    if weights * module.gate_up_proj.element_size() <= EVERY_EXPERT_MAX_BYTES:
+        return "every"
+    if kernels == "native" and experts_native.supports(module) and activation(module.act_fn) is silu:
+        return "native"
+    return "tiles"
+
+
+def experts(
+    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor, kernels: str = "torch"
+) -> torch.Tensor:
+    """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) on rows `x`
+    routed to `top_index` with `top_weights` ([rows, k] each), batch-invariant in the layer's
+    form; untiled (the negative control): only the routed rows, per expert, plain products."""
     if not _enabled:
         return _routed_experts(module, x, top_index, top_weights)
+    form = experts_form(module, kernels)
+    if form == "native":
+        return experts_native.routed_experts(module, x, top_index, top_weights).to(x.dtype)
+    if form == "tiles":
+        return _routed_experts(module, x, top_index, top_weights)
+    return _every_expert(module, x, top_index, top_weights)
+
+
+def _every_expert(
+    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+) -> torch.Tensor:
     count, width = x.shape
     num_experts, double, _ = module.gate_up_proj.shape
     inter = double // 2
@@ -173,31 +217,45 @@ def experts(module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch
 def _routed_experts(
     module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
 ) -> torch.Tensor:
+    """The experts in use, ascending, each on its rows (row order): on fixed tiles through
+    `linear` when the tiles are on, plain products when they are off (the negative control)."""
     out = torch.zeros_like(x)
-    for expert in torch.unique(top_index).tolist():  # ascending, as transformers iterates
-        rows, slot = torch.where(top_index == expert)
+    k = top_index.shape[1]
+    flat = top_index.reshape(-1)
+    # (row, slot) pairs grouped by expert, ascending; a stable sort keeps rows ascending in a group.
+    order = torch.argsort(flat, stable=True)
+    rows_sorted, slots_sorted = order // k, order % k
+    counts = torch.bincount(flat, minlength=module.gate_up_proj.shape[0]).tolist()
+    act = activation(module.act_fn)
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        rows, slots = rows_sorted[start : start + n], slots_sorted[start : start + n]
+        start += n
         gate, up = linear(x[rows], module.gate_up_proj[expert]).chunk(2, dim=-1)
-        hidden = linear(activation(module.act_fn)(gate) * up, module.down_proj[expert])
-        out.index_add_(0, rows, hidden * top_weights[rows, slot, None])
+        hidden = linear(act(gate) * up, module.down_proj[expert])
+        out.index_add_(0, rows, hidden * top_weights[rows, slots, None])
     return out
 
 
-def sparse_moe(block, x: torch.Tensor) -> torch.Tensor:
+def sparse_moe(block, x: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     """An MoE block in transformers' layout (`gate`, `experts`, optional `shared_expert` and
     `shared_expert_gate`) on [rows, hidden]: routed experts, plus the gated shared expert when
     the block has one."""
     weights, index = route(block.gate, x)
-    out = experts(block.experts, x, index, weights)
+    out = experts(block.experts, x, index, weights, kernels)
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
         out = out + sigmoid(linear_module(block.shared_expert_gate, x)) * dense_mlp(shared, x)
     return out
 
 
-def mlp(block, x: torch.Tensor) -> torch.Tensor:
-    """A decoder layer's feed-forward part, sparse or dense."""
+def mlp(block, x: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """A decoder layer's feed-forward part, sparse or dense; `kernels` is the stage's setting
+    (`native` lets large MoE layers run on the experts kernel)."""
     if hasattr(block, "experts"):
-        return sparse_moe(block, x)
+        return sparse_moe(block, x, kernels)
     return dense_mlp(block, x)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from ... import registry
 from .attention_native import ATTENTION
+from .experts_native import EXPERTS
 from .native_build import build
 
 
 def main() -> None:
-    for kernel in (ATTENTION, *registry.native_kernels()):
+    for kernel in (ATTENTION, EXPERTS, *registry.native_kernels()):
         print(build(kernel))
 
 

@@ -69,9 +69,10 @@ SPEC = ModelSpec(
     hf_stages={"thinker": AUTOREGRESSIVE, "talker": AUTOREGRESSIVE, "code2wav": CHUNKED},
     engine_args={
         # code2wav's convolutional decoder on omni-pd's C kernels (built with the system C
-        # compiler, about 2x faster) or on torch ops; both keep streamed chunks exact.
+        # compiler; faster on narrow decoders) or on torch ops (faster at the real model's
+        # width); `auto` picks by the decoder's width. All keep streamed chunks exact.
         "code2wav_kernels": EngineArg(
-            Literal["native", "torch"], "native", "a code2wav stage runs on engine: hf"
+            Literal["auto", "native", "torch"], "auto", "a code2wav stage runs on engine: hf"
         ),
     },
     vllm_omni_engine_args=("subtalker_sampling_params",),

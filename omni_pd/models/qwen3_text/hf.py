@@ -24,7 +24,7 @@ from omni_pd.engines.core.build import ar_engine
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.core.text import TextStops, sample_tokens
-from omni_pd.engines.device import enter as enter_device, kernels_for
+from omni_pd.engines.device import check_dtype, enter as enter_device, kernels_for
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.attention_native import (
     DecodeRows,
@@ -137,7 +137,7 @@ class Qwen3TextRunner(ArRunnerBase):
                     )
                 )
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
         last = torch.tensor([b - 1 for b in bounds[1:]])
         logits = bi.linear_module(self.llm.lm_head, self.text.norm(h[last]))
         return [Prefilled(logits[i], torch.stack(kv[i]).contiguous()) for i in range(len(items))]
@@ -187,7 +187,7 @@ class Qwen3TextRunner(ArRunnerBase):
                     )
                 out = torch.cat(rows)
             h = h + bi.linear_module(attn.o_proj, out.reshape(count, -1))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
         return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
 
     def sample(
@@ -235,15 +235,16 @@ def build_hf_engine(stage_config, model: str) -> StageEngine:
         else Path(model)
     )
     device = stage_device(stage_config)
+    dtype = _DTYPES[args.dtype]
+    check_dtype(device, dtype, stage_config.stage_id)
     began = time.perf_counter()
-    llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=_DTYPES[args.dtype]).eval()
+    llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     for parameter in llm.parameters():  # safetensors can leave weights at odd addresses
         parameter.data = parameter.data.clone()
-    kernels = args.attention_kernels
     if device != "cpu":
         enter_device(device)
         llm = llm.to(device)
-        kernels = kernels_for(device, kernels, "attention", stage_config.stage_id)
+    kernels = kernels_for(device, args.attention_kernels, "attention", stage_config.stage_id, dtype)
     log.info(
         "stage %d: hf Qwen3 text engine ready in %.1f s on %s (%s)",
         stage_config.stage_id,

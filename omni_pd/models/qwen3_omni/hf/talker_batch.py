@@ -518,7 +518,7 @@ class BatchedTalker(ArRunnerBase):
                 cache,
                 kv if prefill else None,
             )
-            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
         return self.model.norm(x), [torch.stack(layers).contiguous() for layers in kv] if prefill else []
 
     def _talker_attention(
@@ -643,7 +643,7 @@ class BatchedTalker(ArRunnerBase):
                 enable_gqa=keys.shape[1] != q.shape[1],
             )  # [B, heads, width, hd]
             x = x + bi.linear_module(attn.o_proj, out.transpose(1, 2).reshape(batch * width, -1))
-            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
         return cp.norm(x)
 
 

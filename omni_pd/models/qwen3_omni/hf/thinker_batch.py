@@ -136,7 +136,7 @@ class BatchedThinkerDecoder:
                     )
                 )
             h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
         if self.accept_hidden_layer == 0:
@@ -173,7 +173,7 @@ class BatchedThinkerDecoder:
             h = h + self._attention(
                 layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index, cache, native
             )
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
         if self.accept_hidden_layer == 0:
