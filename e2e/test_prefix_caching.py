@@ -9,12 +9,13 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
-from test_pd_equivalence import differences
+from test_pd_equivalence import DTYPE, differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
@@ -25,6 +26,7 @@ def _variant(tmp_path_factory, path, *, caching=True, streamed=True):
     raw = yaml.safe_load(path.read_text())
     raw["async_chunk"] = streamed
     for stage in raw["stage_args"]:
+        stage["engine_args"]["dtype"] = DTYPE  # float32, or scripts/test.sh's bfloat16 run
         if stage["engine_args"]["model_stage"] == "thinker":
             stage["engine_args"]["enable_prefix_caching"] = caching
     out = tmp_path_factory.mktemp("prefix") / f"{path.stem}-{caching}-{streamed}.yaml"
@@ -68,7 +70,8 @@ _want: dict[int, object] = {}
 
 def _bytes_per_token(omni) -> int:
     text = omni.model_config.thinker_config.text_config
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
+    width = torch.tensor([], dtype=getattr(torch, DTYPE)).element_size()
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * width
 
 
 def _reference_turn(reference, turn: int, messages):

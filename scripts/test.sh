@@ -9,7 +9,8 @@
 # CPU level than the host's best (ATEN_CPU_CAPABILITY: avx2 on an AVX-512 host, the x86-64 baseline
 # on an AVX2 host), so that one host checks the bits of both kinds of CI host. Extra arguments go to
 # both pytest runs; OMNI_PD_SECOND_ISA=0 skips the second, OMNI_PD_LINT=0 the checks. Where the CPU has
-# bfloat16 arithmetic, the P/D equivalence suite runs a third time in bfloat16 (OMNI_PD_BF16=0 skips it).
+# bfloat16 arithmetic, the P/D equivalence and prefix-cache suites run a third time in bfloat16
+# (OMNI_PD_BF16=0 skips it).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 OMNI_PD_VLLM=1 OMNI_PD_RAY=1 OMNI_PD_BROWSER=1 OMNI_PD_DEV=1 bash "$repo/scripts/setup.sh"
@@ -26,12 +27,14 @@ if [ "${OMNI_PD_LINT:-1}" = "1" ]; then
 fi
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-# The P/D equivalence suite (P/D = colocated, batched = alone, streamed = whole, each with its
-# negative control) again with every hf stage in bfloat16, where this CPU has bf16 arithmetic.
+# The P/D equivalence and prefix-cache suites (P/D = colocated, batched = alone, streamed = whole,
+# cached = uncached, each with its negative control) again with every hf stage in bfloat16, where
+# this CPU has bf16 arithmetic.
 if [ "${OMNI_PD_BF16:-1}" = "1" ]; then
   if why="$(.venv/bin/python -c 'import torch; from omni_pd.engines.device import check_dtype; check_dtype("cpu", torch.bfloat16, 0)' 2>&1)"; then
-    echo "test.sh: the P/D equivalence suite again in bfloat16"
-    OMNI_PD_E2E_DTYPE=bfloat16 .venv/bin/python -m pytest -q -p no:cacheprovider e2e/test_pd_equivalence.py "$@" || [ $? -eq 5 ]
+    echo "test.sh: the P/D equivalence and prefix-cache suites again in bfloat16"
+    OMNI_PD_E2E_DTYPE=bfloat16 .venv/bin/python -m pytest -q -p no:cacheprovider \
+      e2e/test_pd_equivalence.py e2e/test_prefix_caching.py "$@" || [ $? -eq 5 ]
   else
     echo "test.sh: no bfloat16 suite on this host: ${why##*: }"
   fi
