@@ -491,10 +491,11 @@ class DecodeEngine(ArEngine):
         )
         return self._resume(request)
 
-    def inject_vllm_kv_fault(self, block_index: int = 0, value_index: int = 5) -> None:
-        """Test hook: the next block pulled from a vLLM producer gets one value changed in staging
-        before its translation (a fault the producer's protocol carries no checksum for)."""
-        self.vllm.inject_fault(block_index, value_index)
+    def inject_vllm_kv_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
+        """Test hook: block `block_index` of the next pull from a vLLM producer is perturbed by
+        `delta` in staging, before its translation (vLLM's protocol carries no checksum that
+        would notice); that request's blocks stay out of the prefix cache."""
+        self.vllm.inject_fault(block_index, delta)
 
     def _name_blocks(self, request: EngineRequest) -> None:
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""

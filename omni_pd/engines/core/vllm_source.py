@@ -50,7 +50,7 @@ class VllmKVSource:
         self.fingerprint = consumer_fingerprint(layout, naming_scheme, naming_seed, model)
         self.producer: VllmProducerInfo | None = None  # the producer accepted at the first handoff
         self.puller: VllmKVPuller | None = None
-        self._fault: tuple[int, int] | None = None  # inject_fault: (block, value index) of the next pull
+        self._fault: tuple[int, float] | None = None  # inject_fault: (block, delta) of the next pull
 
     def log_fingerprint(self) -> None:
         log.info(
@@ -107,11 +107,11 @@ class VllmKVSource:
         the fused blocks' checksums."""
         assert self.puller is not None
         try:
-            if self._fault is not None:  # test hook: one value of one staged block perturbed
-                block, index = self._fault
+            if self._fault is not None:  # test hook: one staged block perturbed, every layer
+                block, delta = self._fault
                 self._fault = None
-                layer = self.puller.layers[0][pull.staging[block]]
-                layer.view(-1)[index] += 1.0
+                for layer in self.puller.layers:
+                    layer[pull.staging[block]] += delta
             return translate_blocks(self.puller.layers, pull.staging, fused, dests)
         finally:
             self.puller.release(pull)
@@ -120,8 +120,8 @@ class VllmKVSource:
         if self.puller is not None:
             self.puller.release(pull)
 
-    def inject_fault(self, block_index: int = 0, value_index: int = 5) -> None:
-        self._fault = (block_index, value_index)
+    def inject_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
+        self._fault = (block_index, delta)
 
     def debug_state_counts(self) -> dict[str, int]:
         if self.puller is None:
