@@ -90,8 +90,7 @@ def check_consumer(info: VllmProducerInfo, layout: BlockLayout, naming_scheme: s
         check_geometry(info.geometry, layout)
     except KVIncompatibleError as exc:
         wrong.append(str(exc))
-    ours = naming_scheme.removeprefix("vllm:") if naming_scheme.startswith("vllm:") else naming_scheme
-    if ours != info.hash_algo:
+    if naming_scheme != f"vllm:{info.hash_algo}":
         wrong.append(
             f"block keys: vLLM prefix_caching_hash_algo {info.hash_algo!r}, this engine names "
             f"blocks {naming_scheme!r}: set the hf decode stage's engine_args.prefix_caching_hash_algo "

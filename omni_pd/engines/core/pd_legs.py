@@ -454,7 +454,6 @@ class DecodeEngine(ArEngine):
         if reused == total:  # the whole prompt is here
             request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
             return self._resume(request)
-        request.metrics["kv_blocks_reused"] = reused
         request.vllm_pull = self.vllm.start(
             kv_params, total - reused, self._wait_s(request.request_id, kv_params)
         )
@@ -475,8 +474,8 @@ class DecodeEngine(ArEngine):
         pull, request.vllm_pull = request.vllm_pull, None
         self.scheduler.fetching.remove(request.request_id)
         request.phase = Phase.RUNNING
-        reused = request.metrics.pop("kv_blocks_reused")
-        dests = request.blocks[reused : reused + len(pull.staging)]
+        total = self.kv.blocks_for(request.prompt_len)  # the pull holds the last ones
+        dests = request.blocks[total - len(pull.staging) : total]
         began = time.perf_counter()
         if self.vllm.fault_pending:  # a perturbed block corrupts this request alone, never the cache
             request.cacheable = False
