@@ -7,12 +7,16 @@ engine (stage_configs/ci/qwen3_omni_tiny_vllm_p_hf_d.yaml; docs/cross_engine_pd.
   changes the output (vLLM's protocol carries no checksum to notice it).
 - A second prompt sharing a prefix moves only the blocks the hf side lacks, found by vLLM's keys:
   an exact count.
+- A pull that misses its window fails the handoff with KVMissError: counted toward the pair's
+  breaker, answered by the fallback (the hf decode leg prefills the prompt itself), equal output.
 - Nothing is left held on any stage afterwards (every stage's /debug/state counts are zero).
 
 One pipeline of each kind per module. Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -127,3 +131,20 @@ def test_a_prompt_sharing_a_prefix_moves_only_the_missing_blocks(mixed, hf_coloc
     assert b.metrics["kv_blocks_transferred"] == -(-len(second) // BS) - 2
     want = hf_colocated.generate([{"prompt_token_ids": second}], use_tqdm=False)[0]
     assert (b.token_ids, b.audio_sha256) == (want.token_ids, want.audio_sha256)
+
+
+def test_a_missed_window_counts_toward_the_breaker_and_falls_back(mixed, hf_colocated):
+    prompt = "What does the wind do to the waves, and why?"  # not cached on the decode side
+    want = hf_colocated.generate([prompt], use_tqdm=False)[0]
+    failures, fallbacks = mixed.engine.handoff_failures, mixed.engine.fallbacks
+    mixed.control(1, "inject_vllm_kv_miss")
+    got = mixed.generate([prompt], use_tqdm=False)[0]
+    assert (mixed.engine.handoff_failures, mixed.engine.fallbacks) == (failures + 1, fallbacks + 1)
+    assert (got.token_ids, got.audio_sha256) == (want.token_ids, want.audio_sha256)
+    assert "kv_path" not in got.metrics  # the decode leg computed the prompt
+    # The missed pull's staging is quarantined until the producer's answer ends it (bounded).
+    deadline = time.monotonic() + 10
+    while (
+        mixed.control(1, "debug_state_counts")["kv.vllm_staging_blocks_held"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)  # polling a condition under a deadline

@@ -245,7 +245,12 @@ class DecodeEngine(ArEngine):
     KVMissError (and the orchestrator falls back)."""
 
     prefills_over_cache = False  # its blocks are named without their rows (_match_prefix)
-    control_calls = ArEngine.control_calls | {"reserve_kv", "release_push", "inject_vllm_kv_fault"}
+    control_calls = ArEngine.control_calls | {
+        "reserve_kv",
+        "release_push",
+        "inject_vllm_kv_fault",
+        "inject_vllm_kv_miss",
+    }
 
     def __init__(self, stage_config, runner: ArRunner):
         super().__init__(stage_config, runner)
@@ -495,6 +500,11 @@ class DecodeEngine(ArEngine):
         `delta` in staging, before its translation (vLLM's protocol carries no checksum that
         would notice); that request's blocks stay out of the prefix cache."""
         self.vllm.inject_fault(block_index, delta)
+
+    def inject_vllm_kv_miss(self) -> None:
+        """Test hook: the next pull from a vLLM producer waits 0 s, so it misses its window
+        (KVMissError) while the producer still sends: its staging stays quarantined until then."""
+        self.vllm.inject_miss()
 
     def _name_blocks(self, request: EngineRequest) -> None:
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""

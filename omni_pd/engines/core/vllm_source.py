@@ -51,6 +51,7 @@ class VllmKVSource:
         self.producer: VllmProducerInfo | None = None  # the producer accepted at the first handoff
         self.puller: VllmKVPuller | None = None
         self._fault: tuple[int, float] | None = None  # inject_fault: (block, delta) of the next pull
+        self._miss = False  # inject_miss: the next pull's wait is 0 s
 
     def log_fingerprint(self) -> None:
         log.info(
@@ -96,6 +97,8 @@ class VllmKVSource:
         worker = self.puller.worker_address(
             kv_params["remote_bootstrap_addr"], kv_params["remote_engine_id"], max(wait_s, 0.1)
         )
+        if self._miss:
+            self._miss, wait_s = False, 0.0
         return self.puller.start(kv_params["transfer_id"], worker, num_blocks, wait_s)
 
     def poll(self, pull: VllmPull) -> bool:
@@ -119,6 +122,9 @@ class VllmKVSource:
     def release(self, pull: VllmPull) -> None:
         if self.puller is not None:
             self.puller.release(pull)
+
+    def inject_miss(self) -> None:
+        self._miss = True
 
     def inject_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
         self._fault = (block_index, delta)
