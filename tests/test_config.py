@@ -965,3 +965,56 @@ def test_run_validate_reports_every_issue(tmp_path: Path, capsys: pytest.Capture
     assert captured.out == ""
     assert "stage_args[0].engine_args.kv_transfer_config.kv_role" in captured.err
     assert "stage_args[3].engine_input_sourc" in captured.err
+
+
+# --- the cross-engine pair (vLLM prefill -> hf decode) ------------------------------------------
+
+MIXED_CONFIG = Path(__file__).resolve().parent.parent / "stage_configs/ci/qwen3_omni_tiny_vllm_p_hf_d.yaml"
+
+
+def _mixed() -> dict[str, Any]:
+    return yaml.safe_load(MIXED_CONFIG.read_text())
+
+
+def test_a_vllm_prefill_stage_may_feed_an_hf_decode_stage() -> None:
+    cfg = load_pipeline_config(MIXED_CONFIG)
+    assert [s.engine for s in cfg.stages[:2]] == ["vllm", "hf"]
+
+
+def test_an_hf_prefill_stage_feeding_a_vllm_decode_stage_is_refused_by_name(tmp_path: Path) -> None:
+    data = _mixed()
+    first, second = data["stage_args"][0], data["stage_args"][1]
+    first["engine_args"], second["engine_args"] = second["engine_args"], first["engine_args"]
+    _kvcfg(data, 0)["kv_role"], _kvcfg(data, 1)["kv_role"] = "kv_producer", "kv_consumer"
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.engine")
+    assert "a hf prefill stage cannot feed a vllm decode stage" in issue.message
+    assert "only vllm prefill -> hf decode" in issue.message
+
+
+@pytest.mark.parametrize(
+    "mutate, key, needles",
+    [
+        (
+            lambda d: d["stage_args"][1]["engine_args"].update(kv_block_size=64),
+            "stage_args[1].engine_args.kv_block_size",
+            ("kv_block_size 64", "block_size 32"),
+        ),
+        (
+            lambda d: d["stage_args"][1]["engine_args"].update(prefix_caching_hash_algo="xxhash"),
+            "stage_args[1].engine_args.prefix_caching_hash_algo",
+            ("'sha256_cbor'",),
+        ),
+        (
+            lambda d: d["stage_args"][0]["engine_args"].pop("prefix_caching_hash_algo"),
+            "stage_args[1].engine_args.prefix_caching_hash_algo",
+            ("'sha256'",),  # vLLM's default
+        ),
+    ],
+    ids=["block-size", "hash-algo", "vllm-default-hash-algo"],
+)
+def test_a_cross_engine_pair_shares_block_size_and_block_keys(tmp_path: Path, mutate, key, needles) -> None:
+    data = _mixed()
+    mutate(data)
+    issue = only_issue(errors_of(tmp_path, data), key)
+    for needle in needles:
+        assert needle in str(issue), str(issue)

@@ -90,6 +90,8 @@ def clean(decode, prefill):
         "kv_quarantined_blocks": 0,
         "push_reservations": 0,
         "push_fenced_blocks": 0,
+        "kv.vllm_pulls": 0,
+        "kv.vllm_staging_blocks_held": 0,
     }
     assert prefill.debug_state_counts() == {
         "thinker.requests": 0,
@@ -275,6 +277,8 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
             "kv_quarantined_blocks": 0,
             "push_reservations": 0,
             "push_fenced_blocks": 0,
+            "kv.vllm_pulls": 0,
+            "kv.vllm_staging_blocks_held": 0,
         }
     finally:
         shm.close()

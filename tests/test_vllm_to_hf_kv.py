@@ -19,6 +19,7 @@ Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); skipped without it outside 
 from __future__ import annotations
 
 import dataclasses
+import time
 import re
 import multiprocessing as mp
 from pathlib import Path
@@ -36,7 +37,12 @@ from omni_pd.kv.layout import BlockLayout  # noqa: E402
 from omni_pd.kv.transport import MooncakeTransport  # noqa: E402
 from omni_pd.kv.vllm_block_hash import VllmBlockHasher  # noqa: E402
 from omni_pd.kv.vllm_layout import VllmKVGeometry, check_geometry, translate_blocks  # noqa: E402
+from omni_pd.config import load_pipeline_config  # noqa: E402
+from omni_pd.engines.core.pd_legs import DecodeEngine  # noqa: E402
+from omni_pd.kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
 from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
+from omni_pd.planning import build_decode_sampling_params  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.sampling import SamplingParams  # noqa: E402
 
@@ -45,7 +51,10 @@ from vllm_kv_producer import serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-PRODUCER_CONFIG = REPO / "stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml"
+# The cross-engine pair: its stage 0 (vLLM, sha256_cbor block keys) is the producer, its stage 1
+# (hf) the decode engine.
+MIXED_CONFIG = REPO / "stage_configs/ci/qwen3_omni_tiny_vllm_p_hf_d.yaml"
+PRODUCER_CONFIG = MIXED_CONFIG
 BS = 32  # vLLM's CPU attention takes multiples of 32
 PROMPT = [(11 * i + 7) % 200 + 20 for i in range(3 * BS + 5)]  # 3 full blocks and 5 tokens
 SECOND = PROMPT[: 2 * BS] + [(5 * i + 3) % 200 + 20 for i in range(BS + 9)]  # shares 2 blocks
@@ -215,3 +224,96 @@ def test_a_transfer_the_producer_never_published_is_a_bounded_miss(producer, pul
     puller.wait(pull, 35)
     puller.release(pull)
     assert producer.call("released", params["transfer_id"]) is True
+
+
+def _hf_decode(runner, **engine_args):
+    stage = load_pipeline_config(MIXED_CONFIG).stage(1)
+    stage = stage.model_copy(update={"engine_args": stage.engine_args.model_copy(update=engine_args)})
+    return DecodeEngine(stage, ThinkerStageRunner(runner))
+
+
+@pytest.fixture(scope="module")
+def hf_decode(runner):
+    engine = _hf_decode(runner)
+    yield engine
+    engine.close()
+
+
+def _decode_request(engine, producer, request_id, ids, wait_s=30.0, **override):
+    first, params = producer.call("prefill", request_id, ids, f"{request_id}-xfer")
+    _add(engine, request_id, ids, {**params, **override}, wait_s)
+    return first, params
+
+
+def _add(engine, request_id, ids, params, wait_s=30.0):
+    # This producer is vLLM's generic engine (no Qwen3-Omni hooks, which the pipelines add and
+    # e2e/test_vllm_p_hf_d.py runs): the thinker's handoff state is the hooks' rope_deltas 0.
+    params = {"rope_deltas": 0, **params}
+    decode = build_decode_sampling_params(
+        SamplingParams(temperature=0, max_tokens=6), params, params["transfer_id"]
+    )
+    decode = decode.replace(kv_transfer_params={**decode.kv_transfer_params, "kv_wait_s": wait_s})
+    engine.add_request(request_id, ThinkerPrompt(list(ids)), decode)
+
+
+def _finish(engine, request_id, limit_s=30.0):
+    """Step until the request ends (bounded): its output and error."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out.output, out.error
+        time.sleep(engine.step_delay_s())  # the engine's own poll interval while a read is in flight
+    raise AssertionError(f"request {request_id} did not end within {limit_s} s")
+
+
+def _free_on_the_producer(producer, puller, params):
+    """A transfer no decode side took: pulled and dropped, so vLLM frees its blocks now."""
+    worker = puller.worker_address(params["remote_bootstrap_addr"], params["remote_engine_id"], 10.0)
+    pull = puller.start(params["transfer_id"], worker, 4, wait_s=30)
+    puller.wait(pull, 35)
+    puller.release(pull)
+    assert producer.call("released", params["transfer_id"]) is True
+
+
+def test_the_hf_decode_engine_decodes_from_the_vllm_prefill_engines_kv(producer, geometry, hf_decode, runner):
+    first, params = _decode_request(hf_decode, producer, "d1", PROMPT)
+    info = VllmProducerInfo.from_dict(params[VLLM_KV_KEY])
+    assert info.geometry == geometry and info.hash_algo == "sha256_cbor"
+    assert params["first_token"] == first and params["kv_cacheable"] is True
+    out, error = _finish(hf_decode, "d1")
+    assert error is None, error
+    _, want = _hf_kv(runner, PROMPT)
+    assert out.token_ids == want and out.token_ids[0] == first
+    assert out.metrics["kv_blocks_transferred"] == 4 and out.metrics["kv_path"] == "vllm-mooncake"
+    assert all(v == 0 for v in hf_decode.debug_state_counts().values()), hf_decode.debug_state_counts()
+    assert producer.call("released", "d1-xfer") is True
+
+
+def test_a_mismatched_producer_is_refused_at_the_first_handoff_naming_both_values(producer, puller, runner):
+    other = _hf_decode(runner, prefix_caching_hash_algo="sha256")
+    _, params = producer.call("prefill", "d2", PROMPT, "d2-xfer")
+    try:
+        with pytest.raises(KVIncompatibleError) as err:
+            _add(other, "d2", PROMPT, params)
+        assert "vLLM prefix_caching_hash_algo 'sha256_cbor'" in str(err.value)
+        assert "'vllm:sha256'" in str(err.value)
+        assert all(v == 0 for v in other.debug_state_counts().values())
+    finally:
+        other.close()
+    _free_on_the_producer(producer, puller, params)
+
+
+def test_a_missing_transfer_is_a_bounded_miss_on_the_decode_engine(producer, puller, hf_decode):
+    _, params = _decode_request(
+        hf_decode, producer, "d3", SECOND, wait_s=0.5, transfer_id="d3-never-published"
+    )
+    began = time.monotonic()
+    out, error = _finish(hf_decode, "d3")
+    assert out is None and "KVMissError" in error and "within 0.5 s" in error, error
+    assert time.monotonic() - began < 0.5 + 2.0  # the wait, not vLLM's 60 s lease
+    counts = hf_decode.debug_state_counts()
+    # The request is gone; its staging blocks stay quarantined until the producer answers.
+    assert counts["thinker.requests"] == 0 and counts["thinker.kv_blocks_in_use"] == 0
+    assert counts["kv.vllm_pulls"] == 1
+    _free_on_the_producer(producer, puller, {**params, "transfer_id": "d3-xfer"})

@@ -10,15 +10,6 @@ its blocks (and holds no other request's);
 from __future__ import annotations
 
 
-def _attention_isa(engine) -> str:
-    """The CPU attention kernel vLLM picked for the model's attention layers (`layer.isa`)."""
-    core = engine.engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    layers = runner.vllm_config.compilation_config.static_forward_context.values()
-    (isa,) = {layer.isa for layer in layers if hasattr(layer, "isa")}
-    return isa
-
-
 def serve(config_path: str, conn) -> None:
     from omni_pd import SamplingParams
     from omni_pd.config import load_pipeline_config
@@ -33,21 +24,12 @@ def serve(config_path: str, conn) -> None:
     while True:
         cmd, *args = conn.recv()
         try:
-            if cmd == "geometry":
+            if cmd == "geometry":  # what the engine's prefill outputs carry (omni_pd_vllm_kv)
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-                worker = get_kv_transfer_group().connector_worker
-                first = next(iter(worker.device_kv_caches.values()))
-                blocks, heads, block_size, channels = first.shape  # vLLM CPU: LBHNC, K|V rows
                 result = {
-                    "layer_names": list(worker.registered_layer_names),
-                    "layer_indices": list(worker.registered_layer_indices),
-                    "block_size": block_size,
-                    "num_kv_heads": heads,
-                    "head_size": channels // 2,
-                    "dtype": str(first.dtype).removeprefix("torch."),
-                    "attention_isa": _attention_isa(engine),
-                    "block_lens": list(worker.block_len_per_layer),
+                    **engine.producer_info,
+                    "block_lens": list(get_kv_transfer_group().connector_worker.block_len_per_layer),
                 }
             elif cmd == "prefill":
                 request_id, ids, transfer_id = args

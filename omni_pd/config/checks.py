@@ -390,7 +390,23 @@ def _check_pair(
     vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
     if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
         issues.extend(_check_pair_tp(ctx, p, d))
-    for attr in ("model_stage", "engine") + (() if vllm_pair else ("tensor_parallel_size",)):
+    mixed = (ps.engine_args.engine, ds.engine_args.engine) == CROSS_ENGINE_PAIR
+    if mixed:  # an unmodified vLLM prefill engine feeds the hf decode engine (core/vllm_source.py)
+        issues.extend(_check_cross_engine_pair(ctx, p, d))
+    elif ps.engine_args.engine != ds.engine_args.engine:
+        add(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.engine"),
+                ds.engine_args.engine,
+                f"{ps.engine_args.engine!r} (as prefill stage {ps.stage_id}), or engine 'vllm' on the "
+                "prefill stage and 'hf' here",
+                f"a {ps.engine_args.engine} prefill stage cannot feed a {ds.engine_args.engine} decode "
+                "stage: across engines only vllm prefill -> hf decode is supported (hf prefill -> "
+                "vLLM decode would need vLLM's consumer to read omni-pd's KV, docs/cross_engine_pd.md)",
+            )
+        )
+    for attr in ("model_stage",) + (() if vllm_pair else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
             add(
@@ -520,6 +536,48 @@ def _check_pair(
                 "a port different from the prefill stage's"
                 + (" and its replicas' (port + replica index)" if len(pports) > 1 else ""),
                 f"bootstrap port is shared with prefill stage {ps.stage_id}",
+            )
+        )
+    return issues
+
+
+CROSS_ENGINE_PAIR = ("vllm", "hf")  # (prefill engine, decode engine): the one mixed pair
+
+
+def _check_cross_engine_pair(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """A vLLM prefill stage and an hf decode stage share one block size (vLLM's block_size, the
+    hf stage's kv_block_size) and one block-key algorithm (prefix_caching_hash_algo: the hf
+    stage names the blocks it reads by vLLM's keys)."""
+    (_, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    vllm_block = ps.engine_args.block_size
+    if vllm_block is None or vllm_block != ds.engine_args.kv_block_size:
+        issues.append(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.kv_block_size"),
+                ds.engine_args.kv_block_size,
+                f"{vllm_block} (vLLM prefill stage {ps.stage_id}'s block_size)"
+                if vllm_block is not None
+                else "the vLLM prefill stage's block_size (set block_size there, a multiple of 32 on CPU)",
+                f"the hf decode stage's kv_block_size {ds.engine_args.kv_block_size} and vLLM prefill "
+                f"stage {ps.stage_id}'s block_size {vllm_block} must be equal: vLLM's blocks are "
+                "translated into the hf engine's one for one",
+            )
+        )
+    vllm_algo = ps.engine_args.prefix_caching_hash_algo or "sha256"  # vLLM 0.32's default
+    if ds.engine_args.prefix_caching_hash_algo != vllm_algo:
+        issues.append(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.prefix_caching_hash_algo"),
+                ds.engine_args.prefix_caching_hash_algo,
+                repr(vllm_algo),
+                f"the hf decode stage names the blocks it reads from vLLM prefill stage "
+                f"{ps.stage_id} by vLLM's keys: its prefix_caching_hash_algo must be vLLM's "
+                f"({vllm_algo!r})",
             )
         )
     return issues

@@ -1047,6 +1047,7 @@ class AsyncOmni:
         }
         for key in (
             "kv_bytes_transferred",
+            "kv_blocks_transferred",
             "kv_transfer_ms",
             "kv_path",
             "kv_reused_tokens",

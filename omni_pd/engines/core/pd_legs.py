@@ -32,6 +32,7 @@ from .request import EngineRequest, Phase
 from .runner import ArRunner
 from . import push_legs
 from .transfer_settings import TransferSettings
+from .vllm_source import VllmKVSource, from_vllm
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,12 @@ class DecodeEngine(ArEngine):
     KVMissError (and the orchestrator falls back)."""
 
     prefills_over_cache = False  # its blocks are named without their rows (_match_prefix)
-    control_calls = ArEngine.control_calls | {"reserve_kv", "release_push"}
+    control_calls = ArEngine.control_calls | {
+        "reserve_kv",
+        "release_push",
+        "inject_vllm_kv_fault",
+        "inject_vllm_kv_miss",
+    }
 
     def __init__(self, stage_config, runner: ArRunner):
         super().__init__(stage_config, runner)
@@ -280,6 +286,19 @@ class DecodeEngine(ArEngine):
             self.kv.free,
             fence_s=stage_config.engine_args.kv_lease_timeout_s,
         )
+        # KV from an unmodified vLLM prefill engine: staging made at the first such handoff.
+        naming = self.kv.naming
+        self.vllm = VllmKVSource(
+            self.stage_id,
+            self.layout,
+            self.transport,
+            naming.scheme,
+            naming.seed_rule,
+            runner.identity().model,
+            self.kv.num_blocks,
+        )
+        if naming.scheme.startswith("vllm:"):
+            self.vllm.log_fingerprint()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -305,6 +324,11 @@ class DecodeEngine(ArEngine):
         kv_params = request.params.kv_transfer_params
         if not kv_params or not kv_params.get("do_remote_prefill"):
             return  # no remote KV: prefilled here
+        if from_vllm(kv_params):  # an unmodified vLLM prefill engine's KV
+            self._check_handoff_keys(request, kv_params, kv_params.get("transfer_id"))
+            self._wait_s(request.request_id, kv_params)
+            request.vllm_kv = self.vllm.accept(kv_params)
+            return
         if RECORD_KEY in kv_params:  # pushed into blocks reserved here
             self._check_handoff_keys(request, kv_params, kv_params.get("transfer_id"))
             self._wait_s(request.request_id, kv_params)
@@ -361,7 +385,7 @@ class DecodeEngine(ArEngine):
         itself (the fallback) does not reuse them."""
         if request.prefills_here or request.pushed or not self.prefix_caching:
             return []
-        if _remote_kv(request).kv_layout != self.layout:
+        if request.vllm_kv is None and _remote_kv(request).kv_layout != self.layout:
             return []
         if _kv_params(request).get("kv_cacheable") is False:
             request.cacheable = False
@@ -383,6 +407,8 @@ class DecodeEngine(ArEngine):
                 request.prompt_len,
             )
             return self._prefill_here(request)
+        if request.vllm_kv is not None:
+            return self._start_vllm(request)
         kv_params, remote = _kv_params(request), _remote_kv(request)
         self.peers.check(remote.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
         # The blocks this engine holds already stay; only the rest of the prompt moves.
@@ -420,9 +446,70 @@ class DecodeEngine(ArEngine):
         fetched = self.receiver.poll(remote.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
 
+    def _start_vllm(self, request: EngineRequest) -> list[StepOutput]:
+        """Ask the vLLM producer for the prompt's blocks this engine lacks (the last ones)."""
+        kv_params = _kv_params(request)
+        reused = request.cached_len // self.block_size
+        request.cached_len = 0
+        total = self.kv.blocks_for(request.prompt_len)
+        request.metrics.update(
+            kv_reused_tokens=reused * self.block_size,
+            kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
+        )
+        if reused == total:  # the whole prompt is here
+            request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
+            return self._resume(request)
+        request.vllm_pull = self.vllm.start(
+            kv_params, total - reused, self._wait_s(request.request_id, kv_params)
+        )
+        request.phase = Phase.FETCHING
+        self._last_fetch_start = time.perf_counter()
+        self.scheduler.fetching.append(request.request_id)
+        log.debug(
+            "request %s: pulling %d of %d prompt blocks from vLLM engine %s (transfer %s)",
+            request.request_id,
+            total - reused,
+            total,
+            kv_params["remote_engine_id"],
+            kv_params["transfer_id"],
+        )
+        return []
+
+    def _vllm_fetched(self, request: EngineRequest) -> list[StepOutput]:
+        pull, request.vllm_pull = request.vllm_pull, None
+        self.scheduler.fetching.remove(request.request_id)
+        request.phase = Phase.RUNNING
+        total = self.kv.blocks_for(request.prompt_len)  # the pull holds the last ones
+        dests = request.blocks[total - len(pull.staging) : total]
+        began = time.perf_counter()
+        if self.vllm.fault_pending:  # a perturbed block corrupts this request alone, never the cache
+            request.cacheable = False
+        self.vllm.land(pull, self.cache.data, dests)
+        self._name_blocks(request)
+        request.metrics.update(
+            kv_transfer_ms=(time.perf_counter() - self._last_fetch_start) * 1e3,
+            kv_translate_ms=(time.perf_counter() - began) * 1e3,
+            kv_bytes_transferred=len(dests) * self.block_size * self.layout.bytes_per_token,
+            kv_blocks_transferred=len(dests),
+            kv_path="vllm-mooncake",
+        )
+        return self._resume(request)
+
+    def inject_vllm_kv_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
+        """Test hook: block `block_index` of the next pull from a vLLM producer is perturbed by
+        `delta` in staging, before its translation (vLLM's protocol carries no checksum that
+        would notice); that request's blocks stay out of the prefix cache."""
+        self.vllm.inject_fault(block_index, delta)
+
+    def inject_vllm_kv_miss(self) -> None:
+        """Test hook: the next pull from a vLLM producer waits 0 s, so it misses its window
+        (KVMissError) while the producer still sends: its staging stays quarantined until then."""
+        self.vllm.inject_miss()
+
     def _name_blocks(self, request: EngineRequest) -> None:
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
-        if self.prefix_caching and _remote_kv(request).kv_layout == self.layout and request.cacheable:
+        same_layout = request.vllm_kv is not None or _remote_kv(request).kv_layout == self.layout
+        if self.prefix_caching and same_layout and request.cacheable:
             full = request.prompt_len // self.block_size
             self.kv.register(request.blocks[:full], self._prompt_ids(request), request.extra_keys)
 
@@ -431,6 +518,10 @@ class DecodeEngine(ArEngine):
         outputs: list[StepOutput] = []
         for request in [self.scheduler.requests[r] for r in self.scheduler.fetching]:
             try:
+                if request.vllm_kv is not None:
+                    if self.vllm.poll(request.vllm_pull):
+                        outputs.extend(self._vllm_fetched(request))
+                    continue
                 fetched = self.receiver.poll(_remote_kv(request).transfer_id)
                 if fetched is not None:
                     outputs.extend(self._fetched(request, fetched))
@@ -460,6 +551,8 @@ class DecodeEngine(ArEngine):
         # place needs only the request's own blocks; one whose layout differs stages too.
         if request.prefills_here or request.pushed is not None:
             return True
+        if request.vllm_kv is not None:
+            return self.kv.blocks_for(request.prompt_len) <= self.vllm.free_staging()
         staging = self.receiver.staging_blocks(_remote_kv(request))
         return (
             staging == 0
@@ -468,7 +561,10 @@ class DecodeEngine(ArEngine):
         )
 
     def _release(self, request: EngineRequest) -> None:
-        if request.phase is Phase.FETCHING:
+        if request.vllm_pull is not None:  # staging stays quarantined until the producer answers
+            self.vllm.release(request.vllm_pull)
+            request.vllm_pull = None
+        elif request.phase is Phase.FETCHING:
             # Mooncake may still write the prompt's blocks: the receiver quarantines them.
             self.receiver.abandon(_remote_kv(request).transfer_id, f"request {request.request_id} left")
         self.kv.free(request.reused)  # the cached blocks it held while the rest moved
@@ -501,10 +597,12 @@ class DecodeEngine(ArEngine):
             **super().debug_state_counts(),
             **self.receiver.debug_state_counts(),
             **self.pushes.debug_state_counts(),
+            **self.vllm.debug_state_counts(),
         }
 
     def _blocks_lent(self) -> int:
         return self.receiver.blocks_held + self.pushes.blocks_held
 
     def close(self) -> None:
+        self.vllm.close()
         self.receiver.close()

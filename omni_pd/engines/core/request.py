@@ -53,6 +53,10 @@ class EngineRequest:
     # Push mode. Decode leg: the reservation the prefill wrote the prompt's KV into (its blocks
     # are the request's from add_request on). Prefill leg: the decode side's blocks to write.
     pushed: Reservation | None = None
+    # Decode leg, KV from an unmodified vLLM prefill engine (core/vllm_source.py): its producer
+    # (kv.vllm_handoff.VllmProducerInfo) and, while its blocks move, the pull (kv.vllm_pull.VllmPull).
+    vllm_kv: Any = None
+    vllm_pull: Any = None
     push_target: PushTarget | None = None
     # Prefill leg: the request ends with its prompt's KV published and its first token; its
     # output describes the prompt, not a generation (the decode leg's output has that).
@@ -73,7 +77,7 @@ class EngineRequest:
 
     @property
     def prefills_here(self) -> bool:
-        return self.kv is None and self.pushed is None
+        return self.kv is None and self.pushed is None and self.vllm_kv is None
 
     @property
     def position(self) -> int:

@@ -52,7 +52,9 @@ from ... import registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
+from ...kv.vllm_handoff import VLLM_KV_KEY
 from .hooks import LegRole, VllmModelHooks
+from .kv_producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
 from .rows import RequestRows, check_vllm_version
 
@@ -136,6 +138,7 @@ class _RequestState:
     rows: RequestRows = field(default_factory=RequestRows)  # the model's per-token rows
     rows_streamed: int = 0  # position up to which rows left in chunks
     chunks_sent: int = 0
+    multimodal: bool = False  # the prompt has multimodal inputs
 
 
 class VllmEngine(StageEngine):
@@ -201,6 +204,12 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
+        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them).
+        self.producer_info: dict[str, Any] | None = None
+        if self.kv_connector == "MooncakeConnector" and self.kv_role == "kv_producer":
+            info = producer_info(self.engine, name)
+            log_producer_info(self.stage_id, info)
+            self.producer_info = info.to_dict()
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
             self.stage_id,
@@ -256,6 +265,7 @@ class VllmEngine(StageEngine):
             stream=bool(stream),
             role=role,
             chunks=bool(stream and chunks),
+            multimodal=prompt.has_multimodal_inputs(),
         )
 
     def _kv_wait_s(self, request_id: str, kv_in: dict[str, Any]) -> float:
@@ -467,11 +477,28 @@ class VllmEngine(StageEngine):
             token_ids=list(completion.token_ids),
             text=completion.text or "",
             finish_reason=completion.finish_reason,
-            kv_transfer_params=dict(final.kv_transfer_params) if final.kv_transfer_params else None,
+            kv_transfer_params=self._kv_out(state, final, completion),
             num_cached_prompt_tokens=cached if state.loads_remote else 0,
             metrics=metrics,
         )
         return self.hooks.output(text, state.rows, state.role)
+
+    def _kv_out(self, state: "_RequestState", final, completion) -> dict[str, Any] | None:
+        """The request's kv_transfer_params out; a prefill leg's carry, besides vLLM's keys, what
+        a decode engine that is not vLLM needs: the first token, the model's handoff state, the
+        producer's KV geometry and block keys, and whether its blocks may be named for reuse (not
+        a prompt with multimodal inputs: vLLM keys those by its own processor's hashes)."""
+        if not final.kv_transfer_params:
+            return None
+        out = dict(final.kv_transfer_params)
+        if not state.role.decodes and self.producer_info is not None and completion.token_ids:
+            out.update(
+                first_token=int(completion.token_ids[0]),
+                kv_cacheable=not state.multimodal,
+                **self.hooks.handoff_state(state.prompt_token_ids),
+            )
+            out[VLLM_KV_KEY] = self.producer_info
+        return out
 
     # ---- control ---------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -46,6 +46,11 @@ class VllmModelHooks:
         """The prompt as vLLM's `LLMEngine.add_request` takes it."""
         return {"prompt_token_ids": list(prompt.prompt_token_ids)}
 
+    def handoff_state(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        """What a decode engine that is not vLLM needs from this prefill leg besides the KV and
+        the first token (the hf runner's `handoff_keys`); none for a text LLM."""
+        return {}
+
     def output(self, text: TextOutput, rows: RequestRows, role: LegRole) -> Any:
         """The stage's output record for a finished request."""
         return text

@@ -86,6 +86,13 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
             },
         }
 
+    def handoff_state(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        """The hf thinker's `rope_deltas` (its M-RoPE offset past the prompt): 0 for the prompts
+        this engine takes (text and audio, whose positions M-RoPE numbers one by one); images
+        and video, which would shift it, are refused by `limit_mm_per_prompt`. The e2e audio
+        equality test (e2e/test_vllm_p_hf_d.py) checks it against hf colocated."""
+        return {"rope_deltas": 0}
+
     def _prompt_rows(
         self, request_id: str, rows: RequestRows, prompt_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

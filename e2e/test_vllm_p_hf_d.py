@@ -1,0 +1,150 @@
+"""Cross-engine P/D: an unmodified vLLM thinker prefill engine feeds omni-pd's hf thinker decode
+engine (stage_configs/ci/qwen3_omni_tiny_vllm_p_hf_d.yaml; docs/cross_engine_pd.md).
+
+- On held prompts (text and audio) the mixed pipeline's greedy thinker tokens and audio bytes
+  equal the vLLM-colocated and the hf-colocated pipelines' wherever those two agree.
+- Negative control: one value of one block pulled from vLLM, perturbed before its translation,
+  changes the output (vLLM's protocol carries no checksum to notice it).
+- A second prompt sharing a prefix moves only the blocks the hf side lacks, found by vLLM's keys:
+  an exact count.
+- A pull that misses its window fails the handoff with KVMissError: counted toward the pair's
+  breaker, answered by the fallback (the hf decode leg prefills the prompt itself), equal output.
+- Nothing is left held on any stage afterwards (every stage's /debug/state counts are zero).
+
+One pipeline of each kind per module. Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from vllm_required import require_vllm
+
+require_vllm()
+
+from omni_pd.orchestrator.omni import Omni  # noqa: E402
+from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CI = STAGE_CONFIGS_DIR / "ci"
+BS = 32  # the pair's block size (vLLM's block_size, the hf decode stage's kv_block_size)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    with Omni(stage_configs_path=CI / "qwen3_omni_tiny_vllm_p_hf_d.yaml", request_timeout_s=120) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def vllm_colocated():
+    with Omni(stage_configs_path=CI / "qwen3_omni_tiny_vllm.yaml", request_timeout_s=120) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def hf_colocated():
+    with Omni(stage_configs_path=CI / "qwen3_omni_tiny.yaml", request_timeout_s=120) as omni:
+        yield omni
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    for name in ("mixed", "vllm_colocated", "hf_colocated"):
+        if name in request.fixturenames:
+            counts = request.getfixturevalue(name).debug_state_counts()
+            assert all(v == 0 for v in counts.values()), (name, counts)
+
+
+TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
+PROMPTS = {
+    "text": "Please describe, in a few sentences, how tides are made by the moon.",
+    "audio": [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this sound?"}, {"type": "audio", "audio": TONE}],
+        }
+    ],
+}
+_runs: dict[tuple[str, str], object] = {}
+
+
+def _run(omni, which: str, case: str):
+    if (which, case) not in _runs:
+        _runs[which, case] = omni.generate([PROMPTS[case]], use_tqdm=False)[0]
+    return _runs[which, case]
+
+
+@pytest.mark.parametrize("case", ["text", "audio"])
+def test_the_mixed_pair_equals_both_colocated_pipelines(mixed, vllm_colocated, hf_colocated, case):
+    v, h = _run(vllm_colocated, "vllm", case), _run(hf_colocated, "hf", case)
+    got = _run(mixed, "mixed", case)
+    assert v.token_ids == h.token_ids, "the two colocated pipelines disagree on tokens: nothing to hold"
+    assert got.token_ids == h.token_ids
+    assert got.audio is not None and got.audio.numel() > 0
+    if v.audio_sha256 == h.audio_sha256:
+        assert got.audio_sha256 == h.audio_sha256
+    else:  # they disagree: the mixed pair's rows are vLLM's prompt rows and hf's generated ones
+        pytest.fail(
+            f"vLLM and hf colocated audio differ ({case}); mixed equals hf: "
+            f"{got.audio_sha256 == h.audio_sha256}, vLLM: {got.audio_sha256 == v.audio_sha256}"
+        )
+    # The prompt's KV came from vLLM, every block of it, over vLLM's protocol.
+    assert got.metrics["kv_path"] == "vllm-mooncake"
+    assert got.metrics["kv_blocks_transferred"] == -(-len(got.prompt_token_ids) // BS)
+
+
+def test_negative_control_a_perturbed_vllm_block_changes_the_output(mixed, hf_colocated):
+    prompt = "Name three colours of the sea at dusk, and say why each one appears."  # not cached
+    want = hf_colocated.generate([prompt], use_tqdm=False)[0]
+    mixed.control(1, "inject_vllm_kv_fault", block_index=0, delta=0.5)
+    corrupted = mixed.generate([prompt], use_tqdm=False)[0]
+    assert corrupted.metrics["kv_blocks_transferred"] >= 1
+    assert (corrupted.token_ids, corrupted.audio_sha256) != (want.token_ids, want.audio_sha256)
+    clean = mixed.generate([prompt], use_tqdm=False)[0]  # the next one is clean (nothing cached)
+    assert (clean.token_ids, clean.audio_sha256) == (want.token_ids, want.audio_sha256)
+
+
+def _chat_ids(omni, text: str) -> list[int]:
+    return omni.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_a_prompt_sharing_a_prefix_moves_only_the_missing_blocks(mixed, hf_colocated):
+    # Byte-level tokenizer: one ASCII character, one token. The two prompts share their first
+    # 2 full blocks and no third.
+    first = _chat_ids(mixed, "a" * 70 + " - what comes first, the tide or the moon?")
+    second = _chat_ids(mixed, "a" * 70 + " ; and which one of them is later?")
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert shared // BS == 2, shared
+    a = mixed.generate([{"prompt_token_ids": first}], use_tqdm=False)[0]
+    assert a.metrics["kv_blocks_transferred"] == -(-len(first) // BS)
+    assert a.metrics.get("kv_reused_tokens", 0) == 0
+    b = mixed.generate([{"prompt_token_ids": second}], use_tqdm=False)[0]
+    # The first 2 blocks are found under vLLM's keys: exactly the rest move.
+    assert b.metrics["kv_reused_tokens"] == 2 * BS
+    assert b.metrics["kv_blocks_transferred"] == -(-len(second) // BS) - 2
+    want = hf_colocated.generate([{"prompt_token_ids": second}], use_tqdm=False)[0]
+    assert (b.token_ids, b.audio_sha256) == (want.token_ids, want.audio_sha256)
+
+
+def test_a_missed_window_counts_toward_the_breaker_and_falls_back(mixed, hf_colocated):
+    prompt = "What does the wind do to the waves, and why?"  # not cached on the decode side
+    want = hf_colocated.generate([prompt], use_tqdm=False)[0]
+    failures, fallbacks = mixed.engine.handoff_failures, mixed.engine.fallbacks
+    mixed.control(1, "inject_vllm_kv_miss")
+    got = mixed.generate([prompt], use_tqdm=False)[0]
+    assert (mixed.engine.handoff_failures, mixed.engine.fallbacks) == (failures + 1, fallbacks + 1)
+    assert (got.token_ids, got.audio_sha256) == (want.token_ids, want.audio_sha256)
+    assert "kv_path" not in got.metrics  # the decode leg computed the prompt
+    # The missed pull's staging is quarantined until the producer's answer ends it (bounded).
+    deadline = time.monotonic() + 10
+    while (
+        mixed.control(1, "debug_state_counts")["kv.vllm_staging_blocks_held"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)  # polling a condition under a deadline

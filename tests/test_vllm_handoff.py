@@ -1,0 +1,89 @@
+"""The check an hf decode engine makes of a vLLM producer at the first handoff
+(kv/vllm_handoff.py): every field that differs is named with both values, in one message."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from omni_pd.kv.errors import KVIncompatibleError
+from omni_pd.kv.layout import BlockLayout
+from omni_pd.kv.vllm_handoff import (
+    VllmProducerInfo,
+    check_consumer,
+    consumer_fingerprint,
+    seed_rule,
+)
+from omni_pd.kv.vllm_layout import VllmKVGeometry
+
+GEOMETRY = VllmKVGeometry(
+    layer_names=("l0", "l1"),
+    layer_indices=(0, 1),
+    block_size=32,
+    num_kv_heads=2,
+    head_size=32,
+    dtype="float32",
+    attention_isa="vec",
+)
+LAYOUT = BlockLayout(32, 2, 2, 32, "float32")
+FIXED = seed_rule("sha256_cbor", None)
+INFO = VllmProducerInfo(GEOMETRY, "sha256_cbor", FIXED, "tiny")
+
+
+def test_a_matching_producer_passes_and_round_trips():
+    check_consumer(INFO, LAYOUT, "vllm:sha256_cbor", FIXED)  # the control
+    assert VllmProducerInfo.from_dict(INFO.to_dict()) == INFO
+    ours = consumer_fingerprint(LAYOUT, "vllm:sha256_cbor", FIXED, "tiny")
+    shared = ("block_size", "num_kv_heads", "dtype", "prefix_caching_hash_algo", "none_hash_seed", "model")
+    assert {k: ours[k] for k in shared} == {k: INFO.to_dict()[k] for k in shared}
+
+
+@pytest.mark.parametrize(
+    "info, scheme, seed, needles",
+    [
+        (INFO, "vllm:xxhash", FIXED, ("vLLM prefix_caching_hash_algo 'sha256_cbor'", "'vllm:xxhash'")),
+        (INFO, "omni-pd-xxh3-128", "none", ("'sha256_cbor'", "'omni-pd-xxh3-128'")),
+        (
+            INFO,
+            "vllm:sha256_cbor",
+            "PYTHONHASHSEED='1'",
+            ('vLLM "vLLM\'s fixed default"', "PYTHONHASHSEED='1'"),
+        ),
+        (
+            dataclasses.replace(INFO, geometry=dataclasses.replace(GEOMETRY, block_size=64)),
+            "vllm:sha256_cbor",
+            FIXED,
+            ("block size: vLLM 64, this engine 32",),
+        ),
+        (
+            dataclasses.replace(
+                INFO, geometry=dataclasses.replace(GEOMETRY, num_kv_heads=4, dtype="bfloat16")
+            ),
+            "vllm:sha256_cbor",
+            FIXED,
+            ("KV heads: vLLM 4, this engine 2", "dtype: vLLM 'bfloat16', this engine 'float32'"),
+        ),
+    ],
+    ids=["hash-algo", "own-naming", "seed", "block-size", "geometry"],
+)
+def test_a_mismatch_is_refused_naming_both_values(info, scheme, seed, needles):
+    with pytest.raises(KVIncompatibleError) as err:
+        check_consumer(info, LAYOUT, scheme, seed)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_random_xxhash_seeds_never_match():
+    rule = seed_rule("xxhash", None)
+    assert "random" in rule
+    info = dataclasses.replace(INFO, hash_algo="xxhash", seed_rule=rule)
+    with pytest.raises(KVIncompatibleError, match="NONE_HASH seed"):
+        check_consumer(info, LAYOUT, "vllm:xxhash", rule)
+
+
+def test_a_producer_entry_without_its_keys_is_refused_by_name():
+    data = INFO.to_dict()
+    del data["prefix_caching_hash_algo"]
+    with pytest.raises(ValueError, match="lacks 'prefix_caching_hash_algo'"):
+        VllmProducerInfo.from_dict(data)
