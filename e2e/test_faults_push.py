@@ -3,7 +3,8 @@ its decode worker reserved, chunk by chunk, and a peer dies in the middle of it.
 worker stops itself (SIGSTOP, the `inject_push_stop` test hook) once its first chunk's writes are
 out, so each case kills a peer at a known point mid-push with no sleep in between; then the
 request must be answered by the fallback (equal to the colocated pipeline), within the miss
-window of the kill, counted by the breaker, with nothing left on any stage.
+window of the kill, counted by the breaker, with nothing left on any stage. The soak runs here
+too, in push mode, in a short form.
 
 One push pipeline for the module (the short windows of e2e/test_faults.py); prompts long enough
 for several 32-token chunks.
@@ -36,6 +37,7 @@ from test_faults import (
     _same_as_colocated,
     _wait_for,
     _wait_healthy,
+    soak,
 )
 
 pytestmark = pytest.mark.slow
@@ -158,3 +160,11 @@ def test_prefill_killed_mid_push_the_decode_frees_its_reservation(pd, reference)
     assert out.metrics["kv_path"] == "push" and not out.metrics["kv_fallback"], out.metrics
     _same_as_colocated(out, reference[LONG[2]])
     _report("prefill SIGKILL mid-push", answered_after_kill_s=failover)
+
+
+def test_soak_in_push_mode(pd):
+    """The soak's short form in push mode: 200 requests at concurrency 8, a quarter aborted, the
+    prefill worker killed halfway; most are pushed, none fails, nothing is left behind."""
+    paths = soak(pd, 200, "soak (push)", prompts=PROMPTS + LONG)
+    _report("soak (push) answers by KV path", **{str(path): n for path, n in paths.items()})
+    assert paths["push"] > 0 and set(paths) <= {"push", None}, paths
