@@ -150,9 +150,11 @@ def test_transfer_mode_and_load_format_overrides_reach_the_stages(tmp_path):
     from omni_pd.bench.serve import _resolve_config
 
     pd = "stage_configs/ci/qwen3_omni_tiny_pd.yaml"
-    label, path = _resolve_config(f"{pd}@transfer_mode=push@load_format=auto", tmp_path)
-    assert label == "qwen3_omni_tiny_pd@transfer_mode=push@load_format=auto"
+    label, path = _resolve_config(f"{pd}@transfer_mode=push@load_format=auto@kv_same_host=off", tmp_path)
+    assert label == "qwen3_omni_tiny_pd@transfer_mode=push@load_format=auto@kv_same_host=off"
     stages = yaml.safe_load(path.read_text())["stage_args"]
+    extra = [s["engine_args"]["kv_transfer_config"]["kv_connector_extra_config"] for s in stages[:2]]
+    assert [e["kv_same_host"] for e in extra] == ["off", "off"]
     modes = [
         (s["engine_args"].get("kv_transfer_config") or {})
         .get("kv_connector_extra_config", {})

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reported side by side, each labelled by its file stem; "
         "PATH@key=value sets a top-level key on a copy (e.g. "
         "PATH@async_chunk=false); prefix_caching=BOOL sets it on every thinker stage, "
-        "transfer_mode=push|pull on every stage with a kv_transfer_config, load_format=FORMAT "
+        "transfer_mode=push|pull, kv_same_host=... and kv_push_chunk_tokens=N in every "
+        "stage's kv_connector_extra_config, load_format=FORMAT "
         "on every stage (auto: read --model's weights) (default: "
         "stage_configs/ci/qwen3_omni_tiny.yaml,"
         "stage_configs/ci/qwen3_omni_tiny_pd.yaml)",
@@ -247,6 +248,10 @@ def _int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
+# PATH@key=value keys set in every stage's kv_connector_extra_config (P/D configs only).
+KV_OVERRIDES = ("transfer_mode", "kv_same_host", "kv_push_chunk_tokens")
+
+
 def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
     """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
     `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
@@ -270,18 +275,19 @@ def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple
                 if stage.get("engine_args", {}).get("model_stage") == "thinker":
                     stage["engine_args"]["enable_prefix_caching"] = bool(yaml.safe_load(value))
             continue
-        if key == "transfer_mode":  # the P/D pair's KV handoff: push or pull
+        if key in KV_OVERRIDES:  # the P/D pair's KV handoff settings
             kv_stages = [
                 s["engine_args"]["kv_transfer_config"]
                 for s in data.get("stage_args", [])
                 if s.get("engine_args", {}).get("kv_transfer_config")
             ]
             if not kv_stages:
-                raise SystemExit(
-                    f"error: {text!r}: transfer_mode needs a P/D config, {found} has no kv stages"
-                )
+                raise SystemExit(f"error: {text!r}: {key} needs a P/D config, {found} has no kv stages")
             for kv in kv_stages:
-                kv.setdefault("kv_connector_extra_config", {})["transfer_mode"] = value
+                # as written ("off" stays a string), but a chunk size is a number
+                kv.setdefault("kv_connector_extra_config", {})[key] = (
+                    int(value) if key == "kv_push_chunk_tokens" else value
+                )
             continue
         if key == "load_format":  # every stage's: auto reads the served checkpoint's weights
             for stage in data.get("stage_args", []):
