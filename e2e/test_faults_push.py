@@ -125,6 +125,12 @@ def test_decode_killed_mid_push_the_prefill_lets_its_writes_go(pd, reference):
     future, prefill_pid = _start_and_stop_mid_push(pd, LONG[0])
     _kill(pd, DECODE)  # the reservation's memory goes with it
     killed = time.monotonic()
+    # Resumed once the orchestrator has seen the death, so that the fallback waits for the
+    # restarted decode worker. (Resumed before that, the prefill's failed writes can send the
+    # fallback to the dead worker first; the request then fails naming it, as any request in
+    # flight on a killed worker does.)
+    decode = pd.engine.clients[DECODE]
+    _wait_for(lambda: decode.unavailable() is not None, 5, "the orchestrator to see the decode worker die")
     os.kill(prefill_pid, signal.SIGCONT)  # the prefill goes on writing into a dead peer
     _wait_for(lambda: engine.handoff_failures > failures, 10, "the handoff to fail")
     given_up = time.monotonic() - killed
