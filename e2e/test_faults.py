@@ -10,6 +10,7 @@ measured ones (`pytest e2e/test_faults.py -s` prints them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import random
@@ -388,17 +389,25 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     """1000 requests at concurrency 8, a quarter aborted at a random moment, the prefill worker
     killed halfway: every request that was not aborted is answered, nothing is left behind, and
     no worker grew by more than 10%."""
-    total, concurrency = 1000, 8
+    soak(pd, 1000, "soak")
+
+
+def soak(pd, total: int, case: str, prompts=PROMPTS) -> collections.Counter:
+    """The soak's body (e2e/test_faults_push.py runs it in push mode): `total` requests at
+    concurrency 8, a quarter aborted at a random moment, the prefill worker killed halfway.
+    Returns how many answered requests took each KV path (`kv_path`; None: the fallback)."""
+    concurrency = 8
     rng = random.Random(1234)
     plan = [
-        (PROMPTS[i % len(PROMPTS)], rng.random() < 0.25, rng.random() < 0.25, rng.uniform(0.0, 0.1))
+        (prompts[i % len(prompts)], rng.random() < 0.25, rng.random() < 0.25, rng.uniform(0.0, 0.1))
         for i in range(total)
     ]
-    pd.generate(PROMPTS[:4])  # warm every stage before the baseline
+    pd.generate(list(prompts[:4]))  # warm every stage before the baseline
     baseline = {sid: _rss_kib(_pid(pd, sid)) for sid in (PREFILL, DECODE, TALKER, CODE2WAV)}
     engine = pd.engine
     restarts_before = engine.clients[PREFILL].restarts
     outcome = {"ok": 0, "aborted": 0, "failed": 0}
+    paths: collections.Counter = collections.Counter()
 
     async def one(index: int, prompt: str, abort: bool, audio: bool, delay: float) -> None:
         request_id = f"soak-{index}"
@@ -408,8 +417,9 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
             await asyncio.wait([task], timeout=delay)
             engine.abort(request_id)
         try:
-            await task
+            out = await task
             outcome["ok"] += 1
+            paths[None if out.metrics["kv_fallback"] else out.metrics.get("kv_path")] += 1
         except Exception as exc:  # noqa: BLE001 - counted below
             outcome["aborted" if abort else "failed"] += 1
             if not abort:
@@ -433,11 +443,15 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     asyncio.run_coroutine_threadsafe(run(), pd._loop).result(900)
     took = time.monotonic() - began
     _wait_healthy(pd, RESTART_BOUND_S)
-    _wait_for(lambda: _clean_counts(pd), 10, "every per-request count to return to zero")
+    try:
+        _wait_for(lambda: _clean_counts(pd), 10, "every per-request count to return to zero")
+    except AssertionError:
+        print("left:", {k: v for k, v in pd.debug_state_counts().items() if v})
+        raise
     grown = {sid: _rss_kib(_pid(pd, sid)) / baseline[sid] for sid in baseline}
     assert engine.clients[PREFILL].restarts == restarts_before + 1
     _report(
-        "soak",
+        case,
         requests=total,
         seconds=took,
         **outcome,
@@ -446,3 +460,4 @@ def test_soak_with_aborts_and_a_worker_kill(pd):
     )
     assert outcome["failed"] == 0
     assert all(ratio <= 1.10 for ratio in grown.values()), grown
+    return paths

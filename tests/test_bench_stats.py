@@ -144,6 +144,48 @@ def test_config_overrides_make_a_labelled_copy(tmp_path):
         _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)
 
 
+def test_transfer_mode_and_load_format_overrides_reach_the_stages(tmp_path):
+    import yaml
+
+    from omni_pd.bench.serve import _resolve_config
+
+    pd = "stage_configs/ci/qwen3_omni_tiny_pd.yaml"
+    label, path = _resolve_config(f"{pd}@transfer_mode=push@load_format=auto@kv_same_host=off", tmp_path)
+    assert label == "qwen3_omni_tiny_pd@transfer_mode=push@load_format=auto@kv_same_host=off"
+    stages = yaml.safe_load(path.read_text())["stage_args"]
+    extra = [s["engine_args"]["kv_transfer_config"]["kv_connector_extra_config"] for s in stages[:2]]
+    assert [e["kv_same_host"] for e in extra] == ["off", "off"]
+    modes = [
+        (s["engine_args"].get("kv_transfer_config") or {})
+        .get("kv_connector_extra_config", {})
+        .get("transfer_mode")
+        for s in stages
+    ]
+    assert modes == ["push", "push", None, None]
+    assert all(s["engine_args"]["load_format"] == "auto" for s in stages)
+    # the copy loads (push named on both legs of the pair is allowed) ...
+    from omni_pd.config.loader import load_pipeline_config
+
+    load_pipeline_config(path)
+    # ... and the plain file keeps pull (the default) and dummy weights
+    _, plain = _resolve_config(pd, tmp_path)
+    assert "transfer_mode" not in plain.read_text() and "load_format: dummy" in plain.read_text()
+    with pytest.raises(SystemExit, match="transfer_mode needs a P/D config"):
+        _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml@transfer_mode=push", tmp_path)
+
+
+def test_sized_prompts_have_the_length_asked_and_no_shared_prefix():
+    from omni_pd.bench.sized_prompts import load_tokenizer, sized_prompts
+
+    tokenizer = load_tokenizer("tiny-qwen3-omni")
+    made = sized_prompts(tokenizer, 300, 3) + sized_prompts(tokenizer, 300, 2, first=3)
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in made]
+    assert lengths == [300] * 5
+    assert len({p[:12] for p in made}) == 5  # each begins with its own number
+    with pytest.raises(ValueError, match="--prompt-tokens must be at least 8"):
+        sized_prompts(tokenizer, 4, 1)
+
+
 def test_ignore_eos_sets_every_stage_of_the_copy(tmp_path):
     import yaml
 

@@ -7,6 +7,7 @@ delta still moves only the missing blocks; faults end within the request's wait 
 nothing behind on either side."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ torch.set_num_threads(1)
 from omni_pd.engines.core.pd_legs import DecodeEngine, PrefillEngine  # noqa: E402
 from omni_pd.engines.core.push_legs import chunk_tokens  # noqa: E402
 from omni_pd.kv.errors import KVIncompatibleError, KVMissError  # noqa: E402
-from omni_pd.kv.push import RECORD_KEY, TARGET_KEY, PushTarget  # noqa: E402
+from omni_pd.kv.push import RECORD_KEY, TARGET_KEY, PushReservations, PushTarget  # noqa: E402
 from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
 
@@ -197,3 +198,21 @@ def test_chunks_end_on_both_block_sizes(pair):
     prefill, decode = pair
     target = PushTarget("t", "s", 1, (), decode.layout, 0, 0, 1.0)
     assert chunk_tokens(prefill, target) == 32
+
+
+def test_prefix_blocks_shared_by_reservations_count_once(pair):
+    """Two reservations of one prompt share its prefix-cache blocks (one pool block, referenced
+    twice): held and fenced counts name distinct blocks, so kv_blocks_in_use never goes negative."""
+    _, decode = pair
+    pool = SimpleNamespace(layout=decode.layout, checksum_kind="xxh3")
+    freed: list[int] = []
+    pushes = PushReservations("s", pool, SimpleNamespace(base_address=0), freed.extend, fence_s=60.0)
+    size = decode.layout.block_size
+    pushes.reserve("a", [7, 1, 2], 1, 3 * size, 5.0)
+    pushes.reserve("b", [7, 3, 4], 1, 3 * size, 5.0)
+    assert pushes.blocks_held == 5  # 6 if block 7 counted twice
+    pushes.abandon("a", "test")
+    pushes.abandon("b", "test")
+    assert pushes.debug_state_counts() == {"push_reservations": 0, "push_fenced_blocks": 5}
+    assert pushes.abandon("a", "test", writer_gone=True) and pushes.abandon("b", "test", writer_gone=True)
+    assert sorted(freed) == [1, 2, 3, 4, 7, 7] and pushes.blocks_held == 0  # each reference freed

@@ -39,6 +39,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 from ..paths import STAGE_CONFIGS_DIR
 
@@ -62,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated stage YAMLs, benchmarked one after the other and "
         "reported side by side, each labelled by its file stem; "
         "PATH@key=value sets a top-level key on a copy (e.g. "
-        "PATH@async_chunk=false) (default: "
+        "PATH@async_chunk=false); prefix_caching=BOOL sets it on every thinker stage, "
+        "transfer_mode=push|pull, kv_same_host=... and kv_push_chunk_tokens=N in every "
+        "stage's kv_connector_extra_config, load_format=FORMAT "
+        "on every stage (auto: read --model's weights) (default: "
         "stage_configs/ci/qwen3_omni_tiny.yaml,"
         "stage_configs/ci/qwen3_omni_tiny_pd.yaml)",
     )
@@ -169,6 +173,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="make every user message this many tokens of the served model's tokenizer, each "
+        "beginning with its own number so that no two share a prefix (default: short varied "
+        "prompts)",
+    )
+    parser.add_argument(
         "--ignore-eos",
         action="store_true",
         help="set ignore_eos in every stage's default_sampling_params of the served "
@@ -236,6 +248,10 @@ def _int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
+# PATH@key=value keys set in every stage's kv_connector_extra_config (P/D configs only).
+KV_OVERRIDES = ("transfer_mode", "kv_same_host", "kv_push_chunk_tokens")
+
+
 def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
     """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
     `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
@@ -258,6 +274,24 @@ def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple
             for stage in data.get("stage_args", []):
                 if stage.get("engine_args", {}).get("model_stage") == "thinker":
                     stage["engine_args"]["enable_prefix_caching"] = bool(yaml.safe_load(value))
+            continue
+        if key in KV_OVERRIDES:  # the P/D pair's KV handoff settings
+            kv_stages = [
+                s["engine_args"]["kv_transfer_config"]
+                for s in data.get("stage_args", [])
+                if s.get("engine_args", {}).get("kv_transfer_config")
+            ]
+            if not kv_stages:
+                raise SystemExit(f"error: {text!r}: {key} needs a P/D config, {found} has no kv stages")
+            for kv in kv_stages:
+                # as written ("off" stays a string), but a chunk size is a number
+                kv.setdefault("kv_connector_extra_config", {})[key] = (
+                    int(value) if key == "kv_push_chunk_tokens" else value
+                )
+            continue
+        if key == "load_format":  # every stage's: auto reads the served checkpoint's weights
+            for stage in data.get("stage_args", []):
+                stage.setdefault("engine_args", {})["load_format"] = value
             continue
         data[key] = yaml.safe_load(value)
     if ignore_eos:
@@ -381,6 +415,26 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
 
 
+def _prompt_maker(args: argparse.Namespace, model: str) -> Callable[[int], Sequence[str]]:
+    """`fresh(n)`: the next n prompts. Short varied ones by default (repeating); with
+    --prompt-tokens, each of that many tokens and numbered on from the last (none repeats)."""
+    from .load import PROMPTS
+
+    if not args.prompt_tokens:
+        return lambda n: [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    from .sized_prompts import load_tokenizer, sized_prompts
+
+    tokenizer = load_tokenizer(args.model or model)
+    made = 0
+
+    def fresh(n: int) -> Sequence[str]:
+        nonlocal made
+        made += n
+        return sized_prompts(tokenizer, args.prompt_tokens, n, first=made - n)
+
+    return fresh
+
+
 async def _bench_target(
     base_url: str,
     label: str,
@@ -412,6 +466,7 @@ async def _bench_target(
         if model is None:
             listed = await client.models.list()
             model = listed.data[0].id
+        fresh = _prompt_maker(args, model)
         if args.multi_turn:
             from .multi_turn import run_conversations, summarize_turns
 
@@ -441,8 +496,8 @@ async def _bench_target(
             levels = []  # conversations instead of the levels
         for concurrency in levels:
             n = requests_per_level(num_requests, concurrency)
-            for i in range(args.warmup):
-                warm = await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+            for warm_prompt in fresh(args.warmup):
+                warm = await stream_one(client, model, warm_prompt, args.max_tokens)
                 if not warm.ok:
                     print(
                         f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr
@@ -468,6 +523,7 @@ async def _bench_target(
                         concurrency,
                         n,
                         args.max_tokens,
+                        prompts=fresh(n),
                         on_done=done,
                         send=realtime_one if endpoint == "realtime" else stream_one,
                     )
@@ -508,6 +564,7 @@ async def _bench_target(
                     rate,
                     n,
                     args.max_tokens,
+                    prompts=fresh(n),
                     seed=args.seed,
                     on_done=lambda _r, bar=bar: bar.update(1),
                 )

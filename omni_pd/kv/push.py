@@ -503,12 +503,13 @@ class PushReservations:
         late writers (no request's state)."""
         return {
             "push_reservations": len(self._live),
-            "push_fenced_blocks": sum(len(r.blocks) for r in self._fenced.values()),
+            "push_fenced_blocks": len({b for r in self._fenced.values() for b in r.blocks}),
         }
 
     @property
     def blocks_held(self) -> int:
-        return sum(len(r.blocks) for r in (*self._live.values(), *self._fenced.values()))
+        """Distinct blocks held: reservations of one prompt share its prefix-cache blocks."""
+        return len({b for r in (*self._live.values(), *self._fenced.values()) for b in r.blocks})
 
     @property
     def next_deadline(self) -> float:

@@ -87,7 +87,7 @@ class PrefillEngine(ArEngine):
     answering with the first token."""
 
     decodes = False
-    control_calls = ArEngine.control_calls | {"release_kv", "inject_kv_fault"}
+    control_calls = ArEngine.control_calls | {"release_kv", "inject_kv_fault", "inject_push_stop"}
 
     @staticmethod
     def shares_cache(stage_config) -> bool:
@@ -114,6 +114,7 @@ class PrefillEngine(ArEngine):
         # Push mode: writes prompt blocks into the decode side's reservations (push_legs.py).
         self.pusher = KVPusher(self.transport, self.sender.pool, self.sender.landing, self.kv.free)
         self.push_chunk_tokens = settings.handoff.kv_push_chunk_tokens
+        self.push_stop_after: int | None = None  # inject_push_stop: chunks before the worker stops
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -217,6 +218,14 @@ class PrefillEngine(ArEngine):
         transit would, and not the cached prefix of the requests after it."""
         self.sender.inject_fault_once(block_index, byte_offset, after_checksum)
         self._fault_pending = True
+
+    def inject_push_stop(self, after_chunks: int = 1) -> None:
+        """Test hook: the next push stops this worker (SIGSTOP to its own process) once the
+        writes of its first `after_chunks` chunks are submitted, so that a test can kill either
+        peer at a known point mid-push and then let the worker go on (SIGCONT)."""
+        if after_chunks < 1:
+            raise ValueError(f"inject_push_stop: after_chunks must be at least 1, got {after_chunks}")
+        self.push_stop_after = after_chunks
 
     def housekeeping(self) -> None:
         self.sender.expire_leases()
