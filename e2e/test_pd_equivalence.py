@@ -253,12 +253,19 @@ def test_negative_control_batching_without_invariant_kernels_is_noticed(pd):
     want = [alone(pd, "pd", case) for case in CASES]
     for stage in (pd.pd_pair.decode_stage_id, talker):
         pd.control(stage, "set_batch_invariant", enabled=False)
+    # Which rows share a step depends on timing, and in bfloat16 most last-bit differences round
+    # away: up to three all-at-once runs, any of which may show it (one does in float32).
+    noticed = False
     try:
-        got = pd.generate([_prompts(pd)[case] for case in CASES])
+        for _ in range(3):
+            got = pd.generate([_prompts(pd)[case] for case in CASES])
+            noticed = any(differences(pd, a, pd, b) for a, b in zip(want, got))
+            if noticed:
+                break
     finally:
         for stage in (pd.pd_pair.decode_stage_id, talker):
             pd.control(stage, "set_batch_invariant", enabled=True)
-    assert any(differences(pd, a, pd, b) for a, b in zip(want, got))
+    assert noticed
 
 
 @pytest.mark.parametrize("which", ["colocated", "pd", "colocated_whole", "pd_whole"])
