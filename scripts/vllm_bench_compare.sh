@@ -11,7 +11,7 @@
 # Environment (defaults in brackets):
 #   CONFIGS      omni-pd stage files to serve after bare vLLM
 #                [stage_configs/ci/qwen3_omni_tiny_vllm.yaml stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml]
-#   CONCURRENCY  levels [1 4]          NUM_PROMPTS  requests per level [16]
+#   CONCURRENCY  levels [1 4]          NUM_PROMPTS  requests per level [32]
 #   INPUT_LEN    prompt tokens [256]   OUTPUT_LEN   output tokens (--ignore-eos) [32]
 #   SEED         the random dataset's seed [0]   PORT  [8311]
 #
@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CONFIGS=${CONFIGS:-"stage_configs/ci/qwen3_omni_tiny_vllm.yaml stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml"}
 CONCURRENCY=${CONCURRENCY:-"1 4"}
-NUM_PROMPTS=${NUM_PROMPTS:-16}
+NUM_PROMPTS=${NUM_PROMPTS:-32}
 INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-32}
 SEED=${SEED:-0}
