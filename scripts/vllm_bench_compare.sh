@@ -13,7 +13,7 @@
 #                [stage_configs/ci/qwen3_omni_tiny_vllm.yaml stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml]
 #   CONCURRENCY  levels [1 4]          NUM_PROMPTS  requests per level [32]
 #   INPUT_LEN    prompt tokens [256]   OUTPUT_LEN   output tokens (--ignore-eos) [32]
-#   SEED         the random dataset's seed [0]   PORT  [8311]
+#   SEED         the random dataset's seed [0]   PORT  [8311]   VENV  [.venv]
 #
 # Bare vLLM serves the checkpoint that omni-pd's vLLM thinker stage loads (the embedded tiny model
 # written with the stages' seed 42; its architecture, Qwen3OmniMoeForConditionalGeneration, is
@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${VENV:-$ROOT/.venv}
-[ -x "$VENV/bin/vllm" ] || VENV=/work/main/.venv
+[ -x "$VENV/bin/vllm" ] || { echo "no $VENV/bin/vllm: OMNI_PD_VLLM=1 scripts/setup.sh, or VENV=DIR" >&2; exit 1; }
 OUT=${1:-$(mktemp -d /tmp/vllm_bench_compare.XXXXXX)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
