@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# vLLM's own benchmark client against bare vLLM and against omni-pd, in one run, on the same tiny
+# Qwen3-Omni thinker, text only, with the same prompts (issue 41, item 3).
+#
+# Each server starts in turn on a free port, `vllm bench serve --backend openai-chat` runs at each
+# concurrency with the same seed, prompt and output lengths, the server stops, and a table of the
+# medians and p99s read from vLLM's --save-result JSON is printed (and written as markdown).
+#
+#   scripts/vllm_bench_compare.sh [OUT_DIR]
+#
+# Environment (defaults in brackets):
+#   CONFIGS      omni-pd stage files to serve after bare vLLM
+#                [stage_configs/ci/qwen3_omni_tiny_vllm.yaml stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml]
+#   CONCURRENCY  levels [1 4]          NUM_PROMPTS  requests per level [32]
+#   INPUT_LEN    prompt tokens [256]   OUTPUT_LEN   output tokens (--ignore-eos) [32]
+#   SEED         the random dataset's seed [0]   PORT  [8311]   VENV  [.venv]
+#
+# Bare vLLM serves the checkpoint that omni-pd's vLLM thinker stage loads (the embedded tiny model
+# written with the stages' seed 42; its architecture, Qwen3OmniMoeForConditionalGeneration, is
+# vLLM's Qwen3-Omni thinker) with the stage's engine arguments. omni-pd is asked for text only
+# (`modalities: ["text"]` through --extra-body; vLLM ignores the key), so the talker and code2wav
+# do not run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+[ -x "$VENV/bin/vllm" ] || { echo "no $VENV/bin/vllm: OMNI_PD_VLLM=1 scripts/setup.sh, or VENV=DIR" >&2; exit 1; }
+OUT=${1:-$(mktemp -d /tmp/vllm_bench_compare.XXXXXX)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+CONFIGS=${CONFIGS:-"stage_configs/ci/qwen3_omni_tiny_vllm.yaml stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml"}
+CONCURRENCY=${CONCURRENCY:-"1 4"}
+NUM_PROMPTS=${NUM_PROMPTS:-32}
+INPUT_LEN=${INPUT_LEN:-256}
+OUTPUT_LEN=${OUTPUT_LEN:-32}
+SEED=${SEED:-0}
+PORT=${PORT:-8311}
+NAME=tiny-qwen3-omni
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_HOST_IP=127.0.0.1 TOKENIZERS_PARALLELISM=false
+
+CKPT=$("$VENV/bin/python" -c "from omni_pd import registry; print(registry.checkpoint_dir('$NAME', 42))" | tail -1)
+echo "checkpoint: $CKPT"
+echo "out: $OUT"
+
+SERVER=""
+stop_server() {
+    if [ -n "$SERVER" ] && kill -0 "$SERVER" 2>/dev/null; then
+        kill "$SERVER" 2>/dev/null || true
+        for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done
+        kill -9 "$SERVER" 2>/dev/null || true
+    fi
+    SERVER=""
+}
+trap stop_server EXIT
+
+wait_ready() {  # /health answers 200 (omni-pd: every stage up; vLLM: the engine up)
+    for _ in $(seq 600); do
+        kill -0 "$SERVER" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
+        curl -sf -o /dev/null "http://127.0.0.1:$PORT/health" && return 0
+        sleep 1
+    done
+    echo "server not ready after 600 s; log: $1" >&2
+    exit 1
+}
+
+bench() {  # LABEL
+    for c in $CONCURRENCY; do
+        "$VENV/bin/vllm" bench serve --backend openai-chat --base-url "http://127.0.0.1:$PORT" \
+            --endpoint /v1/chat/completions --model "$NAME" --tokenizer "$CKPT" \
+            --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+            --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" --seed "$SEED" --ignore-eos \
+            --temperature 0 --extra-body '{"modalities": ["text"]}' \
+            --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+            --save-result --result-dir "$OUT" --result-filename "$1.c$c.json" --label "$1" \
+            >"$OUT/$1.c$c.log" 2>&1 || { echo "bench failed: $OUT/$1.c$c.log" >&2; tail -20 "$OUT/$1.c$c.log" >&2; exit 1; }
+        echo "  $1 concurrency $c done"
+    done
+}
+
+# 1. Bare vLLM, the thinker stage's engine arguments (qwen3_omni_tiny_vllm.yaml, stage 0).
+echo "bare vLLM: vllm serve $CKPT"
+"$VENV/bin/vllm" serve "$CKPT" --served-model-name "$NAME" --host 127.0.0.1 --port "$PORT" \
+    --dtype float32 --block-size 32 --max-model-len 4096 --enforce-eager --seed 42 \
+    --max-num-seqs 64 >"$OUT/server.vllm.log" 2>&1 &
+SERVER=$!
+wait_ready "$OUT/server.vllm.log"
+bench vllm
+stop_server
+
+# 2. omni-pd, each stage file.
+for cfg in $CONFIGS; do
+    label=omni-pd:$(basename "$cfg" .yaml)
+    echo "omni-pd serve --stage-configs-path $cfg"
+    "$VENV/bin/omni-pd" serve "$NAME" --stage-configs-path "$cfg" --host 127.0.0.1 --port "$PORT" \
+        --served-model-name "$NAME" --no-demo-page >"$OUT/server.$label.log" 2>&1 &
+    SERVER=$!
+    wait_ready "$OUT/server.$label.log"
+    bench "$label"
+    stop_server
+done
+
+"$VENV/bin/python" - "$OUT" "$CONCURRENCY" <<'EOF'
+import json, os, sys
+out, levels = sys.argv[1], sys.argv[2].split()
+files = sorted(f for f in os.listdir(out) if f.endswith(".json"))
+labels = list(dict.fromkeys(f.rsplit(".c", 1)[0] for f in files))
+labels.sort(key=lambda l: l != "vllm")
+head = ("| server | conc. | n | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 "
+        "| req/s | out tok/s | failed |")
+rows = [head, "|" + " --- |" * (head.count("|") - 1)]
+for c in levels:
+    for label in labels:
+        path = os.path.join(out, f"{label}.c{c}.json")
+        if not os.path.exists(path):
+            continue
+        d = json.load(open(path))
+        rows.append(
+            f"| {label} | {c} | {d['completed']} | {d['median_ttft_ms']:.1f} | {d['p99_ttft_ms']:.1f} "
+            f"| {d['median_itl_ms']:.2f} | {d['p99_itl_ms']:.2f} | {d['median_tpot_ms']:.2f} "
+            f"| {d['median_e2el_ms']:.1f} | {d['request_throughput']:.2f} | {d['output_throughput']:.1f} "
+            f"| {d['failed']} |"
+        )
+table = "\n".join(rows)
+print(table)
+open(os.path.join(out, "table.md"), "w").write(table + "\n")
+EOF
+echo "results: $OUT (table.md, one JSON per server and level, the servers' logs)"
