@@ -26,7 +26,7 @@ if [ "${OMNI_PD_LINT:-1}" = "1" ]; then
   rm -rf "$site"
 fi
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"  # the slowest, for CI time budgeting
 # The P/D equivalence and prefix-cache suites (P/D = colocated, batched = alone, streamed = whole,
 # cached = uncached, each with its negative control) again with every hf stage in bfloat16, where
 # this CPU has bf16 arithmetic.
