@@ -11,7 +11,6 @@ from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qwen3_
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf import experts_native
 
 pytestmark = pytest.mark.exactness
 
@@ -78,7 +77,7 @@ def test_the_thread_count_does_not_change_the_bits(block):
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             try:
-                results.append(experts_native.routed_experts(block.experts, batch, i, w))
+                results.append(bi.experts(block.experts, batch, i, w, "native"))
             finally:
                 torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])

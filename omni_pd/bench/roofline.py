@@ -44,22 +44,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BLOCK = 16
 FRAME_S = 0.08  # one codec frame: 80 ms of speech at 12.5 Hz
 CHUNK_FRAMES = 25
-KEYS = (
-    "stage",
-    "batch",
-    "tokens",
-    "context",
-    "layers",
-    "step_ms",
-    "step_ms_per_layer",
-    "bytes",
-    "flops",
-    "bytes_ms",
-    "flops_ms",
-    "roofline_ms",
-    "over_roofline",
-    "bound",
-)
 
 
 @dataclass
@@ -133,30 +117,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+def _runs_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of `repeats` runs of `fn`, after one warm run (kernels built, pages touched)."""
     fn()
     _sync(device)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         began = time.perf_counter()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
+        times.append(time.perf_counter() - began)
+    return times
 
 
 def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes / s that a reduction reads from a buffer far larger than the caches (the memory
     roofline a weight-streaming step runs against)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    return nbytes / _best_s(lambda: x.sum(), device, 5)
+    return nbytes / min(_runs_s(lambda: x.sum(), device, 5))
 
 
 def gemm_peak(device: torch.device, dtype: torch.dtype, n: int = 4096) -> float:
     """FLOP / s of a large square product in `dtype` (the compute roofline)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _best_s(lambda: a @ b, device, 3)
+    return 2 * n**3 / min(_runs_s(lambda: a @ b, device, 3))
 
 
 # ---- what a step touches ------------------------------------------------------------------
@@ -196,12 +181,12 @@ def _param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _moe_split(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(bytes outside the routed experts, bytes of one expert, MoE layers) of a decoder."""
+def _moe_split(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes outside the routed experts, bytes of one expert) of a decoder."""
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     expert_bytes = sum(_param_bytes(m) for m in experts)
     per_expert = (_param_bytes(experts[0]) // experts[0].gate_up_proj.shape[0]) if experts else 0
-    return _param_bytes(model) - expert_bytes, per_expert, len(experts)
+    return _param_bytes(model) - expert_bytes, per_expert
 
 
 def _flops(fn: Callable[[], Any]) -> int:
@@ -234,20 +219,12 @@ class Bench:
         """(median ms of `step`, the distinct experts its MoE layers read, summed over layers,
         its FLOPs), the last two from one more run, counted."""
         ms = self._time(step)
-        with moe_calls() as calls, FlopCounterMode(display=False) as counter:
-            step()
-        return ms, sum(calls.experts), int(counter.get_total_flops()) + calls.native_flops
+        with moe_calls() as calls:
+            flops = _flops(step)
+        return ms, sum(calls.experts), flops + calls.native_flops
 
     def _time(self, step: Callable[[], Any]) -> float:
-        times = []
-        step()  # warm: kernels built, pages touched
-        _sync(self.device)
-        for _ in range(self.repeats):
-            began = time.perf_counter()
-            step()
-            _sync(self.device)
-            times.append(time.perf_counter() - began)
-        return statistics.median(times) * 1e3
+        return statistics.median(_runs_s(step, self.device, self.repeats)) * 1e3
 
     def _cache(self, layout, batch: int, positions: int) -> PagedKVCache:
         """A cache that holds `batch` sequences of `positions` each, block-aligned."""
@@ -264,7 +241,7 @@ class Bench:
         )
         text = runner.thinker.model
         layers = len(text.layers)
-        fixed, per_expert, _ = _moe_split(text)
+        fixed, per_expert = _moe_split(text)
         head = _param_bytes(runner.thinker.lm_head)
         embed = _param_bytes(text.embed_tokens)
         layout = thinker_layout(runner.thinker, BLOCK)
@@ -315,7 +292,7 @@ class Bench:
         layout = runner.kv_layout(BLOCK)
         hidden = runner.config.text_config.hidden_size
         layers = len(talker.model.layers)
-        fixed, per_expert, _ = _moe_split(talker.model)
+        fixed, per_expert = _moe_split(talker.model)
         predictor_heads = _param_bytes(talker.code_predictor.lm_head) + sum(
             e.embedding_dim * e.weight.element_size() for e in talker.code_predictor.model.codec_embedding
         )

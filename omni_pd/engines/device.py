@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,23 +80,22 @@ def check_dtype(device: torch.device | str, dtype: torch.dtype, stage_id: int) -
     flags = _cpu_flags()
     wanted = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}.get(name, ())
     level = cpu_capability()
-    if not wanted or level != "avx512" or not any(f in flags for f in wanted):
+    present = any(f in flags for f in wanted)
+    if level != "avx512" or not present:
+        instructions = "/".join(wanted) or f"no {name} instructions"
         raise ValueError(
             f"stage {stage_id}: engine_args.dtype {name} on this CPU (torch's level {level}; "
-            f"{'/'.join(wanted) or 'no ' + name + ' instructions'} "
-            f"{'present' if any(f in flags for f in wanted) else 'absent'}) has no {name} kernels: "
+            f"{instructions} {'present' if present else 'absent'}) has no {name} kernels: "
             "set dtype: float32, or run the stage on a GPU (runtime.devices)"
         )
 
 
 def _cpu_flags() -> set[str]:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return set()
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
 def to_device(value: Any, device: torch.device | str) -> Any:

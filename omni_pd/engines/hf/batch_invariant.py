@@ -148,7 +148,7 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #    native/experts.c (experts_native.py), every output element one dot product computed alone.
 #    A step reads the weights of the experts in use, which is what an MoE costs: at the real
 #    thinker's shape (128 experts, top-8, 2048 x 768) one row's step reads 8 of 128 experts, and
-#    runs within 1.05x of the plain routed product (`omni-pd bench roofline`, docs).
+#    runs within 1.05x of the plain routed product (docs/real_shapes.md).
 #  * tiles: the same on torch ops (the stage's `attention_kernels: torch`, bf16, or a GPU): each
 #    expert in use on its rows padded to fixed 16-row tiles; exact, but an expert with one row
 #    computes 16 (2-2.5x the plain routed product at the real shape).
@@ -158,7 +158,7 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #    overhead of the routed forms costs more than the work.
 # Either way a row adds its experts' outputs in ascending expert order, weighted by its routing
 # weight, so its bits do not depend on which experts other rows picked. The rule was measured
-# (docs: benchmarks, MoE forms): on this CPU the every-expert form is as fast or faster while all
+# (docs/real_shapes.md): on this CPU the every-expert form is as fast or faster while all
 # experts' weights of one layer fit in EVERY_EXPERT_MAX_BYTES (the tiny model's 4 x 16 x 64
 # floats: 0.09 MiB), the routed forms from a few MiB up (the medium model's 96 MiB: 0.7 against
 # 38 ms a row). The form depends on the shapes, the dtype and the kernels setting alone, so a
@@ -182,14 +182,24 @@ def experts(
     """transformers' fused experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) on rows `x`
     routed to `top_index` with `top_weights` ([rows, k] each), batch-invariant in the layer's
     form; untiled (the negative control): only the routed rows, per expert, plain products."""
-    if not _enabled:
-        return _routed_experts(module, x, top_index, top_weights)
-    form = experts_form(module, kernels)
+    form = experts_form(module, kernels) if _enabled else "tiles"
+    if form == "every":
+        return _every_expert(module, x, top_index, top_weights)
+    rows, weights, counts = routed_pairs(top_index, top_weights, module.gate_up_proj.shape[0])
     if form == "native":
-        return experts_native.routed_experts(module, x, top_index, top_weights).to(x.dtype)
-    if form == "tiles":
-        return _routed_experts(module, x, top_index, top_weights)
-    return _every_expert(module, x, top_index, top_weights)
+        return experts_native.routed_experts(module, x, rows, weights, counts).to(x.dtype)
+    return _routed_experts(module, x, rows, weights, counts)
+
+
+def routed_pairs(
+    top_index: torch.Tensor, top_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's (row, slot) routing pairs grouped by expert, ascending (a stable sort keeps rows
+    ascending in a group): each pair's row, its routing weight, and the pairs per expert."""
+    k = top_index.shape[1]
+    flat = top_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order // k, top_weights.reshape(-1)[order], torch.bincount(flat, minlength=num_experts)
 
 
 def _every_expert(
@@ -215,27 +225,21 @@ def _every_expert(
 
 
 def _routed_experts(
-    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+    module, x: torch.Tensor, pair_rows: torch.Tensor, pair_weights: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """The experts in use, ascending, each on its rows (row order): on fixed tiles through
+    """The experts in use, ascending, each on its rows (`routed_pairs`): on fixed tiles through
     `linear` when the tiles are on, plain products when they are off (the negative control)."""
     out = torch.zeros_like(x)
-    k = top_index.shape[1]
-    flat = top_index.reshape(-1)
-    # (row, slot) pairs grouped by expert, ascending; a stable sort keeps rows ascending in a group.
-    order = torch.argsort(flat, stable=True)
-    rows_sorted, slots_sorted = order // k, order % k
-    counts = torch.bincount(flat, minlength=module.gate_up_proj.shape[0]).tolist()
     act = activation(module.act_fn)
     start = 0
-    for expert, n in enumerate(counts):
+    for expert, n in enumerate(counts.tolist()):
         if not n:
             continue
-        rows, slots = rows_sorted[start : start + n], slots_sorted[start : start + n]
+        rows, weights = pair_rows[start : start + n], pair_weights[start : start + n]
         start += n
         gate, up = linear(x[rows], module.gate_up_proj[expert]).chunk(2, dim=-1)
         hidden = linear(act(gate) * up, module.down_proj[expert])
-        out.index_add_(0, rows, hidden * top_weights[rows, slots, None])
+        out.index_add_(0, rows, hidden * weights[:, None])
     return out
 
 

@@ -57,20 +57,15 @@ def supports(module) -> bool:
 
 
 def routed_experts(
-    module, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+    module, x: torch.Tensor, pair_rows: torch.Tensor, pair_weights: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' fused experts on rows `x` ([rows, hidden]) routed to `top_index` with
-    `top_weights` ([rows, k]); the act_fn is SiLU (the caller checks)."""
+    """transformers' fused experts on rows `x` ([rows, hidden]), given the step's routing pairs
+    grouped by expert (`batch_invariant.routed_pairs`: each pair's row and weight, the pairs per
+    expert); the act_fn is SiLU (the caller checks)."""
     count, hidden = x.shape
-    num_experts, double, _ = module.gate_up_proj.shape
-    inter = double // 2
-    k = top_index.shape[1]
-    flat = top_index.reshape(-1)
-    # (row, slot) pairs grouped by expert, ascending; a stable sort keeps rows ascending in a group.
-    order = torch.argsort(flat, stable=True)
-    rows = (order // k).to(torch.long).contiguous()
-    weights = top_weights.reshape(-1)[order].to(torch.float32).contiguous()
-    counts = torch.bincount(flat, minlength=num_experts)
+    inter = module.gate_up_proj.shape[1] // 2
+    rows = pair_rows.to(torch.long).contiguous()
+    weights = pair_weights.to(torch.float32).contiguous()
     used = torch.nonzero(counts).reshape(-1).to(torch.long).contiguous()
     starts = torch.zeros(used.numel() + 1, dtype=torch.long)
     torch.cumsum(counts[used], 0, out=starts[1:])
