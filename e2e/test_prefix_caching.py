@@ -9,13 +9,12 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
-from test_pd_equivalence import DTYPE, differences
+from test_pd_equivalence import DTYPE, _per_token_kv_bytes, differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
@@ -68,12 +67,6 @@ def _turns(count: int) -> list[list[dict]]:
 _want: dict[int, object] = {}
 
 
-def _bytes_per_token(omni) -> int:
-    text = omni.model_config.thinker_config.text_config
-    width = torch.tensor([], dtype=getattr(torch, DTYPE)).element_size()
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * width
-
-
 def _reference_turn(reference, turn: int, messages):
     if turn not in _want:
         _want[turn] = reference.generate([messages])[0]
@@ -97,8 +90,8 @@ def test_each_turn_equals_the_uncached_pipeline_and_reuses_the_history(reference
                 reused = got.metrics["kv_reused_tokens"]
                 assert reused >= before - 16
                 moved = got.metrics["kv_bytes_transferred"]
-                assert moved == (len(got.prompt_token_ids) - reused) * _bytes_per_token(cached)
-                assert got.metrics["kv_bytes_reused"] == reused * _bytes_per_token(cached)
+                assert moved == (len(got.prompt_token_ids) - reused) * _per_token_kv_bytes(cached)
+                assert got.metrics["kv_bytes_reused"] == reused * _per_token_kv_bytes(cached)
 
 
 def test_turns_all_at_once_equal_the_uncached_pipeline(reference, cached):

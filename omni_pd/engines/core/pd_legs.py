@@ -441,9 +441,7 @@ class DecodeEngine(ArEngine):
             into=request.blocks[reused : reused + prompt_blocks],
         )
         request.blocks = request.blocks[reused + prompt_blocks :]
-        request.phase = Phase.FETCHING
-        self._last_fetch_start = time.perf_counter()
-        self.scheduler.fetching.append(request.request_id)
+        self._enter_fetching(request)
         log.debug(
             "request %s: reading %d prompt positions of KV as transfer %s from %s",
             request.request_id,
@@ -454,6 +452,12 @@ class DecodeEngine(ArEngine):
         # A same-host copy is complete already: the first token leaves in this step.
         fetched = self.receiver.poll(remote.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
+
+    def _enter_fetching(self, request: EngineRequest) -> None:
+        """The request waits for its KV (from a peer engine or a vLLM producer)."""
+        request.phase = Phase.FETCHING
+        self._last_fetch_start = time.perf_counter()
+        self.scheduler.fetching.append(request.request_id)
 
     def _start_vllm(self, request: EngineRequest) -> list[StepOutput]:
         """Ask the vLLM producer for the prompt's blocks this engine lacks (the last ones)."""
@@ -471,9 +475,7 @@ class DecodeEngine(ArEngine):
         request.vllm_pull = self.vllm.start(
             kv_params, total - reused, self._wait_s(request.request_id, kv_params)
         )
-        request.phase = Phase.FETCHING
-        self._last_fetch_start = time.perf_counter()
-        self.scheduler.fetching.append(request.request_id)
+        self._enter_fetching(request)
         log.debug(
             "request %s: pulling %d of %d prompt blocks from vLLM engine %s (transfer %s)",
             request.request_id,
