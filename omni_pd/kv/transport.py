@@ -527,6 +527,22 @@ class MooncakeTransport:
             )
         return len(entries)
 
+    def write(self, remote_session: str, segments: Sequence[Segment]) -> int:
+        """Push local registered bytes into a peer's registered memory, blocking (a vLLM
+        consumer's blocks, kv/vllm_serve.py, from its own thread); returns the entries sent."""
+        entries = coalesce(segments)
+        if not entries:
+            return 0
+        local, remote, lengths = (list(column) for column in zip(*entries))
+        rc = self._engine.batch_transfer_sync_write(remote_session, local, remote, lengths)
+        if rc != 0:
+            raise KVTransferError(
+                f"KV write to peer {remote_session} failed (Mooncake return code {rc}; "
+                f"{len(entries)} segments, {sum(lengths)} bytes, {self.protocol}): check that the "
+                "decode process is alive and its Mooncake port reachable from here"
+            )
+        return len(entries)
+
     def submit_read(self, remote_session: str, segments: Sequence[Segment]) -> AsyncRead:
         """Start pulling remote bytes into local registered memory, one Mooncake batch per entry
         of `segments` (as given: the caller coalesces, and `AsyncRead.take_landed` names

@@ -11,6 +11,12 @@ shape (`consumer_fingerprint`), so an operator can diff the two lines.
 `check_consumer` refuses, before any byte moves, a producer whose blocks this decode engine
 cannot take exactly or cannot name by the same keys: one message naming every field that
 differs with both values.
+
+The reverse pair (omni-pd's hf prefill engine feeding an unmodified vLLM decode engine,
+kv/vllm_serve.py) uses the same shape the other way round: the hf prefill leg adds
+`omni_pd_hf_kv` (`hf_producer_info`: the vLLM geometry its blocks are translated into, its block
+keys, the model) and logs it; omni-pd's vLLM decode engine logs its own (`kv_producer_info`) and
+refuses, at the first handoff, a producer that differs (`check_vllm_consumer`).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from typing import Any
 
 from .errors import KVIncompatibleError
 from .layout import BlockLayout
-from .vllm_layout import VLLM_CPU_LAYOUT, VllmKVGeometry, check_geometry
+from .vllm_layout import TRANSLATED_ISAS, VLLM_CPU_LAYOUT, VllmKVGeometry, check_geometry, geometry_of
 
 VLLM_KV_KEY = "omni_pd_vllm_kv"  # the prefill leg's kv_transfer_params entry
+HF_KV_KEY = "omni_pd_hf_kv"  # an hf prefill leg's entry, for a vLLM decode engine
 
 
 @dataclass(frozen=True)
@@ -104,4 +111,49 @@ def check_consumer(info: VllmProducerInfo, layout: BlockLayout, naming_scheme: s
     if wrong:
         raise KVIncompatibleError(
             "the vLLM prefill engine's KV cannot be taken by this decode engine: " + "; ".join(wrong)
+        )
+
+
+def hf_producer_info(
+    layout: BlockLayout, naming_scheme: str, naming_seed: str, model: str
+) -> VllmProducerInfo:
+    """An hf prefill engine that feeds vLLM decode engines, described as a vLLM producer is: the
+    vLLM geometry its blocks are translated into (`geometry_of`), its block keys, the model."""
+    return VllmProducerInfo(geometry_of(layout), naming_scheme.removeprefix("vllm:"), naming_seed, model)
+
+
+def check_vllm_consumer(producer: VllmProducerInfo, consumer: VllmProducerInfo) -> None:
+    """Raise KVIncompatibleError naming both values of every field where an hf producer's blocks
+    (translated into vLLM's CPU layout) and a vLLM decode engine's differ. Layer names are not
+    compared (the hf engine has none; vLLM's consumer is matched by layer index)."""
+    theirs, ours = producer.geometry, consumer.geometry
+    pairs = (
+        ("layout", theirs.layout, ours.layout),
+        ("layers (KV slots)", theirs.num_layers, ours.num_layers),
+        ("layer indices", list(theirs.layer_indices), sorted(ours.layer_indices)),
+        ("block size", theirs.block_size, ours.block_size),
+        ("KV heads", theirs.num_kv_heads, ours.num_kv_heads),
+        ("head dim", theirs.head_size, ours.head_size),
+        ("dtype", theirs.dtype, ours.dtype),
+        ("CPU attention kernel", theirs.attention_isa, ours.attention_isa),
+        ("prefix_caching_hash_algo", producer.hash_algo, consumer.hash_algo),
+    )
+    wrong = [f"{name}: hf prefill {a!r}, vLLM decode {b!r}" for name, a, b in pairs if a != b]
+    if ours.attention_isa not in TRANSLATED_ISAS and theirs.attention_isa == ours.attention_isa:
+        wrong.append(f"CPU attention kernel: vLLM decode {ours.attention_isa!r} is not translated here")
+    if producer.hash_algo == consumer.hash_algo and (
+        "random" in producer.seed_rule
+        or "random" in consumer.seed_rule
+        or producer.seed_rule != consumer.seed_rule
+    ):
+        wrong.append(
+            f"NONE_HASH seed: hf prefill {producer.seed_rule!r}, vLLM decode {consumer.seed_rule!r}: "
+            "give both engines the same PYTHONHASHSEED (or use sha256 / sha256_cbor unseeded)"
+        )
+    if wrong:
+        raise KVIncompatibleError(
+            "the hf prefill engine's KV cannot be taken by this vLLM decode engine: "
+            + "; ".join(wrong)
+            + ": give both engines the same model, dtype, block size (the hf stage's kv_block_size, "
+            "vLLM's block_size) and prefix_caching_hash_algo"
         )

@@ -14,6 +14,9 @@ omni-pd's paged cache stores fused token-major blocks `[block_size, layers, 2 (K
 head_dim]` (kv/layout.py). `translate_blocks` moves whole blocks from the first form into the
 second and then checks every block byte for byte (the fused block read back in vLLM's order must
 equal what arrived), so a wrong mapping can never hand the decode engine shuffled KV.
+`translate_blocks_to_vllm` is its reverse, for an hf prefill engine that feeds a vLLM decode
+engine (kv/vllm_serve.py), with the same check the other way round; `geometry_of` is the vLLM
+geometry an hf engine's blocks translate into.
 
 Geometries that cannot be translated exactly are refused by name (`check_geometry`): another
 number of layers (KV slots), block size, KV head count, head dim, dtype, or a CPU attention kernel
@@ -115,6 +118,20 @@ def check_geometry(vllm: VllmKVGeometry, ours: BlockLayout) -> None:
         )
 
 
+def geometry_of(layout: BlockLayout) -> VllmKVGeometry:
+    """The vLLM CPU geometry (`vec` kernel) that `layout`'s blocks translate into exactly. Its
+    layer names are placeholders (`layers.<i>`): a vLLM consumer's layers are matched by index."""
+    return VllmKVGeometry(
+        layer_names=tuple(f"layers.{i}" for i in range(layout.num_layers)),
+        layer_indices=tuple(range(layout.num_layers)),
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_dim,
+        dtype=layout.dtype,
+        attention_isa=TRANSLATED_ISAS[0],
+    )
+
+
 def layer_views(buffer: torch.Tensor, geometry: VllmKVGeometry, num_blocks: int) -> list[torch.Tensor]:
     """`buffer` (bytes: one region per layer of `num_blocks` blocks, back to back) as each layer's
     blocks `[num_blocks, kv_heads, 2 * block_size, head_size]` in vLLM's CPU layout."""
@@ -130,6 +147,37 @@ def layer_views(buffer: torch.Tensor, geometry: VllmKVGeometry, num_blocks: int)
         buffer[i * per_layer : (i + 1) * per_layer].view(dtype).view(shape)
         for i in range(geometry.num_layers)
     ]
+
+
+def _fused_of(theirs: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One block in vLLM's CPU `vec` form (`[layers, heads, 2 * block_size, head_dim]`: per head
+    K dim-major, then V token-major) as omni-pd's fused block `[block_size, layers, 2, heads,
+    head_dim]`."""
+    num_layers, heads, _, head_dim = theirs.shape
+    halves = theirs.reshape(num_layers, heads, 2, block_size * head_dim)
+    k = halves[:, :, 0].reshape(num_layers, heads, head_dim, block_size).transpose(2, 3)  # dim-major
+    v = halves[:, :, 1].reshape(num_layers, heads, block_size, head_dim)
+    return torch.stack([k, v], dim=2).permute(3, 0, 2, 1, 4)
+
+
+def _vllm_of(fused_block: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_fused_of`: a fused block `[block_size, layers, 2, heads, head_dim]` in
+    vLLM's CPU `vec` form `[layers, heads, 2 * block_size, head_dim]`."""
+    block_size, num_layers, _, heads, head_dim = fused_block.shape
+    block = fused_block.permute(1, 3, 2, 0, 4)  # [layers, heads, 2, bs, hd]
+    return torch.stack(
+        [
+            block[:, :, 0].transpose(2, 3).reshape(num_layers, heads, -1),  # K, dim-major
+            block[:, :, 1].reshape(num_layers, heads, -1),
+        ],
+        dim=2,
+    ).reshape(num_layers, heads, 2 * block_size, head_dim)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 def translate_blocks(
@@ -148,24 +196,39 @@ def translate_blocks(
     sums: list[str] = []
     for source, dest in zip(sources, dests):
         theirs = torch.stack([layer[source] for layer in layers])  # [layers, heads, 2 * bs, hd]
-        num_layers, heads, _, head_dim = theirs.shape
-        halves = theirs.view(num_layers, heads, 2, block_size * head_dim)
-        k = halves[:, :, 0].view(num_layers, heads, head_dim, block_size).transpose(2, 3)  # dim-major
-        v = halves[:, :, 1].view(num_layers, heads, block_size, head_dim)
-        fused[dest] = torch.stack([k, v], dim=2).permute(3, 0, 2, 1, 4)  # [bs, layers, 2, heads, hd]
+        fused[dest] = _fused_of(theirs, block_size)
         # Read back in vLLM's order: K transposed again, V as is, byte for byte.
-        block = fused[dest].permute(1, 3, 2, 0, 4)  # [layers, heads, 2, bs, hd]
-        back = torch.stack(
-            [
-                block[:, :, 0].transpose(2, 3).reshape(num_layers, heads, -1),
-                block[:, :, 1].reshape(num_layers, heads, -1),
-            ],
-            dim=2,
-        ).reshape(theirs.shape)
-        if not torch.equal(back.contiguous().view(torch.uint8), theirs.contiguous().view(torch.uint8)):
+        if not _same_bytes(_vllm_of(fused[dest]), theirs):
             raise KVIntegrityError(
                 f"vLLM block {source} did not translate exactly into block {dest}: its bytes read "
                 "back differ (a layout mapping bug; nothing was handed to the decoder)"
             )
         sums.append(checksum(fused[dest]))
     return sums
+
+
+def translate_blocks_to_vllm(
+    fused: torch.Tensor,
+    sources: Sequence[int],
+    layers: Sequence[torch.Tensor],
+    dests: Sequence[int],
+) -> None:
+    """The reverse of `translate_blocks`: copy fused blocks `sources` of `fused` into vLLM blocks
+    `dests` of every layer in `layers` (`layer_views`), then check each block byte for byte (the
+    vLLM block read back as a fused block must equal the source). Raises KVIntegrityError naming
+    the first block whose bytes do not read back: nothing of it may be sent."""
+    if len(sources) != len(dests):
+        raise ValueError(f"{len(sources)} fused blocks for {len(dests)} vLLM blocks")
+    if len(layers) != fused.shape[2]:
+        raise ValueError(f"{len(layers)} vLLM layer views for fused blocks of {fused.shape[2]} layers")
+    block_size = fused.shape[1]
+    for source, dest in zip(sources, dests):
+        theirs = _vllm_of(fused[source])
+        for index, layer in enumerate(layers):
+            layer[dest] = theirs[index]
+        back = _fused_of(torch.stack([layer[dest] for layer in layers]), block_size)
+        if not _same_bytes(back, fused[source]):
+            raise KVIntegrityError(
+                f"fused block {source} did not translate exactly into vLLM block {dest}: its bytes "
+                "read back differ (a layout mapping bug; nothing was sent)"
+            )
