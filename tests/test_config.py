@@ -981,14 +981,64 @@ def test_a_vllm_prefill_stage_may_feed_an_hf_decode_stage() -> None:
     assert [s.engine for s in cfg.stages[:2]] == ["vllm", "hf"]
 
 
-def test_an_hf_prefill_stage_feeding_a_vllm_decode_stage_is_refused_by_name(tmp_path: Path) -> None:
-    data = _mixed()
-    first, second = data["stage_args"][0], data["stage_args"][1]
-    first["engine_args"], second["engine_args"] = second["engine_args"], first["engine_args"]
-    _kvcfg(data, 0)["kv_role"], _kvcfg(data, 1)["kv_role"] = "kv_producer", "kv_consumer"
-    issue = only_issue(errors_of(tmp_path, data), "stage_args[1].engine_args.engine")
-    assert "a hf prefill stage cannot feed a vllm decode stage" in issue.message
-    assert "only vllm prefill -> hf decode" in issue.message
+REVERSE_CONFIG = MIXED_CONFIG.with_name("qwen3_omni_tiny_hf_p_vllm_d.yaml")
+
+
+def _reverse() -> dict[str, Any]:
+    return yaml.safe_load(REVERSE_CONFIG.read_text())
+
+
+def test_an_hf_prefill_stage_may_feed_a_vllm_decode_stage_that_it_serves() -> None:
+    cfg = load_pipeline_config(REVERSE_CONFIG)
+    assert [s.engine for s in cfg.stages[:2]] == ["hf", "vllm"]
+    assert cfg.stages[0].kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers is True
+
+
+def test_an_hf_prefill_stage_feeding_vllm_must_serve_its_consumers(tmp_path: Path) -> None:
+    data = _reverse()
+    _kvcfg(data, 0)["kv_connector_extra_config"].pop("serve_vllm_consumers")
+    key = "stage_args[0].engine_args.kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers"
+    issue = only_issue(errors_of(tmp_path, data), key)
+    assert "set serve_vllm_consumers: true" in issue.message
+
+
+def test_serve_vllm_consumers_is_refused_outside_the_reverse_pair(tmp_path: Path) -> None:
+    data = _mixed()  # vLLM prefill -> hf decode: the hf side is a consumer
+    _kvcfg(data, 1)["kv_connector_extra_config"]["serve_vllm_consumers"] = True
+    key = "stage_args[1].engine_args.kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers"
+    issue = only_issue(errors_of(tmp_path, data), key)
+    assert "this pair is vllm prefill -> hf decode" in issue.message
+
+
+@pytest.mark.parametrize(
+    "mutate, key, needles",
+    [
+        (
+            lambda d: d["stage_args"][1]["engine_args"].update(block_size=64),
+            "stage_args[1].engine_args.block_size",
+            ("block_size 64", "kv_block_size 32"),
+        ),
+        (
+            lambda d: d["stage_args"][0]["engine_args"].update(prefix_caching_hash_algo="xxhash"),
+            "stage_args[0].engine_args.prefix_caching_hash_algo",
+            ("'xxhash'", "'sha256_cbor'"),
+        ),
+        (
+            lambda d: d["stage_args"][1]["engine_args"].pop("prefix_caching_hash_algo"),
+            "stage_args[0].engine_args.prefix_caching_hash_algo",
+            ("'sha256_cbor'", "'sha256'"),  # vLLM's default
+        ),
+    ],
+    ids=["block-size", "hash-algo", "vllm-default-hash-algo"],
+)
+def test_the_reverse_pair_shares_block_size_and_block_keys_naming_both(
+    tmp_path: Path, mutate, key, needles
+) -> None:
+    data = _reverse()
+    mutate(data)
+    issue = only_issue(errors_of(tmp_path, data), key)
+    for needle in needles:
+        assert needle in str(issue), str(issue)
 
 
 @pytest.mark.parametrize(

@@ -390,22 +390,38 @@ def _check_pair(
     vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
     if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
         issues.extend(_check_pair_tp(ctx, p, d))
-    mixed = (ps.engine_args.engine, ds.engine_args.engine) == CROSS_ENGINE_PAIR
-    if mixed:  # an unmodified vLLM prefill engine feeds the hf decode engine (core/vllm_source.py)
+    engines = (ps.engine_args.engine, ds.engine_args.engine)
+    if engines == CROSS_ENGINE_PAIR:  # an unmodified vLLM prefill feeds hf decode (core/vllm_source.py)
         issues.extend(_check_cross_engine_pair(ctx, p, d))
+    elif engines == REVERSE_CROSS_ENGINE_PAIR:  # hf prefill feeds unmodified vLLM decode (vllm_consumers.py)
+        issues.extend(_check_reverse_cross_engine_pair(ctx, p, d))
     elif ps.engine_args.engine != ds.engine_args.engine:
         add(
             ctx.issue(
                 ds,
                 _ek(di, "engine_args.engine"),
                 ds.engine_args.engine,
-                f"{ps.engine_args.engine!r} (as prefill stage {ps.stage_id}), or engine 'vllm' on the "
-                "prefill stage and 'hf' here",
+                f"{ps.engine_args.engine!r} (as prefill stage {ps.stage_id})",
                 f"a {ps.engine_args.engine} prefill stage cannot feed a {ds.engine_args.engine} decode "
-                "stage: across engines only vllm prefill -> hf decode is supported (hf prefill -> "
-                "vLLM decode would need vLLM's consumer to read omni-pd's KV, docs/cross_engine_pd.md)",
+                "stage: across engines only vllm prefill -> hf decode and hf prefill -> vllm decode "
+                "are supported (docs/cross_engine_pd.md)",
             )
         )
+    if engines != REVERSE_CROSS_ENGINE_PAIR:
+        for index, stage in ((pi, ps), (di, ds)):
+            kv = stage.kv_transfer_config
+            if kv is not None and kv.kv_connector_extra_config.serve_vllm_consumers:
+                add(
+                    ctx.issue(
+                        stage,
+                        f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_connector_extra_config"
+                        ".serve_vllm_consumers",
+                        True,
+                        "false (or unset)",
+                        "only an hf prefill stage whose decode stage is engine vllm serves vLLM's "
+                        f"consumers; this pair is {engines[0]} prefill -> {engines[1]} decode",
+                    )
+                )
     for attr in ("model_stage",) + (() if vllm_pair else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
@@ -541,7 +557,8 @@ def _check_pair(
     return issues
 
 
-CROSS_ENGINE_PAIR = ("vllm", "hf")  # (prefill engine, decode engine): the one mixed pair
+CROSS_ENGINE_PAIR = ("vllm", "hf")  # (prefill engine, decode engine): the mixed pairs
+REVERSE_CROSS_ENGINE_PAIR = ("hf", "vllm")
 
 
 def _check_cross_engine_pair(
@@ -578,6 +595,57 @@ def _check_cross_engine_pair(
                 f"the hf decode stage names the blocks it reads from vLLM prefill stage "
                 f"{ps.stage_id} by vLLM's keys: its prefix_caching_hash_algo must be vLLM's "
                 f"({vllm_algo!r})",
+            )
+        )
+    return issues
+
+
+def _check_reverse_cross_engine_pair(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """An hf prefill stage feeding a vLLM decode stage serves vLLM's consumers
+    (serve_vllm_consumers), and the two share one block size (the hf stage's kv_block_size,
+    vLLM's block_size: the hf blocks are translated into vLLM's one for one) and one block-key
+    algorithm (prefix_caching_hash_algo)."""
+    (pi, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    pkv = ps.kv_transfer_config
+    if pkv is not None and not pkv.kv_connector_extra_config.serve_vllm_consumers:
+        issues.append(
+            ctx.issue(
+                ps,
+                _ek(pi, "engine_args.kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers"),
+                False,
+                "true",
+                f"hf prefill stage {ps.stage_id} feeds vLLM decode stage {ds.stage_id}: it must serve "
+                "vLLM's MooncakeConnector consumers (set serve_vllm_consumers: true)",
+            )
+        )
+    vllm_block = ds.engine_args.block_size
+    if vllm_block is None or vllm_block != ps.engine_args.kv_block_size:
+        issues.append(
+            ctx.issue(
+                ds,
+                _ek(di, "engine_args.block_size"),
+                vllm_block,
+                f"{ps.engine_args.kv_block_size} (hf prefill stage {ps.stage_id}'s kv_block_size, "
+                "a multiple of 32 on CPU)",
+                f"vLLM decode stage {ds.stage_id}'s block_size {vllm_block} and hf prefill stage "
+                f"{ps.stage_id}'s kv_block_size {ps.engine_args.kv_block_size} must be equal: the hf "
+                "blocks are translated into vLLM's one for one",
+            )
+        )
+    vllm_algo = ds.engine_args.prefix_caching_hash_algo or "sha256"  # vLLM 0.32's default
+    if ps.engine_args.prefix_caching_hash_algo != vllm_algo:
+        issues.append(
+            ctx.issue(
+                ps,
+                _ek(pi, "engine_args.prefix_caching_hash_algo"),
+                ps.engine_args.prefix_caching_hash_algo,
+                repr(vllm_algo),
+                f"the hf prefill stage's block keys (prefix_caching_hash_algo "
+                f"{ps.engine_args.prefix_caching_hash_algo!r}) must be vLLM decode stage "
+                f"{ds.stage_id}'s ({vllm_algo!r}), so that both name a prompt's blocks alike",
             )
         )
     return issues

@@ -70,6 +70,10 @@ class KVConnectorExtraConfig(BaseModel):
     # both stages' kv_block_size; rounded up to one). Smaller hides more of the transfer behind
     # the rest of the prefill, at a fixed cost per chunk.
     kv_push_chunk_tokens: int = Field(default=512, ge=1)
+    # An hf prefill stage whose decode stage is engine vllm: serve vLLM's MooncakeConnector
+    # consumers (bootstrap /query, ZMQ side channel, blocks translated into vLLM's CPU layout;
+    # docs/cross_engine_pd.md). Required on such a stage, refused on any other.
+    serve_vllm_consumers: StrictBool = False
     HANDOFF_KEYS: ClassVar[tuple[str, ...]] = (
         "kv_miss_window_s",
         "kv_handoff_deadline_s",

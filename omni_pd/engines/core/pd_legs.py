@@ -32,6 +32,7 @@ from .request import EngineRequest, Phase
 from .runner import ArRunner
 from . import push_legs
 from .transfer_settings import TransferSettings
+from .vllm_consumers import VllmConsumers
 from .vllm_source import VllmKVSource, from_vllm
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,12 @@ class PrefillEngine(ArEngine):
     answering with the first token."""
 
     decodes = False
-    control_calls = ArEngine.control_calls | {"release_kv", "inject_kv_fault", "inject_push_stop"}
+    control_calls = ArEngine.control_calls | {
+        "release_kv",
+        "inject_kv_fault",
+        "inject_push_stop",
+        "vllm_serve_stats",
+    }
 
     @staticmethod
     def shares_cache(stage_config) -> bool:
@@ -115,6 +121,20 @@ class PrefillEngine(ArEngine):
         self.pusher = KVPusher(self.transport, self.sender.pool, self.sender.landing, self.kv.free)
         self.push_chunk_tokens = settings.handoff.kv_push_chunk_tokens
         self.push_stop_after: int | None = None  # inject_push_stop: chunks before the worker stops
+        # Unmodified vLLM decode engines as this leg's peers (vllm_consumers.py), when asked for.
+        self.vllm_consumers: VllmConsumers | None = None
+        if settings.handoff.serve_vllm_consumers:
+            self.vllm_consumers = VllmConsumers(
+                self.stage_id,
+                self.engine_id,
+                self.layout,
+                self.transport,
+                self.kv.naming.scheme,
+                self.kv.naming.seed_rule,
+                runner.identity().model,
+                self.kv.num_blocks,
+                stage_config.engine_args.kv_lease_timeout_s,
+            )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -164,20 +184,26 @@ class PrefillEngine(ArEngine):
             assert sums is not None, "write(checksums=True) returns them"
         self._cache_prompt(request, pre, sums)
         prompt_blocks = self.kv.blocks_for(request.prompt_len)
-        descriptor = self.sender.publish_blocks(
-            transfer_id, request.blocks[:prompt_blocks], request.prompt_len, checksums=sums
-        )
-        request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
+        if self.vllm_consumers is not None:  # a vLLM decode engine reads a translated copy
+            where = self.vllm_consumers.offer(transfer_id, self.cache.data, request.blocks[:prompt_blocks])
+        else:
+            descriptor = self.sender.publish_blocks(
+                transfer_id, request.blocks[:prompt_blocks], request.prompt_len, checksums=sums
+            )
+            request.blocks = request.blocks[prompt_blocks:]  # the lease holds the prompt's blocks now
+            where = {
+                **descriptor.to_params(),
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_bootstrap_addr": f"mooncake://{self.transport.session_id}",
+                FINGERPRINT_KEY: self.fingerprint,
+            }
         out_params = {
-            **descriptor.to_params(),
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_bootstrap_addr": f"mooncake://{self.transport.session_id}",
+            **where,
             "remote_request_id": request.request_id,
             "first_token": pre.first_token,
             **{key: pre.state[key] for key in self.runner.handoff_keys},
-            FINGERPRINT_KEY: self.fingerprint,
             # False: the decode side must neither reuse cached blocks for it nor cache these.
             "kv_cacheable": request.cacheable,
         }
@@ -208,7 +234,18 @@ class PrefillEngine(ArEngine):
         return super()._match_prefix(request)
 
     def release_kv(self, transfer_id: str) -> bool:
+        if self.vllm_consumers is not None:
+            return self.vllm_consumers.release(transfer_id)
         return self.sender.release(transfer_id)
+
+    def vllm_serve_stats(self) -> dict[str, Any]:
+        """What this leg wrote to vLLM decode engines (cumulative): sends, blocks, refusals."""
+        if self.vllm_consumers is None:
+            raise ValueError(
+                f"stage {self.stage_id} serves no vLLM consumers (kv_connector_extra_config."
+                "serve_vllm_consumers is not set)"
+            )
+        return self.vllm_consumers.stats()
 
     def inject_kv_fault(
         self, block_index: int = 0, byte_offset: int = 3, after_checksum: bool = False
@@ -230,12 +267,15 @@ class PrefillEngine(ArEngine):
     def housekeeping(self) -> None:
         self.sender.expire_leases()
         self.pusher.reclaim()
+        if self.vllm_consumers is not None:
+            self.vllm_consumers.expire()
 
     def debug_state_counts(self) -> dict[str, int]:
         return {
             **super().debug_state_counts(),
             **self.sender.debug_state_counts(),
             **self.pusher.debug_state_counts(),
+            **(self.vllm_consumers.debug_state_counts() if self.vllm_consumers is not None else {}),
         }
 
     def load(self) -> dict[str, int]:
@@ -246,6 +286,8 @@ class PrefillEngine(ArEngine):
 
     def close(self) -> None:
         self.sender.close()
+        if self.vllm_consumers is not None:
+            self.vllm_consumers.close()
 
 
 class DecodeEngine(ArEngine):

@@ -52,7 +52,8 @@ from ... import registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
-from ...kv.vllm_handoff import VLLM_KV_KEY
+from ...kv.errors import KVIncompatibleError
+from ...kv.vllm_handoff import HF_KV_KEY, VLLM_KV_KEY, VllmProducerInfo, check_vllm_consumer
 from .hooks import LegRole, VllmModelHooks
 from .kv_producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
@@ -210,6 +211,12 @@ class VllmEngine(StageEngine):
             info = producer_info(self.engine, name)
             log_producer_info(self.stage_id, info)
             self.producer_info = info.to_dict()
+        # A consumer logs its own in the same shape, and checks an hf producer's against it.
+        self.consumer_info: VllmProducerInfo | None = None
+        self._hf_producers: list[dict[str, Any]] = []  # hf producers accepted (their HF_KV_KEY)
+        if self.kv_connector == "MooncakeConnector" and self.kv_role == "kv_consumer":
+            self.consumer_info = producer_info(self.engine, name)
+            log_producer_info(self.stage_id, self.consumer_info, role="decode")
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
             self.stage_id,
@@ -243,6 +250,8 @@ class VllmEngine(StageEngine):
         token_ids = list(prompt.prompt_token_ids)
         kv_in = dict(params.kv_transfer_params or {})
         loads_remote = bool(kv_in.get("do_remote_prefill"))
+        if loads_remote and HF_KV_KEY in kv_in:
+            self._check_hf_producer(kv_in[HF_KV_KEY])
         began = time.perf_counter()
         now = time.monotonic()
         deadline = now + max(self.kv_wait_s, 60.0) + 600.0
@@ -267,6 +276,22 @@ class VllmEngine(StageEngine):
             chunks=bool(stream and chunks),
             multimodal=prompt.has_multimodal_inputs(),
         )
+
+    def _check_hf_producer(self, described: Any) -> None:
+        """omni-pd's hf prefill engine as this consumer's producer: its blocks (translated into
+        vLLM's CPU layout) and block keys must be this engine's; refused by name at the first
+        handoff (kv/vllm_handoff.py), once per producer description."""
+        if described in self._hf_producers:
+            return
+        if self.consumer_info is None:
+            raise KVIncompatibleError(
+                f"stage {self.stage_id}: KV from an hf prefill engine needs a vLLM decode stage with "
+                f"kv_connector MooncakeConnector and kv_role kv_consumer (this one: "
+                f"{self.kv_connector}, {self.kv_role})"
+            )
+        check_vllm_consumer(VllmProducerInfo.from_dict(described), self.consumer_info)
+        self._hf_producers.append(described)
+        log.info("stage %d: hf prefill producer accepted (%s)", self.stage_id, described.get("model"))
 
     def _kv_wait_s(self, request_id: str, kv_in: dict[str, Any]) -> float:
         """How long a decode leg waits for its KV: the orchestrator's `kv_wait_s` (the pair's miss

@@ -1,4 +1,5 @@
-"""A vLLM producer's KV as a non-vLLM decode engine needs to know it (kv/vllm_handoff.py).
+"""A vLLM producer's KV as a non-vLLM decode engine needs to know it (kv/vllm_handoff.py); the
+same for a vLLM consumer, checked against an hf producer's.
 
 Read once, after start-up, from what vLLM's MooncakeConnector worker registered in this process
 (the engine runs in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`): its layer names and indices,
@@ -47,9 +48,12 @@ def producer_info(llm_engine, model: str) -> VllmProducerInfo:
     return VllmProducerInfo(geometry, algo, seed_rule(algo, os.environ.get("PYTHONHASHSEED")), model)
 
 
-def log_producer_info(stage_id: int, info: VllmProducerInfo) -> None:
+def log_producer_info(stage_id: int, info: VllmProducerInfo, role: str = "prefill") -> None:
+    """The engine's KV fingerprint (a consumer's too: `role` "decode"), for an operator to diff
+    against the other side's."""
     log.info(
-        "stage %d: vLLM prefill engine KV fingerprint %s",
+        "stage %d: vLLM %s engine KV fingerprint %s",
         stage_id,
+        role,
         json.dumps(info.to_dict(), sort_keys=True),
     )
