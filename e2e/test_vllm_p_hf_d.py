@@ -11,88 +11,44 @@ engine (stage_configs/ci/qwen3_omni_tiny_vllm_p_hf_d.yaml; docs/cross_engine_pd.
   breaker, answered by the fallback (the hf decode leg prefills the prompt itself), equal output.
 - Nothing is left held on any stage afterwards (every stage's /debug/state counts are zero).
 
-One pipeline of each kind per module. Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`).
+One pipeline of each kind per module; the held prompts' colocated outputs are shared with
+test_hf_p_vllm_d.py (cross_engine_refs.py). Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`).
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from vllm_required import require_vllm
 
 require_vllm()
 
-from omni_pd.orchestrator.omni import Omni  # noqa: E402
-from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
+from cross_engine_refs import (  # noqa: E402, F401 - fixtures
+    BS,
+    CI,
+    assert_equals_both_colocated,
+    chat_ids,
+    hf_colocated,
+    no_leaks,
+    pipeline,
+    run,
+    vllm_colocated,
+)
 
 pytestmark = pytest.mark.slow
-CI = STAGE_CONFIGS_DIR / "ci"
-BS = 32  # the pair's block size (vLLM's block_size, the hf decode stage's kv_block_size)
 
 
 @pytest.fixture(scope="module")
 def mixed():
-    with Omni(stage_configs_path=CI / "qwen3_omni_tiny_vllm_p_hf_d.yaml", request_timeout_s=120) as omni:
-        yield omni
-
-
-@pytest.fixture(scope="module")
-def vllm_colocated():
-    with Omni(stage_configs_path=CI / "qwen3_omni_tiny_vllm.yaml", request_timeout_s=120) as omni:
-        yield omni
-
-
-@pytest.fixture(scope="module")
-def hf_colocated():
-    with Omni(stage_configs_path=CI / "qwen3_omni_tiny.yaml", request_timeout_s=120) as omni:
-        yield omni
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    for name in ("mixed", "vllm_colocated", "hf_colocated"):
-        if name in request.fixturenames:
-            counts = request.getfixturevalue(name).debug_state_counts()
-            assert all(v == 0 for v in counts.values()), (name, counts)
-
-
-TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
-PROMPTS = {
-    "text": "Please describe, in a few sentences, how tides are made by the moon.",
-    "audio": [
-        {
-            "role": "user",
-            "content": [{"type": "text", "text": "What is this sound?"}, {"type": "audio", "audio": TONE}],
-        }
-    ],
-}
-_runs: dict[tuple[str, str], object] = {}
-
-
-def _run(omni, which: str, case: str):
-    if (which, case) not in _runs:
-        _runs[which, case] = omni.generate([PROMPTS[case]], use_tqdm=False)[0]
-    return _runs[which, case]
+    yield from pipeline("mixed", CI / "qwen3_omni_tiny_vllm_p_hf_d.yaml")
 
 
 @pytest.mark.parametrize("case", ["text", "audio"])
-def test_the_mixed_pair_equals_both_colocated_pipelines(mixed, vllm_colocated, hf_colocated, case):
-    v, h = _run(vllm_colocated, "vllm", case), _run(hf_colocated, "hf", case)
-    got = _run(mixed, "mixed", case)
-    assert v.token_ids == h.token_ids, "the two colocated pipelines disagree on tokens: nothing to hold"
-    assert got.token_ids == h.token_ids
-    assert got.audio is not None and got.audio.numel() > 0
-    if v.audio_sha256 == h.audio_sha256:
-        assert got.audio_sha256 == h.audio_sha256
-    else:  # they disagree: the mixed pair's rows are vLLM's prompt rows and hf's generated ones
-        pytest.fail(
-            f"vLLM and hf colocated audio differ ({case}); mixed equals hf: "
-            f"{got.audio_sha256 == h.audio_sha256}, vLLM: {got.audio_sha256 == v.audio_sha256}"
-        )
+def test_the_mixed_pair_equals_both_colocated_pipelines(mixed, request, case):
+    got = run(mixed, "vllm_p_hf_d", case)
+    assert_equals_both_colocated(request, got, case)
     # The prompt's KV came from vLLM, every block of it, over vLLM's protocol.
     assert got.metrics["kv_path"] == "vllm-mooncake"
     assert got.metrics["kv_blocks_transferred"] == -(-len(got.prompt_token_ids) // BS)
@@ -109,17 +65,11 @@ def test_negative_control_a_perturbed_vllm_block_changes_the_output(mixed, hf_co
     assert (clean.token_ids, clean.audio_sha256) == (want.token_ids, want.audio_sha256)
 
 
-def _chat_ids(omni, text: str) -> list[int]:
-    return omni.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-
-
 def test_a_prompt_sharing_a_prefix_moves_only_the_missing_blocks(mixed, hf_colocated):
     # Byte-level tokenizer: one ASCII character, one token. The two prompts share their first
     # 2 full blocks and no third.
-    first = _chat_ids(mixed, "a" * 70 + " - what comes first, the tide or the moon?")
-    second = _chat_ids(mixed, "a" * 70 + " ; and which one of them is later?")
+    first = chat_ids(mixed, "a" * 70 + " - what comes first, the tide or the moon?")
+    second = chat_ids(mixed, "a" * 70 + " ; and which one of them is later?")
     shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
     assert shared // BS == 2, shared
     a = mixed.generate([{"prompt_token_ids": first}], use_tqdm=False)[0]

@@ -62,6 +62,7 @@ class VllmOffer:
     staging: list[int]  # staging block ids, in the prompt's order
     deadline: float
     state: OfferState = OfferState.HELD  # SENDING: freed by the writer when its write ends
+    refusal: str | None = None  # test hook (`offer(refuse=...)`): a consumer's ask gets this error
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,13 @@ class VllmKVServer:
         )
 
     # ---- the engine's side --------------------------------------------------------------------
-    def offer(self, transfer_id: str, fused: torch.Tensor, blocks: list[int]) -> VllmOffer:
+    def offer(
+        self, transfer_id: str, fused: torch.Tensor, blocks: list[int], refuse: str | None = None
+    ) -> VllmOffer:
         """Translate fused blocks `blocks` of `fused` (`[num_blocks, block_size, layers, 2, heads,
         head_dim]`) into staging and hold them for transfer `transfer_id`. From its return the
-        caller's blocks are its own again."""
+        caller's blocks are its own again. `refuse` (a test hook): answer the consumer's ask with
+        this error, keeping the offer held (until released or expired)."""
         with self._lock:
             if transfer_id in self._offers:
                 raise ValueError(f"transfer {transfer_id} is already offered by {self.engine_id}")
@@ -150,7 +154,7 @@ class VllmKVServer:
             with self._lock:
                 self._free.extend(staging)
             raise
-        offer = VllmOffer(transfer_id, staging, self._clock() + self.lease_timeout_s)
+        offer = VllmOffer(transfer_id, staging, self._clock() + self.lease_timeout_s, refusal=refuse)
         with self._lock:
             self._offers[transfer_id] = offer
         return offer
@@ -303,6 +307,8 @@ class VllmKVServer:
                     f"{self.lease_timeout_s:g} s expired, it was released or sent, or it was never "
                     "published)"
                 )
+            if offer.refusal is not None:
+                raise KVTransferError(f"transfer {transfer_id}: {offer.refusal}")
             if len(remote) > len(offer.staging):
                 raise ConsumerRefused(
                     f"transfer {transfer_id}: the vLLM decode engine asks for {len(remote)} blocks, "

@@ -93,6 +93,8 @@ class PrefillEngine(ArEngine):
         "inject_kv_fault",
         "inject_push_stop",
         "vllm_serve_stats",
+        "inject_vllm_kv_fault",
+        "inject_vllm_kv_refusal",
     }
 
     @staticmethod
@@ -238,14 +240,25 @@ class PrefillEngine(ArEngine):
             return self.vllm_consumers.release(transfer_id)
         return self.sender.release(transfer_id)
 
-    def vllm_serve_stats(self) -> dict[str, Any]:
-        """What this leg wrote to vLLM decode engines (cumulative): sends, blocks, refusals."""
+    def _consumers(self) -> VllmConsumers:
         if self.vllm_consumers is None:
             raise ValueError(
                 f"stage {self.stage_id} serves no vLLM consumers (kv_connector_extra_config."
                 "serve_vllm_consumers is not set)"
             )
-        return self.vllm_consumers.stats()
+        return self.vllm_consumers
+
+    def vllm_serve_stats(self) -> dict[str, Any]:
+        """What this leg wrote to vLLM decode engines (cumulative): sends, blocks, refusals."""
+        return self._consumers().stats()
+
+    def inject_vllm_kv_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
+        """Test hook: the next request offered to a vLLM consumer has one block perturbed."""
+        self._consumers().inject_fault(block_index, delta)
+
+    def inject_vllm_kv_refusal(self) -> None:
+        """Test hook: the next request offered to a vLLM consumer is refused when it asks."""
+        self._consumers().inject_refusal()
 
     def inject_kv_fault(
         self, block_index: int = 0, byte_offset: int = 3, after_checksum: bool = False

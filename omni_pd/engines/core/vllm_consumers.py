@@ -57,11 +57,24 @@ class VllmConsumers:
             lease_timeout_s,
             host=transport.host,
         )
+        self._fault: tuple[int, float] | None = None
+        self._refuse = False
 
     def offer(self, transfer_id: str, fused: torch.Tensor, blocks: list[int]) -> dict[str, Any]:
         """Hold the prompt's blocks for the vLLM consumer that asks for `transfer_id`; the keys
         that tell it where (the caller adds its own)."""
-        self.server.offer(transfer_id, fused, blocks)
+        refuse, self._refuse = self._refuse, False
+        offer = self.server.offer(
+            transfer_id,
+            fused,
+            blocks,
+            refuse="refused by a test hook (inject_vllm_kv_refusal)" if refuse else None,
+        )
+        if self._fault is not None:  # test hook: one staged block perturbed, every layer
+            (block, delta), self._fault = self._fault, None
+            for layer in self.server.layers:
+                layer[offer.staging[block]] += delta
+            log.warning("transfer %s: perturbed staged block %d by %g (test hook)", transfer_id, block, delta)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -73,6 +86,16 @@ class VllmConsumers:
 
     def release(self, transfer_id: str) -> bool:
         return self.server.release(transfer_id)
+
+    def inject_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
+        """Test hook: the next offer's block `block_index` is perturbed in staging after its
+        (checked) translation, as a fault in transit would be: vLLM's protocol carries no
+        checksum, so only the output can show it."""
+        self._fault = (block_index, delta)
+
+    def inject_refusal(self) -> None:
+        """Test hook: the next offer is held but its consumer's ask is refused."""
+        self._refuse = True
 
     def expire(self) -> None:
         self.server.expire()
