@@ -1,5 +1,6 @@
 """The check an hf decode engine makes of a vLLM producer at the first handoff
-(kv/vllm_handoff.py): every field that differs is named with both values, in one message."""
+(kv/vllm_handoff.py), and the one a vLLM decode engine makes of an hf producer (the reverse
+pair): every field that differs is named with both values, in one message."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from omni_pd.kv.layout import BlockLayout
 from omni_pd.kv.vllm_handoff import (
     VllmProducerInfo,
     check_consumer,
+    check_vllm_consumer,
     consumer_fingerprint,
+    hf_producer_info,
     seed_rule,
 )
-from omni_pd.kv.vllm_layout import VllmKVGeometry
+from omni_pd.kv.vllm_layout import VllmKVGeometry, geometry_of
 
 GEOMETRY = VllmKVGeometry(
     layer_names=("l0", "l1"),
@@ -87,3 +90,51 @@ def test_a_producer_entry_without_its_keys_is_refused_by_name():
     del data["prefix_caching_hash_algo"]
     with pytest.raises(ValueError, match="lacks 'prefix_caching_hash_algo'"):
         VllmProducerInfo.from_dict(data)
+
+
+# --- the reverse pair: an hf producer checked by a vLLM decode engine ---------------------------
+
+HF_INFO = hf_producer_info(LAYOUT, "vllm:sha256_cbor", FIXED, "tiny")
+
+
+def test_an_hf_producer_matching_the_vllm_consumer_passes():
+    assert HF_INFO.geometry == geometry_of(LAYOUT) and HF_INFO.hash_algo == "sha256_cbor"
+    check_vllm_consumer(HF_INFO, INFO)  # the control: other layer names, same geometry and keys
+    assert VllmProducerInfo.from_dict(HF_INFO.to_dict()) == HF_INFO
+
+
+@pytest.mark.parametrize(
+    "consumer, needles",
+    [
+        (
+            dataclasses.replace(INFO, geometry=dataclasses.replace(GEOMETRY, block_size=64)),
+            ("block size: hf prefill 32, vLLM decode 64",),
+        ),
+        (
+            dataclasses.replace(INFO, geometry=dataclasses.replace(GEOMETRY, num_kv_heads=4)),
+            ("KV heads: hf prefill 2, vLLM decode 4",),
+        ),
+        (
+            dataclasses.replace(INFO, geometry=dataclasses.replace(GEOMETRY, dtype="bfloat16")),
+            ("dtype: hf prefill 'float32', vLLM decode 'bfloat16'",),
+        ),
+        (
+            dataclasses.replace(INFO, geometry=dataclasses.replace(GEOMETRY, attention_isa="amx")),
+            ("CPU attention kernel: hf prefill 'vec', vLLM decode 'amx'",),
+        ),
+        (
+            dataclasses.replace(INFO, hash_algo="xxhash"),
+            ("prefix_caching_hash_algo: hf prefill 'sha256_cbor', vLLM decode 'xxhash'",),
+        ),
+        (
+            dataclasses.replace(INFO, seed_rule="PYTHONHASHSEED='1'"),
+            ('hf prefill "vLLM\'s fixed default", vLLM decode "PYTHONHASHSEED=\'1\'"',),
+        ),
+    ],
+    ids=["block-size", "kv-heads", "dtype", "isa", "hash-algo", "seed"],
+)
+def test_a_vllm_consumer_refuses_a_mismatched_hf_producer_naming_both_values(consumer, needles):
+    with pytest.raises(KVIncompatibleError) as err:
+        check_vllm_consumer(HF_INFO, consumer)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
