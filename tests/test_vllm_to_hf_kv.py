@@ -367,3 +367,40 @@ def test_log_probs_from_vllms_kv_stay_within_the_vllm_vs_transformers_bound(prod
     assert worst <= LOGPROB_TOL
     _, other = _colocated_logprobs(runner, PROMPT[:-1] + [PROMPT[-1] + 1])
     assert (other[1:] - colocated[1:]).abs().max().item() > 100 * LOGPROB_TOL
+
+
+def test_a_first_pull_asks_the_bootstrap_server_on_its_own_thread(geometry):
+    """The first pull from a producer queries its bootstrap server off the caller's thread (an
+    engine step): start_at returns while the server still holds the query. A failed query is
+    the pull's error, naming the server, and its staging is given back."""
+    import http.server
+    import threading
+
+    asked, answer = threading.Event(), threading.Event()
+
+    class Held(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.set()
+            answer.wait(30)
+            self.send_error(503)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    puller = VllmKVPuller(MooncakeTransport(), geometry, staging_blocks=4)
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}"
+        pull = puller.start_at("t-held", address, "engine-x", 2, wait_s=20.0)
+        assert asked.wait(20) and not pull.result.done()  # returned while the query is held
+        assert puller.debug_state_counts() == {"kv.vllm_pulls": 1, "kv.vllm_staging_blocks_held": 2}
+        answer.set()
+        with pytest.raises(Exception) as err:
+            puller.wait(pull, 20)
+        assert "bootstrap server" in str(err.value) and address in str(err.value)
+        assert puller.debug_state_counts() == {"kv.vllm_pulls": 0, "kv.vllm_staging_blocks_held": 0}
+    finally:
+        answer.set()
+        puller.close()
+        server.shutdown()
