@@ -16,6 +16,7 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 
 VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_pd_vllm.yaml"  # tiny-qwen3-text: 2 KV heads
 HF_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_hf_pd.yaml"
+OMNI_VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm_pd.yaml"  # the thinker: 1 KV head
 
 
 def _write(tmp_path: Path, base: Path, prefill_tp: int, decode_tp: int, model: str | None = None) -> Path:
@@ -61,6 +62,24 @@ def test_kv_heads_that_do_not_split_are_refused_naming_the_stage_and_the_divisor
     assert "a divisor of 6 (1, 2, 3, 6)" in issues[0].allowed
     # the negative control: the same pair with sizes that split 6 heads loads
     load_pipeline_config(_write(tmp_path, VLLM_PD, 2, 1, model=str(checkpoint)))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_more_ranks_than_kv_heads_replicate_the_heads_and_load(tmp_path, prefill_tp, decode_tp):
+    """vLLM copies a KV head onto several ranks when there are more ranks than heads (and its
+    MooncakeConnector sends one copy, or fills every copy): allowed, not taken for a bad split."""
+    checkpoint = tmp_path / "ckpt"  # one KV head, as the tiny Qwen3-Omni thinker's
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_key_value_heads": 1}))
+    cfg = load_pipeline_config(_write(tmp_path, VLLM_PD, prefill_tp, decode_tp, model=str(checkpoint)))
+    assert [s.engine_args.tensor_parallel_size for s in cfg.stages] == [prefill_tp, decode_tp]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_the_omni_thinker_pair_loads_with_mixed_tp(tmp_path, prefill_tp, decode_tp):
+    cfg = load_pipeline_config(_write(tmp_path, OMNI_VLLM_PD, prefill_tp, decode_tp))
+    assert [s.engine_args.tensor_parallel_size for s in cfg.stages[:2]] == [prefill_tp, decode_tp]
+    assert [s.engine_args.engine for s in cfg.stages[2:]] == ["hf", "hf"]  # talker, code2wav at TP 1
 
 
 def test_hf_pairs_keep_refusing_a_tp_difference(tmp_path):

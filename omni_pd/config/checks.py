@@ -406,7 +406,9 @@ def _check_pair(
                 "vLLM decode would need vLLM's consumer to read omni-pd's KV, docs/cross_engine_pd.md)",
             )
         )
-    for attr in ("model_stage",) + (() if vllm_pair else ("tensor_parallel_size",)):
+    # A vLLM pair reshards between TP sizes (above); a cross-engine pair checks TP apart (the hf
+    # decode stage runs at TP 1, so what to change is the vLLM prefill's size).
+    for attr in ("model_stage",) + (() if vllm_pair or mixed else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
             add(
@@ -550,8 +552,21 @@ def _check_cross_engine_pair(
     """A vLLM prefill stage and an hf decode stage share one block size (vLLM's block_size, the
     hf stage's kv_block_size) and one block-key algorithm (prefix_caching_hash_algo: the hf
     stage names the blocks it reads by vLLM's keys)."""
-    (_, ps), (di, ds) = p, d
+    (pi, ps), (di, ds) = p, d
     issues: list[ConfigIssue] = []
+    ptp = ps.engine_args.tensor_parallel_size
+    if ptp != ds.engine_args.tensor_parallel_size == 1:
+        issues.append(
+            ctx.issue(
+                ps,
+                _ek(pi, "engine_args.tensor_parallel_size"),
+                ptp,
+                f"1 (as hf decode stage {ds.stage_id}), or a vLLM decode stage to keep TP {ptp}",
+                f"vLLM prefill stage {ps.stage_id} runs tensor_parallel_size {ptp} but feeds hf "
+                f"decode stage {ds.stage_id}, which reads one vLLM rank's whole KV cache: the hf "
+                "engine runs a stage on one device and does not reshard KV heads between ranks",
+            )
+        )
     vllm_block = ps.engine_args.block_size
     if vllm_block is None or vllm_block != ds.engine_args.kv_block_size:
         issues.append(
