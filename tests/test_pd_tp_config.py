@@ -86,3 +86,40 @@ def test_hf_pairs_keep_refusing_a_tp_difference(tmp_path):
     issues = _issues(_write(tmp_path, HF_PD, 2, 1))
     issue = next(i for i in issues if i.key == "stage_args[1].engine_args.tensor_parallel_size")
     assert "identical layouts" in issue.message
+
+
+def _unnamed(tmp_path: Path, prefill_tp: int, decode_tp: int) -> Path:
+    """The text pair with no stage naming its model (as the shipped omni stage files)."""
+    data = yaml.safe_load(_write(tmp_path, VLLM_PD, prefill_tp, decode_tp).read_text())
+    for stage in data["stage_args"]:
+        stage["engine_args"].pop("model", None)
+    path = tmp_path / "unnamed.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_pipelines_model_is_checked_at_start_when_no_stage_names_one(tmp_path):
+    """Load cannot know the model (Omni(model=...)); the orchestrator checks the heads with it
+    before any worker starts, by stage and key."""
+    from omni_pd import Omni
+    from omni_pd.config.model_tp import check_pair_tp_for_model
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_key_value_heads": 6}))
+    path = _unnamed(tmp_path, 4, 2)
+    config = load_pipeline_config(path)  # loads: no stage names a model
+    with pytest.raises(ConfigError) as info:
+        check_pair_tp_for_model(config, str(checkpoint), str(path))
+    [issue] = info.value.issues
+    assert issue.key == "stage_args[0].engine_args.tensor_parallel_size" and issue.stage_id == 0
+    assert "6 KV heads do not split over 4 ranks" in issue.message
+    with pytest.raises(ConfigError, match="6 KV heads do not split over 4 ranks"):
+        Omni(model=str(checkpoint), stage_configs_path=path)  # refused before a worker starts
+    # negative controls: sizes that split 6 heads, and the tiny omni thinker's one replicated head
+    check_pair_tp_for_model(load_pipeline_config(_unnamed(tmp_path, 2, 1)), str(checkpoint), str(path))
+    from omni_pd import registry
+
+    assert registry.text_kv_heads("tiny-qwen3-omni") == 1  # read, so the check runs: TP 2 copies it
+    omni_pd_config = load_pipeline_config(_write(tmp_path, OMNI_VLLM_PD, 2, 1))
+    check_pair_tp_for_model(omni_pd_config, "tiny-qwen3-omni", "omni.yaml")

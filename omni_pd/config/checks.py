@@ -47,6 +47,8 @@ class CheckContext:
     runtime: PipelineRuntime | None
     complete: bool  # every stage passed schema validation
     runtime_valid: bool = True  # top-level `runtime` passed schema validation
+    # The model a stage that names none runs (known when the orchestrator starts, not at load).
+    model: str | None = None
 
     def issue(
         self, stage: StageConfig | None, key: str, got: Any, allowed: str | None, message: str
@@ -624,10 +626,10 @@ def _check_block_sizes(
     ]
 
 
-def _kv_heads(stage: StageConfig) -> int | None:
-    """The KV head count of a stage's model, when the model is a checkpoint directory or an
-    embedded model; None when only vLLM can tell."""
-    model = stage.engine_args.model
+def _kv_heads(stage: StageConfig, default_model: str | None) -> int | None:
+    """The KV head count of a stage's model (its own `model`, else the pipeline's when known),
+    when the model is a checkpoint directory or an embedded model; None when only vLLM can tell."""
+    model = stage.engine_args.model or default_model
     return registry.text_kv_heads(model) if model else None
 
 
@@ -651,7 +653,7 @@ def _check_pair_tp(
                 "the other; the KV connector maps ranks only when one does",
             )
         )
-    heads = _kv_heads(ds) or _kv_heads(ps)
+    heads = _kv_heads(ds, ctx.model) or _kv_heads(ps, ctx.model)
     if heads is None or ptp == dtp == 1:
         return issues
     for index, stage, tp in ((pi, ps, ptp), (di, ds, dtp)):
