@@ -1009,8 +1009,14 @@ def test_an_hf_prefill_stage_feeding_a_vllm_decode_stage_is_refused_by_name(tmp_
             "stage_args[1].engine_args.prefix_caching_hash_algo",
             ("'sha256'",),  # vLLM's default
         ),
+        (
+            # the hf decode leg reads one vLLM rank's whole cache: the prefill's TP is what to change
+            lambda d: d["stage_args"][0]["engine_args"].update(tensor_parallel_size=2),
+            "stage_args[0].engine_args.tensor_parallel_size",
+            ("1 (as hf decode stage 1)", "does not reshard KV heads"),
+        ),
     ],
-    ids=["block-size", "hash-algo", "vllm-default-hash-algo"],
+    ids=["block-size", "hash-algo", "vllm-default-hash-algo", "vllm-prefill-tp"],
 )
 def test_a_cross_engine_pair_shares_block_size_and_block_keys(tmp_path: Path, mutate, key, needles) -> None:
     data = _mixed()

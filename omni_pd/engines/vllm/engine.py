@@ -204,9 +204,17 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
-        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them).
+        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them),
+        # read from the connector worker in this process: with tensor_parallel_size > 1 the
+        # workers are vLLM's rank processes and there is none here, and no hf decode stage reads
+        # such a producer (the config check holds an hf stage to TP 1 and a cross-engine pair to
+        # one TP size), so a vLLM decode stage, which asks the ranks itself, is its only reader.
         self.producer_info: dict[str, Any] | None = None
-        if self.kv_connector == "MooncakeConnector" and self.kv_role == "kv_producer":
+        if (
+            self.kv_connector == "MooncakeConnector"
+            and self.kv_role == "kv_producer"
+            and args.tensor_parallel_size == 1
+        ):
             info = producer_info(self.engine, name)
             log_producer_info(self.stage_id, info)
             self.producer_info = info.to_dict()
