@@ -38,9 +38,23 @@ def _generate_json(tmp_path, *extra):
     return json.loads(out.stdout)  # exactly one JSON object, nothing else on stdout
 
 
-def test_generate_json_reports_text_audio_and_timings(tmp_path):
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """One `generate --json` of the colocated config, which several tests compare against (each
+    run starts a whole pipeline: CI time)."""
+    return _generate_json(tmp_path_factory.mktemp("colocated"), "--stage-configs-path", str(TINY))
+
+
+@pytest.fixture(scope="module")
+def default_pd(tmp_path_factory):
+    """One `generate --json` of the default config (P/D, TINY_PD), with a timeline."""
+    out = tmp_path_factory.mktemp("default_pd")
+    return _generate_json(out, "--timeline", str(out / "timeline.png")), out / "timeline.png"
+
+
+def test_generate_json_reports_text_audio_and_timings(default_pd):
     # The default config: P/D across processes, streaming between stages.
-    result = _generate_json(tmp_path, "--timeline", str(tmp_path / "timeline.png"))
+    result, timeline_png = default_pd
     for key in ("text", "token_ids", "audio_path", "sample_rate", "num_samples", "audio_sha256", "metrics"):
         assert key in result
     assert result["sample_rate"] == 24_000 and result["num_samples"] > 0
@@ -62,19 +76,20 @@ def test_generate_json_reports_text_audio_and_timings(tmp_path):
     assert timeline["stages"]["2"]["start_ms"] < timeline["stages"]["1"]["end_ms"]  # overlapped
     assert len(timeline["audio_chunks_ms"]) > 1
     assert metrics["ttfa_ms"] == timeline["audio_chunks_ms"][0] < metrics["e2e_ms"]
-    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert timeline_png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_colocated_config_reports_no_kv_transfer(tmp_path):
-    metrics = _generate_json(tmp_path, "--stage-configs-path", str(TINY))["metrics"]
+def test_colocated_config_reports_no_kv_transfer(colocated):
+    metrics = colocated["metrics"]
     assert set(metrics["stage_ms"]) == {"0", "1", "2"} and "kv_bytes_transferred" not in metrics
 
 
-def test_deploy_config_generates_what_its_stage_args_twin_does(tmp_path):
+def test_deploy_config_generates_what_its_stage_args_twin_does(tmp_path, default_pd):
     # vllm-omni 0.30's deploy schema: the same P/D pipeline as the stage_args file, so the same
     # tokens and audio, byte for byte.
     deploy = _generate_json(tmp_path, "--deploy-config", str(DEPLOY_PD))
-    legacy = _generate_json(tmp_path, "--stage-configs-path", str(TINY_PD))
+    legacy = default_pd[0]
+    assert legacy["metrics"]["stage_ms"].keys() == {"0", "1", "2", "3"}  # the default is TINY_PD
     assert len(deploy["token_ids"]) > 0 and deploy["num_samples"] > 0
     assert deploy["token_ids"] == legacy["token_ids"]
     assert deploy["audio_sha256"] == legacy["audio_sha256"]
@@ -96,7 +111,7 @@ def test_generate_plain_prints_text_and_timings(tmp_path):
     assert (tmp_path / "a.wav").is_file()
 
 
-def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path):
+def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path, colocated):
     streamed = _run(
         "generate",
         "--prompt",
@@ -107,7 +122,7 @@ def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path):
         "--output",
         str(tmp_path / "s.wav"),
     )
-    plain = _generate_json(tmp_path, "--stage-configs-path", str(TINY))
+    plain = colocated
     printed, _, rest = streamed.stdout.partition("\ntokens: ")
     assert printed == "text: " + _printable(plain["text"]) and "timings: ttft" in rest
     got, rate = soundfile.read(tmp_path / "s.wav", dtype="float32")
@@ -120,13 +135,13 @@ def test_generate_stream_prints_text_and_writes_the_same_wav(tmp_path):
     assert not np.array_equal(got, want)
 
 
-def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path):
+def test_checkpoint_directory_gives_the_same_output_as_dummy_weights(tmp_path, colocated):
     ckpt = tmp_path / "tiny"
     _run("make-tiny-model", str(ckpt), "--seed", "42")
     # The same stage config, but loading the written safetensors instead of seeded weights.
     config = tmp_path / "from_files.yaml"
     config.write_text(TINY.read_text().replace("load_format: dummy", "load_format: auto"))
-    dummy = _generate_json(tmp_path, "--stage-configs-path", str(TINY))
+    dummy = colocated
     files = _generate_json(tmp_path, "--model", str(ckpt), "--stage-configs-path", str(config))
     assert files["token_ids"] == dummy["token_ids"]
     assert files["audio_sha256"] == dummy["audio_sha256"]

@@ -168,6 +168,36 @@ def test_prefill_killed_mid_push_the_decode_frees_its_reservation(pd, reference)
     _report("prefill SIGKILL mid-push", answered_after_kill_s=failover)
 
 
+def test_prefill_frozen_mid_push_is_a_bounded_fallback_and_its_fence_ends(pd, reference):
+    """The prefill worker frozen (SIGSTOP) mid-push: the request is answered by the fallback
+    within the window, counted by the breaker; the decode side keeps the reservation's blocks
+    out of use while the writer may still write (fenced for kv_lease_timeout_s), and once the
+    writer is resumed and the fence is over, neither side holds anything and the next request
+    is pushed again."""
+    engine = pd.engine
+    failures = engine.handoff_failures
+    future, pid = _start_and_stop_mid_push(pd, LONG[0])
+    stopped = time.monotonic()
+    try:
+        _wait_for(lambda: engine.handoff_failures > failures, 10, "the handoff to fail")
+        given_up = time.monotonic() - stopped
+        out = future.result(30)  # the fallback: the decode worker prefills it itself
+        answered = time.monotonic() - stopped
+        assert out.metrics["kv_fallback"]
+        _same_as_colocated(out, reference[LONG[0]])
+        assert engine.handoff_failures == failures + 1
+        assert given_up < WINDOW_S + 1.0, given_up
+        assert _stage_counts(pd, DECODE)["push_reservations"] == 0  # given up: no live reservation
+    finally:
+        os.kill(pid, signal.SIGCONT)  # the writer goes on, past its wait: it stops writing
+    _wait_for(lambda: not any(_stage_counts(pd, DECODE).values()), FENCE_S + 10, "the fence to end")
+    _wait_for(lambda: not any(_stage_counts(pd, PREFILL).values()), 10, "the prefill to hold nothing")
+    out = pd.generate(LONG[2])[0]
+    assert out.metrics["kv_path"] == "push" and not out.metrics["kv_fallback"], out.metrics
+    _same_as_colocated(out, reference[LONG[2]])
+    _report("prefill SIGSTOP mid-push", handoff_failed_after_s=given_up, answered_after_s=answered)
+
+
 def test_soak_in_push_mode(pd):
     """The soak's short form in push mode: 200 requests at concurrency 8, a quarter aborted, the
     prefill worker killed halfway; most are pushed, none fails, nothing is left behind."""

@@ -13,7 +13,9 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 
 from test_pd_equivalence import _per_token_kv_bytes, _prompts, differences
 
-pytestmark = [pytest.mark.slow, pytest.mark.exactness]
+# Not `exactness`: the second-ISA pass covers chunked prefill over cached KV (the compute push
+# relies on) in test_prefix_caching; what is new here is the transport, which no ISA changes.
+pytestmark = [pytest.mark.slow]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 CASES = ["short", "over_one_block", "long_1000", "audio"]

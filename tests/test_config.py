@@ -1028,8 +1028,13 @@ def test_serve_vllm_consumers_is_refused_outside_the_reverse_pair(tmp_path: Path
             "stage_args[0].engine_args.prefix_caching_hash_algo",
             ("'sha256_cbor'", "'sha256'"),  # vLLM's default
         ),
+        (
+            lambda d: d["stage_args"][1]["engine_args"].update(tensor_parallel_size=2),
+            "stage_args[1].engine_args.tensor_parallel_size",
+            ("tensor_parallel_size differs from prefill stage 0's",),
+        ),
     ],
-    ids=["block-size", "hash-algo", "vllm-default-hash-algo"],
+    ids=["block-size", "hash-algo", "vllm-default-hash-algo", "tp"],
 )
 def test_the_reverse_pair_shares_block_size_and_block_keys_naming_both(
     tmp_path: Path, mutate, key, needles
@@ -1059,8 +1064,14 @@ def test_the_reverse_pair_shares_block_size_and_block_keys_naming_both(
             "stage_args[1].engine_args.prefix_caching_hash_algo",
             ("'sha256'",),  # vLLM's default
         ),
+        (
+            # the hf decode leg reads one vLLM rank's whole cache: the prefill's TP is what to change
+            lambda d: d["stage_args"][0]["engine_args"].update(tensor_parallel_size=2),
+            "stage_args[0].engine_args.tensor_parallel_size",
+            ("1 (as hf decode stage 1)", "does not reshard KV heads"),
+        ),
     ],
-    ids=["block-size", "hash-algo", "vllm-default-hash-algo"],
+    ids=["block-size", "hash-algo", "vllm-default-hash-algo", "vllm-prefill-tp"],
 )
 def test_a_cross_engine_pair_shares_block_size_and_block_keys(tmp_path: Path, mutate, key, needles) -> None:
     data = _mixed()

@@ -16,6 +16,7 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 
 VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_pd_vllm.yaml"  # tiny-qwen3-text: 2 KV heads
 HF_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_text_hf_pd.yaml"
+OMNI_VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm_pd.yaml"  # the thinker: 1 KV head
 
 
 def _write(tmp_path: Path, base: Path, prefill_tp: int, decode_tp: int, model: str | None = None) -> Path:
@@ -63,7 +64,62 @@ def test_kv_heads_that_do_not_split_are_refused_naming_the_stage_and_the_divisor
     load_pipeline_config(_write(tmp_path, VLLM_PD, 2, 1, model=str(checkpoint)))
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_more_ranks_than_kv_heads_replicate_the_heads_and_load(tmp_path, prefill_tp, decode_tp):
+    """vLLM copies a KV head onto several ranks when there are more ranks than heads (and its
+    MooncakeConnector sends one copy, or fills every copy): allowed, not taken for a bad split."""
+    checkpoint = tmp_path / "ckpt"  # one KV head, as the tiny Qwen3-Omni thinker's
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_key_value_heads": 1}))
+    cfg = load_pipeline_config(_write(tmp_path, VLLM_PD, prefill_tp, decode_tp, model=str(checkpoint)))
+    assert [s.engine_args.tensor_parallel_size for s in cfg.stages] == [prefill_tp, decode_tp]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_the_omni_thinker_pair_loads_with_mixed_tp(tmp_path, prefill_tp, decode_tp):
+    cfg = load_pipeline_config(_write(tmp_path, OMNI_VLLM_PD, prefill_tp, decode_tp))
+    assert [s.engine_args.tensor_parallel_size for s in cfg.stages[:2]] == [prefill_tp, decode_tp]
+    assert [s.engine_args.engine for s in cfg.stages[2:]] == ["hf", "hf"]  # talker, code2wav at TP 1
+
+
 def test_hf_pairs_keep_refusing_a_tp_difference(tmp_path):
     issues = _issues(_write(tmp_path, HF_PD, 2, 1))
     issue = next(i for i in issues if i.key == "stage_args[1].engine_args.tensor_parallel_size")
     assert "identical layouts" in issue.message
+
+
+def _unnamed(tmp_path: Path, prefill_tp: int, decode_tp: int) -> Path:
+    """The text pair with no stage naming its model (as the shipped omni stage files)."""
+    data = yaml.safe_load(_write(tmp_path, VLLM_PD, prefill_tp, decode_tp).read_text())
+    for stage in data["stage_args"]:
+        stage["engine_args"].pop("model", None)
+    path = tmp_path / "unnamed.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_pipelines_model_is_checked_at_start_when_no_stage_names_one(tmp_path):
+    """Load cannot know the model (Omni(model=...)); the orchestrator checks the heads with it
+    before any worker starts, by stage and key."""
+    from omni_pd import Omni
+    from omni_pd.config.model_tp import check_pair_tp_for_model
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_key_value_heads": 6}))
+    path = _unnamed(tmp_path, 4, 2)
+    config = load_pipeline_config(path)  # loads: no stage names a model
+    with pytest.raises(ConfigError) as info:
+        check_pair_tp_for_model(config, str(checkpoint), str(path))
+    [issue] = info.value.issues
+    assert issue.key == "stage_args[0].engine_args.tensor_parallel_size" and issue.stage_id == 0
+    assert "6 KV heads do not split over 4 ranks" in issue.message
+    with pytest.raises(ConfigError, match="6 KV heads do not split over 4 ranks"):
+        Omni(model=str(checkpoint), stage_configs_path=path)  # refused before a worker starts
+    # negative controls: sizes that split 6 heads, and the tiny omni thinker's one replicated head
+    check_pair_tp_for_model(load_pipeline_config(_unnamed(tmp_path, 2, 1)), str(checkpoint), str(path))
+    from omni_pd import registry
+
+    assert registry.text_kv_heads("tiny-qwen3-omni") == 1  # read, so the check runs: TP 2 copies it
+    omni_pd_config = load_pipeline_config(_write(tmp_path, OMNI_VLLM_PD, 2, 1))
+    check_pair_tp_for_model(omni_pd_config, "tiny-qwen3-omni", "omni.yaml")

@@ -38,6 +38,7 @@ from omni_pd.kv.transport import MooncakeTransport  # noqa: E402
 from omni_pd.kv.vllm_block_hash import VllmBlockHasher  # noqa: E402
 from omni_pd.kv.vllm_layout import VllmKVGeometry, check_geometry, translate_blocks  # noqa: E402
 from omni_pd.config import load_pipeline_config  # noqa: E402
+from omni_pd.engines.core.build import ar_engine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine  # noqa: E402
 from omni_pd.kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
 from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
@@ -46,7 +47,8 @@ from omni_pd.planning import build_decode_sampling_params  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.sampling import SamplingParams  # noqa: E402
 
-from test_thinker_engine import _engine, _run_together, runner  # noqa: E402, F401
+from test_thinker_engine import _engine, _run_together, _stage, runner  # noqa: E402, F401
+from inproc_vllm_omni_thinker import LOGPROB_TOL  # noqa: E402
 from vllm_kv_producer import serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -226,10 +228,10 @@ def test_a_transfer_the_producer_never_published_is_a_bounded_miss(producer, pul
     assert producer.call("released", params["transfer_id"]) is True
 
 
-def _hf_decode(runner, **engine_args):
+def _hf_decode(runner, stage_runner=ThinkerStageRunner, **engine_args):
     stage = load_pipeline_config(MIXED_CONFIG).stage(1)
     stage = stage.model_copy(update={"engine_args": stage.engine_args.model_copy(update=engine_args)})
-    return DecodeEngine(stage, ThinkerStageRunner(runner))
+    return DecodeEngine(stage, stage_runner(runner))
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +319,88 @@ def test_a_missing_transfer_is_a_bounded_miss_on_the_decode_engine(producer, pul
     assert counts["thinker.requests"] == 0 and counts["thinker.kv_blocks_in_use"] == 0
     assert counts["kv.vllm_pulls"] == 1
     _free_on_the_producer(producer, puller, {**params, "transfer_id": "d3-xfer"})
+
+
+class LogprobRunner(ThinkerStageRunner):
+    """The thinker's runner, keeping each request's log-probabilities (the whole vocabulary) at
+    every step it samples: what the log-prob bound compares."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logprobs: dict[str, list[torch.Tensor]] = {}
+
+    def sample(self, requests, logits, first):
+        for request, row in zip(requests, logits):
+            self.logprobs.setdefault(request.request_id, []).append(torch.log_softmax(row.float(), -1))
+        return super().sample(requests, logits, first)
+
+
+def _colocated_logprobs(runner, ids):
+    recording = LogprobRunner(runner, _stage().engine_args.attention_kernels)
+    engine = ar_engine(_stage(kv_block_size=BS), recording)
+    [out], _ = _run_together(
+        engine, [ThinkerPrompt(list(ids))], [SamplingParams(temperature=0, max_tokens=6)]
+    )
+    return out.token_ids, torch.stack(recording.logprobs["r0"])
+
+
+def test_log_probs_from_vllms_kv_stay_within_the_vllm_vs_transformers_bound(producer, runner):
+    """Issue 40, item 4: decoding from the vLLM prefill's KV, every log-probability of every
+    step the hf decode engine samples stays within LOGPROB_TOL (the bound
+    tests/inproc_vllm_omni_thinker.py holds vLLM's thinker to against transformers) of hf
+    colocated's at the same step. Negative control: a prompt one token away is far outside it."""
+    decode = _hf_decode(runner, stage_runner=LogprobRunner)
+    try:
+        first, _ = _decode_request(decode, producer, "lp1", PROMPT)
+        out, error = _finish(decode, "lp1")
+        assert error is None, error
+        mixed = torch.stack(decode.runner.logprobs["lp1"])
+        assert all(v == 0 for v in decode.debug_state_counts().values())
+    finally:
+        decode.close()
+    tokens, colocated = _colocated_logprobs(runner, PROMPT)
+    assert out.token_ids == tokens and tokens[0] == first
+    # The decode leg samples tokens 2..6 (the first is the vLLM prefill's): colocated's rows 1..5.
+    assert mixed.shape == colocated[1:].shape == (len(tokens) - 1, colocated.shape[1])
+    worst = (mixed - colocated[1:]).abs().max().item()
+    print(f"vLLM prefill -> hf decode vs hf colocated: max |log-prob difference| {worst:.2e}")
+    assert worst <= LOGPROB_TOL
+    _, other = _colocated_logprobs(runner, PROMPT[:-1] + [PROMPT[-1] + 1])
+    assert (other[1:] - colocated[1:]).abs().max().item() > 100 * LOGPROB_TOL
+
+
+def test_a_first_pull_asks_the_bootstrap_server_on_its_own_thread(geometry):
+    """The first pull from a producer queries its bootstrap server off the caller's thread (an
+    engine step): start_at returns while the server still holds the query. A failed query is
+    the pull's error, naming the server, and its staging is given back."""
+    import http.server
+    import threading
+
+    asked, answer = threading.Event(), threading.Event()
+
+    class Held(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.set()
+            answer.wait(30)
+            self.send_error(503)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    puller = VllmKVPuller(MooncakeTransport(), geometry, staging_blocks=4)
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}"
+        pull = puller.start_at("t-held", address, "engine-x", 2, wait_s=20.0)
+        assert asked.wait(20) and not pull.result.done()  # returned while the query is held
+        assert puller.debug_state_counts() == {"kv.vllm_pulls": 1, "kv.vllm_staging_blocks_held": 2}
+        answer.set()
+        with pytest.raises(Exception) as err:
+            puller.wait(pull, 20)
+        assert "bootstrap server" in str(err.value) and address in str(err.value)
+        assert puller.debug_state_counts() == {"kv.vllm_pulls": 0, "kv.vllm_staging_blocks_held": 0}
+    finally:
+        answer.set()
+        puller.close()
+        server.shutdown()

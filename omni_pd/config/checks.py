@@ -47,6 +47,8 @@ class CheckContext:
     runtime: PipelineRuntime | None
     complete: bool  # every stage passed schema validation
     runtime_valid: bool = True  # top-level `runtime` passed schema validation
+    # The model a stage that names none runs (known when the orchestrator starts, not at load).
+    model: str | None = None
 
     def issue(
         self, stage: StageConfig | None, key: str, got: Any, allowed: str | None, message: str
@@ -391,7 +393,8 @@ def _check_pair(
     if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
         issues.extend(_check_pair_tp(ctx, p, d))
     engines = (ps.engine_args.engine, ds.engine_args.engine)
-    if engines == CROSS_ENGINE_PAIR:  # an unmodified vLLM prefill feeds hf decode (core/vllm_source.py)
+    mixed = engines == CROSS_ENGINE_PAIR
+    if mixed:  # an unmodified vLLM prefill feeds hf decode (core/vllm_source.py)
         issues.extend(_check_cross_engine_pair(ctx, p, d))
     elif engines == REVERSE_CROSS_ENGINE_PAIR:  # hf prefill feeds unmodified vLLM decode (vllm_consumers.py)
         issues.extend(_check_reverse_cross_engine_pair(ctx, p, d))
@@ -422,7 +425,10 @@ def _check_pair(
                         f"consumers; this pair is {engines[0]} prefill -> {engines[1]} decode",
                     )
                 )
-    for attr in ("model_stage",) + (() if vllm_pair else ("tensor_parallel_size",)):
+    # A vLLM pair reshards between TP sizes (above); the vLLM -> hf pair checks TP apart (the hf
+    # decode stage runs at TP 1, so what to change is the vLLM prefill's size). The hf -> vLLM
+    # pair's sizes must be equal (its hf prefill writes one vLLM worker's blocks).
+    for attr in ("model_stage",) + (() if vllm_pair or mixed else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
             add(
@@ -567,8 +573,21 @@ def _check_cross_engine_pair(
     """A vLLM prefill stage and an hf decode stage share one block size (vLLM's block_size, the
     hf stage's kv_block_size) and one block-key algorithm (prefix_caching_hash_algo: the hf
     stage names the blocks it reads by vLLM's keys)."""
-    (_, ps), (di, ds) = p, d
+    (pi, ps), (di, ds) = p, d
     issues: list[ConfigIssue] = []
+    ptp = ps.engine_args.tensor_parallel_size
+    if ptp != ds.engine_args.tensor_parallel_size == 1:
+        issues.append(
+            ctx.issue(
+                ps,
+                _ek(pi, "engine_args.tensor_parallel_size"),
+                ptp,
+                f"1 (as hf decode stage {ds.stage_id}), or a vLLM decode stage to keep TP {ptp}",
+                f"vLLM prefill stage {ps.stage_id} runs tensor_parallel_size {ptp} but feeds hf "
+                f"decode stage {ds.stage_id}, which reads one vLLM rank's whole KV cache: the hf "
+                "engine runs a stage on one device and does not reshard KV heads between ranks",
+            )
+        )
     vllm_block = ps.engine_args.block_size
     if vllm_block is None or vllm_block != ds.engine_args.kv_block_size:
         issues.append(
@@ -677,10 +696,10 @@ def _check_block_sizes(
     ]
 
 
-def _kv_heads(stage: StageConfig) -> int | None:
-    """The KV head count of a stage's model, when the model is a checkpoint directory or an
-    embedded model; None when only vLLM can tell."""
-    model = stage.engine_args.model
+def _kv_heads(stage: StageConfig, default_model: str | None) -> int | None:
+    """The KV head count of a stage's model (its own `model`, else the pipeline's when known),
+    when the model is a checkpoint directory or an embedded model; None when only vLLM can tell."""
+    model = stage.engine_args.model or default_model
     return registry.text_kv_heads(model) if model else None
 
 
@@ -704,7 +723,7 @@ def _check_pair_tp(
                 "the other; the KV connector maps ranks only when one does",
             )
         )
-    heads = _kv_heads(ds) or _kv_heads(ps)
+    heads = _kv_heads(ds, ctx.model) or _kv_heads(ps, ctx.model)
     if heads is None or ptp == dtp == 1:
         return issues
     for index, stage, tp in ((pi, ps, ptp), (di, ds, dtp)):

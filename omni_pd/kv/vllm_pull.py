@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -102,6 +103,55 @@ class VllmKVPuller:
     # ---- pulls --------------------------------------------------------------------------------
     def start(self, transfer_id: str, worker_addr: str, num_blocks: int, wait_s: float) -> VllmPull:
         """Ask the producer for the last `num_blocks` blocks of transfer `transfer_id`."""
+        pull = self._reserve(transfer_id, num_blocks)
+        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, pull.staging)
+        self._threads.submit(self._exchange, pull, worker_addr, metadata, wait_s)
+        return pull
+
+    def start_at(
+        self,
+        transfer_id: str,
+        bootstrap_addr: str,
+        engine_id: str,
+        num_blocks: int,
+        wait_s: float,
+        query_s: float | None = None,
+    ) -> VllmPull:
+        """`start`, the producer named by its bootstrap server. A producer's first pull asks the
+        server for its worker's address on the pull's thread (within `query_s`, default the
+        wait; the exchange then gets what is left of the wait), so that the caller (an engine
+        step) never waits on it; a failed query is the pull's error."""
+        known = self._workers.get(bootstrap_addr)
+        if known is not None:
+            return self.start(transfer_id, known, num_blocks, wait_s)
+        pull = self._reserve(transfer_id, num_blocks)
+        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, pull.staging)
+        query_s = max(wait_s if query_s is None else query_s, 0.1)
+        self._threads.submit(self._exchange_at, pull, bootstrap_addr, engine_id, metadata, wait_s, query_s)
+        return pull
+
+    def _exchange_at(
+        self,
+        pull: VllmPull,
+        bootstrap_addr: str,
+        engine_id: str,
+        metadata: bytes,
+        wait_s: float,
+        query_s: float,
+    ) -> None:
+        began = time.monotonic()
+        try:
+            worker_addr = self.worker_address(bootstrap_addr, engine_id, query_s)
+        except Exception as exc:  # noqa: BLE001 - the pull's error: nothing was asked of anyone
+            with self._lock:
+                pull.ended = True
+                self._forget(pull)
+            pull.result.set_exception(exc)
+            return
+        self._exchange(pull, worker_addr, metadata, max(wait_s - (time.monotonic() - began), 0.0))
+
+    def _reserve(self, transfer_id: str, num_blocks: int) -> VllmPull:
+        """The pull's record and its staging blocks."""
         with self._lock:
             if transfer_id in self._pulls:
                 raise ValueError(f"transfer {transfer_id} is already being pulled")
@@ -113,8 +163,6 @@ class VllmKVPuller:
             staging, self._free = self._free[:num_blocks], self._free[num_blocks:]
             pull = VllmPull(transfer_id, staging, Future())
             self._pulls[transfer_id] = pull
-        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, staging)
-        self._threads.submit(self._exchange, pull, worker_addr, metadata, wait_s)
         return pull
 
     def poll(self, pull: VllmPull) -> bool:

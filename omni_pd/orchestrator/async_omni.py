@@ -30,6 +30,7 @@ import torch
 from .. import registry
 from ..config import PipelineConfig, load_deploy_config, load_pipeline_config
 from ..config.devices import check_devices
+from ..config.model_tp import check_pair_tp_for_model
 from ..config.replicas import replica_configs
 from ..config.engine_keys import unused_by_hf
 from ..engines.base import StageInputs
@@ -168,6 +169,7 @@ class AsyncOmni:
             load_deploy_config if deploy_config is not None else load_pipeline_config
         )(self.stage_configs_path)
         self.config = check_devices(self.config, device)  # before any worker starts
+        check_pair_tp_for_model(self.config, self.model, str(self.stage_configs_path))
 
     @property
     def _pair(self) -> PDPair:

@@ -94,12 +94,17 @@ class VllmKVSource:
 
     def start(self, kv_params: dict[str, Any], num_blocks: int, wait_s: float) -> VllmPull:
         assert self.puller is not None, "accept() ran at the request's check"
-        worker = self.puller.worker_address(
-            kv_params["remote_bootstrap_addr"], kv_params["remote_engine_id"], max(wait_s, 0.1)
-        )
+        query_s = wait_s  # the bootstrap query's bound, even when a test hook zeroes the wait
         if self._miss:
             self._miss, wait_s = False, 0.0
-        return self.puller.start(kv_params["transfer_id"], worker, num_blocks, wait_s)
+        return self.puller.start_at(
+            kv_params["transfer_id"],
+            kv_params["remote_bootstrap_addr"],
+            kv_params["remote_engine_id"],
+            num_blocks,
+            wait_s,
+            query_s,
+        )
 
     def poll(self, pull: VllmPull) -> bool:
         assert self.puller is not None

@@ -205,16 +205,30 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
-        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them).
+        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them),
+        # read from the connector worker in this process: with tensor_parallel_size > 1 the
+        # workers are vLLM's rank processes and there is none here, and no hf decode stage reads
+        # such a producer (the config check holds an hf stage to TP 1 and a cross-engine pair to
+        # one TP size), so a vLLM decode stage, which asks the ranks itself, is its only reader.
         self.producer_info: dict[str, Any] | None = None
-        if self.kv_connector == "MooncakeConnector" and self.kv_role == "kv_producer":
+        if (
+            self.kv_connector == "MooncakeConnector"
+            and self.kv_role == "kv_producer"
+            and args.tensor_parallel_size == 1
+        ):
             info = producer_info(self.engine, name)
             log_producer_info(self.stage_id, info)
             self.producer_info = info.to_dict()
-        # A consumer logs its own in the same shape, and checks an hf producer's against it.
+        # A consumer logs its own in the same shape, and checks an hf producer's against it (at
+        # TP 1 too: an hf prefill writes one worker's blocks, and the config check holds the
+        # hf -> vLLM pair to one TP size).
         self.consumer_info: VllmProducerInfo | None = None
         self._hf_producers: list[dict[str, Any]] = []  # hf producers accepted (their HF_KV_KEY)
-        if self.kv_connector == "MooncakeConnector" and self.kv_role == "kv_consumer":
+        if (
+            self.kv_connector == "MooncakeConnector"
+            and self.kv_role == "kv_consumer"
+            and args.tensor_parallel_size == 1
+        ):
             self.consumer_info = producer_info(self.engine, name)
             log_producer_info(self.stage_id, self.consumer_info, role="decode")
         log.info(
@@ -286,8 +300,9 @@ class VllmEngine(StageEngine):
         if self.consumer_info is None:
             raise KVIncompatibleError(
                 f"stage {self.stage_id}: KV from an hf prefill engine needs a vLLM decode stage with "
-                f"kv_connector MooncakeConnector and kv_role kv_consumer (this one: "
-                f"{self.kv_connector}, {self.kv_role})"
+                f"kv_connector MooncakeConnector, kv_role kv_consumer and tensor_parallel_size 1 "
+                f"(this one: {self.kv_connector}, {self.kv_role}, "
+                f"{self.engine.vllm_config.parallel_config.tensor_parallel_size if self.engine else '?'})"
             )
         check_vllm_consumer(VllmProducerInfo.from_dict(described), self.consumer_info)
         self._hf_producers.append(described)
