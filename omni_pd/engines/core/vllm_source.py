@@ -21,7 +21,13 @@ from typing import Any
 from ...kv.errors import KVIncompatibleError
 from ...kv.layout import BlockLayout
 from ...kv.transport import MooncakeTransport
-from ...kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo, check_consumer, consumer_fingerprint
+from ...kv.vllm_handoff import (
+    VLLM_KV_KEY,
+    VllmProducerInfo,
+    check_consumer,
+    check_protocol_version,
+    consumer_fingerprint,
+)
 from ...kv.vllm_layout import translate_blocks
 from ...kv.vllm_pull import VllmKVPuller, VllmPull
 
@@ -65,6 +71,7 @@ class VllmKVSource:
         info = VllmProducerInfo.from_dict(kv_params[VLLM_KV_KEY])
         if info == self.producer:
             return info
+        check_protocol_version(info.vllm_version, "vLLM prefill engine")
         check_consumer(info, self.layout, self.naming_scheme, self.naming_seed)
         if self.producer is not None and info.geometry != self.producer.geometry:
             raise KVIncompatibleError(

@@ -53,7 +53,13 @@ from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
 from ...kv.errors import KVIncompatibleError
-from ...kv.vllm_handoff import HF_KV_KEY, VLLM_KV_KEY, VllmProducerInfo, check_vllm_consumer
+from ...kv.vllm_handoff import (
+    HF_KV_KEY,
+    VLLM_KV_KEY,
+    VllmProducerInfo,
+    check_protocol_version,
+    check_vllm_consumer,
+)
 from .hooks import LegRole, VllmModelHooks
 from .kv_producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
@@ -304,6 +310,7 @@ class VllmEngine(StageEngine):
                 f"(this one: {self.kv_connector}, {self.kv_role}, "
                 f"{self.engine.vllm_config.parallel_config.tensor_parallel_size if self.engine else '?'})"
             )
+        check_protocol_version(self.consumer_info.vllm_version, "vLLM decode engine")
         check_vllm_consumer(VllmProducerInfo.from_dict(described), self.consumer_info)
         self._hf_producers.append(described)
         log.info("stage %d: hf prefill producer accepted (%s)", self.stage_id, described.get("model"))

@@ -45,7 +45,11 @@ def producer_info(llm_engine, model: str) -> VllmProducerInfo:
         attention_isa=_attention_isa(llm_engine),
     )
     algo = str(llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
-    return VllmProducerInfo(geometry, algo, seed_rule(algo, os.environ.get("PYTHONHASHSEED")), model)
+    from vllm import __version__ as version
+
+    return VllmProducerInfo(
+        geometry, algo, seed_rule(algo, os.environ.get("PYTHONHASHSEED")), model, str(version)
+    )
 
 
 def log_producer_info(stage_id: int, info: VllmProducerInfo, role: str = "prefill") -> None:
