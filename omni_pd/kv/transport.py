@@ -513,33 +513,36 @@ class MooncakeTransport:
     def read(self, remote_session: str, segments: Sequence[Segment]) -> int:
         """Pull remote bytes into local registered memory, blocking (see the module docstring);
         returns the number of entries sent. For benchmarks and tools: engines use submit_read."""
-        entries = coalesce(segments)
-        if not entries:
-            return 0
-        local, remote, lengths = (list(column) for column in zip(*entries))
-        rc = self._engine.batch_transfer_sync_read(remote_session, local, remote, lengths)
-        if rc != 0:
-            raise KVTransferError(
-                f"KV read from peer {remote_session} failed (Mooncake return code {rc}; "
-                f"{len(entries)} segments, {sum(lengths)} bytes, {self.protocol}): check that the "
-                "prefill process is alive and its Mooncake port reachable from here, and that its "
-                "lease has not expired (kv_lease_timeout_s) before the decode side fetched"
-            )
-        return len(entries)
+        return self._sync(
+            self._engine.batch_transfer_sync_read,
+            remote_session,
+            segments,
+            "read from",
+            "prefill process is alive and its Mooncake port reachable from here, and that its lease "
+            "has not expired (kv_lease_timeout_s) before the decode side fetched",
+        )
 
     def write(self, remote_session: str, segments: Sequence[Segment]) -> int:
         """Push local registered bytes into a peer's registered memory, blocking (a vLLM
         consumer's blocks, kv/vllm_serve.py, from its own thread); returns the entries sent."""
+        return self._sync(
+            self._engine.batch_transfer_sync_write,
+            remote_session,
+            segments,
+            "write to",
+            "decode process is alive and its Mooncake port reachable from here",
+        )
+
+    def _sync(self, op, remote_session: str, segments: Sequence[Segment], what: str, check: str) -> int:
         entries = coalesce(segments)
         if not entries:
             return 0
         local, remote, lengths = (list(column) for column in zip(*entries))
-        rc = self._engine.batch_transfer_sync_write(remote_session, local, remote, lengths)
+        rc = op(remote_session, local, remote, lengths)
         if rc != 0:
             raise KVTransferError(
-                f"KV write to peer {remote_session} failed (Mooncake return code {rc}; "
-                f"{len(entries)} segments, {sum(lengths)} bytes, {self.protocol}): check that the "
-                "decode process is alive and its Mooncake port reachable from here"
+                f"KV {what} peer {remote_session} failed (Mooncake return code {rc}; "
+                f"{len(entries)} segments, {sum(lengths)} bytes, {self.protocol}): check that the {check}"
             )
         return len(entries)
 
