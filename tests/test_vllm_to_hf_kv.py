@@ -412,3 +412,24 @@ def test_a_first_pull_asks_the_bootstrap_server_on_its_own_thread(geometry):
         answer.set()
         puller.close()
         server.shutdown()
+
+
+def test_a_prompt_the_prefix_cache_holds_whole_frees_the_producers_copy_at_once(producer, hf_decode):
+    """A decode request whose prompt the prefix cache holds whole (whole blocks, seen before)
+    moves nothing and tells the producer so, as vLLM's own consumer does: vLLM frees its copy at
+    once instead of at its abort timeout (480 s by default; meanwhile the prefill engine's
+    release_kv waited its 2 s and held new prefills up). Without that message the producer
+    still holds the blocks when `released` gives up waiting (10 s): the negative control."""
+    ids = [(13 * i + 5) % 200 + 20 for i in range(2 * BS)]
+    _decode_request(hf_decode, producer, "w1", ids)
+    out, error = _finish(hf_decode, "w1")
+    assert error is None and out.metrics["kv_blocks_transferred"] == 2
+    assert producer.call("released", "w1-xfer") is True
+    _decode_request(hf_decode, producer, "w2", ids)
+    out, error = _finish(hf_decode, "w2")
+    assert error is None and out.metrics["kv_path"] == "cached"
+    began = time.monotonic()
+    assert producer.call("released", "w2-xfer") is True
+    assert time.monotonic() - began < 5.0
+    counts = hf_decode.debug_state_counts()  # (an earlier test's never-answered pull may stay quarantined)
+    assert counts["thinker.requests"] == 0 and counts["thinker.kv_blocks_in_use"] == 0, counts

@@ -130,6 +130,31 @@ class VllmKVPuller:
         self._threads.submit(self._exchange_at, pull, bootstrap_addr, engine_id, metadata, wait_s, query_s)
         return pull
 
+    def release_at(self, transfer_id: str, bootstrap_addr: str, engine_id: str, timeout_s: float) -> None:
+        """Tell the producer that this consumer needs none of transfer `transfer_id`'s blocks (its
+        prefix cache holds the whole prompt), so that it frees them now rather than at its
+        abort timeout: vLLM's own consumer sends the same empty request. On the pool's thread;
+        nothing is held, and a producer that does not answer within `timeout_s` is only logged."""
+        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, [])
+        self._threads.submit(self._release, transfer_id, bootstrap_addr, engine_id, metadata, timeout_s)
+
+    def _release(
+        self, transfer_id: str, bootstrap_addr: str, engine_id: str, metadata: bytes, timeout_s: float
+    ) -> None:
+        pull = VllmPull(transfer_id, [], Future())
+        try:
+            worker_addr = self.worker_address(bootstrap_addr, engine_id, max(timeout_s, 0.1))
+        except Exception as exc:  # noqa: BLE001 - the producer frees them at its own timeout
+            log.debug("transfer %s: could not release the producer's blocks: %s", transfer_id, exc)
+            return
+        with self._lock:
+            pull.abandoned = True  # not in _pulls: nothing to free when it ends
+        self._exchange(pull, worker_addr, metadata, timeout_s)
+        if pull.result.exception() is not None:
+            log.debug(
+                "transfer %s: releasing the producer's blocks: %s", transfer_id, pull.result.exception()
+            )
+
     def _exchange_at(
         self,
         pull: VllmPull,
@@ -185,7 +210,8 @@ class VllmKVPuller:
                 pull.abandoned = True
 
     def _forget(self, pull: VllmPull) -> None:
-        if self._pulls.pop(pull.transfer_id, None) is pull:
+        if self._pulls.get(pull.transfer_id) is pull:
+            del self._pulls[pull.transfer_id]
             self._free.extend(pull.staging)
 
     def _metadata(self, request_key: str, transfer_id: str, staging: list[int]) -> bytes:

@@ -524,7 +524,8 @@ class DecodeEngine(ArEngine):
             kv_reused_tokens=reused * self.block_size,
             kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
         )
-        if reused == total:  # the whole prompt is here
+        if reused == total:  # the whole prompt is here: the producer may free its copy now
+            self.vllm.release_producer(kv_params, self._wait_s(request.request_id, kv_params))
             request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
             return self._resume(request)
         request.vllm_pull = self.vllm.start(

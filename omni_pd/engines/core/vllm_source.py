@@ -113,6 +113,16 @@ class VllmKVSource:
             query_s,
         )
 
+    def release_producer(self, kv_params: dict[str, Any], wait_s: float) -> None:
+        """The prefix cache holds the whole prompt: tell the producer to free its blocks now."""
+        assert self.puller is not None, "accept() ran at the request's check"
+        self.puller.release_at(
+            kv_params["transfer_id"],
+            kv_params["remote_bootstrap_addr"],
+            kv_params["remote_engine_id"],
+            max(wait_s, 1.0),
+        )
+
     def poll(self, pull: VllmPull) -> bool:
         assert self.puller is not None
         return self.puller.poll(pull)
