@@ -433,3 +433,48 @@ def test_a_prompt_the_prefix_cache_holds_whole_frees_the_producers_copy_at_once(
     assert time.monotonic() - began < 5.0
     counts = hf_decode.debug_state_counts()  # (an earlier test's never-answered pull may stay quarantined)
     assert counts["thinker.requests"] == 0 and counts["thinker.kv_blocks_in_use"] == 0, counts
+
+
+def test_a_request_that_leaves_before_its_pull_frees_the_producers_copy_at_once(producer, hf_decode):
+    """Aborted before it asked the producer (still waiting for admission), a decode request
+    tells the producer to free its copy, as one whose prompt is cached does."""
+    ids = [(17 * i + 9) % 200 + 20 for i in range(BS + 3)]
+    _decode_request(hf_decode, producer, "a1", ids)
+    hf_decode.abort_request("a1")  # before any step: its pull never started
+    began = time.monotonic()
+    assert producer.call("released", "a1-xfer") is True
+    assert time.monotonic() - began < 5.0
+    counts = hf_decode.debug_state_counts()
+    assert counts["thinker.requests"] == 0 and counts["thinker.kv_blocks_in_use"] == 0, counts
+
+
+def test_closing_the_puller_ends_an_abandoned_pulls_wait_at_once(producer, geometry):
+    """A pull that missed its window keeps listening for the producer's answer (its staging is
+    quarantined until then, up to ABANDONED_ANSWER_S); closing the puller ends that wait within
+    a poll slice, before the ZMQ context goes (never under a polling thread), and leaves no
+    thread behind (one left would hold the interpreter's exit)."""
+    import threading
+
+    puller = VllmKVPuller(MooncakeTransport(), geometry, staging_blocks=4)
+    try:
+        _, params = producer.call("prefill", "c1", PROMPT, "c1-xfer")
+        worker = puller.worker_address(params["remote_bootstrap_addr"], params["remote_engine_id"], 10.0)
+        pull = puller.start("c1-never-published", worker, 2, wait_s=0.2)
+        with pytest.raises(KVMissError):
+            puller.wait(pull, 10)
+        puller.release(pull)
+        assert puller.debug_state_counts()["kv.vllm_pulls"] == 1  # still listening
+    finally:
+        began = time.monotonic()
+        puller.close()
+    assert time.monotonic() - began < 2.0
+    assert not [t for t in threading.enumerate() if t.name.startswith(puller.thread_prefix)]
+    # c1's KV is still held by the producer for a decode side that never came: pulled now, freed
+    other = VllmKVPuller(MooncakeTransport(), geometry, staging_blocks=4)
+    try:
+        done = other.start("c1-xfer", worker, 4, wait_s=30)
+        other.wait(done, 35)
+        other.release(done)
+    finally:
+        other.close()
+    assert producer.call("released", "c1-xfer") is True

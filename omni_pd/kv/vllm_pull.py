@@ -38,6 +38,7 @@ _FINISH, _CONTINUE, _ERROR = 0, 1, 2  # MooncakeXferResponseStatus
 # After the wait runs out, how long an abandoned exchange may still hold its staging blocks for
 # the producer's answer (vLLM answers within VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).
 ABANDONED_ANSWER_S = 600.0
+_POLL_SLICE_MS = 100  # how often a waiting exchange looks whether the puller is closing
 
 
 @dataclass
@@ -67,7 +68,9 @@ class VllmKVPuller:
         self._pulls: dict[str, VllmPull] = {}
         self._workers: dict[str, str] = {}  # bootstrap address -> the producer worker's ZMQ address
         self._context = zmq.Context()
-        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-kv-pull")
+        self.thread_prefix = f"vllm-kv-pull-{transport.session_id}"
+        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix=self.thread_prefix)
+        self._closing = threading.Event()
         host, port = transport.session_id.rsplit(":", 1)
         self._host, self._port = host, int(port)
 
@@ -246,7 +249,7 @@ class VllmKVPuller:
             socket.send(metadata)
             timeout_ms, missed = int(wait_s * 1000), False
             while True:
-                if not socket.poll(timeout_ms):
+                if not self._poll(socket, timeout_ms):
                     if missed:
                         break  # no answer at all: the producer is gone
                     # Tell the engine now, and keep listening: the producer may still write.
@@ -294,8 +297,22 @@ class VllmKVPuller:
                 "kv.vllm_staging_blocks_held": self.num_staging - len(self._free),
             }
 
+    def _poll(self, socket, timeout_ms: int) -> bool:
+        """socket.poll in slices, so that close() ends a wait (an abandoned pull listens for its
+        answer for ABANDONED_ANSWER_S) at once instead of leaving a thread that the
+        interpreter's exit would join."""
+        end = time.monotonic() + timeout_ms / 1000
+        while not self._closing.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if socket.poll(min(_POLL_SLICE_MS, max(1, int(left * 1000)))):
+                return True
+        raise KVTransferError("the vLLM KV puller was closed while waiting for the producer")
+
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._closing.set()  # every exchange's wait ends within _POLL_SLICE_MS
+        self._threads.shutdown(wait=True, cancel_futures=True)
         self._context.destroy(linger=0)
         try:
             self.transport.unregister(self.buffer.data_ptr())

@@ -631,6 +631,9 @@ class DecodeEngine(ArEngine):
         if request.vllm_pull is not None:  # staging stays quarantined until the producer answers
             self.vllm.release(request.vllm_pull)
             request.vllm_pull = None
+        elif request.vllm_kv is not None and request.phase is Phase.WAITING:
+            # Left before it asked the vLLM producer: tell it to free its copy now.
+            self.vllm.release_producer(_kv_params(request), 1.0)
         elif request.phase is Phase.FETCHING:
             # Mooncake may still write the prompt's blocks: the receiver quarantines them.
             self.receiver.abandon(_remote_kv(request).transfer_id, f"request {request.request_id} left")
