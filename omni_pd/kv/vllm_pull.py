@@ -26,11 +26,11 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
 
-from .errors import KVMissError, KVTransferError, PoolExhausted
+from .errors import KVMissError, KVTransferError
 from .transport import MooncakeTransport
-from .vllm_layout import VllmKVGeometry, layer_views
+from .vllm_layout import VllmKVGeometry
+from .vllm_staging import VllmStaging
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,8 @@ class VllmKVPuller:
 
         self._msgpack, self._zmq = msgspec.msgpack, zmq
         self.transport, self.geometry, self.num_staging = transport, geometry, staging_blocks
-        self.region_bytes = staging_blocks * geometry.block_bytes
-        self.buffer = torch.zeros(self.region_bytes * geometry.num_layers, dtype=torch.uint8)
-        self.layers = layer_views(self.buffer, geometry, staging_blocks)
-        transport.register(self.buffer.data_ptr(), self.buffer.numel())
-        self._free = list(range(staging_blocks))
+        self.staging = VllmStaging(transport, geometry, staging_blocks)
+        self.layers = self.staging.layers
         self._lock = threading.Lock()
         self._pulls: dict[str, VllmPull] = {}
         self._workers: dict[str, str] = {}  # bootstrap address -> the producer worker's ZMQ address
@@ -124,9 +121,6 @@ class VllmKVPuller:
         server for its worker's address on the pull's thread (within `query_s`, default the
         wait; the exchange then gets what is left of the wait), so that the caller (an engine
         step) never waits on it; a failed query is the pull's error."""
-        known = self._workers.get(bootstrap_addr)
-        if known is not None:
-            return self.start(transfer_id, known, num_blocks, wait_s)
         pull = self._reserve(transfer_id, num_blocks)
         metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, pull.staging)
         query_s = max(wait_s if query_s is None else query_s, 0.1)
@@ -137,26 +131,20 @@ class VllmKVPuller:
         """Tell the producer that this consumer needs none of transfer `transfer_id`'s blocks (its
         prefix cache holds the whole prompt), so that it frees them now rather than at its
         abort timeout: vLLM's own consumer sends the same empty request. On the pool's thread;
-        nothing is held, and a producer that does not answer within `timeout_s` is only logged."""
-        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, [])
-        self._threads.submit(self._release, transfer_id, bootstrap_addr, engine_id, metadata, timeout_s)
+        nothing is held (the exchange has no record in `_pulls`), and a producer that does not
+        answer within `timeout_s` is only logged."""
+        pull = VllmPull(transfer_id, [], Future(), abandoned=True)
 
-    def _release(
-        self, transfer_id: str, bootstrap_addr: str, engine_id: str, metadata: bytes, timeout_s: float
-    ) -> None:
-        pull = VllmPull(transfer_id, [], Future())
-        try:
-            worker_addr = self.worker_address(bootstrap_addr, engine_id, max(timeout_s, 0.1))
-        except Exception as exc:  # noqa: BLE001 - the producer frees them at its own timeout
-            log.debug("transfer %s: could not release the producer's blocks: %s", transfer_id, exc)
-            return
-        with self._lock:
-            pull.abandoned = True  # not in _pulls: nothing to free when it ends
-        self._exchange(pull, worker_addr, metadata, timeout_s)
-        if pull.result.exception() is not None:
-            log.debug(
-                "transfer %s: releasing the producer's blocks: %s", transfer_id, pull.result.exception()
-            )
+        def logged(done: Future) -> None:
+            if done.exception() is not None:
+                log.debug("transfer %s: releasing the producer's blocks: %s", transfer_id, done.exception())
+
+        pull.result.add_done_callback(logged)
+        metadata = self._metadata(f"omni-pd-{uuid.uuid4().hex[:12]}", transfer_id, [])
+        timeout_s = max(timeout_s, 0.1)
+        self._threads.submit(
+            self._exchange_at, pull, bootstrap_addr, engine_id, metadata, timeout_s, timeout_s
+        )
 
     def _exchange_at(
         self,
@@ -183,12 +171,7 @@ class VllmKVPuller:
         with self._lock:
             if transfer_id in self._pulls:
                 raise ValueError(f"transfer {transfer_id} is already being pulled")
-            if num_blocks > len(self._free):
-                raise PoolExhausted(
-                    f"{num_blocks} vLLM staging blocks needed, {len(self._free)} of {self.num_staging} "
-                    "free; raise the decode stage's kv_pool_blocks"
-                )
-            staging, self._free = self._free[:num_blocks], self._free[num_blocks:]
+            staging = self.staging.take(num_blocks, "raise the decode stage's kv_pool_blocks")
             pull = VllmPull(transfer_id, staging, Future())
             self._pulls[transfer_id] = pull
         return pull
@@ -215,11 +198,10 @@ class VllmKVPuller:
     def _forget(self, pull: VllmPull) -> None:
         if self._pulls.get(pull.transfer_id) is pull:
             del self._pulls[pull.transfer_id]
-            self._free.extend(pull.staging)
+            self.staging.give(pull.staging)
 
     def _metadata(self, request_key: str, transfer_id: str, staging: list[int]) -> bytes:
         geometry, count = self.geometry, self.geometry.num_layers
-        base = self.buffer.data_ptr()
         return self._msgpack.encode(
             {
                 "remote_hostname": self._host,
@@ -227,7 +209,7 @@ class VllmKVPuller:
                 "remote_tp_size": 1,
                 "remote_tp_rank": 0,
                 "req_blocks": {request_key: [transfer_id, [staging]]},
-                "kv_caches_base_addr": [base + i * self.region_bytes for i in range(count)],
+                "kv_caches_base_addr": [self.staging.address(i, 0) for i in range(count)],
                 "block_lens": [geometry.block_bytes] * count,
                 "kv_block_lens": [geometry.block_bytes] * count,
                 "registered_layer_names": list(geometry.layer_names),
@@ -294,7 +276,7 @@ class VllmKVPuller:
         with self._lock:
             return {
                 "kv.vllm_pulls": len(self._pulls),
-                "kv.vllm_staging_blocks_held": self.num_staging - len(self._free),
+                "kv.vllm_staging_blocks_held": self.staging.held,
             }
 
     def _poll(self, socket, timeout_ms: int) -> bool:
@@ -314,10 +296,7 @@ class VllmKVPuller:
         self._closing.set()  # every exchange's wait ends within _POLL_SLICE_MS
         self._threads.shutdown(wait=True, cancel_futures=True)
         self._context.destroy(linger=0)
-        try:
-            self.transport.unregister(self.buffer.data_ptr())
-        except Exception:  # noqa: BLE001 - closing
-            log.debug("unregistering the vLLM staging buffer failed", exc_info=True)
+        self.staging.close()
 
 
 class KVIncompatibleTopology(KVTransferError):

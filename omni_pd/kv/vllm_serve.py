@@ -34,10 +34,11 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import KVTransferError, PoolExhausted
+from .errors import KVTransferError
 from .transport import MooncakeTransport, Segment
 from .vllm_bootstrap import BootstrapServer
-from .vllm_layout import VllmKVGeometry, layer_views, translate_blocks_to_vllm
+from .vllm_layout import VllmKVGeometry, translate_blocks_to_vllm
+from .vllm_staging import VllmStaging
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,8 @@ class VllmKVServer:
         self._msgpack, self._zmq = msgspec.msgpack, zmq
         self.transport, self.geometry, self.num_staging = transport, geometry, staging_blocks
         self.engine_id, self.lease_timeout_s, self._clock = engine_id, lease_timeout_s, clock
-        self.region_bytes = staging_blocks * geometry.block_bytes
-        self.buffer = torch.zeros(self.region_bytes * geometry.num_layers, dtype=torch.uint8)
-        self.layers = layer_views(self.buffer, geometry, staging_blocks)
-        transport.register(self.buffer.data_ptr(), self.buffer.numel())
-        self._free = list(range(staging_blocks))
+        self.staging = VllmStaging(transport, geometry, staging_blocks)
+        self.layers = self.staging.layers
         self._offers: dict[str, VllmOffer] = {}
         self._lock = threading.Lock()
         self.stats = ServeStats()
@@ -142,17 +140,14 @@ class VllmKVServer:
         with self._lock:
             if transfer_id in self._offers:
                 raise ValueError(f"transfer {transfer_id} is already offered by {self.engine_id}")
-            if len(blocks) > len(self._free):
-                raise PoolExhausted(
-                    f"{len(blocks)} vLLM staging blocks needed, {len(self._free)} of {self.num_staging} "
-                    "free; raise the prefill stage's kv_pool_blocks (or lower kv_lease_timeout_s)"
-                )
-            staging, self._free = self._free[: len(blocks)], self._free[len(blocks) :]
+            staging = self.staging.take(
+                len(blocks), "raise the prefill stage's kv_pool_blocks (or lower kv_lease_timeout_s)"
+            )
         try:
             translate_blocks_to_vllm(fused, blocks, self.layers, staging)
         except BaseException:
             with self._lock:
-                self._free.extend(staging)
+                self.staging.give(staging)
             raise
         offer = VllmOffer(transfer_id, staging, self._clock() + self.lease_timeout_s, refusal=refuse)
         with self._lock:
@@ -191,14 +186,15 @@ class VllmKVServer:
     def _end(self, offer: VllmOffer, state: OfferState) -> None:
         """Lock held: the offer reaches a final state and its staging is free."""
         offer.state = state
-        if self._offers.pop(offer.transfer_id, None) is offer:
-            self._free.extend(offer.staging)
+        if self._offers.get(offer.transfer_id) is offer:
+            del self._offers[offer.transfer_id]
+            self.staging.give(offer.staging)
 
     def debug_state_counts(self) -> dict[str, int]:
         with self._lock:
             return {
                 "kv.vllm_offers": len(self._offers),
-                "kv.vllm_offer_blocks_held": self.num_staging - len(self._free),
+                "kv.vllm_offer_blocks_held": self.staging.held,
             }
 
     # ---- the consumers' side ------------------------------------------------------------------
@@ -328,10 +324,10 @@ class VllmKVServer:
                 self._end(offer, final)
 
     def _segments(self, local: list[int], remote: list[int], regions: ConsumerRegions) -> list[Segment]:
-        base, size = self.buffer.data_ptr(), self.geometry.block_bytes
+        size = self.geometry.block_bytes
         return [
             (
-                base + layer * self.region_bytes + ours * size,
+                self.staging.address(layer, ours),
                 regions.base[layer] + theirs * regions.stride[layer],
                 size,
             )
@@ -348,8 +344,5 @@ class VllmKVServer:
         self._context.term()
         with self._lock:
             self._offers.clear()
-            self._free = list(range(self.num_staging))
-        try:
-            self.transport.unregister(self.buffer.data_ptr())
-        except Exception:  # noqa: BLE001 - closing
-            log.debug("unregistering the vLLM staging buffer failed", exc_info=True)
+            self.staging.reset()
+        self.staging.close()
