@@ -475,17 +475,11 @@ class DecodeEngine(ArEngine):
             return self._start_vllm(request)
         kv_params, remote = _kv_params(request), _remote_kv(request)
         self.peers.check(remote.remote_engine_id, kv_params.get(FINGERPRINT_KEY))
-        # The blocks this engine holds already stay; only the rest of the prompt moves.
-        reused = request.cached_len // self.block_size
-        request.reused, request.cached_len = request.blocks[:reused], 0
-        request.metrics.update(
-            kv_reused_tokens=reused * self.block_size,
-            kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
-        )
+        reused = self._count_reused(request)
+        request.reused = request.blocks[:reused]
         if reused == len(remote.remote_block_ids):  # the whole prompt is here
             request.reused = []  # they stay among the request's blocks
-            request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
-            return self._resume(request)
+            return self._resume_cached(request)
         descriptor = remote.without_first(reused) if reused else remote
         # The prompt's blocks go to the receiver for the read and come back with the result;
         # the request keeps the blocks its output will fill.
@@ -508,26 +502,41 @@ class DecodeEngine(ArEngine):
         fetched = self.receiver.poll(remote.transfer_id)
         return self._fetched(request, fetched) if fetched is not None else []
 
+    def _count_reused(self, request: EngineRequest) -> int:
+        """The prompt's full blocks this engine's prefix cache holds: they stay, only the rest of
+        the prompt moves (counted in the request's metrics)."""
+        reused = request.cached_len // self.block_size
+        request.cached_len = 0
+        request.metrics.update(
+            kv_reused_tokens=reused * self.block_size,
+            kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
+        )
+        return reused
+
+    def _resume_cached(self, request: EngineRequest) -> list[StepOutput]:
+        """Nothing to move: the prefix cache holds the whole prompt."""
+        request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
+        return self._resume(request)
+
     def _enter_fetching(self, request: EngineRequest) -> None:
         """The request waits for its KV (from a peer engine or a vLLM producer)."""
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
         self.scheduler.fetching.append(request.request_id)
 
+    def _leave_fetching(self, request: EngineRequest) -> None:
+        """Its KV arrived: it runs."""
+        self.scheduler.fetching.remove(request.request_id)
+        request.phase = Phase.RUNNING
+
     def _start_vllm(self, request: EngineRequest) -> list[StepOutput]:
         """Ask the vLLM producer for the prompt's blocks this engine lacks (the last ones)."""
         kv_params = _kv_params(request)
-        reused = request.cached_len // self.block_size
-        request.cached_len = 0
+        reused = self._count_reused(request)  # they stay among the request's blocks
         total = self.kv.blocks_for(request.prompt_len)
-        request.metrics.update(
-            kv_reused_tokens=reused * self.block_size,
-            kv_bytes_reused=reused * self.block_size * self.layout.bytes_per_token,
-        )
         if reused == total:  # the whole prompt is here: the producer may free its copy now
             self.vllm.release_producer(kv_params, self._wait_s(request.request_id, kv_params))
-            request.metrics.update(kv_transfer_ms=0.0, kv_bytes_transferred=0, kv_path="cached")
-            return self._resume(request)
+            return self._resume_cached(request)
         request.vllm_pull = self.vllm.start(
             kv_params, total - reused, self._wait_s(request.request_id, kv_params)
         )
@@ -544,8 +553,7 @@ class DecodeEngine(ArEngine):
 
     def _vllm_fetched(self, request: EngineRequest) -> list[StepOutput]:
         pull, request.vllm_pull = request.vllm_pull, None
-        self.scheduler.fetching.remove(request.request_id)
-        request.phase = Phase.RUNNING
+        self._leave_fetching(request)
         total = self.kv.blocks_for(request.prompt_len)  # the pull holds the last ones
         dests = request.blocks[total - len(pull.staging) : total]
         began = time.perf_counter()
@@ -600,8 +608,7 @@ class DecodeEngine(ArEngine):
         return outputs
 
     def _fetched(self, request: EngineRequest, fetched) -> list[StepOutput]:
-        self.scheduler.fetching.remove(request.request_id)
-        request.phase = Phase.RUNNING
+        self._leave_fetching(request)
         # The KV is in them already: the reused blocks, the arrived ones, then the output's.
         request.blocks = request.reused + fetched.blocks + request.blocks
         request.reused = []
