@@ -211,32 +211,26 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
-        # A producer tells a non-vLLM decode side its KV geometry and block keys (and logs them),
-        # read from the connector worker in this process: with tensor_parallel_size > 1 the
-        # workers are vLLM's rank processes and there is none here, and no hf decode stage reads
-        # such a producer (the config check holds an hf stage to TP 1 and a cross-engine pair to
-        # one TP size), so a vLLM decode stage, which asks the ranks itself, is its only reader.
+        # A producer tells a non-vLLM decode side its KV geometry and block keys; a consumer checks
+        # an hf producer's against its own; both log them. Read from the connector worker in this
+        # process: with tensor_parallel_size > 1 the workers are vLLM's rank processes and there is
+        # none here, and no cross-engine pair reads such an engine (the config check holds an hf
+        # stage to TP 1 and a cross-engine pair to one TP size).
         self.producer_info: dict[str, Any] | None = None
+        self.consumer_info: VllmProducerInfo | None = None
+        self._hf_producers: list[dict[str, Any]] = []  # hf producers accepted (their HF_KV_KEY)
+        roles = {"kv_producer": "prefill", "kv_consumer": "decode"}
         if (
             self.kv_connector == "MooncakeConnector"
-            and self.kv_role == "kv_producer"
+            and self.kv_role in roles
             and args.tensor_parallel_size == 1
         ):
             info = producer_info(self.engine, name)
-            log_producer_info(self.stage_id, info)
-            self.producer_info = info.to_dict()
-        # A consumer logs its own in the same shape, and checks an hf producer's against it (at
-        # TP 1 too: an hf prefill writes one worker's blocks, and the config check holds the
-        # hf -> vLLM pair to one TP size).
-        self.consumer_info: VllmProducerInfo | None = None
-        self._hf_producers: list[dict[str, Any]] = []  # hf producers accepted (their HF_KV_KEY)
-        if (
-            self.kv_connector == "MooncakeConnector"
-            and self.kv_role == "kv_consumer"
-            and args.tensor_parallel_size == 1
-        ):
-            self.consumer_info = producer_info(self.engine, name)
-            log_producer_info(self.stage_id, self.consumer_info, role="decode")
+            log_producer_info(self.stage_id, info, role=roles[self.kv_role])
+            if self.kv_role == "kv_producer":
+                self.producer_info = info.to_dict()
+            else:
+                self.consumer_info = info
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
             self.stage_id,

@@ -30,6 +30,7 @@ def _attention_isa(llm_engine) -> str:
 
 
 def producer_info(llm_engine, model: str) -> VllmProducerInfo:
+    from vllm import __version__ as version
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().connector_worker  # type: ignore[attr-defined]  # MooncakeConnector
@@ -45,8 +46,6 @@ def producer_info(llm_engine, model: str) -> VllmProducerInfo:
         attention_isa=_attention_isa(llm_engine),
     )
     algo = str(llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
-    from vllm import __version__ as version
-
     return VllmProducerInfo(
         geometry, algo, seed_rule(algo, os.environ.get("PYTHONHASHSEED")), model, str(version)
     )
