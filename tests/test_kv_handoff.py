@@ -465,7 +465,7 @@ def test_same_host_falls_back_or_refuses_with_the_reason(shared_sender, sender, 
 def test_the_cache_checksums_blocks_as_it_writes_them_as_the_sender_would(transports):
     """The prefill engine's fused write + checksum gives the sender's own checksums (so the
     decode side verifies against them), and they see a flipped byte."""
-    from omni_pd.engines.hf.paged_cache import PagedKVCache
+    from omni_pd.engines.core.paged_cache import PagedKVCache
 
     cache = PagedKVCache(LAYOUT, 8)
     sender = KVSender("prefill-fused", LAYOUT, cache.pool, transports[0], lease_timeout_s=30.0)

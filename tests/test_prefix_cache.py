@@ -12,7 +12,7 @@ import torch
 
 torch.set_num_threads(1)  # as in a stage worker
 
-from omni_pd.engines.hf.prefix_cache import ROOT_HASH, PrefixCache, block_hash, multimodal_extra_keys
+from omni_pd.engines.core.prefix_cache import ROOT_HASH, PrefixCache, block_hash, multimodal_extra_keys
 from omni_pd.kv.layout import BlockLayout
 from omni_pd.kv.pool import BlockPool
 from omni_pd.models.qwen3_omni.prompt import OmniPrompt, PromptBuilder

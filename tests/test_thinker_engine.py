@@ -9,7 +9,7 @@ torch.set_num_threads(1)  # as in a stage worker on this machine; two threads on
 
 from omni_pd.config import load_pipeline_config
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.paged_cache import PagedKVCache
+from omni_pd.engines.core.paged_cache import PagedKVCache
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
 from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
 from omni_pd.engines.core.build import ar_engine

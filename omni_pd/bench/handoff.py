@@ -32,7 +32,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from ..engines.hf.paged_cache import PagedKVCache  # noqa: E402
+from ..engines.core.paged_cache import PagedKVCache  # noqa: E402
 from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
 from ..kv.pool import BlockPool  # noqa: E402
 from .report import run_metadata  # noqa: E402

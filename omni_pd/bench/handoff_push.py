@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..engines.hf.paged_cache import PagedKVCache
+from ..engines.core.paged_cache import PagedKVCache
 from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport
 from ..kv.pool import BlockPool
 from ..kv.push import KVPusher, PushReservations

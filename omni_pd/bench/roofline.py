@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..engines.core.request import EngineRequest
 from ..engines.core.runner import PrefillItem
 from ..engines.hf import batch_invariant as bi
-from ..engines.hf.paged_cache import PagedKVCache
+from ..engines.core.paged_cache import PagedKVCache
 from ..sampling import SamplingParams
 from .report import run_metadata, write_json
 

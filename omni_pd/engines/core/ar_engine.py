@@ -30,7 +30,7 @@ import torch
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from ..hf import batch_invariant as bi
-from ..hf.prefix_cache import OMNI_PD_NAMING, naming_for
+from .prefix_cache import OMNI_PD_NAMING, naming_for
 from .kv_manager import KVManager
 from .request import EngineRequest
 from .runner import ArRunner, PrefillItem, Prefilled

@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 import torch
 
 from ...kv.layout import BlockLayout
-from ..hf.paged_cache import PagedKVCache
-from ..hf.prefix_cache import OMNI_PD_NAMING, BlockNaming
+from .paged_cache import PagedKVCache
+from .prefix_cache import OMNI_PD_NAMING, BlockNaming
 
 
 class KVManager:

@@ -24,7 +24,7 @@ from ...kv.layout import BlockLayout
 
 if TYPE_CHECKING:
     from ...sampling import SamplingParams
-    from ..hf.paged_cache import PagedKVCache
+    from .paged_cache import PagedKVCache
     from .request import EngineRequest
 
 

@@ -49,7 +49,7 @@ from omni_pd.engines.hf.attention_native import (
     native_builds,
     paged_geometry,
 )
-from omni_pd.engines.hf.paged_cache import PagedKVCache
+from omni_pd.engines.core.paged_cache import PagedKVCache
 from omni_pd.engines.sampler import step_uniform
 from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest

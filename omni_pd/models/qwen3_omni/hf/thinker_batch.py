@@ -24,7 +24,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rot
 from omni_pd.engines.core.runner import Prefilled
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.attention_native import DecodeRows, check_kernels, decode_attention, paged_geometry
-from omni_pd.engines.hf.paged_cache import PagedKVCache
+from omni_pd.engines.core.paged_cache import PagedKVCache
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf.attention_native import native_builds
-from omni_pd.engines.hf.paged_cache import PagedKVCache
-from omni_pd.engines.hf.prefix_cache import multimodal_extra_keys
+from omni_pd.engines.core.paged_cache import PagedKVCache
+from omni_pd.engines.core.prefix_cache import multimodal_extra_keys
 from omni_pd.engines.core.text import sample_tokens
 from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
