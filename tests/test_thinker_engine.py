@@ -8,7 +8,9 @@ import torch
 torch.set_num_threads(1)  # as in a stage worker on this machine; two threads on two busy cores crawl
 
 from omni_pd.config import load_pipeline_config
+from omni_pd.engines.core.attention import SequenceSlot, StepAttention
 from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.core.paged_cache import PagedKVCache
 from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
 from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
@@ -172,6 +174,21 @@ def test_abort_frees_the_request_and_the_others_finish_unchanged(runner, tiny_to
     assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
 
 
+def _decode_step(cache, blocks, position, kernels="native"):
+    """The engine's attention for one sequence decoding at `position` over `blocks`."""
+    return StepAttention.for_decode(HfCompute(kernels), cache, [SequenceSlot(blocks, position, 1)])
+
+
+def _prefill(decoder, prompts, inputs=None):
+    """The decoder's batched prefill from position 0, each result with the KV its pass kept (as
+    the engine's `compute_prefill` takes it)."""
+    attention = StepAttention.for_prefill(HfCompute(), None, [SequenceSlot([], 0, len(p)) for p in prompts])
+    results = decoder.prefill(prompts, attention, inputs=inputs)
+    for index, result in enumerate(results):
+        result.kv = attention.prompt_kv(index)
+    return results
+
+
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_tokenizer, kernels):
     """Teacher-forced: each step's logits and hidden states match transformers' own forward on
@@ -186,7 +203,7 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer, kernels)
     token = pre.first_token
     for step in range(6):
-        ours = decoder.step([DecodeRow(token, n + step, 0, blocks)], cache)
+        ours = decoder.step([DecodeRow(token, n + step, 0)], _decode_step(cache, blocks, n + step, kernels))
         theirs = tiny_model.thinker(
             input_ids=torch.tensor([[token]]),
             attention_mask=torch.ones((1, n + step + 1), dtype=torch.long),
@@ -205,9 +222,9 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     assert torch.allclose(cache.read(blocks, n + 6), cache_to_canonical(pre.cache), atol=1e-5)
     # Negative control: a perturbed cached key moves the logits past that tolerance.
     cache.data[blocks[0], 0, 0, 0, 0, 0] += 1.0
-    moved = decoder.step([DecodeRow(token, n + 6, 0, blocks)], cache).logits[0]
+    moved = decoder.step([DecodeRow(token, n + 6, 0)], _decode_step(cache, blocks, n + 6, kernels)).logits[0]
     cache.data[blocks[0], 0, 0, 0, 0, 0] -= 1.0
-    same = decoder.step([DecodeRow(token, n + 6, 0, blocks)], cache).logits[0]
+    same = decoder.step([DecodeRow(token, n + 6, 0)], _decode_step(cache, blocks, n + 6, kernels)).logits[0]
     assert not torch.allclose(moved, same, atol=1e-5, rtol=1e-4)
 
 
@@ -218,7 +235,7 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
     prompts = _prompts(tiny_tokenizer)[:4]
     decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
     params = SamplingParams(temperature=0, max_tokens=4)
-    for prompt, ours in zip(prompts, decoder.prefill([p.prompt_token_ids for p in prompts])):
+    for prompt, ours in zip(prompts, _prefill(decoder, [p.prompt_token_ids for p in prompts])):
         theirs = runner.prefill(prompt, params)
         assert theirs.rope_deltas == 0
         assert torch.allclose(ours.kv, cache_to_canonical(theirs.cache), atol=1e-5)
@@ -230,7 +247,7 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
 def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_model, tiny_tokenizer):
     prompts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)]
     decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
-    alone = [decoder.prefill([p])[0] for p in prompts]
+    alone = [_prefill(decoder, [p])[0] for p in prompts]
 
     def same(a, b):
         return (
@@ -241,13 +258,13 @@ def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_m
         )
 
     for order in (prompts, prompts[::-1], prompts[2:5]):
-        together = decoder.prefill(order)
+        together = _prefill(decoder, order)
         for p, result in zip(order, together):
             assert same(result, alone[prompts.index(p)])
     # Negative control: plain F.linear over the pass's rows changes some prompt's bits.
     with bi.disabled():
-        plain_alone = [decoder.prefill([p])[0] for p in prompts]
-        plain_together = decoder.prefill(prompts)
+        plain_alone = [_prefill(decoder, [p])[0] for p in prompts]
+        plain_together = _prefill(decoder, prompts)
     assert not all(same(a, b) for a, b in zip(plain_alone, plain_together))
 
 
@@ -274,7 +291,7 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
     clips = runner.audio_clips(prompt)
     rows = runner.layer0_rows(prompt, clips, 0)
     decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
-    [ours] = decoder.prefill([prompt.prompt_token_ids], inputs=[rows])
+    [ours] = _prefill(decoder, [prompt.prompt_token_ids], inputs=[rows])
     theirs = runner.prefill(prompt, SamplingParams(temperature=0, max_tokens=4))
     assert theirs.rope_deltas == 0  # audio keeps text positions: the pass's rotary is right
     assert torch.equal(ours.rows["embeds"], theirs.prompt_embeds)
@@ -282,11 +299,11 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
     assert torch.allclose(ours.rows["hidden"], theirs.prompt_hidden, atol=1e-5, rtol=1e-4)
     assert int(ours.logits.argmax()) == theirs.first_token
     # Negative control: the table's rows at the placeholders (no audio) give other KV.
-    [blind] = decoder.prefill([prompt.prompt_token_ids])
+    [blind] = _prefill(decoder, [prompt.prompt_token_ids])
     assert not torch.allclose(blind.kv, ours.kv, atol=1e-3)
     texts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)[:3]]
-    together = decoder.prefill(
-        [texts[0], prompt.prompt_token_ids, *texts[1:]], inputs=[None, rows, None, None]
+    together = _prefill(
+        decoder, [texts[0], prompt.prompt_token_ids, *texts[1:]], inputs=[None, rows, None, None]
     )
     assert torch.equal(together[1].kv, ours.kv) and torch.equal(together[1].logits, ours.logits)
     assert torch.equal(together[1].rows["hidden"], ours.rows["hidden"])

@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..engines.core.request import EngineRequest
 from ..engines.core.runner import PrefillItem
 from ..engines.hf import batch_invariant as bi
+from ..engines.core.attention import SequenceSlot, StepAttention
 from ..engines.core.paged_cache import PagedKVCache
 from ..sampling import SamplingParams
 from .report import run_metadata, write_json
@@ -264,7 +265,10 @@ class Bench:
             for r in rs:
                 r.prompt = _Prompt(r.token_ids)
             items = [PrefillItem(r, 0) for r in rs]
-            ms, used, flops = self._measure(lambda: runner.prefill(items, cache))
+            slots = [SequenceSlot(r.blocks, 0, r.prompt_len) for r in rs]
+            ms, used, flops = self._measure(
+                lambda: runner.prefill(items, StepAttention.for_prefill(runner.compute, cache, slots))
+            )
             touched = fixed - embed + head + used * per_expert
             nbytes = touched + batch * tokens * layout.bytes_per_token
             self._add("thinker_prefill", batch, tokens, 0, layers, ms, nbytes, flops)
@@ -273,7 +277,7 @@ class Bench:
             rs = requests(batch, context, cache)
             for r in rs:
                 r.tokens = [int(r.token_ids[-1])]  # the position its token goes to: `context`
-            ms, used, flops = self._measure(lambda: runner.decode(rs, cache))
+            ms, used, flops = self._measure(lambda: runner.decode(rs, _decode_step(runner, cache, rs)))
             touched = fixed - embed + head + used * per_expert
             nbytes = touched + batch * (context + 1) * layout.bytes_per_token + batch * embed // vocab
             self._add("thinker_decode", batch, 1, context, layers, ms, nbytes, flops)
@@ -325,7 +329,7 @@ class Bench:
                 return out
 
             rs = fresh()
-            ms, used, flops = self._measure(lambda: runner.decode(rs, cache))
+            ms, used, flops = self._measure(lambda: runner.decode(rs, _decode_step(runner, cache, rs)))
             # The code predictor runs its whole stack once per codebook (`groups` times a step);
             # each codebook's head and embedding once.
             touched = (
@@ -491,3 +495,10 @@ def _plot(rows: list[Row], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _decode_step(runner, cache: PagedKVCache, requests: list[EngineRequest]) -> StepAttention:
+    """The attention the engine builds for a decode step of `requests` (as ArEngine._decode)."""
+    return StepAttention.for_decode(
+        runner.compute, cache, [SequenceSlot(r.blocks, r.position, 1) for r in requests]
+    )

@@ -29,9 +29,9 @@ import torch
 
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
-from ..hf import batch_invariant as bi
-from .prefix_cache import OMNI_PD_NAMING, naming_for
+from .attention import SequenceSlot, StepAttention
 from .kv_manager import KVManager
+from .prefix_cache import OMNI_PD_NAMING, naming_for
 from .request import EngineRequest
 from .runner import ArRunner, PrefillItem, Prefilled
 from .scheduler import Scheduler
@@ -197,10 +197,9 @@ class ArEngine(StageEngine):
     def batch_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self._stats)
 
-    @staticmethod
-    def set_batch_invariant(enabled: bool) -> None:
+    def set_batch_invariant(self, enabled: bool) -> None:
         """Test hook: plain (batch-dependent) linear layers in this worker when False."""
-        bi.set_enabled(enabled)
+        self.runner.compute.set_batch_invariant(enabled)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -294,7 +293,7 @@ class ArEngine(StageEngine):
             return
         began = time.perf_counter()
         try:
-            results = self.runner.prefill([PrefillItem(r, r.cached_len) for r in requests], self.cache)
+            results = self.compute_prefill([PrefillItem(r, r.cached_len) for r in requests])
         except Exception:  # noqa: BLE001 - retried per request at its start
             log.debug(
                 "stage %d: batched prefill of %d prompts failed; each runs alone",
@@ -315,6 +314,24 @@ class ArEngine(StageEngine):
                     exc_info=True,
                 )
 
+    def compute_prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
+        """One batched prefill pass of the runner over `items`, through this step's attention
+        (each prompt's blocks, cached prefix and new positions): each result with its KV."""
+        slots = [
+            SequenceSlot(
+                i.request.blocks, i.start, (i.end if i.end is not None else i.request.prompt_len) - i.start
+            )
+            for i in items
+        ]
+        attention = StepAttention.for_prefill(
+            self.runner.compute, self.cache, slots, self.runner.prompt_attention
+        )
+        results = self.runner.prefill(items, attention)
+        for index, result in enumerate(results):
+            if result.kv is None:
+                result.kv = attention.prompt_kv(index)
+        return results
+
     def _take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled:
         [first] = self.runner.sample([request], result.logits.unsqueeze(0), first=True)
         if isinstance(first, Exception):
@@ -334,7 +351,7 @@ class ArEngine(StageEngine):
             return pre
         began = time.perf_counter()
         if request.batchable:
-            [result] = self.runner.prefill([PrefillItem(request, request.cached_len)], self.cache)
+            [result] = self.compute_prefill([PrefillItem(request, request.cached_len)])
             return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
         result = self.runner.prefill_alone(request)
         return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
@@ -342,7 +359,7 @@ class ArEngine(StageEngine):
     def _prefill_here(self, request: EngineRequest) -> list[StepOutput]:
         """Prefill the prompt into the request's blocks and take its first token."""
         pre = self._prefill(request)
-        self.kv.write(request.blocks, request.cached_len, pre.kv)
+        self.kv.write(request.blocks, request.cached_len, pre.computed_kv)
         self._cache_prompt(request, pre)
         self.runner.prefilled(request, pre)
         request.metrics["prefill_ms"] = pre.prefill_ms
@@ -364,7 +381,10 @@ class ArEngine(StageEngine):
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, batch: list[EngineRequest]) -> list[StepOutput]:
         try:
-            result = self.runner.decode(batch, self.cache)
+            attention = StepAttention.for_decode(
+                self.runner.compute, self.cache, [SequenceSlot(r.blocks, r.position, 1) for r in batch]
+            )
+            result = self.runner.decode(batch, attention)
             tokens = self.runner.sample(batch, result.logits, first=False)
         except Exception as exc:  # noqa: BLE001 - the batched pass: fail its requests
             log.exception(

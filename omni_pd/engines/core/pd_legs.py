@@ -26,7 +26,6 @@ from ...kv import KVDescriptor, KVReceiver, KVSender, MooncakeTransport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
 from ...kv.push import RECORD_KEY, TARGET_KEY, KVPusher, PushReservations
 from ..base import StepOutput
-from ..hf.compute_identity import compute_identity
 from .ar_engine import ArEngine
 from .request import EngineRequest, Phase
 from .runner import ArRunner
@@ -52,7 +51,7 @@ def engine_fingerprint(runner: ArRunner, layout, engine_id: str) -> dict[str, An
         identity.weights,
         layout,
         engine_id,
-        compute_identity(identity.device, dict(identity.native_kernels)),
+        runner.compute.compute_identity(identity.device, identity.native_kernels),
     )
 
 
@@ -179,10 +178,10 @@ class PrefillEngine(ArEngine):
         if request.cached_len:
             # Cached blocks go with the checksums they were named with (memory that changed
             # since fails the handoff); the rest are checksummed as they now lie.
-            self.kv.write(request.blocks, request.cached_len, pre.kv)
+            self.kv.write(request.blocks, request.cached_len, pre.computed_kv)
             sums = self._prompt_checksums(request)
         else:  # block by block as written (each still in cache): no second pass at publish
-            sums = self.kv.write(request.blocks, 0, pre.kv, checksums=True)
+            sums = self.kv.write(request.blocks, 0, pre.computed_kv, checksums=True)
             assert sums is not None, "write(checksums=True) returns them"
         self._cache_prompt(request, pre, sums)
         prompt_blocks = self.kv.blocks_for(request.prompt_len)

@@ -216,15 +216,15 @@ def prefill_in_chunks(
     parts: list[Prefilled] = []
     while start < request.prompt_len:
         end = min(request.prompt_len, (start // step + 1) * step)
-        [part] = engine.runner.prefill([PrefillItem(request, start, end)], engine.cache)
-        engine.kv.write(request.blocks, start, part.kv)
+        [part] = engine.compute_prefill([PrefillItem(request, start, end)])
+        engine.kv.write(request.blocks, start, part.computed_kv)
         send(end)
         parts.append(part)
         start = end
     last = parts[-1]
     whole = Prefilled(
         last.logits,
-        torch.cat([p.kv for p in parts], dim=3),
+        torch.cat([p.computed_kv for p in parts], dim=3),
         {name: torch.cat([p.rows[name] for p in parts]) for name in last.rows},
         dict(last.state),
     )

@@ -1,16 +1,19 @@
 """What a model package gives the generic engines: a runner, behind a small typed protocol.
 
 An autoregressive stage (`ArRunner`) computes a batched prefill of the prompts admitted in a
-step and a batched decode step of the requests running, over the engine's paged KV cache, and
-says which rows per position the next stage needs; it samples, decides when a request is done,
-and builds the stage's records. The engine (`engines/core/ar_engine.py`) owns everything else:
-requests, admission, blocks, the prefix cache, the P/D legs, streaming, failures.
+step and a batched decode step of the requests running, and says which rows per position the
+next stage needs; it samples, decides when a request is done, and builds the stage's records.
+Its layers call the step's attention (`attention.StepAttention`, which the engine builds with
+the step's block tables and positions) with q, k and v: a runner never sees a block or the
+cache. The engine (`engines/core/ar_engine.py`) owns everything else: requests, admission,
+blocks, the paged and prefix caches, the P/D legs, streaming and its counters, failures.
 
 A chunked stage (`ChunkRunner`, a decoder fed units in chunks, like a codec decoder) turns a
 request's units into samples, whole or chunk by chunk with state carried between chunks.
 
 A runner must compute a request's bits independently of its batch (the hf building blocks in
-`engines/hf/batch_invariant.py` do that); the engines rely on it for P/D = colocated.
+`engines/hf/batch_invariant.py` do that, and its `compute` backend, engines/hf/compute.py, is
+batch-invariant too); the engines rely on it for P/D = colocated.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import torch
 
 from ...kv.layout import BlockLayout
+from .attention import ComputeBackend, StepAttention
 
 if TYPE_CHECKING:
     from ...sampling import SamplingParams
-    from .paged_cache import PagedKVCache
     from .request import EngineRequest
 
 
@@ -45,7 +48,10 @@ class Prefilled:
     """A prompt's prefill, however it ran: the one record the engines pass around."""
 
     logits: torch.Tensor  # [vocab]: the last prompt position's
-    kv: torch.Tensor  # [layers, 2, kv_heads, positions computed, head_dim]
+    # [layers, 2, kv_heads, positions computed, head_dim]: a pass through the step's attention
+    # leaves it None and the engine takes it from there; a runner's own whole-prompt path
+    # (`prefill_alone`) gives it.
+    kv: torch.Tensor | None = None
     # Per prompt position computed, the rows the next stage needs ({} for none).
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
     # Scalars a decode leg continues from besides the KV (e.g. a rotary offset), by name: they
@@ -53,6 +59,13 @@ class Prefilled:
     state: dict[str, int] = field(default_factory=dict)
     first_token: int | None = None  # sampled by the engine
     prefill_ms: float = 0.0
+
+    @property
+    def computed_kv(self) -> torch.Tensor:
+        """`kv`, which the engine's prefill pass always fills."""
+        if self.kv is None:
+            raise RuntimeError("a prefill's KV is taken from its attention pass (ArEngine.compute_prefill)")
+        return self.kv
 
 
 @dataclass
@@ -84,6 +97,10 @@ class ArRunner(Protocol):
     handoff_keys: tuple[str, ...]
     # Whether `prefill` honours PrefillItem.end (ArRunnerBase: no).
     prefills_in_chunks: bool
+    # The kernels its attention runs on, its batch-invariance switch and compute identity.
+    compute: ComputeBackend
+    # How its prompts' rows attend (attention.PROMPT_ATTENTION).
+    prompt_attention: str
 
     def kv_layout(self, block_size: int) -> BlockLayout: ...
 
@@ -96,16 +113,18 @@ class ArRunner(Protocol):
         length and ids, `extra_keys` (per full block of `block_size`), `batchable`, and `model`
         (the runner's per-request state)."""
 
-    def prefill(self, items: Sequence[PrefillItem], cache: "PagedKVCache") -> list[Prefilled]:
-        """The batchable prompts admitted in a step, in one pass: logits, KV and rows of the
-        positions each computes (its cached prefix is in its blocks)."""
+    def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
+        """The batchable prompts admitted in a step, in one pass: logits and rows of the
+        positions each computes, their attention through `attention` (which knows each
+        prompt's cached prefix and keeps the KV computed)."""
 
     def prefill_alone(self, request: "EngineRequest") -> Prefilled:
         """A prompt the batched pass cannot take (`batchable` False), whole."""
 
-    def decode(self, requests: Sequence["EngineRequest"], cache: "PagedKVCache") -> DecodeResult:
-        """One token for each running request (its latest token fed in at `position`); writes
-        their new KV into their blocks and keeps the fed-in tokens' rows in their state."""
+    def decode(self, requests: Sequence["EngineRequest"], attention: StepAttention) -> DecodeResult:
+        """One token for each running request (its latest token fed in at `position`), attention
+        through `attention` (which writes the new KV into the request's blocks); keeps the
+        fed-in tokens' rows in their state."""
 
     def sample(
         self, requests: Sequence["EngineRequest"], logits: torch.Tensor, first: bool
@@ -151,6 +170,7 @@ class ArRunnerBase:
     handoff_keys: tuple[str, ...] = ()
     # Whether `prefill` honours PrefillItem.end (a push prefills in chunks with it).
     prefills_in_chunks: bool = False
+    prompt_attention: str = "row_invariant"
 
     def prefilled(self, request: "EngineRequest", result: Prefilled) -> None:
         pass

@@ -2,9 +2,10 @@
 
 What is Qwen3's own is its forward pass: token embeddings, per layer RMSNorm, attention with
 q/k norms and rotary positions, a gated MLP, the final norm and the LM head. Every linear layer
-runs on the batch-invariant tiles, a prompt's attention on `attend_rows` (its cached prefix from
-the paged cache), a decode step's on the native kernel or torch's attention per sequence, so a
-request's bits do not depend on its batch, and P/D (the engines' generic legs) equals colocated.
+runs on the batch-invariant tiles and attention is the engine's call (engines/core/attention.py:
+a prompt's rows over its cached prefix, a decode step's over its cache, on the native kernel or
+torch's), so a request's bits do not depend on its batch, and P/D (the engines' generic legs)
+equals colocated.
 Prompts are token ids only (audio or images are refused by name).
 """
 
@@ -16,24 +17,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
+from omni_pd.engines.core.attention import StepAttention
 from omni_pd.engines.core.build import ar_engine
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.core.text import TextStops, sample_tokens
 from omni_pd.engines.device import check_dtype, enter as enter_device, kernels_for
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import (
-    DecodeRows,
-    check_kernels,
-    decode_attention,
-    native_builds,
-    paged_geometry,
-)
-from omni_pd.engines.core.paged_cache import PagedKVCache
+from omni_pd.engines.hf.attention_native import native_builds
+from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.types import TextOutput
 from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
@@ -57,7 +52,8 @@ class Qwen3TextRunner(ArRunnerBase):
         self.name = name  # the stage's model_stage
         config = llm.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kernels = check_kernels(kernels)
+        self.compute = HfCompute(kernels)
+        self.kernels = self.compute.name
         bi.check_activations(self.text)
         eos = config.eos_token_id
         self.stops = TextStops(tokenizer, eos if isinstance(eos, list) else [eos])
@@ -109,86 +105,38 @@ class Qwen3TextRunner(ArRunnerBase):
         return self.text.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))  # [1, rows, hd] each
 
     @torch.no_grad()
-    def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
+    def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
         starts = [item.start for item in items]
         prompts = [item.request.token_ids for item in items]
         lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
         h = self.text.embed_tokens(torch.tensor([t for ids, s in zip(prompts, starts) for t in ids[s:]]))
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        cos, sin = self._rotary(h, positions)
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        kv: list[list[torch.Tensor]] = [[] for _ in items]
-        for index, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
-            outs = []
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-                kv[i].append(torch.stack([k[0, :, a:b], v[0, :, a:b]]))
-                keys, values = k[:, :, a:b], v[:, :, a:b]
-                if starts[i]:
-                    old_k, old_v = cache.layer_kv(index, items[i].request.blocks, starts[i])
-                    keys = torch.cat([old_k.unsqueeze(0), keys], dim=2)
-                    values = torch.cat([old_v.unsqueeze(0), values], dim=2)
-                outs.append(
-                    bi.attend_rows(
-                        q[:, :, a:b], keys.contiguous(), values.contiguous(), attn.scaling, starts[i]
-                    )
-                )
-            h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
-        last = torch.tensor([b - 1 for b in bounds[1:]])
+        h = self._layers(h, self._rotary(h, positions), attention)
+        last = torch.tensor(lengths).cumsum(0) - 1
         logits = bi.linear_module(self.llm.lm_head, self.text.norm(h[last]))
-        return [Prefilled(logits[i], torch.stack(kv[i]).contiguous()) for i in range(len(items))]
+        return [Prefilled(logits[i]) for i in range(len(items))]  # KV: the engine's, from `attention`
 
     def prefill_alone(self, request: EngineRequest) -> Prefilled:
-        [result] = self.prefill([PrefillItem(request, 0)], None)  # every prompt is batchable
-        return result
+        raise RuntimeError("every prompt of the text model is batchable")
 
     @torch.no_grad()
-    def decode(self, requests: Sequence[EngineRequest], cache: PagedKVCache) -> DecodeResult:
-        count = len(requests)
+    def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
         h = self.text.embed_tokens(torch.tensor([r.tokens[-1] for r in requests]))
-        positions = torch.tensor([r.position for r in requests])
-        cos, sin = self._rotary(h, positions)
-        native = None
-        if self.kernels == "native":
-            native = DecodeRows([r.blocks for r in requests], [r.position + 1 for r in requests])
+        h = self._layers(h, self._rotary(h, torch.tensor([r.position for r in requests])), attention)
+        return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
+
+    def _layers(
+        self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention: StepAttention
+    ) -> torch.Tensor:
+        """The decoder layers over the step's new rows `h` ([rows, hidden], in sequence order)."""
+        cos, sin = rotary
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
             q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
-            q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [B, heads, hd]
-            if native is not None:
-                k_base, v_base, geometry = paged_geometry(cache, index)
-                out = decode_attention(
-                    q,
-                    k,
-                    v,
-                    native,
-                    torch.full((count,), k_base, dtype=torch.long),
-                    torch.full((count,), v_base, dtype=torch.long),
-                    geometry,
-                    attn.scaling,
-                )
-            else:
-                rows = []
-                for b, request in enumerate(requests):
-                    cache.write_token(index, request.blocks, request.position, k[b], v[b])
-                    keys, values = cache.layer_kv(index, request.blocks, request.position + 1)
-                    rows.append(
-                        F.scaled_dot_product_attention(
-                            q[b : b + 1].unsqueeze(2),
-                            keys.unsqueeze(0),
-                            values.unsqueeze(0),
-                            scale=attn.scaling,
-                            enable_gqa=True,
-                        )[:, :, 0]
-                    )
-                out = torch.cat(rows)
-            h = h + bi.linear_module(attn.o_proj, out.reshape(count, -1))
+            out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
+            h = h + bi.linear_module(attn.o_proj, out)
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
-        return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
+        return h
 
     def sample(
         self, requests: Sequence[EngineRequest], logits: torch.Tensor, first: bool

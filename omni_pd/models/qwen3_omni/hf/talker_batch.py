@@ -6,12 +6,13 @@ others:
 
 * every linear layer and the MoE go through `batch_invariant` (fixed row tiles, experts summed in
   a fixed order), so a row's result never depends on how many rows share the matrix;
-* attention is computed per sequence, over exactly that sequence's cached positions in its
-  blocks: a decode step's in one C kernel call per layer that computes each sequence alone
-  (`attention_native`, the default), or with torch's attention per sequence (`kernels="torch"`);
+* attention is the engine's (engines/core/attention.py), per sequence over exactly that
+  sequence's positions: a decode step's in one C kernel call per layer that computes each
+  sequence alone (the default), or with torch's attention per sequence (`kernels="torch"`);
   never one padded batch;
 * the prompts admitted in one step are prefilled in one pass on the same tiles, attention per
-  prompt, so a prompt's prefill is the same bits alone or with others;
+  prompt (torch's fused causal attention, `prompt_attention = "fused"`: a talker prompt is never
+  cached), so a prompt's prefill is the same bits alone or with others;
 * sampling draws one uniform number per row, `step_uniform(seed, step * num_code_groups + group)`
   (a hash of the request's seed and position), so a draw depends on the request's seed and
   position only, never on the batch or on the global RNG.
@@ -38,18 +39,13 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from omni_pd.engines.core.attention import StepAttention
 from omni_pd.engines.core.fallback import each_alone
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import (
-    DecodeRows,
-    check_kernels,
-    decode_attention,
-    native_builds,
-    paged_geometry,
-)
-from omni_pd.engines.core.paged_cache import PagedKVCache
+from omni_pd.engines.hf.attention_native import native_builds
+from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.sampler import step_uniform
 from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
@@ -192,6 +188,8 @@ class BatchedTalker(ArRunnerBase):
     """The talker and its code predictor, run for many requests per step."""
 
     name = "talker"
+    # A talker prompt is never cached: torch's fused attention over the prompt alone.
+    prompt_attention = "fused"
 
     def __init__(
         self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False, kernels: str = "native"
@@ -223,7 +221,8 @@ class BatchedTalker(ArRunnerBase):
         temperature = getattr(self.predictor.generation_config, "temperature", None)
         self.cp_temperature = 1.0 if temperature is None else float(temperature)
         self.trace = trace
-        self.kernels = check_kernels(kernels)
+        self.compute = HfCompute(kernels)
+        self.kernels = self.compute.name
         self.row_dtype = next(talker.parameters()).dtype
 
     @property
@@ -332,7 +331,7 @@ class BatchedTalker(ArRunnerBase):
     # -- steps ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
+    def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
         """The prompts in one pass: their KV and first code0 logits. Linear layers and the MoE
         run on the fixed tiles, attention per prompt, so a prompt's results are the same bits in
         a pass of its own or with others."""
@@ -340,15 +339,15 @@ class BatchedTalker(ArRunnerBase):
         counts = [r.prompt_len for r in requests]
         x = torch.cat([r.model.prompt_embeds for r in requests])
         positions = torch.cat([torch.arange(c) for c in counts])
-        hidden, kv = self._talker_forward(x, positions, requests, counts, cache, prefill=True)
+        hidden = self._talker_forward(x, positions, attention)
         last = hidden[torch.tensor(counts).cumsum(0) - 1]
         logits = bi.linear_module(self.talker.codec_head, last)
         for request, row in zip(requests, last):
             request.model.hidden = row.clone()
-        return [Prefilled(logits[i], kv[i]) for i in range(len(requests))]
+        return [Prefilled(logits[i]) for i in range(len(requests))]  # KV: the engine's, from `attention`
 
     @torch.no_grad()
-    def decode(self, requests: Sequence[EngineRequest], cache: PagedKVCache) -> DecodeResult:
+    def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
         """One step for every request: the code predictor fills the pending frame's residual
         codes, the frame is fed back, and the talker gives the next code0's logits. A request
         whose own sampling failed gets no forward pass (its `error` says why)."""
@@ -371,7 +370,8 @@ class BatchedTalker(ArRunnerBase):
             inputs = inputs[alive]
         live = [requests[i] for i in alive]
         positions = torch.tensor([r.position for r in live])
-        hidden, _ = self._talker_forward(inputs, positions, live, [1] * len(live), cache, prefill=False)
+        step = attention if len(alive) == len(states) else attention.select(alive)
+        hidden = self._talker_forward(inputs, positions, step)
         logits[alive] = bi.linear_module(self.talker.codec_head, hidden)
         for row, request in enumerate(live):
             request.model.hidden = hidden[row]  # a view: each step's hidden is a fresh tensor
@@ -485,89 +485,22 @@ class BatchedTalker(ArRunnerBase):
     # -- the talker -----------------------------------------------------------------------------
 
     def _talker_forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        requests: Sequence[EngineRequest],
-        counts: list[int],
-        cache: PagedKVCache,
-        prefill: bool,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`counts[i]` new rows of `x` ([rows, hidden]) per request, in order, at `positions`;
+        self, x: torch.Tensor, positions: torch.Tensor, attention: StepAttention
+    ) -> torch.Tensor:
+        """The step's new rows of `x` ([rows, hidden]), in sequence order, at `positions`;
         returns the final-norm hidden states ([rows, hidden]: what transformers'
-        `hidden_states[0][-1]` holds and what the codec head reads) and, for a prefill, each
-        request's KV ([layers, 2, kv_heads, rows, hd]; a decode step writes its KV into the
-        blocks itself)."""
+        `hidden_states[0][-1]` holds and what the codec head reads). Their KV is the engine's:
+        `attention` writes a decode step's into the blocks and keeps a prefill's."""
         # Text-only talker input: the three multimodal rotary rows are all the plain position.
         rope_positions = positions.view(1, 1, -1).expand(3, 1, -1)
         cos, sin = self.model.rotary_emb(x.unsqueeze(0), rope_positions)  # [1, rows, hd]
-        rows = None
-        if not prefill and self.kernels == "native":
-            rows = DecodeRows([r.blocks for r in requests], [r.position + 1 for r in requests])
-        kv: list[list[torch.Tensor]] = [[] for _ in requests]
         for index, layer in enumerate(self.model.layers):
-            x = x + self._talker_attention(
-                layer.self_attn,
-                layer.input_layernorm(x),
-                cos,
-                sin,
-                requests,
-                counts,
-                index,
-                rows,
-                cache,
-                kv if prefill else None,
-            )
+            attn = layer.self_attn
+            q, k, v = bi.projections(attn, layer.input_layernorm(x), self.head_dim, cos, sin)
+            out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
+            x = x + bi.linear_module(attn.o_proj, out)
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
-        return self.model.norm(x), [torch.stack(layers).contiguous() for layers in kv] if prefill else []
-
-    def _talker_attention(
-        self,
-        attn,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        requests: Sequence[EngineRequest],
-        counts: list[int],
-        layer: int,
-        rows: DecodeRows | None,
-        cache: PagedKVCache,
-        kv: list[list[torch.Tensor]] | None,
-    ) -> torch.Tensor:
-        q, k, v = bi.projections(attn, x, self.head_dim, cos, sin)  # [1, heads, rows, hd]
-        if rows is not None:  # a decode step on the kernel: one new row per sequence
-            k_base, v_base, geometry = paged_geometry(cache, layer)
-            count = len(requests)
-            out = decode_attention(
-                _row_major(q),
-                _row_major(k),
-                _row_major(v),
-                rows,
-                torch.full((count,), k_base, dtype=torch.long),
-                torch.full((count,), v_base, dtype=torch.long),
-                geometry,
-                attn.scaling,
-            )
-            return bi.linear_module(attn.o_proj, out.reshape(out.shape[0], -1))
-        outputs, start = [], 0
-        for i, (request, count) in enumerate(zip(requests, counts)):
-            new_k = k[0, :, start : start + count].transpose(0, 1).contiguous()  # [count, kvh, hd]
-            new_v = v[0, :, start : start + count].transpose(0, 1).contiguous()
-            if kv is not None:  # a prompt: its KV goes to the cache with the engine's write
-                kv[i].append(torch.stack([new_k.transpose(0, 1), new_v.transpose(0, 1)]))
-                keys, values, cached = _head_major(new_k), _head_major(new_v), 0
-            else:  # one new position after the request's cached ones
-                position = request.position
-                cache.write_token(layer, request.blocks, position, new_k[0], new_v[0])
-                keys, values = cache.layer_kv(layer, request.blocks, position + 1)
-                # Position-major as one sequence's own cache lies (the layout the torch path
-                # has always given attention), then head-major views of it.
-                keys = _head_major(keys.transpose(0, 1).contiguous())
-                values = _head_major(values.transpose(0, 1).contiguous())
-                cached = position
-            outputs.append(bi.attend(q[:, :, start : start + count], keys, values, attn.scaling, cached))
-            start += count
-        return bi.linear_module(attn.o_proj, torch.cat(outputs))
+        return self.model.norm(x)
 
     # -- the code predictor ---------------------------------------------------------------------
 
@@ -645,16 +578,6 @@ class BatchedTalker(ArRunnerBase):
             x = x + bi.linear_module(attn.o_proj, out.transpose(1, 2).reshape(batch * width, -1))
             x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
         return cp.norm(x)
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """[1, heads, rows, hd] -> contiguous [rows, heads, hd]."""
-    return t[0].transpose(0, 1).contiguous()
-
-
-def _head_major(cache: torch.Tensor) -> torch.Tensor:
-    """A cache prefix [positions, kv_heads, hd] as attention reads it: [1, kv_heads, positions, hd]."""
-    return cache.transpose(0, 1).unsqueeze(0)
 
 
 def _per_request(t: torch.Tensor, batch: int, width: int) -> torch.Tensor:

@@ -1,15 +1,13 @@
-"""The thinker's batched decode step over the paged KV cache.
+"""The thinker's batched passes: prompts admitted together, and one decode step for every running
+request.
 
-One forward pass advances every running request by one token. It computes what transformers'
-thinker text model computes (same modules and weights: RMSNorm, q/k norm, the interleaved
-multimodal rotary, MoE), but batch-invariantly: every linear layer and the MoE go through
-`batch_invariant` (fixed row tiles), and attention runs per sequence over exactly that
-sequence's cached positions (all sequences of a layer in one call of the C kernel in
-`attention_native`, by default; or one torch `scaled_dot_product_attention` each), so a
-request's logits are bit-identical whether it decodes alone or with 63 others. Prompts admitted
-in the same step (text, and audio whose encoder rows the engine merges in first) are prefilled
-together the same way (`prefill`); prompts with images or video would run alone through
-transformers' own forward (their 3D rotary); either way their KV is then copied into the
+They compute what transformers' thinker text model computes (same modules and weights: RMSNorm,
+q/k norm, the interleaved multimodal rotary, MoE), but batch-invariantly: every linear layer and
+the MoE go through `batch_invariant` (fixed row tiles), and attention is the engine's
+(`engines/core/attention.py`): each layer hands q, k, v to the step's attention call, which
+attends per sequence over exactly that sequence's positions, so a request's logits are
+bit-identical whether it runs alone or with 63 others. Prompts with images or video would run
+alone through transformers' own forward (their 3D rotary); the engine copies their KV into the
 request's blocks.
 """
 
@@ -18,13 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
+from omni_pd.engines.core.attention import StepAttention
 from omni_pd.engines.core.runner import Prefilled
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.engines.hf.attention_native import DecodeRows, check_kernels, decode_attention, paged_geometry
-from omni_pd.engines.core.paged_cache import PagedKVCache
+from omni_pd.engines.hf.attention_native import check_kernels
 
 
 @dataclass
@@ -34,15 +31,6 @@ class DecodeRow:
     token: int  # the token fed in (the latest sampled one)
     position: int  # its position in the sequence (= positions already cached)
     rope_deltas: int
-    blocks: list[int]
-
-
-@dataclass
-class CachedPrefix:
-    """The first `length` positions of a prompt, whose KV is already in `blocks` of the cache."""
-
-    length: int
-    blocks: list[int]
 
 
 @dataclass
@@ -73,8 +61,8 @@ class BatchedThinkerDecoder:
     def prefill(
         self,
         prompts: list[list[int]],
-        prefixes: list[CachedPrefix | None] | None = None,
-        cache: PagedKVCache | None = None,
+        attention: StepAttention,
+        starts: list[int] | None = None,
         inputs: list[torch.Tensor | None] | None = None,
     ) -> list[Prefilled]:
         """Text-only prompts (token ids, no multimodal placeholders) in one pass: every linear
@@ -83,8 +71,8 @@ class BatchedThinkerDecoder:
         decode step), so prompts arriving together cost one pass of fixed per-op overhead
         instead of one each (8 at once on this CPU: ~16 ms one by one).
 
-        `prefixes[i]`: the first `length` positions of prompt i are cached in `cache` (its
-        blocks): only the rest is computed, attending to the cached keys, and the results (KV,
+        `starts[i]`: the first positions of prompt i are cached (the engine's `attention` knows
+        where): only the rest is computed, attending to the cached keys, and the results (KV,
         rows) cover the rest only. They are bit for bit the rows the whole prompt's prefill
         computes: linear layers are row-invariant, attention too (`attend_rows`), and a cached
         position's KV is a function of the tokens up to it.
@@ -93,13 +81,10 @@ class BatchedThinkerDecoder:
         alone does not give it (a prompt with audio: its encoder rows at the placeholders).
         Audio-only prompts keep text positions on all three rotary rows (transformers'
         `get_rope_index` gives them no offset), so the rotary below is theirs too."""
-        prefixes = prefixes or [None] * len(prompts)
+        starts = starts or [0] * len(prompts)
         inputs = inputs or [None] * len(prompts)
-        starts = [p.length if p is not None else 0 for p in prefixes]
         if any(s >= len(ids) for s, ids in zip(starts, prompts)):
             raise ValueError("a cached prefix must leave at least one prompt position to compute")
-        if any(starts) and cache is None:
-            raise ValueError("prefill over cached prefixes needs their cache")
         lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
         h = torch.cat(
             [
@@ -118,24 +103,11 @@ class BatchedThinkerDecoder:
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
-        kv: list[list[torch.Tensor]] = [[] for _ in prompts]  # per prompt: per layer [2, kvh, n, hd]
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
             q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
-            outs = []
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-                kv[i].append(torch.stack([k[0, :, a:b], v[0, :, a:b]]))
-                keys, values = k[:, :, a:b], v[:, :, a:b]
-                if starts[i]:
-                    old_k, old_v = cache.layer_kv(index, prefixes[i].blocks, starts[i])
-                    keys = torch.cat([old_k.unsqueeze(0), keys], dim=2)
-                    values = torch.cat([old_v.unsqueeze(0), values], dim=2)
-                outs.append(
-                    bi.attend_rows(
-                        q[:, :, a:b], keys.contiguous(), values.contiguous(), attn.scaling, starts[i]
-                    )
-                )
-            h = h + bi.linear_module(attn.o_proj, torch.cat(outs))
+            out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
+            h = h + bi.linear_module(attn.o_proj, out)
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
@@ -143,20 +115,20 @@ class BatchedThinkerDecoder:
             accept = embeds
         last = torch.tensor([b - 1 for b in bounds[1:]])
         logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h[last]))
-        # Per prompt: its last position's logits, the KV of the positions it computed, their rows
-        # (layer 0 and the accept layer); a text or audio prompt has no rotary offset.
+        # Per prompt: its last position's logits and the rows of the positions it computed (layer
+        # 0 and the accept layer; their KV the engine takes from `attention`); a text or audio
+        # prompt has no rotary offset.
         return [
             Prefilled(
                 logits[i],
-                torch.stack(kv[i]).contiguous(),
-                {"embeds": embeds[a:b].clone(), "hidden": accept[a:b].clone()},
-                {"rope_deltas": 0},
+                rows={"embeds": embeds[a:b].clone(), "hidden": accept[a:b].clone()},
+                state={"rope_deltas": 0},
             )
             for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
         ]
 
     @torch.no_grad()
-    def step(self, rows: list[DecodeRow], cache: PagedKVCache) -> DecodeStepResult:
+    def step(self, rows: list[DecodeRow], attention: StepAttention) -> DecodeStepResult:
         count = len(rows)
         ids = torch.tensor([r.token for r in rows], dtype=torch.long)
         positions = torch.tensor([r.position for r in rows], dtype=torch.long)
@@ -166,13 +138,8 @@ class BatchedThinkerDecoder:
         # Text-only positions: the three multimodal rotary rows are all position + rope_deltas.
         rope_positions = (positions + deltas).view(1, count, 1).expand(3, count, 1)
         cos, sin = self.text.rotary_emb(h.unsqueeze(1), rope_positions)  # [B, 1, head_dim]
-        native = None
-        if self.kernels == "native":
-            native = DecodeRows([r.blocks for r in rows], [r.position + 1 for r in rows])
         for index, layer in enumerate(self.text.layers):
-            h = h + self._attention(
-                layer.self_attn, layer.input_layernorm(h), cos, sin, rows, index, cache, native
-            )
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, index, attention)
             h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
@@ -187,37 +154,13 @@ class BatchedThinkerDecoder:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        rows: list[DecodeRow],
         layer: int,
-        cache: PagedKVCache,
-        native: DecodeRows | None,
+        attention: StepAttention,
     ) -> torch.Tensor:
         count, hd = x.shape[0], self.head_dim
         q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
         k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
         v = bi.linear_module(attn.v_proj, x).view(count, -1, hd)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
-        if native is not None:
-            k_base, v_base, geometry = paged_geometry(cache, layer)
-            out = decode_attention(
-                q[:, :, 0].contiguous(),
-                k[:, :, 0].contiguous(),
-                v.contiguous(),
-                native,
-                torch.full((count,), k_base, dtype=torch.long),
-                torch.full((count,), v_base, dtype=torch.long),
-                geometry,
-                attn.scaling,
-            )
-            return bi.linear_module(attn.o_proj, out.reshape(count, -1))
-        outputs = []
-        for b, row in enumerate(rows):
-            cache.write_token(layer, row.blocks, row.position, k[b, :, 0], v[b])
-            keys, values = cache.layer_kv(layer, row.blocks, row.position + 1)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q[b : b + 1], keys.unsqueeze(0), values.unsqueeze(0), scale=attn.scaling, enable_gqa=True
-                )
-            )
-        out = torch.cat(outputs).transpose(1, 2).reshape(count, -1)
+        out = attention(layer, q[:, :, 0], k[:, :, 0], v, attn.scaling)
         return bi.linear_module(attn.o_proj, out)

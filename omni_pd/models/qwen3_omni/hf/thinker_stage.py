@@ -15,10 +15,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from omni_pd.engines.core.attention import StepAttention
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf.attention_native import native_builds
-from omni_pd.engines.core.paged_cache import PagedKVCache
+from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.core.prefix_cache import multimodal_extra_keys
 from omni_pd.engines.core.text import sample_tokens
 from omni_pd.kv import BlockLayout
@@ -26,7 +27,7 @@ from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 from .thinker import AudioClip, ThinkerRunner
-from .thinker_batch import BatchedThinkerDecoder, CachedPrefix, DecodeRow
+from .thinker_batch import BatchedThinkerDecoder, DecodeRow
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 ROWS = ("embeds", "hidden")  # layer 0 and the talker's accept layer, per position
@@ -76,6 +77,7 @@ class ThinkerStageRunner(ArRunnerBase):
         self.runner = runner
         self.thinker = runner.thinker
         self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer, kernels)
+        self.compute = HfCompute(kernels)
         self.width = runner.text_config.hidden_size
         self.row_widths = {name: self.width for name in ROWS}
         self.row_dtype = next(runner.thinker.parameters()).dtype
@@ -125,11 +127,11 @@ class ThinkerStageRunner(ArRunnerBase):
         rows = self.runner.layer0_rows(request.prompt, request.model.clips, start)
         return rows if end is None else rows[: end - start]
 
-    def prefill(self, items: Sequence[PrefillItem], cache: PagedKVCache) -> list[Prefilled]:
+    def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
         return self.decoder.prefill(
             [i.request.prompt.prompt_token_ids[: i.end] for i in items],
-            [CachedPrefix(i.start, i.request.blocks) if i.start else None for i in items],
-            cache,
+            attention,
+            [i.start for i in items],
             [self._layer0(i.request, i.start, i.end) for i in items],
         )
 
@@ -142,9 +144,9 @@ class ThinkerStageRunner(ArRunnerBase):
             {"rope_deltas": run.rope_deltas},
         )
 
-    def decode(self, requests: Sequence[EngineRequest], cache: PagedKVCache) -> DecodeResult:
-        rows = [DecodeRow(r.tokens[-1], r.position, r.model.rope_deltas, r.blocks) for r in requests]
-        result = self.decoder.step(rows, cache)
+    def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
+        rows = [DecodeRow(r.tokens[-1], r.position, r.model.rope_deltas) for r in requests]
+        result = self.decoder.step(rows, attention)
         for b, request in enumerate(requests):
             request.model.output_embeds.append(result.embeds[b].clone())
             request.model.output_hidden.append(result.hidden[b].clone())
