@@ -201,9 +201,7 @@ def test_admission_waits_for_free_kv_blocks(tiny_model, prompts, alone, kernels)
     about one at a time the requests run one after another and still give their solo codes."""
     probe = _engine(tiny_model, kernels)
     needs = [
-        probe.kv.blocks_for(
-            probe.runner.new_request(p.request_id, p, params, 16).prompt_len + params.max_tokens
-        )
+        probe.kv.blocks_for(probe.runner.new_request(p.request_id, p, params).prompt_len + params.max_tokens)
         for p, params in zip(prompts, PARAMS)
     ]
     # The requests of which no two fit a pool as large as the largest of them.

@@ -31,7 +31,7 @@ from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from .attention import SequenceSlot, StepAttention
 from .kv_manager import KVManager
-from .prefix_cache import OMNI_PD_NAMING, naming_for
+from .prefix_cache import OMNI_PD_NAMING, multimodal_extra_keys, naming_for
 from .request import EngineRequest
 from .runner import ArRunner, PrefillItem, Prefilled
 from .scheduler import Scheduler
@@ -103,7 +103,7 @@ class ArEngine(StageEngine):
                 f"request {request_id}: chunk_sizes must be two counts >= 1 (first "
                 f"chunk, later chunks), got {chunk_sizes!r}"
             )
-        request = self.runner.new_request(request_id, prompt, params, self.block_size)
+        request = self.new_request(request_id, prompt, params)
         request.stream, request.chunks = stream or chunks, chunks
         request.chunk_sizes = (chunk_sizes[0], chunk_sizes[1]) if chunk_sizes is not None else None
         if request.prompt_len == 0:
@@ -124,6 +124,15 @@ class ArEngine(StageEngine):
                 "engine_args.kv_pool_blocks or lower max_tokens"
             )
         self.scheduler.add(request)
+
+    def new_request(self, request_id: str, prompt: Any, params: SamplingParams) -> EngineRequest:
+        """The runner's checked record of a request, with its blocks' extra keys (the prefix
+        cache names a block holding a multimodal input by that input's content too)."""
+        request = self.runner.new_request(request_id, prompt, params)
+        request.extra_keys = multimodal_extra_keys(
+            request.multimodal_spans, request.prompt_len, self.block_size
+        )
+        return request
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         request = self.scheduler.get(request_id)
@@ -409,17 +418,28 @@ class ArEngine(StageEngine):
         they are); None when it has nothing new to send."""
         if not request.stream:
             return None
-        new, chunk = self.runner.chunk(request, False)
+        new, chunk = self._stream_out(request, False)
         if not new and chunk is None:
             return None
         return StepOutput(request.request_id, new_token_ids=new, chunk=chunk)
 
     def _finish(self, request: EngineRequest, reason: str) -> StepOutput:
         request.metrics["e2e_ms"] = request.elapsed_ms()
+        request.metrics["prefix_cached_tokens"] = request.cached_len
         output = self._output(request, reason)
         self._drop(request)
-        new, chunk = self.runner.chunk(request, True) if request.stream else ([], None)
+        new, chunk = self._stream_out(request, True) if request.stream else ([], None)
         return StepOutput(request.request_id, new_token_ids=new, chunk=chunk, finished=True, output=output)
+
+    def _stream_out(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
+        """A streamed request's new text tokens since the last call and its chunk (the runner
+        builds it), counted here."""
+        new = request.tokens[request.streamed :] if self.runner.emits_text else []
+        request.streamed = len(request.tokens)
+        chunk = self.runner.chunk(request, new, request.chunks_sent == 0, finished)
+        if chunk is not None:
+            request.chunks_sent += 1
+        return new, chunk
 
     def _output(self, request: EngineRequest, reason: str) -> Any:
         return self.runner.output(request, reason)

@@ -40,7 +40,7 @@ def reserve(engine: DecodeEngine, transfer_id: str, prompt: Any, params: Any, wa
     """Reserve the blocks of the request the decode leg will get as `prompt` (the prompt it is
     sent) with `params`: its prefix cache's blocks, then the rest of prompt plus max_tokens.
     Returns the push target for the prefill leg (kv_transfer_params[TARGET_KEY])."""
-    request = engine.runner.new_request(transfer_id, prompt, params, engine.block_size)
+    request = engine.new_request(transfer_id, prompt, params)
     matched: list[int] = []
     if engine.prefix_caching:
         matched = engine.kv.match(engine._prompt_ids(request), request.extra_keys, limit=request.prompt_len)

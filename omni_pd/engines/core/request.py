@@ -65,6 +65,9 @@ class EngineRequest:
     cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
     cacheable: bool = True  # False: its blocks neither come from nor go to the prefix cache
     reused: list[int] = field(default_factory=list)  # decode leg: cached blocks while the rest moves
+    # The prompt's multimodal inputs as (start, end, content key) placeholder spans, from the
+    # runner; the engine derives `extra_keys` from them (per full prompt block).
+    multimodal_spans: list[tuple[int, int, bytes]] = field(default_factory=list)
     extra_keys: list[bytes] = field(default_factory=list)  # per full prompt block (multimodal)
     batchable: bool = True  # False: its prefill runs alone (the runner's `prefill_alone`)
     tokens: list[int] = field(default_factory=list)  # sampled so far (the first from the prefill)

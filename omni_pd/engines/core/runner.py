@@ -95,6 +95,8 @@ class ArRunner(Protocol):
     row_dtype: torch.dtype
     # Scalars a decode leg continues from besides the KV (`Prefilled.state`'s keys).
     handoff_keys: tuple[str, ...]
+    # Whether its tokens are text (streamed to the client as token deltas).
+    emits_text: bool
     # Whether `prefill` honours PrefillItem.end (ArRunnerBase: no).
     prefills_in_chunks: bool
     # The kernels its attention runs on, its batch-invariance switch and compute identity.
@@ -106,12 +108,10 @@ class ArRunner(Protocol):
 
     def identity(self) -> RunnerIdentity: ...
 
-    def new_request(
-        self, request_id: str, prompt: Any, params: "SamplingParams", block_size: int
-    ) -> "EngineRequest":
+    def new_request(self, request_id: str, prompt: Any, params: "SamplingParams") -> "EngineRequest":
         """A new request's record, checked (ValueError naming what to change): its prompt
-        length and ids, `extra_keys` (per full block of `block_size`), `batchable`, and `model`
-        (the runner's per-request state)."""
+        length and ids, `multimodal_spans` (what the prefix cache's block names must include),
+        `batchable`, and `model` (the runner's per-request state)."""
 
     def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
         """The batchable prompts admitted in a step, in one pass: logits and rows of the
@@ -145,9 +145,9 @@ class ArRunner(Protocol):
         """The finished request's output record (a prefill leg's, `request.publishes`, describes
         the prompt and its first token; the engine adds kv_transfer_params)."""
 
-    def chunk(self, request: "EngineRequest", finished: bool) -> tuple[list[int], Any]:
-        """A streamed request's new text token ids and chunk since the last call (a chunk of
-        None sends none)."""
+    def chunk(self, request: "EngineRequest", new_tokens: list[int], first: bool, finished: bool) -> Any:
+        """A streamed request's chunk for the stage that runs alongside (None: none now).
+        `new_tokens`: its tokens since the last call; `first`: no chunk sent yet."""
 
     # Hooks with do-nothing defaults (ArRunnerBase).
     def ready(self, request: "EngineRequest") -> bool: ...
@@ -168,6 +168,7 @@ class ArRunnerBase:
     row_widths: Mapping[str, int] = {}
     row_dtype: torch.dtype = torch.float32
     handoff_keys: tuple[str, ...] = ()
+    emits_text: bool = True
     # Whether `prefill` honours PrefillItem.end (a push prefills in chunks with it).
     prefills_in_chunks: bool = False
     prompt_attention: str = "row_invariant"

@@ -84,9 +84,7 @@ class Qwen3TextRunner(ArRunnerBase):
     def describe(self) -> dict[str, Any]:
         return {"takes_multimodal_prompts": False}
 
-    def new_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, block_size: int
-    ) -> EngineRequest:
+    def new_request(self, request_id: str, prompt: Any, params: SamplingParams) -> EngineRequest:
         if getattr(prompt, "has_multimodal_inputs", lambda: False)():
             raise ValueError(
                 f"request {request_id}: stage {self.name} runs a text-only Qwen3, which "
@@ -155,13 +153,11 @@ class Qwen3TextRunner(ArRunnerBase):
             token_ids=list(request.tokens),
             text=text,
             finish_reason=reason,
-            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len},
+            metrics=dict(request.metrics),
         )
 
-    def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
-        new = request.tokens[request.streamed :]
-        request.streamed = len(request.tokens)
-        return new, None
+    def chunk(self, request: EngineRequest, new_tokens: list[int], first: bool, finished: bool) -> Any:
+        return None  # text deltas only: no stage runs alongside
 
 
 def build_hf_engine(stage_config, model: str) -> StageEngine:

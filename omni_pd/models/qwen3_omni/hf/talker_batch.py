@@ -190,6 +190,7 @@ class BatchedTalker(ArRunnerBase):
     name = "talker"
     # A talker prompt is never cached: torch's fused attention over the prompt alone.
     prompt_attention = "fused"
+    emits_text = False  # its tokens are codec codes: they leave in chunks, not as text
 
     def __init__(
         self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False, kernels: str = "native"
@@ -252,9 +253,7 @@ class BatchedTalker(ArRunnerBase):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def new_request(
-        self, request_id: str, prompt: TalkerPrompt, params: SamplingParams, block_size: int
-    ) -> EngineRequest:
+    def new_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams) -> EngineRequest:
         """A request from the thinker's output (`prompt.final`), or from its first part while
         it runs (later tokens arrive through `append_input`)."""
         self.runner.speaker_id(prompt.speaker)  # ValueError naming the voices
@@ -466,7 +465,7 @@ class BatchedTalker(ArRunnerBase):
             metrics={"talker_ms": elapsed},
         )
 
-    def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
+    def chunk(self, request: EngineRequest, new_tokens: list[int], first: bool, finished: bool) -> Any:
         """The frames to send now: none until a whole chunk is there (or the request is done).
         One message per downstream chunk instead of one per frame: the orchestrator handled 63
         messages per request that only its stream processor's buffer saw."""
@@ -475,12 +474,12 @@ class BatchedTalker(ArRunnerBase):
             first, later = request.chunk_sizes
             due = first if state.frames_sent == 0 else later
             if len(state.frames) - state.frames_sent < due:
-                return [], None
+                return None
         if len(state.frames) == state.frames_sent:
-            return [], None
+            return None
         new = state.frames[state.frames_sent :]  # plain lists: a fraction of a tensor to send
         state.frames_sent = len(state.frames)
-        return [], new
+        return new
 
     # -- the talker -----------------------------------------------------------------------------
 

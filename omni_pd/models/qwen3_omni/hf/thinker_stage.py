@@ -20,7 +20,6 @@ from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.hf.attention_native import native_builds
 from omni_pd.engines.hf.compute import HfCompute
-from omni_pd.engines.core.prefix_cache import multimodal_extra_keys
 from omni_pd.engines.core.text import sample_tokens
 from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
@@ -104,16 +103,12 @@ class ThinkerStageRunner(ArRunnerBase):
             native_builds(self.decoder.kernels),
         )
 
-    def new_request(
-        self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams, block_size: int
-    ) -> EngineRequest:
+    def new_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> EngineRequest:
         ids = list(prompt.prompt_token_ids)
         request = EngineRequest(request_id, prompt, params, prompt_len=len(ids), token_ids=ids)
         # Audio inputs are placed and hashed now: a malformed prompt fails here, alone.
         clips = self.runner.audio_clips(prompt)
-        request.extra_keys = multimodal_extra_keys(
-            [(c.start, c.end, c.key) for c in clips], len(ids), block_size
-        )
+        request.multimodal_spans = [(c.start, c.end, c.key) for c in clips]
         request.batchable = self._vision_ids.isdisjoint(ids)
         request.model = ThinkerState(clips=clips)
         return request
@@ -189,21 +184,18 @@ class ThinkerStageRunner(ArRunnerBase):
             output_embeds=self._rows(state.output_embeds) if generated else None,
             output_hidden=self._rows(state.output_hidden) if generated else None,
             output_start=request.prompt_len,
-            metrics={**request.metrics, "prefix_cached_tokens": request.cached_len},
+            metrics=dict(request.metrics),
         )
 
-    def chunk(self, request: EngineRequest, finished: bool) -> tuple[list[int], Any]:
-        """New tokens (for the client's text) and, for a talker that runs alongside, a chunk
-        with them and the rows of the tokens fed back since the last one."""
-        new = request.tokens[request.streamed :]
-        request.streamed = len(request.tokens)
+    def chunk(self, request: EngineRequest, new_tokens: list[int], first: bool, finished: bool) -> Any:
+        """For a talker that runs alongside, a chunk with the new tokens and the rows of the
+        tokens fed back since the last one."""
         if not request.chunks:
-            return new, None
+            return None
         state = request.model
         rows = state.output_embeds[state.rows_streamed :]
-        first = request.chunks_sent == 0
         chunk = ThinkerChunk(
-            token_ids=list(new),
+            token_ids=list(new_tokens),
             embeds=torch.stack(rows) if rows else torch.zeros((0, self.width)),
             start=request.prompt_len + state.rows_streamed,
             prompt_token_ids=list(request.token_ids) if first else None,
@@ -211,5 +203,4 @@ class ThinkerStageRunner(ArRunnerBase):
             prompt_hidden=state.prompt_hidden if first else None,
         )
         state.rows_streamed = len(state.output_embeds)
-        request.chunks_sent += 1
-        return new, chunk
+        return chunk
