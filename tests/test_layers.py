@@ -201,3 +201,72 @@ def test_negative_control_a_stage_name_in_code_is_seen_in_a_comment_is_not(tmp_p
     (tmp_path / "engines" / "b.py").write_text('NAME = "thinker.requests"\nclass HfTalkerEngine:\n    pass\n')
     found = _stage_names_in(tmp_path, "engines")
     assert len(found) == 2 and "thinker" in found[0] and "talker" in found[1]
+
+
+# Issue 46: the engine core owns its caches and its attention. It imports nothing of the hf
+# kernels (they reach it as a ComputeBackend a runner brings), and no model indexes a block
+# table, a slot or the paged cache: a model's layers call the step's attention with q, k, v.
+CORE, HF = "omni_pd.engines.core", "omni_pd.engines.hf"
+
+
+def _core_imports_of_hf(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module == CORE or module.startswith(CORE + ".")
+        for target in targets
+        if target == HF or target.startswith(HF + ".")
+    )
+
+
+def test_the_engine_core_imports_nothing_of_the_hf_engines():
+    assert _core_imports_of_hf(_graph()) == []
+
+
+def test_negative_control_a_core_import_of_hf_is_seen():
+    graph = {f"{CORE}.ar_engine": {f"{HF}.batch_invariant", f"{CORE}.scheduler"}, f"{HF}.compute": {CORE}}
+    assert _core_imports_of_hf(graph) == [f"{CORE}.ar_engine imports {HF}.batch_invariant"]
+
+
+# What only the engine may touch: the paged cache and its kernels' entry points, and a request's
+# block table and slots (attributes read off anything but `self`: a model's own `self.blocks`,
+# e.g. a vocoder's conv blocks, is its own business).
+KV_INTERNALS = frozenset({"PagedKVCache", "paged_cache", "DecodeRows", "paged_geometry", "decode_attention"})
+KV_ATTRIBUTES = frozenset({"blocks", "block_table", "slot_mapping", "write_token", "layer_kv", "cached_len"})
+
+
+def _kv_indexing_in(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = {alias.name.rpartition(".")[2] for alias in node.names}
+                names |= set((getattr(node, "module", None) or "").split("."))
+                found += [f"{where}: imports {n}" for n in sorted(names & KV_INTERNALS)]
+            elif isinstance(node, ast.Name) and node.id in KV_INTERNALS:
+                found.append(f"{where}: uses {node.id}")
+            elif isinstance(node, ast.Attribute) and node.attr in KV_ATTRIBUTES:
+                if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    found.append(f"{where}: reads .{node.attr}")
+    return found
+
+
+def test_no_model_sees_a_kv_block():
+    assert _kv_indexing_in(ROOT / "models") == []
+
+
+def test_negative_control_block_indexing_in_a_model_is_seen(tmp_path):
+    (tmp_path / "fine.py").write_text(
+        "class Vocoder:\n    def __init__(self):\n        self.blocks = []\n\n"
+        "def forward(attention, q, k, v):\n    return attention(0, q, k, v, 1.0)\n"
+    )
+    assert _kv_indexing_in(tmp_path) == []
+    (tmp_path / "bad.py").write_text(
+        "from omni_pd.engines.core.paged_cache import PagedKVCache\n\n"
+        "def decode(requests, cache):\n"
+        "    for r in requests:\n        cache.write_token(0, r.blocks, r.position, None, None)\n"
+    )
+    found = _kv_indexing_in(tmp_path)
+    assert any("imports PagedKVCache" in f for f in found)
+    assert any(".write_token" in f for f in found) and any(".blocks" in f for f in found)
