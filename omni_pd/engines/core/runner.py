@@ -19,7 +19,7 @@ batch-invariant too); the engines rely on it for P/D = colocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -201,6 +201,7 @@ class ArRunnerBase:
         return {}
 
 
+@runtime_checkable
 class ChunkRunner(Protocol):
     """A decoder fed units in chunks (a codec decoder: codes in, samples out)."""
 

@@ -11,21 +11,17 @@ Prompts are token ids only (audio or images are refused by name).
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from omni_pd.config.devices import stage_device
 from omni_pd.engines.base import StageEngine
 from omni_pd.engines.core.attention import StepAttention
-from omni_pd.engines.core.build import ar_engine
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.core.text import TextStops, sample_tokens
-from omni_pd.engines.device import check_dtype, enter as enter_device, kernels_for
+from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.attention_native import native_builds
 from omni_pd.engines.hf.compute import HfCompute
@@ -34,7 +30,6 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.sampling import SamplingParams
 
-log = logging.getLogger(__name__)
 _DTYPES = {
     "auto": torch.float32,
     "float": torch.float32,
@@ -161,40 +156,27 @@ class Qwen3TextRunner(ArRunnerBase):
 
 
 def build_hf_engine(stage_config, model: str) -> StageEngine:
-    """An hf engine for a stage of the text model: its checkpoint (the embedded tiny model is
-    written out with the stage's seed), on the stage's device."""
+    """An hf engine for a stage of the text model."""
+    return build_engine(stage_config, model, make_runner, dtypes=_DTYPES)
+
+
+def make_runner(stage: HfStage) -> Qwen3TextRunner:
+    """The stage's checkpoint (the embedded tiny model is written out with the stage's seed) on
+    the stage's device."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from .tiny import DEFAULT_SEED, TINY_TEXT_MODEL_NAME, ensure_tiny_text_model
 
-    args = stage_config.engine_args
-    if args.dtype not in _DTYPES:
-        raise ValueError(
-            f"stage {stage_config.stage_id}: the hf Qwen3 engine runs dtype float32 or "
-            f"bfloat16, not {args.dtype!r}"
-        )
+    args = stage.config.engine_args
     directory = (
         ensure_tiny_text_model(args.seed if args.seed is not None else DEFAULT_SEED)
-        if model == TINY_TEXT_MODEL_NAME
-        else Path(model)
+        if stage.model == TINY_TEXT_MODEL_NAME
+        else Path(stage.model)
     )
-    device = stage_device(stage_config)
-    dtype = _DTYPES[args.dtype]
-    check_dtype(device, dtype, stage_config.stage_id)
-    began = time.perf_counter()
-    llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=stage.dtype).eval()
     for parameter in llm.parameters():  # safetensors can leave weights at odd addresses
         parameter.data = parameter.data.clone()
-    if device != "cpu":
-        enter_device(device)
-        llm = llm.to(device)
-    kernels = kernels_for(device, args.attention_kernels, "attention", stage_config.stage_id, dtype)
-    log.info(
-        "stage %d: hf Qwen3 text engine ready in %.1f s on %s (%s)",
-        stage_config.stage_id,
-        time.perf_counter() - began,
-        device,
-        directory,
+    llm = stage.place(llm)
+    return Qwen3TextRunner(
+        llm, AutoTokenizer.from_pretrained(directory), args.model_stage, stage.attention_kernels
     )
-    runner = Qwen3TextRunner(llm, AutoTokenizer.from_pretrained(directory), args.model_stage, kernels)
-    return ar_engine(stage_config, runner)
