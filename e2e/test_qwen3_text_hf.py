@@ -1,5 +1,5 @@
 """A second architecture through the same engine core (issue 37): the dense Qwen3 text model on
-omni-pd's hf engines, colocated and P/D. Its runner (omni_pd/models/qwen3_text/hf.py) is all it
+omni-pd's hf engines, colocated and P/D. Its runner (omni_pd/models/qwen3_text/hf/text_runner.py) is all it
 adds: the generic engine, scheduler, KV manager and P/D legs are the Qwen3-Omni thinker's."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_the_runner_computes_transformers_qwen3(colocated):
     `generate` (the logits are close, not bit for bit: other kernels)."""
     from transformers import Qwen3ForCausalLM
 
-    from omni_pd.models.qwen3_text.tiny import ensure_tiny_text_model
+    from omni_pd.models.qwen3_text.tiny_config import ensure_tiny_text_model
 
     llm = Qwen3ForCausalLM.from_pretrained(ensure_tiny_text_model(0)).eval()
     for prompt in PROMPTS[:2]:

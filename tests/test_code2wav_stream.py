@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_pd.engines.core.chunked import ChunkedEngine
-from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavStageRunner
+from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavStageRunner
 from omni_pd.models.qwen3_omni.hf.code2wav_exact import (
     Code2WavStream,
     ExactCode2Wav,

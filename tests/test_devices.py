@@ -97,7 +97,7 @@ def test_a_cpu_config_passes_and_a_bad_choice_is_refused():
 def test_the_engine_refuses_a_gpu_it_cannot_see_before_loading_the_model(tmp_path):
     """Where the orchestrator cannot check (a Ray stage on another node), the worker does: the
     engine's build fails at start, naming the stage and its devices."""
-    from omni_pd.models.qwen3_omni.hf.stage_engines import build_hf_engine
+    from omni_pd.models.qwen3_omni.hf.build import build_hf_engine
 
     config = load_pipeline_config(TINY)
     stage = config.stages[1]
@@ -161,7 +161,7 @@ def test_code2wav_kernels_auto_follows_the_decoder_width():
     import torch
 
     from omni_pd.engines import device
-    from omni_pd.models.qwen3_omni.hf.stage_engines import code2wav_kernels
+    from omni_pd.models.qwen3_omni.hf.build import code2wav_kernels
 
     assert code2wav_kernels("auto", SimpleNamespace(decoder_dim=64), 2) == "native"
     assert code2wav_kernels("auto", SimpleNamespace(decoder_dim=1536), 2) == "torch"

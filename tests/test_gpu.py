@@ -126,7 +126,7 @@ def gpu_runner(tiny_model, tiny_tokenizer):
     import copy
 
     from omni_pd.engines.device import enter
-    from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
+    from omni_pd.models.qwen3_omni.hf.build import thinker_runner
 
     enter(GPU)
     try:

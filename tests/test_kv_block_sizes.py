@@ -14,8 +14,8 @@ torch.set_num_threads(1)
 from omni_pd.config import load_pipeline_config  # noqa: E402
 from omni_pd.engines.core.ar_engine import ArEngine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine, PrefillEngine  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.build import thinker_runner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402

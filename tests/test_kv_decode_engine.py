@@ -18,11 +18,11 @@ import torch
 torch.set_num_threads(1)
 
 from omni_pd.config import load_pipeline_config  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.build import thinker_runner  # noqa: E402
 from omni_pd.engines.core.ar_engine import ArEngine  # noqa: E402
 from omni_pd.engines.core.pd_legs import FETCH_FAST_POLL_S, FETCH_POLL_S, DecodeEngine, PrefillEngine  # noqa: E402
 from omni_pd.engines.core.request import Phase  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.kv import BlockLayout, KVSender, MooncakeTransport  # noqa: E402
 from omni_pd.kv.fingerprint import FINGERPRINT_KEY  # noqa: E402

@@ -18,7 +18,7 @@ from omni_pd.engines.core.pd_legs import DecodeEngine, PrefillEngine  # noqa: E4
 from omni_pd.engines.core.push_legs import chunk_tokens  # noqa: E402
 from omni_pd.kv.errors import KVIncompatibleError, KVMissError  # noqa: E402
 from omni_pd.kv.push import RECORD_KEY, TARGET_KEY, PushReservations, PushTarget  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
 
 from test_kv_block_sizes import (  # noqa: E402

@@ -3,9 +3,9 @@ own single-process `Qwen3OmniMoeForConditionalGeneration.generate`."""
 
 import torch
 
-from omni_pd.models.qwen3_omni.hf.code2wav import Code2WavRunner
-from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
-from omni_pd.models.qwen3_omni.hf.thinker import ThinkerRunner
+from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavRunner
+from omni_pd.models.qwen3_omni.hf.talker_model import TalkerRunner
+from omni_pd.models.qwen3_omni.hf.thinker_model import ThinkerRunner
 from omni_pd.models.qwen3_omni.records import Code2WavPrompt, TalkerPrompt, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 

@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache
 
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.models.qwen3_omni.hf.talker import TalkerRunner
-from omni_pd.models.qwen3_omni.hf.talker_batch import BatchedTalker
+from omni_pd.models.qwen3_omni.hf.talker_model import TalkerRunner
+from omni_pd.models.qwen3_omni.hf.talker_runner import BatchedTalker
 from omni_pd.config import load_pipeline_config
 from omni_pd.engines.core.build import ar_engine
 from omni_pd.paths import STAGE_CONFIGS_DIR

@@ -12,10 +12,10 @@ from omni_pd.engines.core.attention import SequenceSlot, StepAttention
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.core.paged_cache import PagedKVCache
-from omni_pd.models.qwen3_omni.hf.stage_engines import thinker_runner
-from omni_pd.models.qwen3_omni.hf.thinker_batch import BatchedThinkerDecoder, DecodeRow
+from omni_pd.models.qwen3_omni.hf.build import thinker_runner
+from omni_pd.models.qwen3_omni.hf.thinker_forward import BatchedThinkerDecoder, DecodeRow
 from omni_pd.engines.core.build import ar_engine
-from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner, cache_to_canonical, thinker_layout
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner, cache_to_canonical, thinker_layout
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 

@@ -126,7 +126,7 @@ def golden(tmp_path_factory):
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"CI=true but {INSTALL_HINT}", pytrace=False)
         pytest.skip(INSTALL_HINT)
-    from omni_pd.models.qwen3_text.tiny import ensure_tiny_text_model
+    from omni_pd.models.qwen3_text.tiny_config import ensure_tiny_text_model
 
     tmp = tmp_path_factory.mktemp("vllm_block_hash")
     spec = {

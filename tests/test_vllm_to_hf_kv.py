@@ -42,7 +42,7 @@ from omni_pd.engines.core.build import ar_engine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine  # noqa: E402
 from omni_pd.kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
 from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_stage import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
 from omni_pd.planning import build_decode_sampling_params  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.sampling import SamplingParams  # noqa: E402

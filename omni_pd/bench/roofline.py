@@ -233,8 +233,8 @@ class Bench:
 
     def thinker(self, prefill: list[tuple[int, int]], decode: list[tuple[int, int]]) -> None:
         from ..models.qwen3_omni.factory import load_tokenizer, resolve_model
-        from ..models.qwen3_omni.hf.stage_engines import thinker_runner
-        from ..models.qwen3_omni.hf.thinker_stage import ThinkerState, ThinkerStageRunner, thinker_layout
+        from ..models.qwen3_omni.hf.build import thinker_runner
+        from ..models.qwen3_omni.hf.thinker_runner import ThinkerState, ThinkerStageRunner, thinker_layout
 
         parts = self._load("thinker")
         runner = ThinkerStageRunner(
@@ -283,8 +283,8 @@ class Bench:
             self._add("thinker_decode", batch, 1, context, layers, ms, nbytes, flops)
 
     def talker(self, batches: list[int], context: int) -> None:
-        from ..models.qwen3_omni.hf.talker import TalkerRunner
-        from ..models.qwen3_omni.hf.talker_batch import BatchedTalker, TalkerState
+        from ..models.qwen3_omni.hf.talker_model import TalkerRunner
+        from ..models.qwen3_omni.hf.talker_runner import BatchedTalker, TalkerState
 
         parts = self._load("talker")
         talker = parts.require("talker")
@@ -346,7 +346,7 @@ class Bench:
                 cache.release(r.blocks)
 
     def code2wav(self) -> None:
-        from ..models.qwen3_omni.hf.code2wav import Code2WavStageRunner
+        from ..models.qwen3_omni.hf.code2wav_runner import Code2WavStageRunner
 
         parts = self._load("code2wav")
         module = parts.require("code2wav")

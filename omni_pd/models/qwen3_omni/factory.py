@@ -19,7 +19,7 @@ import xxhash
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeConfig, WhisperFeatureExtractor
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from ..cache import cached_checkpoint, content_key
+from ..checkpoint_cache import cached_checkpoint, content_key
 from .checkpoint import LoadReport, read_shard_index
 from .stage_parts import StageParts, load_stage_parts
 from .medium_config import medium_config_dict

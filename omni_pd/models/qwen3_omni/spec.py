@@ -18,7 +18,7 @@ def _pipeline(model: str) -> ModelPipeline:
 
 
 def _build_hf_engine(stage_config: Any, model: str) -> Any:
-    from .hf.stage_engines import build_hf_engine
+    from .hf.build import build_hf_engine
 
     return build_hf_engine(stage_config, model)
 
@@ -96,6 +96,6 @@ SPEC = ModelSpec(
     topologies=_topologies,
     default_topologies=("qwen3_omni_moe", "qwen3_omni_moe_pd"),
     native_kernels=_native_kernels,
-    worker_preload=("omni_pd.models.qwen3_omni.hf.stage_engines",),
+    worker_preload=("omni_pd.models.qwen3_omni.hf.build",),
     default=True,
 )

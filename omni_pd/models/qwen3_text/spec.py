@@ -8,23 +8,23 @@ from typing import Any
 
 from omni_pd.registry import AUTOREGRESSIVE, ModelSpec
 
-from .tiny import TINY_TEXT_MODEL_NAME
+from .tiny_config import TINY_TEXT_MODEL_NAME
 
 
 def _materialize(model: str, seed: int) -> str:
-    from .tiny import ensure_tiny_text_model
+    from .tiny_config import ensure_tiny_text_model
 
     return str(ensure_tiny_text_model(seed))
 
 
 def _config_dict(model: str) -> dict[str, Any]:
-    from .tiny import tiny_text_config_dict
+    from .tiny_config import tiny_text_config_dict
 
     return tiny_text_config_dict()
 
 
 def _build_hf_engine(stage_config: Any, model: str) -> Any:
-    from .hf import build_hf_engine
+    from .hf.build import build_hf_engine
 
     return build_hf_engine(stage_config, model)
 

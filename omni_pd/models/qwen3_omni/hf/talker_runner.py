@@ -51,7 +51,7 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerOutput, TalkerPrompt
 from omni_pd.sampling import SamplingParams
-from .talker import TalkerRunner
+from .talker_model import TalkerRunner
 
 # What transformers' talker passes to the code predictor's generate when sampling.
 CODE_PREDICTOR_TOP_K = 50

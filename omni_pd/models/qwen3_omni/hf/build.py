@@ -13,11 +13,11 @@ from omni_pd.engines.core.runner import ArRunner, ChunkRunner
 from omni_pd.engines.device import kernels_for
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 from ..stage_parts import StageParts
-from .code2wav import Code2WavStageRunner
-from .talker import TalkerRunner
-from .talker_batch import BatchedTalker
-from .thinker import ThinkerRunner
-from .thinker_stage import ThinkerStageRunner
+from .code2wav_runner import Code2WavStageRunner
+from .talker_model import TalkerRunner
+from .talker_runner import BatchedTalker
+from .thinker_model import ThinkerRunner
+from .thinker_runner import ThinkerStageRunner
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..cache import cached_checkpoint, content_key
+from ..checkpoint_cache import cached_checkpoint, content_key
 
 TINY_TEXT_MODEL_NAME = "tiny-qwen3-text"
 DEFAULT_SEED = 0

@@ -25,8 +25,8 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
-from .thinker import AudioClip, ThinkerRunner
-from .thinker_batch import BatchedThinkerDecoder, DecodeRow
+from .thinker_model import AudioClip, ThinkerRunner
+from .thinker_forward import BatchedThinkerDecoder, DecodeRow
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 ROWS = ("embeds", "hidden")  # layer 0 and the talker's accept layer, per position

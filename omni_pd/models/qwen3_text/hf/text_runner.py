@@ -11,17 +11,14 @@ Prompts are token ids only (audio or images are refused by name).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from omni_pd.engines.base import StageEngine
 from omni_pd.engines.core.attention import StepAttention
 from omni_pd.engines.core.request import EngineRequest
 from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
 from omni_pd.engines.core.text import TextStops, sample_tokens
-from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.attention_native import native_builds
 from omni_pd.engines.hf.compute import HfCompute
@@ -153,30 +150,3 @@ class Qwen3TextRunner(ArRunnerBase):
 
     def chunk(self, request: EngineRequest, new_tokens: list[int], first: bool, finished: bool) -> Any:
         return None  # text deltas only: no stage runs alongside
-
-
-def build_hf_engine(stage_config, model: str) -> StageEngine:
-    """An hf engine for a stage of the text model."""
-    return build_engine(stage_config, model, make_runner, dtypes=_DTYPES)
-
-
-def make_runner(stage: HfStage) -> Qwen3TextRunner:
-    """The stage's checkpoint (the embedded tiny model is written out with the stage's seed) on
-    the stage's device."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-    from .tiny import DEFAULT_SEED, TINY_TEXT_MODEL_NAME, ensure_tiny_text_model
-
-    args = stage.config.engine_args
-    directory = (
-        ensure_tiny_text_model(args.seed if args.seed is not None else DEFAULT_SEED)
-        if stage.model == TINY_TEXT_MODEL_NAME
-        else Path(stage.model)
-    )
-    llm = Qwen3ForCausalLM.from_pretrained(directory, dtype=stage.dtype).eval()
-    for parameter in llm.parameters():  # safetensors can leave weights at odd addresses
-        parameter.data = parameter.data.clone()
-    llm = stage.place(llm)
-    return Qwen3TextRunner(
-        llm, AutoTokenizer.from_pretrained(directory), args.model_stage, stage.attention_kernels
-    )
