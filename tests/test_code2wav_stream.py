@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_pd.engines.core.chunked import ChunkedEngine
-from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavStageRunner
+from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavRunner
 from omni_pd.models.qwen3_omni.hf.code2wav_exact import (
     Code2WavStream,
     ExactCode2Wav,
@@ -184,7 +184,7 @@ def _drain(engine) -> list:
 
 
 def _engine(model, kernels="native", **chunking):
-    runner = Code2WavStageRunner(model.code2wav, model.config.code2wav_config.num_quantizers, kernels)
+    runner = Code2WavRunner(model.code2wav, model.config.code2wav_config.num_quantizers, kernels)
     return ChunkedEngine(2, runner, **chunking)
 
 

@@ -126,11 +126,11 @@ def gpu_runner(tiny_model, tiny_tokenizer):
     import copy
 
     from omni_pd.engines.device import enter
-    from omni_pd.models.qwen3_omni.hf.build import thinker_runner
+    from omni_pd.models.qwen3_omni.hf.build import thinker_model
 
     enter(GPU)
     try:
-        yield thinker_runner(copy.deepcopy(tiny_model).to(GPU), tiny_tokenizer)
+        yield thinker_model(copy.deepcopy(tiny_model).to(GPU), tiny_tokenizer)
     finally:
         torch.set_default_device(None)
 

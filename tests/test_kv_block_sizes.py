@@ -14,8 +14,8 @@ torch.set_num_threads(1)
 from omni_pd.config import load_pipeline_config  # noqa: E402
 from omni_pd.engines.core.ar_engine import ArEngine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine, PrefillEngine  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.build import thinker_runner  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.build import thinker_model  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
@@ -88,12 +88,12 @@ def handoff(prefill, decode, request_id, prompt, sampling):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model, tiny_tokenizer):
-    return thinker_runner(tiny_model, tiny_tokenizer)
+    return thinker_model(tiny_model, tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def colocated(runner, tiny_tokenizer):
-    engine = ArEngine(load_pipeline_config(COLOCATED).stage(0), ThinkerStageRunner(runner))
+    engine = ArEngine(load_pipeline_config(COLOCATED).stage(0), ThinkerRunner(runner))
     return {i: engine.generate(f"c{i}", p, params(i)) for i, p in enumerate(prompts(tiny_tokenizer))}
 
 
@@ -107,8 +107,8 @@ def assert_clean(*engines) -> None:
 def test_pull_between_block_sizes_equals_colocated(
     runner, colocated, tiny_tokenizer, prefill_block, decode_block
 ):
-    prefill = PrefillEngine(pd_stage(0, prefill_block), ThinkerStageRunner(runner))
-    decode = DecodeEngine(pd_stage(1, decode_block), ThinkerStageRunner(runner))
+    prefill = PrefillEngine(pd_stage(0, prefill_block), ThinkerRunner(runner))
+    decode = DecodeEngine(pd_stage(1, decode_block), ThinkerRunner(runner))
     try:
         assert prefill.layout.block_size == prefill_block and decode.layout.block_size == decode_block
         for i, prompt in enumerate(prompts(tiny_tokenizer)):

@@ -18,11 +18,11 @@ import torch
 torch.set_num_threads(1)
 
 from omni_pd.config import load_pipeline_config  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.build import thinker_runner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.build import thinker_model  # noqa: E402
 from omni_pd.engines.core.ar_engine import ArEngine  # noqa: E402
 from omni_pd.engines.core.pd_legs import FETCH_FAST_POLL_S, FETCH_POLL_S, DecodeEngine, PrefillEngine  # noqa: E402
 from omni_pd.engines.core.request import Phase  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.kv import BlockLayout, KVSender, MooncakeTransport  # noqa: E402
 from omni_pd.kv.fingerprint import FINGERPRINT_KEY  # noqa: E402
@@ -47,17 +47,17 @@ def _pd_stage(stage_id: int, **extra):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model, tiny_tokenizer):
-    return thinker_runner(tiny_model, tiny_tokenizer)
+    return thinker_model(tiny_model, tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def colocated(runner):
-    return ArEngine(load_pipeline_config(COLOCATED).stage(0), ThinkerStageRunner(runner))
+    return ArEngine(load_pipeline_config(COLOCATED).stage(0), ThinkerRunner(runner))
 
 
 @pytest.fixture(scope="module")
 def prefill(runner):
-    engine = PrefillEngine(_pd_stage(0), ThinkerStageRunner(runner))
+    engine = PrefillEngine(_pd_stage(0), ThinkerRunner(runner))
     yield engine
     engine.close()
 
@@ -68,7 +68,7 @@ def decode(runner):
     # a test of its own below.
     engine = DecodeEngine(
         _pd_stage(1, kv_miss_window_s=WINDOW_S, kv_handoff_deadline_s=DEADLINE_S, kv_same_host="off"),
-        ThinkerStageRunner(runner),
+        ThinkerRunner(runner),
     )
     yield engine
     engine.close()
@@ -194,7 +194,7 @@ def test_local_prefill_costs_its_prompt_in_the_token_budget(runner, tiny_tokeniz
     prompt = _prompts(tiny_tokenizer, ["x" * 50])[0]
     stage = _pd_stage(1)
     args = stage.engine_args.model_copy(update={"max_num_batched_tokens": len(prompt.prompt_token_ids) - 1})
-    engine = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerStageRunner(runner))
+    engine = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerRunner(runner))
     try:
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             engine.add_request("long", prompt, _params(0))
@@ -253,7 +253,7 @@ def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(
     """kv_same_host 'auto' (the default) with both engines on this host: the KV is copied out of
     the prefill's shared cache while the request is admitted, so its first token leaves in that
     same step; the outputs equal the colocated engine's."""
-    shm = DecodeEngine(_pd_stage(1), ThinkerStageRunner(runner))
+    shm = DecodeEngine(_pd_stage(1), ThinkerRunner(runner))
     try:
         prompt = _prompts(tiny_tokenizer)[1]
         params, transfer_id = _handoff(prefill, "shm0", prompt, _params(1))

@@ -18,7 +18,7 @@ from omni_pd.engines.core.pd_legs import DecodeEngine, PrefillEngine  # noqa: E4
 from omni_pd.engines.core.push_legs import chunk_tokens  # noqa: E402
 from omni_pd.kv.errors import KVIncompatibleError, KVMissError  # noqa: E402
 from omni_pd.kv.push import RECORD_KEY, TARGET_KEY, PushReservations, PushTarget  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner  # noqa: E402
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params  # noqa: E402
 
 from test_kv_block_sizes import (  # noqa: E402
@@ -37,11 +37,9 @@ CHUNK = 32  # kv_push_chunk_tokens here: several chunks per prompt, so writes ov
 
 
 def push_pair(runner, prefill_block, decode_block, **decode_extra):
-    prefill = PrefillEngine(
-        pd_stage(0, prefill_block, kv_push_chunk_tokens=CHUNK), ThinkerStageRunner(runner)
-    )
+    prefill = PrefillEngine(pd_stage(0, prefill_block, kv_push_chunk_tokens=CHUNK), ThinkerRunner(runner))
     decode = DecodeEngine(
-        pd_stage(1, decode_block, transfer_mode="push", **decode_extra), ThinkerStageRunner(runner)
+        pd_stage(1, decode_block, transfer_mode="push", **decode_extra), ThinkerRunner(runner)
     )
     return prefill, decode
 
@@ -103,7 +101,7 @@ def pair(runner):
     stage = pd_stage(1, 32, transfer_mode="push")
     args = stage.engine_args.model_copy(update={"kv_lease_timeout_s": 0.3})
     decode.close()
-    decode = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerStageRunner(runner))
+    decode = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerRunner(runner))
     yield prefill, decode
     prefill.close()
     decode.close()

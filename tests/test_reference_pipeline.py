@@ -3,9 +3,9 @@ own single-process `Qwen3OmniMoeForConditionalGeneration.generate`."""
 
 import torch
 
-from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavRunner
-from omni_pd.models.qwen3_omni.hf.talker_model import TalkerRunner
-from omni_pd.models.qwen3_omni.hf.thinker_model import ThinkerRunner
+from omni_pd.models.qwen3_omni.hf.code2wav_runner import Code2WavModel
+from omni_pd.models.qwen3_omni.hf.talker_model import TalkerModel
+from omni_pd.models.qwen3_omni.hf.thinker_model import ThinkerModel
 from omni_pd.models.qwen3_omni.records import Code2WavPrompt, TalkerPrompt, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -13,9 +13,7 @@ IM_END = 261
 
 
 def _split_pipeline(model, tokenizer, ids, thinker_params, talker_params):
-    thinker = ThinkerRunner(
-        model.thinker, tokenizer, model.config.talker_config.accept_hidden_layer, {IM_END}
-    )
+    thinker = ThinkerModel(model.thinker, tokenizer, model.config.talker_config.accept_hidden_layer, {IM_END})
     pre = thinker.prefill(ThinkerPrompt(ids), thinker_params)
     dec = thinker.decode(ids, pre.cache, pre.rope_deltas, pre.first_token, thinker_params)
     prompt = TalkerPrompt(
@@ -26,11 +24,11 @@ def _split_pipeline(model, tokenizer, ids, thinker_params, talker_params):
         torch.cat([pre.prompt_hidden, dec.output_hidden]),
     )
     codes = (
-        TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
+        TalkerModel(model.talker, model.thinker.get_input_embeddings(), model.config)
         .generate(prompt, talker_params)
         .codes
     )
-    audio = Code2WavRunner(model.code2wav).generate(Code2WavPrompt("r", codes)).audio
+    audio = Code2WavModel(model.code2wav).generate(Code2WavPrompt("r", codes)).audio
     return dec.token_ids, audio
 
 
@@ -81,7 +79,7 @@ def test_talker_text_ends_at_the_thinkers_end_of_turn(tiny_model, tiny_tokenizer
     generated = [72, 105, IM_END, 33, 33]
     rows = len(ids) + len(generated) - 1
     embeds = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
-    runner = TalkerRunner(tiny_model.talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
+    runner = TalkerModel(tiny_model.talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
     inputs = runner.build_inputs(TalkerPrompt("r", ids, generated, embeds, embeds.clone()))
     trailing, pad = inputs["trailing_text_hidden"][0], inputs["tts_pad_embed"][0, 0]
     cfg = tiny_model.config

@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache
 
 from omni_pd.engines.hf import batch_invariant as bi
-from omni_pd.models.qwen3_omni.hf.talker_model import TalkerRunner
-from omni_pd.models.qwen3_omni.hf.talker_runner import BatchedTalker
+from omni_pd.models.qwen3_omni.hf.talker_model import TalkerModel
+from omni_pd.models.qwen3_omni.hf.talker_runner import TalkerRunner
 from omni_pd.config import load_pipeline_config
 from omni_pd.engines.core.build import ar_engine
 from omni_pd.paths import STAGE_CONFIGS_DIR
@@ -99,8 +99,8 @@ def _engine(model, kernels="native", **engine_args):
     state records its raw logits, step by step."""
     stage = load_pipeline_config(STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml").stage(1)
     stage = stage.model_copy(update={"engine_args": stage.engine_args.model_copy(update=engine_args)})
-    runner = TalkerRunner(model.talker, model.thinker.get_input_embeddings(), model.config)
-    return ar_engine(stage, BatchedTalker(model.talker, runner, trace=True, kernels=kernels))
+    runner = TalkerModel(model.talker, model.thinker.get_input_embeddings(), model.config)
+    return ar_engine(stage, TalkerRunner(model.talker, runner, trace=True, kernels=kernels))
 
 
 CLEAN = {"talker.requests": 0, "talker.kv_blocks_in_use": 0}
@@ -256,7 +256,7 @@ def test_engine_computes_transformers_talker_teacher_forced(tiny_model, prompts,
     """Feed transformers' talker and code predictor the codes the engine produced, and compare
     the logits step by step (allclose: transformers runs other kernels, grouped_mm experts)."""
     talker = tiny_model.talker
-    runner = TalkerRunner(talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
+    runner = TalkerModel(talker, tiny_model.thinker.get_input_embeddings(), tiny_model.config)
     prompt, params = prompts[0], SamplingParams(temperature=0, max_tokens=24)
     inputs = runner.build_inputs(prompt)
     # Decode together with another request, so the batched path is what gets checked.

@@ -12,10 +12,10 @@ from omni_pd.engines.core.attention import SequenceSlot, StepAttention
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.engines.hf.compute import HfCompute
 from omni_pd.engines.core.paged_cache import PagedKVCache
-from omni_pd.models.qwen3_omni.hf.build import thinker_runner
-from omni_pd.models.qwen3_omni.hf.thinker_forward import BatchedThinkerDecoder, DecodeRow
+from omni_pd.models.qwen3_omni.hf.build import thinker_model
+from omni_pd.models.qwen3_omni.hf.thinker_forward import ThinkerForward, DecodeRow
 from omni_pd.engines.core.build import ar_engine
-from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner, cache_to_canonical, thinker_layout
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner, cache_to_canonical, thinker_layout
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
 
@@ -45,12 +45,12 @@ def _stage(**engine_args):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model, tiny_tokenizer):
-    return thinker_runner(tiny_model, tiny_tokenizer)
+    return thinker_model(tiny_model, tiny_tokenizer)
 
 
 def _engine(runner, **engine_args):
     stage = _stage(**engine_args)
-    return ar_engine(stage, ThinkerStageRunner(runner, stage.engine_args.attention_kernels))
+    return ar_engine(stage, ThinkerRunner(runner, stage.engine_args.attention_kernels))
 
 
 def _prompts(tokenizer):
@@ -200,7 +200,7 @@ def test_batched_decoder_computes_transformers_thinker(runner, tiny_model, tiny_
     n = len(prompt.prompt_token_ids)
     blocks = cache.allocate(n + 8)
     cache.write(blocks, 0, cache_to_canonical(pre.cache))
-    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer, kernels)
+    decoder = ThinkerForward(tiny_model.thinker, runner.accept_hidden_layer, kernels)
     token = pre.first_token
     for step in range(6):
         ours = decoder.step([DecodeRow(token, n + step, 0)], _decode_step(cache, blocks, n + step, kernels))
@@ -233,7 +233,7 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
     last logits are transformers' own prefill's (not bit for bit: other kernels), and a text
     prompt has no multimodal rotary offset (the pass uses none)."""
     prompts = _prompts(tiny_tokenizer)[:4]
-    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    decoder = ThinkerForward(tiny_model.thinker, runner.accept_hidden_layer)
     params = SamplingParams(temperature=0, max_tokens=4)
     for prompt, ours in zip(prompts, _prefill(decoder, [p.prompt_token_ids for p in prompts])):
         theirs = runner.prefill(prompt, params)
@@ -246,7 +246,7 @@ def test_batched_prefill_computes_transformers_prefill(runner, tiny_model, tiny_
 
 def test_a_prompt_prefills_to_the_same_bits_alone_and_with_others(runner, tiny_model, tiny_tokenizer):
     prompts = [p.prompt_token_ids for p in _prompts(tiny_tokenizer)]
-    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    decoder = ThinkerForward(tiny_model.thinker, runner.accept_hidden_layer)
     alone = [_prefill(decoder, [p])[0] for p in prompts]
 
     def same(a, b):
@@ -290,7 +290,7 @@ def test_audio_prompts_prefill_in_the_batched_pass_as_transformers_does(runner, 
     )
     clips = runner.audio_clips(prompt)
     rows = runner.layer0_rows(prompt, clips, 0)
-    decoder = BatchedThinkerDecoder(tiny_model.thinker, runner.accept_hidden_layer)
+    decoder = ThinkerForward(tiny_model.thinker, runner.accept_hidden_layer)
     [ours] = _prefill(decoder, [prompt.prompt_token_ids], inputs=[rows])
     theirs = runner.prefill(prompt, SamplingParams(temperature=0, max_tokens=4))
     assert theirs.rope_deltas == 0  # audio keeps text positions: the pass's rotary is right

@@ -42,7 +42,7 @@ from omni_pd.engines.core.build import ar_engine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine  # noqa: E402
 from omni_pd.kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
 from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
-from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerStageRunner  # noqa: E402
+from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner  # noqa: E402
 from omni_pd.planning import build_decode_sampling_params  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402
 from omni_pd.sampling import SamplingParams  # noqa: E402
@@ -228,7 +228,7 @@ def test_a_transfer_the_producer_never_published_is_a_bounded_miss(producer, pul
     assert producer.call("released", params["transfer_id"]) is True
 
 
-def _hf_decode(runner, stage_runner=ThinkerStageRunner, **engine_args):
+def _hf_decode(runner, stage_runner=ThinkerRunner, **engine_args):
     stage = load_pipeline_config(MIXED_CONFIG).stage(1)
     stage = stage.model_copy(update={"engine_args": stage.engine_args.model_copy(update=engine_args)})
     return DecodeEngine(stage, stage_runner(runner))
@@ -329,7 +329,7 @@ def test_a_missing_transfer_is_a_bounded_miss_on_the_decode_engine(producer, pul
     _free_on_the_producer(producer, puller, {**params, "transfer_id": "d3-xfer"})
 
 
-class LogprobRunner(ThinkerStageRunner):
+class LogprobRunner(ThinkerRunner):
     """The thinker's runner, keeping each request's log-probabilities (the whole vocabulary) at
     every step it samples: what the log-prob bound compares."""
 

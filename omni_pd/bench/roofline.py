@@ -233,12 +233,12 @@ class Bench:
 
     def thinker(self, prefill: list[tuple[int, int]], decode: list[tuple[int, int]]) -> None:
         from ..models.qwen3_omni.factory import load_tokenizer, resolve_model
-        from ..models.qwen3_omni.hf.build import thinker_runner
-        from ..models.qwen3_omni.hf.thinker_runner import ThinkerState, ThinkerStageRunner, thinker_layout
+        from ..models.qwen3_omni.hf.build import thinker_model
+        from ..models.qwen3_omni.hf.thinker_runner import ThinkerState, ThinkerRunner, thinker_layout
 
         parts = self._load("thinker")
-        runner = ThinkerStageRunner(
-            thinker_runner(parts, load_tokenizer(resolve_model(self.checkpoint))), self.kernels
+        runner = ThinkerRunner(
+            thinker_model(parts, load_tokenizer(resolve_model(self.checkpoint))), self.kernels
         )
         text = runner.thinker.model
         layers = len(text.layers)
@@ -283,14 +283,14 @@ class Bench:
             self._add("thinker_decode", batch, 1, context, layers, ms, nbytes, flops)
 
     def talker(self, batches: list[int], context: int) -> None:
-        from ..models.qwen3_omni.hf.talker_model import TalkerRunner
-        from ..models.qwen3_omni.hf.talker_runner import BatchedTalker, TalkerState
+        from ..models.qwen3_omni.hf.talker_model import TalkerModel
+        from ..models.qwen3_omni.hf.talker_runner import TalkerRunner, TalkerState
 
         parts = self._load("talker")
         talker = parts.require("talker")
-        runner = BatchedTalker(
+        runner = TalkerRunner(
             talker,
-            TalkerRunner(talker, parts.require("thinker_embedding"), parts.config),
+            TalkerModel(talker, parts.require("thinker_embedding"), parts.config),
             kernels=self.kernels,
         )
         layout = runner.kv_layout(BLOCK)
@@ -346,7 +346,7 @@ class Bench:
                 cache.release(r.blocks)
 
     def code2wav(self) -> None:
-        from ..models.qwen3_omni.hf.code2wav_runner import Code2WavStageRunner
+        from ..models.qwen3_omni.hf.code2wav_runner import Code2WavRunner
 
         parts = self._load("code2wav")
         module = parts.require("code2wav")
@@ -354,14 +354,14 @@ class Bench:
         codes = torch.randint(
             0, 2048, (quantizers, 4 * CHUNK_FRAMES), generator=torch.Generator().manual_seed(0)
         )
-        torch_runner = Code2WavStageRunner(module, quantizers, "torch")
+        torch_runner = Code2WavRunner(module, quantizers, "torch")
         flops = _flops(
             lambda: torch_runner.decode_chunk(torch_runner.new_stream(), codes[:, :CHUNK_FRAMES], None)
         )
         # Both of code2wav's kernel sets where both run (the C kernels: float32 on the CPU).
         native = self.device.type == "cpu" and self.dtype == torch.float32
         for kernels in ("native", "torch") if native else ("torch",):
-            runner = Code2WavStageRunner(module, quantizers, kernels)
+            runner = Code2WavRunner(module, quantizers, kernels)
             state = runner.new_stream()
             runner.decode_chunk(state, codes[:, :CHUNK_FRAMES], None)  # later chunks carry state
             ms = self._time(

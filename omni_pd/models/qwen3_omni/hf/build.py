@@ -13,20 +13,20 @@ from omni_pd.engines.core.runner import ArRunner, ChunkRunner
 from omni_pd.engines.device import kernels_for
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 from ..stage_parts import StageParts
-from .code2wav_runner import Code2WavStageRunner
-from .talker_model import TalkerRunner
-from .talker_runner import BatchedTalker
-from .thinker_model import ThinkerRunner
-from .thinker_runner import ThinkerStageRunner
+from .code2wav_runner import Code2WavRunner
+from .talker_model import TalkerModel
+from .talker_runner import TalkerRunner
+from .thinker_model import ThinkerModel
+from .thinker_runner import ThinkerRunner
 
 log = logging.getLogger(__name__)
 
 
-def thinker_runner(model, tokenizer) -> ThinkerRunner:
+def thinker_model(model, tokenizer) -> ThinkerModel:
     """`model`: a whole model or a thinker stage's StageParts."""
     parts = StageParts.of(model)
     config = parts.config
-    return ThinkerRunner(
+    return ThinkerModel(
         parts.require("thinker"),
         tokenizer,
         config.talker_config.accept_hidden_layer,
@@ -94,18 +94,18 @@ def code2wav_kernels(requested: str, config, stage_id: int) -> str:
 def _runner(stage: HfStage, parts: StageParts) -> Any:
     args = stage.config.engine_args
     if args.model_stage == "thinker":
-        runner = thinker_runner(parts, load_tokenizer(resolve_model(stage.model)))
-        return ThinkerStageRunner(runner, stage.attention_kernels)
+        runner = thinker_model(parts, load_tokenizer(resolve_model(stage.model)))
+        return ThinkerRunner(runner, stage.attention_kernels)
     if args.model_stage == "talker":
         talker = parts.require("talker")
-        speech = TalkerRunner(talker, parts.require("thinker_embedding"), parts.config)
-        return BatchedTalker(talker, speech, kernels=stage.attention_kernels)
+        speech = TalkerModel(talker, parts.require("thinker_embedding"), parts.config)
+        return TalkerRunner(talker, speech, kernels=stage.attention_kernels)
     # The C kernels read host memory and compute float32: torch's stand in elsewhere (logged).
     requested = kernels_for(
         stage.device, args.code2wav_kernels, "code2wav", stage.config.stage_id, stage.dtype
     )
     config = parts.config.code2wav_config
-    return Code2WavStageRunner(
+    return Code2WavRunner(
         parts.require("code2wav"),
         config.num_quantizers,
         code2wav_kernels(requested, config, stage.config.stage_id),

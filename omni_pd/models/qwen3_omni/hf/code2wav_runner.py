@@ -20,7 +20,7 @@ from .code2wav_exact import Code2WavStream, ExactCode2Wav
 SAMPLE_RATE = 24_000
 
 
-class Code2WavRunner:
+class Code2WavModel:
     def __init__(self, code2wav: torch.nn.Module, kernels: str = "native"):
         self.exact = ExactCode2Wav(code2wav, kernels)
         self.geometry = self.exact.geometry
@@ -43,14 +43,14 @@ class Code2WavRunner:
         return self.exact.decode_chunk(stream, codes, left_context).float().contiguous()
 
 
-class Code2WavStageRunner:
+class Code2WavRunner:
     """code2wav as the generic chunked engine runs it (engines/core/runner.py `ChunkRunner`)."""
 
     name = "code2wav"
     sample_rate = SAMPLE_RATE
 
     def __init__(self, code2wav: torch.nn.Module, num_quantizers: int, kernels: str = "native"):
-        self.runner = Code2WavRunner(code2wav, kernels)
+        self.runner = Code2WavModel(code2wav, kernels)
         self.num_quantizers = num_quantizers
 
     def read_prompt(self, request_id: str, prompt: Code2WavPrompt) -> tuple[torch.Tensor, bool]:

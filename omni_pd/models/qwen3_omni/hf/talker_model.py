@@ -30,7 +30,7 @@ class _TrailingPlan(NamedTuple):
     rows: torch.Tensor | None
 
 
-class TalkerRunner:
+class TalkerModel:
     def __init__(self, talker: torch.nn.Module, thinker_embedding: torch.nn.Module, config):
         self.talker = talker
         self.thinker_embedding = thinker_embedding  # only for the tts_bos/eos/pad embeddings

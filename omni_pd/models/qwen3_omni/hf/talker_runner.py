@@ -51,7 +51,7 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.qwen3_omni.records import TalkerInputDelta, TalkerOutput, TalkerPrompt
 from omni_pd.sampling import SamplingParams
-from .talker_model import TalkerRunner
+from .talker_model import TalkerModel
 
 # What transformers' talker passes to the code predictor's generate when sampling.
 CODE_PREDICTOR_TOP_K = 50
@@ -184,7 +184,7 @@ def _draw(scores: torch.Tensor, specs: list[RowSampling], width: int) -> list[in
     return candidates.gather(1, chosen).squeeze(1).tolist()
 
 
-class BatchedTalker(ArRunnerBase):
+class TalkerRunner(ArRunnerBase):
     """The talker and its code predictor, run for many requests per step."""
 
     name = "talker"
@@ -193,7 +193,7 @@ class BatchedTalker(ArRunnerBase):
     emits_text = False  # its tokens are codec codes: they leave in chunks, not as text
 
     def __init__(
-        self, talker: torch.nn.Module, runner: TalkerRunner, trace: bool = False, kernels: str = "native"
+        self, talker: torch.nn.Module, runner: TalkerModel, trace: bool = False, kernels: str = "native"
     ):
         self.talker = talker
         self.runner = runner  # builds each request's inputs (thinker rows projected)

@@ -40,7 +40,7 @@ class DecodeStepResult:
     hidden: torch.Tensor  # [B, hidden]: the talker's accept layer
 
 
-class BatchedThinkerDecoder:
+class ThinkerForward:
     def __init__(self, thinker: torch.nn.Module, accept_hidden_layer: int, kernels: str = "native"):
         self.thinker = thinker
         self.text = thinker.model

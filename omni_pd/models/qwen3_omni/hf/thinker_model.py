@@ -35,7 +35,7 @@ class PrefillResult:
 
 
 @dataclass
-class DecodeResult:
+class ThinkerDecode:
     token_ids: list[int]
     finish_reason: str
     text: str
@@ -87,7 +87,7 @@ def audio_clips(prompt: ThinkerPrompt, audio_token_id: int, n_window: int) -> li
     return clips
 
 
-class ThinkerRunner:
+class ThinkerModel:
     def __init__(
         self, thinker: torch.nn.Module, tokenizer, accept_hidden_layer: int, eos_token_ids: set[int]
     ):
@@ -182,7 +182,7 @@ class ThinkerRunner:
         first_token: int,
         params: SamplingParams,
         on_token=None,
-    ) -> DecodeResult:
+    ) -> ThinkerDecode:
         """Generate from a cache holding the whole prompt; `first_token` was sampled at step 0."""
         began = time.perf_counter()
         prompt_len = len(prompt_token_ids)
@@ -214,7 +214,7 @@ class ThinkerRunner:
                 on_token(token)
             reason = self.finish_reason(tokens, params)
         width = self.text_config.hidden_size
-        return DecodeResult(
+        return ThinkerDecode(
             token_ids=tokens,
             finish_reason=reason,
             text=self.detokenize(tokens, params),

@@ -25,8 +25,8 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.qwen3_omni.records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from omni_pd.sampling import SamplingParams
-from .thinker_model import AudioClip, ThinkerRunner
-from .thinker_forward import BatchedThinkerDecoder, DecodeRow
+from .thinker_model import AudioClip, ThinkerModel
+from .thinker_forward import ThinkerForward, DecodeRow
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 ROWS = ("embeds", "hidden")  # layer 0 and the talker's accept layer, per position
@@ -66,16 +66,16 @@ class ThinkerState:
     rows_streamed: int = 0  # output rows already sent in chunks
 
 
-class ThinkerStageRunner(ArRunnerBase):
+class ThinkerRunner(ArRunnerBase):
     name = "thinker"
     caches_prefixes = True
     prefills_in_chunks = True
     handoff_keys = ("rope_deltas",)
 
-    def __init__(self, runner: ThinkerRunner, kernels: str = "native"):
+    def __init__(self, runner: ThinkerModel, kernels: str = "native"):
         self.runner = runner
         self.thinker = runner.thinker
-        self.decoder = BatchedThinkerDecoder(runner.thinker, runner.accept_hidden_layer, kernels)
+        self.decoder = ThinkerForward(runner.thinker, runner.accept_hidden_layer, kernels)
         self.compute = HfCompute(kernels)
         self.width = runner.text_config.hidden_size
         self.row_widths = {name: self.width for name in ROWS}

@@ -8,12 +8,12 @@ from pathlib import Path
 from omni_pd.engines.base import StageEngine
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 
-from .text_runner import _DTYPES, Qwen3TextRunner
+from .text_runner import DTYPES, Qwen3TextRunner
 
 
 def build_hf_engine(stage_config, model: str) -> StageEngine:
     """An hf engine for a stage of the text model."""
-    return build_engine(stage_config, model, make_runner, dtypes=_DTYPES)
+    return build_engine(stage_config, model, make_runner, dtypes=DTYPES)
 
 
 def make_runner(stage: HfStage) -> Qwen3TextRunner:

@@ -27,7 +27,7 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.sampling import SamplingParams
 
-_DTYPES = {
+DTYPES = {
     "auto": torch.float32,
     "float": torch.float32,
     "float32": torch.float32,
