@@ -140,7 +140,7 @@ def test_a_request_decodes_to_the_same_bits_alone_and_in_a_batch_on_the_gpu(gpu_
 
     prompts, params = _prompts(tiny_tokenizer), _params(len(TEXTS))
     engine = _engine(gpu_runner, attention_kernels="torch")
-    assert engine.cache.pool.device.type == "cuda"
+    assert engine.kv.cache.pool.device.type == "cuda"
     solo = [engine.generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
     together, _ = _run_together(engine, prompts, params)
     assert engine.batch_stats()["max_decode_batch"] == len(prompts)
@@ -151,7 +151,7 @@ def test_a_request_decodes_to_the_same_bits_alone_and_in_a_batch_on_the_gpu(gpu_
     engine.add_request("n0", prompts[0], params[0])
     engine.step()  # prefilled: its blocks hold the prompt's KV
     request = engine.scheduler.requests["n0"]
-    engine.cache.pool.block_view(request.blocks[0])[3] ^= 0x01
+    engine.kv.cache.pool.block_view(request.blocks[0])[3] ^= 0x01
     while engine.has_unfinished_requests():
         outs = [o for o in engine.step() if o.finished]
     assert not _same(solo[0], outs[0].output)

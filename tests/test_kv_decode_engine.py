@@ -242,9 +242,9 @@ def test_remote_kv_is_polled_across_steps_and_equals_colocated(
     assert decode.peers.is_verified(prefill.engine_id)
     # The prefill leg published blocks of its paged cache as they were, and the reads landed in
     # the decode leg's paged cache: one registered pool a side, no staging pool beside it.
-    assert prefill.sender.pool is prefill.cache.pool and decode.receiver.pool is decode.cache.pool
-    assert prefill.transport.registered_bytes == prefill.cache.pool.nbytes
-    assert decode.transport.registered_bytes == decode.cache.pool.nbytes
+    assert prefill.sender.pool is prefill.kv.cache.pool and decode.receiver.pool is decode.kv.cache.pool
+    assert prefill.transport.registered_bytes == prefill.kv.cache.pool.nbytes
+    assert decode.transport.registered_bytes == decode.kv.cache.pool.nbytes
 
 
 def test_the_same_host_path_equals_colocated_and_answers_in_the_admitting_step(

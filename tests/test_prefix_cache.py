@@ -182,7 +182,7 @@ def test_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(runner, t
     hits = [o.metrics["prefix_cached_tokens"] for o in got]
     assert hits[0] == 0 and all(h >= 3 * 16 for h in hits[1:]), hits  # the history came cached
     assert cached.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
-    cached.cache.prefix.check()
+    cached.kv.prefix.check()
 
 
 def test_negative_control_a_changed_cached_block_is_noticed(runner, tiny_tokenizer):
@@ -193,9 +193,9 @@ def test_negative_control_a_changed_cached_block_is_noticed(runner, tiny_tokeniz
     want = _one(_engine(runner, enable_prefix_caching=False), prompts[1], params, "u")
     engine = _engine(runner)
     _one(engine, prompts[0], params, "c0")
-    found = engine.cache.prefix.match(prompts[1].prompt_token_ids)
-    engine.cache.data[found[0], 0, 0, 0, 0, 0] += 1.0
-    engine.cache.release(found)
+    found = engine.kv.prefix.match(prompts[1].prompt_token_ids)
+    engine.kv.cache.data[found[0], 0, 0, 0, 0, 0] += 1.0
+    engine.kv.cache.release(found)
     got = _one(engine, prompts[1], params, "c1")
     assert got.metrics["prefix_cached_tokens"] > 0 and not _identical(want, got)
 
@@ -211,7 +211,7 @@ def test_forced_collisions_in_the_engine_never_reuse_another_prompts_blocks(runn
     params = SamplingParams(temperature=0, max_tokens=8)
     want = _one(_engine(runner, enable_prefix_caching=False), prompts[1], params, "u")
     engine = _engine(runner)
-    engine.cache.prefix._hash = lambda parent, ids, extra: b"same" * 4  # every block collides
+    engine.kv.prefix._hash = lambda parent, ids, extra: b"same" * 4  # every block collides
     _one(engine, prompts[0], params, "c0")
     got = _one(engine, prompts[1], params, "c1")
     assert got.metrics["prefix_cached_tokens"] == 0 and _identical(want, got)
@@ -253,8 +253,8 @@ def test_engine_soak_500_turns_with_random_aborts_leaves_the_pool_consistent(run
         for out in engine.step() if engine.has_unfinished_requests() else []:
             assert out.error is None, out.error
     assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
-    engine.cache.prefix.check()
-    assert engine.cache.prefix.evictions > 0 and engine.cache.num_free == 48
+    engine.kv.prefix.check()
+    assert engine.kv.prefix.evictions > 0 and engine.kv.cache.num_free == 48
     last = conversations[0][-1]
     want = _one(_engine(runner, enable_prefix_caching=False), last, params, "u")
     assert _identical(want, _one(engine, last, params, "end"))
@@ -358,7 +358,7 @@ def test_audio_turns_prefilled_over_cached_blocks_equal_uncached_bit_for_bit(run
         earlier = prompts[0 if together else turn - 1]
         before = len(earlier.prompt_token_ids) // BS * BS
         assert hits[turn] >= before > runner.audio_clips(earlier)[-1].start, hits
-    cached.cache.prefix.check()
+    cached.kv.prefix.check()
     assert cached.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
 
 
@@ -380,7 +380,7 @@ def test_negative_control_another_clip_of_the_same_length_is_not_reused(runner, 
     clip = runner.audio_clips(other_second)[0]
     assert got.metrics["prefix_cached_tokens"] == clip.start // BS * BS  # up to the clip's block
     assert _identical(want_other, got) and not _identical(want, got)
-    engine.cache.prefix.check()
+    engine.kv.prefix.check()
 
 
 # ---- blocks named by vLLM's keys (prefix_caching_hash_algo) ----------------------------------
@@ -398,8 +398,8 @@ def test_every_vllm_hash_algo_hits_the_same_blocks_with_the_same_outputs(runner,
         engine = _engine(runner, **engine_args)
         outputs = [_one(engine, p, params, f"t{i}") for i, p in enumerate(prompts)]
         assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
-        engine.cache.prefix.check()
-        return outputs, engine.cache.prefix.block_hashes(prompts[-1].prompt_token_ids)
+        engine.kv.prefix.check()
+        return outputs, engine.kv.prefix.block_hashes(prompts[-1].prompt_token_ids)
 
     want, own_names = turns()
     want_hits = [o.metrics["prefix_cached_tokens"] for o in want]
@@ -429,4 +429,4 @@ def test_audio_blocks_under_vllm_keys_hit_only_the_same_clip(runner, builder, mo
     engine = _engine(runner, prefix_caching_hash_algo="xxhash_cbor")
     _one(engine, first, params, "c0")
     assert _one(engine, other_second, params, "c1").metrics["prefix_cached_tokens"] == clip.start // BS * BS
-    engine.cache.prefix.check()
+    engine.kv.prefix.check()

@@ -208,7 +208,7 @@ def test_hf_engine_names_its_cached_blocks_with_vllm_engine_keys(golden, runner,
     def cached_keys(**engine_args) -> list[bytes]:
         engine = _engine(runner, kv_block_size=HF_BLOCK, **engine_args)
         _run_together(engine, [ThinkerPrompt(list(HF_PROMPT))], [SamplingParams(temperature=0, max_tokens=2)])
-        prefix = engine.cache.prefix
+        prefix = engine.kv.prefix
         assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
         named = {entry.hash: block for block, entry in prefix._entries.items()}
         keys = prefix.block_hashes(HF_PROMPT)

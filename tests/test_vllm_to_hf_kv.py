@@ -126,9 +126,9 @@ def _hf_kv(runner, ids):
     [out], _ = _run_together(
         engine, [ThinkerPrompt(list(ids))], [SamplingParams(temperature=0, max_tokens=6)]
     )
-    blocks = engine.cache.prefix.match(ids)
-    kv = engine.cache.data[blocks].clone()
-    engine.cache.release(blocks)
+    blocks = engine.kv.prefix.match(ids)
+    kv = engine.kv.cache.data[blocks].clone()
+    engine.kv.cache.release(blocks)
     return kv, out.token_ids
 
 
@@ -137,13 +137,13 @@ def test_vllm_blocks_translate_into_the_hf_engines_kv_and_it_decodes_the_same(pr
     engine = _engine(runner, kv_block_size=BS, prefix_caching_hash_algo="sha256_cbor")
     check_geometry(puller.geometry, engine.layout)
     full = len(PROMPT) // BS
-    dests = engine.cache.allocate(full * BS)
-    sums = translate_blocks(puller.layers, pull.staging[:full], engine.cache.data, dests)
+    dests = engine.kv.cache.allocate(full * BS)
+    sums = translate_blocks(puller.layers, pull.staging[:full], engine.kv.cache.data, dests)
     puller.release(pull)
     assert len(sums) == full and len(set(sums)) == full
 
     want_kv, want_tokens = _hf_kv(runner, PROMPT)
-    got_kv = engine.cache.data[dests]
+    got_kv = engine.kv.cache.data[dests]
     # vLLM's KV, translated, is the hf thinker's: bit for bit in layer 0, within float rounding of
     # two engines' kernels after it (measured max 2e-7).
     assert torch.equal(got_kv[:, :, 0], want_kv[:, :, 0])
@@ -159,7 +159,7 @@ def test_vllm_blocks_translate_into_the_hf_engines_kv_and_it_decodes_the_same(pr
     keys = VllmBlockHasher("sha256_cbor").block_hashes(PROMPT, BS)
     assert engine.kv.block_hashes(PROMPT, []) == keys
     engine.kv.register(dests, PROMPT, [])
-    engine.cache.release(dests)
+    engine.kv.cache.release(dests)
     [out], _ = _run_together(
         engine, [ThinkerPrompt(list(PROMPT))], [SamplingParams(temperature=0, max_tokens=6)]
     )

@@ -70,7 +70,6 @@ class ArEngine(StageEngine):
             row_dtype=runner.row_dtype,
             naming=naming_for(args.prefix_caching_hash_algo) if self.prefix_caching else OMNI_PD_NAMING,
         )
-        self.cache = self.kv.cache
         self.layout = self.kv.layout
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
         self._stats = BatchStats()
@@ -333,7 +332,7 @@ class ArEngine(StageEngine):
             for i in items
         ]
         attention = StepAttention.for_prefill(
-            self.runner.compute, self.cache, slots, self.runner.prompt_attention
+            self.runner.compute, self.kv.cache, slots, self.runner.prompt_attention
         )
         results = self.runner.prefill(items, attention)
         for index, result in enumerate(results):
@@ -391,7 +390,7 @@ class ArEngine(StageEngine):
     def _decode(self, batch: list[EngineRequest]) -> list[StepOutput]:
         try:
             attention = StepAttention.for_decode(
-                self.runner.compute, self.cache, [SequenceSlot(r.blocks, r.position, 1) for r in batch]
+                self.runner.compute, self.kv.cache, [SequenceSlot(r.blocks, r.position, 1) for r in batch]
             )
             result = self.runner.decode(batch, attention)
             tokens = self.runner.sample(batch, result.logits, first=False)

@@ -19,7 +19,7 @@ import torch
 
 from ...kv.layout import BlockLayout
 from .paged_cache import PagedKVCache
-from .prefix_cache import OMNI_PD_NAMING, BlockNaming
+from .prefix_cache import OMNI_PD_NAMING, BlockNaming, PrefixCache
 
 
 class KVManager:
@@ -35,9 +35,10 @@ class KVManager:
         row_dtype: torch.dtype = torch.float32,
         naming: BlockNaming = OMNI_PD_NAMING,
     ):
-        self.cache = PagedKVCache(
-            layout, num_blocks, shared=shared, prefix_caching=prefix_caching, device=device, naming=naming
-        )
+        # The memory (blocks in the KV plane's layout) and, with prefix caching, the names of full
+        # prompt blocks kept after use (prefix_cache.py: it keeps the pool, evicting idle ones).
+        self.cache = PagedKVCache(layout, num_blocks, shared=shared, device=device)
+        self.prefix = PrefixCache(self.cache.pool, naming=naming) if prefix_caching else None
         self.naming = naming
         self.layout = self.cache.layout
         self.block_size = self.cache.block_size
@@ -67,7 +68,7 @@ class KVManager:
 
     @property
     def num_cached(self) -> int:
-        return self.cache.prefix.num_cached if self.cache.prefix is not None else 0
+        return self.prefix.num_cached if self.prefix is not None else 0
 
     def blocks_for(self, positions: int) -> int:
         return self.cache.blocks_for(positions)
@@ -76,16 +77,16 @@ class KVManager:
     def match(self, token_ids: Sequence[int], extra_keys: Sequence[bytes], limit: int) -> list[int]:
         """The cached blocks holding the longest prefix of `token_ids` in whole blocks (at most
         `limit` tokens), each held once more for the caller; [] without prefix caching."""
-        if self.cache.prefix is None:
+        if self.prefix is None:
             return []
-        return self.cache.prefix.match(token_ids, extra_keys, limit=limit)
+        return self.prefix.match(token_ids, extra_keys, limit=limit)
 
     def block_hashes(self, token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> list[bytes]:
         """The names the prefix cache gives the full blocks of `token_ids` (its `naming`); []
         without prefix caching."""
-        if self.cache.prefix is None:
+        if self.prefix is None:
             return []
-        return self.cache.prefix.block_hashes(token_ids, extra_keys)
+        return self.prefix.block_hashes(token_ids, extra_keys)
 
     def count_query(self, queried: int, hit: int) -> None:
         self.query_tokens += queried
@@ -106,12 +107,12 @@ class KVManager:
         checksums: Sequence[str] = (),
     ) -> None:
         """Name a prompt's full blocks (its block table from position 0) for later prompts."""
-        if self.cache.prefix is not None:
-            self.cache.prefix.register(blocks, token_ids, extra_keys, checksums=checksums)
+        if self.prefix is not None:
+            self.prefix.register(blocks, token_ids, extra_keys, checksums=checksums)
 
     def checksum(self, block: int) -> str | None:
         """The checksum a named block's bytes had when it was named."""
-        return self.cache.prefix.checksum(block) if self.cache.prefix is not None else None
+        return self.prefix.checksum(block) if self.prefix is not None else None
 
     # ---- rows kept beside named blocks ----------------------------------------------------------
     @property

@@ -19,7 +19,6 @@ import torch
 from ...kv.errors import PoolExhausted
 from ...kv.layout import BlockLayout
 from ...kv.pool import BlockPool
-from .prefix_cache import OMNI_PD_NAMING, BlockNaming, PrefixCache
 
 
 class PagedKVCache:
@@ -28,14 +27,11 @@ class PagedKVCache:
         layout: BlockLayout,
         num_blocks: int,
         shared: bool = False,
-        prefix_caching: bool = False,
         device: str = "cpu",
-        naming: BlockNaming = OMNI_PD_NAMING,
     ):
         """`shared`: the pool in shared memory a decode process on this host can map (the
         prefill leg's, for the same-host KV path; a GPU pool is shared by CUDA IPC handle).
-        `device`: where the blocks live (the model's device). `prefix_caching`: full prompt blocks are
-        named by their content (`naming`) and kept after use (`prefix`, see prefix_cache.py)."""
+        `device`: where the blocks live (the model's device)."""
         if (layout.kv_split, layout.order) != ("fused", "token_major"):
             raise ValueError(
                 f"the paged cache stores fused token-major blocks, not {layout.kv_split} {layout.order}"
@@ -47,11 +43,11 @@ class PagedKVCache:
         self.data = self.pool.typed_blocks().view(
             num_blocks, layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim
         )
-        self.prefix = PrefixCache(self.pool, naming=naming) if prefix_caching else None
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can have (idle cached blocks are evicted for it)."""
+        """Blocks an allocation can have (idle cached blocks are evicted for it, where a prefix
+        cache keeps the pool)."""
         return self.pool.num_free
 
     @property

@@ -111,7 +111,7 @@ class PrefillEngine(ArEngine):
         self.sender = KVSender(
             self.engine_id,
             self.layout,
-            self.cache.pool,
+            self.kv.cache.pool,
             self.transport,
             stage_config.engine_args.kv_lease_timeout_s,
             buffer_device=settings.buffer_device,
@@ -186,7 +186,7 @@ class PrefillEngine(ArEngine):
         self._cache_prompt(request, pre, sums)
         prompt_blocks = self.kv.blocks_for(request.prompt_len)
         if self.vllm_consumers is not None:  # a vLLM decode engine reads a translated copy
-            where = self.vllm_consumers.offer(transfer_id, self.cache.data, request.blocks[:prompt_blocks])
+            where = self.vllm_consumers.offer(transfer_id, self.kv.cache.data, request.blocks[:prompt_blocks])
         else:
             descriptor = self.sender.publish_blocks(
                 transfer_id, request.blocks[:prompt_blocks], request.prompt_len, checksums=sums
@@ -335,7 +335,7 @@ class DecodeEngine(ArEngine):
         # The KV lands where it is used: the receiver reads into blocks of the paged cache.
         self.receiver = KVReceiver(
             self.layout,
-            self.cache.pool,
+            self.kv.cache.pool,
             self.transport,
             same_host=handoff.kv_same_host,
             buffer_device=settings.buffer_device,
@@ -344,7 +344,7 @@ class DecodeEngine(ArEngine):
         # is fenced off for as long as a prefill leg holds a published lease.
         self.pushes = PushReservations(
             self.transport.session_id,
-            self.cache.pool,
+            self.kv.cache.pool,
             self.receiver.landing,
             self.kv.free,
             fence_s=stage_config.engine_args.kv_lease_timeout_s,
@@ -558,7 +558,7 @@ class DecodeEngine(ArEngine):
         began = time.perf_counter()
         if self.vllm.fault_pending:  # a perturbed block corrupts this request alone, never the cache
             request.cacheable = False
-        self.vllm.land(pull, self.cache.data, dests)
+        self.vllm.land(pull, self.kv.cache.data, dests)
         self._name_blocks(request)
         request.metrics.update(
             kv_transfer_ms=(time.perf_counter() - self._last_fetch_start) * 1e3,
