@@ -162,11 +162,41 @@ class VllmEngine(StageEngine):
             else:
                 os.environ.setdefault(key, value)
         args = stage.engine_args
-        kwargs: dict[str, Any] = args.vllm_engine_kwargs()
+        kwargs: dict[str, Any] = self._with_kv_transfer(
+            args.vllm_engine_kwargs(), float(args.kv_lease_timeout_s)
+        )
+        self._check_connector_patches()
+
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        name = kwargs.pop("model", None) or model
+        self.model_dir = resolve_vllm_model(name, args.seed)
+        kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
+        if self.hooks.records_rows:
+            check_vllm_version()
+        began = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=self.model_dir, **kwargs))
+        if self.hooks.records_rows:
+            self.engine.collective_rpc("omni_pd_attach_rows")
+        self.startup_s = time.perf_counter() - began
+        self._read_kv_description(name, args.tensor_parallel_size)
+        log.info(
+            "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
+            self.stage_id,
+            name,
+            self.startup_s,
+            self.kv_role,
+            self.bootstrap_port,
+        )
+
+    def _with_kv_transfer(self, kwargs: dict[str, Any], kv_wait_s: float) -> dict[str, Any]:
+        """The engine kwargs with this process's kv_transfer_config: its role, connector and
+        engine id read, a producer's bootstrap port chosen (and told to the connector)."""
         kv = kwargs.get("kv_transfer_config")
         self.kv_role = kv.get("kv_role") if kv else None
         self.kv_connector = kv.get("kv_connector") if kv else None
-        self.kv_wait_s = float(args.kv_lease_timeout_s)
+        self.kv_wait_s = kv_wait_s
         self.bootstrap_port: int | None = None
         if kv:
             kv = kwargs["kv_transfer_config"] = dict(kv)
@@ -183,7 +213,9 @@ class VllmEngine(StageEngine):
                 os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
                 os.environ["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, math.ceil(self.kv_wait_s)))
         self.engine_id = kv.get("engine_id") if kv else None
+        return kwargs
 
+    def _check_connector_patches(self) -> None:
         from .plugin import register
         from .patches import results
 
@@ -198,47 +230,24 @@ class VllmEngine(StageEngine):
                     % (self.stage_id, "\n  ".join(refused))
                 )
 
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        name = kwargs.pop("model", None) or model
-        self.model_dir = resolve_vllm_model(name, args.seed)
-        kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
-        if self.hooks.records_rows:
-            check_vllm_version()
-        began = time.perf_counter()
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=self.model_dir, **kwargs))
-        if self.hooks.records_rows:
-            self.engine.collective_rpc("omni_pd_attach_rows")
-        self.startup_s = time.perf_counter() - began
-        # A producer tells a non-vLLM decode side its KV geometry and block keys; a consumer checks
-        # an hf producer's against its own; both log them. Read from the connector worker in this
-        # process: with tensor_parallel_size > 1 the workers are vLLM's rank processes and there is
-        # none here, and no cross-engine pair reads such an engine (the config check holds an hf
-        # stage to TP 1 and a cross-engine pair to one TP size).
+    def _read_kv_description(self, name: str, tensor_parallel_size: int) -> None:
+        """A producer tells a non-vLLM decode side its KV geometry and block keys; a consumer
+        checks an hf producer's against its own; both log them. Read from the connector worker in
+        this process: with tensor_parallel_size > 1 the workers are vLLM's rank processes and
+        there is none here, and no cross-engine pair reads such an engine (the config check holds
+        an hf stage to TP 1 and a cross-engine pair to one TP size)."""
         self.producer_info: dict[str, Any] | None = None
         self.consumer_info: VllmProducerInfo | None = None
         self._hf_producers: list[dict[str, Any]] = []  # hf producers accepted (their HF_KV_KEY)
         roles = {"kv_producer": "prefill", "kv_consumer": "decode"}
-        if (
-            self.kv_connector == "MooncakeConnector"
-            and self.kv_role in roles
-            and args.tensor_parallel_size == 1
-        ):
+        if self.kv_connector == "MooncakeConnector" and self.kv_role in roles and tensor_parallel_size == 1:
+            assert self.engine is not None, "read once the engine is up"
             info = producer_info(self.engine, name)
             log_producer_info(self.stage_id, info, role=roles[self.kv_role])
             if self.kv_role == "kv_producer":
                 self.producer_info = info.to_dict()
             else:
                 self.consumer_info = info
-        log.info(
-            "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
-            self.stage_id,
-            name,
-            self.startup_s,
-            self.kv_role,
-            self.bootstrap_port,
-        )
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(
