@@ -1,7 +1,7 @@
 """Cross-engine P/D the other way round: omni-pd's hf thinker prefill engine feeds an unmodified
 vLLM thinker decode engine (stage_configs/ci/qwen3_omni_tiny_hf_p_vllm_d.yaml;
 docs/cross_engine_pd.md). The hf leg serves vLLM's MooncakeConnector consumer protocol
-(kv/vllm_serve.py) and writes its blocks, translated into vLLM's CPU layout, into vLLM's cache.
+(kv/vllm/serve.py) and writes its blocks, translated into vLLM's CPU layout, into vLLM's cache.
 
 - On held prompts (text and audio) the pipeline's greedy thinker tokens and audio bytes equal the
   vLLM-colocated and the hf-colocated pipelines' (which must agree); every prompt block moved,

@@ -524,7 +524,7 @@ class MooncakeTransport:
 
     def write(self, remote_session: str, segments: Sequence[Segment]) -> int:
         """Push local registered bytes into a peer's registered memory, blocking (a vLLM
-        consumer's blocks, kv/vllm_serve.py, from its own thread); returns the entries sent."""
+        consumer's blocks, kv/vllm/serve.py, from its own thread); returns the entries sent."""
         return self._sync(
             self._engine.batch_transfer_sync_write,
             remote_session,

@@ -32,8 +32,8 @@ from .request import EngineRequest, Phase
 from .runner import ArRunner
 from . import push_legs
 from .transfer_settings import TransferSettings
-from .vllm_consumers import VllmConsumers
-from .vllm_source import VllmKVSource, from_vllm
+from ...kv.vllm.consumers import VllmConsumers
+from ...kv.vllm.source import VllmKVSource, from_vllm
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class PrefillEngine(ArEngine):
         self.pusher = KVPusher(self.transport, self.sender.pool, self.sender.landing, self.kv.free)
         self.push_chunk_tokens = settings.handoff.kv_push_chunk_tokens
         self.push_stop_after: int | None = None  # inject_push_stop: chunks before the worker stops
-        # Unmodified vLLM decode engines as this leg's peers (vllm_consumers.py), when asked for.
+        # Unmodified vLLM decode engines as this leg's peers (kv/vllm/consumers.py), when asked for.
         self.vllm_consumers: VllmConsumers | None = None
         if settings.handoff.serve_vllm_consumers:
             self.vllm_consumers = VllmConsumers(

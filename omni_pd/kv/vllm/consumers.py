@@ -1,10 +1,10 @@
 """The hf prefill leg's vLLM decode peers: an unmodified vLLM decode engine (MooncakeConnector,
 `kv_role: kv_consumer`) reads the prompt KV this leg prefilled, over vLLM's own protocol
-(kv/vllm_serve.py), translated into vLLM's CPU layout (kv/vllm_layout.py).
+(kv/vllm/serve.py), translated into vLLM's CPU layout (kv/vllm/layout.py).
 
 Chosen by the stage's `kv_connector_extra_config.serve_vllm_consumers: true` (the config check
 asks for it on an hf prefill stage paired with a vLLM decode stage, and only there). At start-up
-the leg logs its KV fingerprint in vLLM's producer shape (kv/vllm_handoff.py), registers staging
+the leg logs its KV fingerprint in vLLM's producer shape (kv/vllm/handoff.py), registers staging
 for as many blocks as its paged cache holds and starts the bootstrap and side-channel servers.
 Per request `offer` translates the prompt's blocks into staging (byte checked) under a lease of
 `kv_lease_timeout_s`, and the request's own blocks go back to the engine (its prefix cache keeps
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ...kv.transport import MooncakeTransport
-from ...kv.vllm_handoff import HF_KV_KEY, hf_producer_info
-from ...kv.vllm_serve import VllmKVServer
+from ..transport import MooncakeTransport
+from .handoff import HF_KV_KEY, hf_producer_info
+from .serve import VllmKVServer
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The hf decode leg's second KV source: an unmodified vLLM prefill engine (MooncakeConnector
-producer), read over vLLM's own protocol (kv/vllm_pull.py) and translated into the request's
-blocks (kv/vllm_layout.py).
+producer), read over vLLM's own protocol (kv/vllm/pull.py) and translated into the request's
+blocks (kv/vllm/layout.py).
 
-A request whose kv_transfer_params carry `omni_pd_vllm_kv` (kv/vllm_handoff.py) comes from such
+A request whose kv_transfer_params carry `omni_pd_vllm_kv` (kv/vllm/handoff.py) comes from such
 a producer. At its first handoff the producer's geometry and block keys are checked against this
 engine's (`check_consumer`: refused with both values named); the staging memory, one region per
 vLLM layer, is made then, for that geometry, and registered once with the decode leg's Mooncake
@@ -18,18 +18,18 @@ import json
 import logging
 from typing import Any
 
-from ...kv.errors import KVIncompatibleError
-from ...kv.layout import BlockLayout
-from ...kv.transport import MooncakeTransport
-from ...kv.vllm_handoff import (
+from ..errors import KVIncompatibleError
+from ..layout import BlockLayout
+from ..transport import MooncakeTransport
+from .handoff import (
     VLLM_KV_KEY,
     VllmProducerInfo,
     check_consumer,
     check_protocol_version,
     consumer_fingerprint,
 )
-from ...kv.vllm_layout import translate_blocks
-from ...kv.vllm_pull import VllmKVPuller, VllmPull
+from .layout import translate_blocks
+from .pull import VllmKVPuller, VllmPull
 
 log = logging.getLogger(__name__)
 
