@@ -18,7 +18,7 @@ from omni_pd.kv import (
     TransferState,
 )
 from omni_pd.kv.handoff import Transfer
-from omni_pd.kv.transport import AsyncRead, _Submitter
+from omni_pd.kv.transport.mooncake import AsyncRead, _Submitter
 
 LAYOUT = BlockLayout.default_for(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
 
