@@ -1,4 +1,5 @@
-"""The KV data plane: block layouts, a registered block pool, a Mooncake transport and the
+"""The KV data plane: block layouts, a registered block pool, the KV transport (its interface and
+Mooncake behind it), vLLM interop (kv/vllm/) and the
 prefill -> decode handoff. It knows bytes, blocks and peers, not prompts or models."""
 
 from .errors import (
@@ -21,7 +22,7 @@ from .handoff import (
 )
 from .layout import BlockLayout, convert_blocks, dtype_name, pack_blocks, unpack_blocks
 from .pool import BlockPool
-from .transport import AsyncRead, MooncakeTransport, ReadState
+from .transport import AsyncRead, KVTransport, MooncakeTransport, ReadState, TransferHandle, open_transport
 
 __all__ = [
     "AsyncRead",
@@ -36,15 +37,18 @@ __all__ = [
     "KVMissError",
     "KVReceiver",
     "KVSender",
+    "KVTransport",
     "KVTransferError",
     "Lease",
     "MooncakeTransport",
     "PoolExhausted",
     "ReadState",
     "Transfer",
+    "TransferHandle",
     "TransferState",
     "convert_blocks",
     "dtype_name",
     "pack_blocks",
+    "open_transport",
     "unpack_blocks",
 ]

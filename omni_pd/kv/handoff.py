@@ -56,14 +56,7 @@ from .errors import KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout, check_canonical, check_compatible, convert_blocks, unpack_blocks
 from .pool import BlockPool
 from .shm import PeerPools, host_id
-from .transport import (
-    AsyncRead,
-    MooncakeTransport,
-    ReadState,
-    Segment,
-    coalesce_groups,
-    registers_device_memory,
-)
+from .transport import KVTransport, PeerRegions, ReadState, Segment, TransferHandle, coalesce_groups
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +123,7 @@ class Transfer(_Tracked):
 
     started: float = field(default_factory=time.perf_counter)
     descriptor: KVDescriptor | None = None
-    read: AsyncRead | None = None
+    read: TransferHandle | None = None
     deadline: float = math.inf  # on the receiver's clock
     wait_s: float = math.inf
     verify_checksums: bool = True
@@ -150,7 +143,7 @@ def _descriptor_of(transfer: Transfer) -> KVDescriptor:
     return transfer.descriptor
 
 
-def _read_of(transfer: Transfer) -> AsyncRead:
+def _read_of(transfer: Transfer) -> TransferHandle:
     """The Mooncake read `KVReceiver.start` submitted (None on a same-host path, or when the
     submission failed: then `failure` is set and nothing reaches the read)."""
     assert transfer.read is not None, f"transfer {transfer.transfer_id} has no Mooncake read"
@@ -305,7 +298,7 @@ class KVDescriptor:
 def _registered_pool(
     layout: BlockLayout,
     pool: int | BlockPool,
-    transport: MooncakeTransport,
+    transport: KVTransport,
     side: str,
     buffer_device: str | None = None,
     host_staging: bool | None = None,
@@ -324,7 +317,7 @@ def _registered_pool(
         pool = BlockPool(layout, pool)
     landing = pool
     if pool.device.type != "cpu" and host_staging is None:
-        direct = registers_device_memory()
+        direct = transport.limits.device_memory
         if buffer_device == "cuda" and not direct:
             raise KVTransferError(
                 "kv_buffer_device is 'cuda' but this Mooncake build cannot register GPU memory "
@@ -357,7 +350,7 @@ class KVSender:
         engine_id: str,
         layout: BlockLayout,
         pool: int | BlockPool,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         lease_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         buffer_device: str | None = None,
@@ -589,7 +582,7 @@ class KVReceiver:
         self,
         layout: BlockLayout,
         pool: int | BlockPool,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         clock: Callable[[], float] = time.monotonic,
         same_host: str = "auto",
         buffer_device: str | None = None,
@@ -598,8 +591,9 @@ class KVReceiver:
         if same_host not in SAME_HOST_CHOICES:
             raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
         self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
-        self._peers = PeerPools()
-        self._peer_gpus = PeerPools(open_handle)
+        # The same-host paths: a peer's pool opened here (PeerRegions, kv/transport/base.py).
+        self._peers: PeerRegions = PeerPools()
+        self._peer_gpus: PeerRegions = PeerPools(open_handle)
         self._paths_said: set[str] = set()  # peers whose path was logged
         # Mooncake's reads land in `landing`: the pool, or its host copy (then copied up).
         self.pool, self.landing = _registered_pool(

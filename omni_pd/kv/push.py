@@ -35,7 +35,7 @@ from .checksum import CHECKSUM_KINDS, checksum
 from .errors import KVIncompatibleError, KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout
 from .pool import BlockPool
-from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups
+from .transport import KVTransport, ReadState, Segment, TransferHandle, coalesce_groups
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class _Push:
     deadline: float
     state: PushState = PushState.WRITING
     sent: int = 0  # target blocks submitted so far
-    writes: list[AsyncRead] = field(default_factory=list)
+    writes: list[TransferHandle] = field(default_factory=list)
     checksums: list[str] = field(default_factory=list)
     held: list[int] = field(default_factory=list)  # blocks kept while writes may still read them
     bytes: int = 0
@@ -205,7 +205,7 @@ class KVPusher:
 
     def __init__(
         self,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         pool: BlockPool,
         landing: BlockPool,
         free: Callable[[list[int]], None],

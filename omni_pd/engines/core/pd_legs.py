@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any
 
-from ...kv import KVDescriptor, KVReceiver, KVSender, MooncakeTransport
+from ...kv import KVDescriptor, KVReceiver, KVSender
+from ...kv.transport import open_transport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
 from ...kv.push import RECORD_KEY, TARGET_KEY, KVPusher, PushReservations
 from ..base import StepOutput
@@ -105,7 +106,7 @@ class PrefillEngine(ArEngine):
         super().__init__(stage_config, runner)
         settings = TransferSettings.of(stage_config)
         self.engine_id = settings.engine_id or f"prefill-{uuid.uuid4().hex[:12]}"
-        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol)
+        self.transport = open_transport(settings.host, settings.protocol)
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "prefill", self.fingerprint)
         # The paged cache is what is published: registered once, its blocks leased as they are.
@@ -325,8 +326,8 @@ class DecodeEngine(ArEngine):
         self.engine_id = settings.engine_id or f"decode-{uuid.uuid4().hex[:12]}"
         # A read abandoned on a frozen peer holds its blocks until Mooncake gives up on
         # it: make that the handoff deadline rather than Mooncake's 30 s.
-        self.transport = MooncakeTransport(
-            host=settings.host, protocol=settings.protocol, progress_timeout_s=handoff.kv_handoff_deadline_s
+        self.transport = open_transport(
+            settings.host, settings.protocol, progress_timeout_s=handoff.kv_handoff_deadline_s
         )
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "decode", self.fingerprint)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..transport import MooncakeTransport
+from ..transport import KVTransport
 from .handoff import HF_KV_KEY, hf_producer_info
 from .serve import VllmKVServer
 
@@ -35,7 +35,7 @@ class VllmConsumers:
         stage_id: int,
         engine_id: str,
         layout,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         naming_scheme: str,
         naming_seed: str,
         model: str,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 
 from ..errors import KVMissError, KVTransferError
-from ..transport import MooncakeTransport
+from ..transport import KVTransport
 from .layout import VllmKVGeometry
 from .staging import VllmStaging
 
@@ -53,7 +53,7 @@ class VllmPull:
 
 
 class VllmKVPuller:
-    def __init__(self, transport: MooncakeTransport, geometry: VllmKVGeometry, staging_blocks: int):
+    def __init__(self, transport: KVTransport, geometry: VllmKVGeometry, staging_blocks: int):
         import msgspec  # vLLM's own dependencies: present wherever a vLLM producer is
         import zmq
 

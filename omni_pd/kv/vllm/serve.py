@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import KVTransferError
-from ..transport import MooncakeTransport, Segment
+from ..transport import KVTransport, Segment
 from .bootstrap import BootstrapServer
 from .layout import VllmKVGeometry, translate_blocks_to_vllm
 from .staging import VllmStaging
@@ -91,7 +91,7 @@ class ConsumerRefused(KVTransferError):
 class VllmKVServer:
     def __init__(
         self,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         geometry: VllmKVGeometry,
         staging_blocks: int,
         engine_id: str,

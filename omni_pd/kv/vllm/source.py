@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import KVIncompatibleError
 from ..layout import BlockLayout
-from ..transport import MooncakeTransport
+from ..transport import KVTransport
 from .handoff import (
     VLLM_KV_KEY,
     VllmProducerInfo,
@@ -44,7 +44,7 @@ class VllmKVSource:
         self,
         stage_id: int,
         layout: BlockLayout,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         naming_scheme: str,
         naming_seed: str,
         model: str,

@@ -13,14 +13,14 @@ import logging
 import torch
 
 from ..errors import PoolExhausted
-from ..transport import MooncakeTransport
+from ..transport import KVTransport
 from .layout import VllmKVGeometry, layer_views
 
 log = logging.getLogger(__name__)
 
 
 class VllmStaging:
-    def __init__(self, transport: MooncakeTransport, geometry: VllmKVGeometry, num_blocks: int):
+    def __init__(self, transport: KVTransport, geometry: VllmKVGeometry, num_blocks: int):
         self.transport, self.geometry, self.num_blocks = transport, geometry, num_blocks
         self.region_bytes = num_blocks * geometry.block_bytes
         self.buffer = torch.zeros(self.region_bytes * geometry.num_layers, dtype=torch.uint8)
