@@ -1,14 +1,19 @@
 """The test-only fault hook registry (omni_pd/faults.py): inert unless armed, one-shot when
-armed, refused by name."""
+armed, armed by name through a stage engine's control call, and no production class carries a
+test hook of its own."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from omni_pd import faults
+
+ROOT = Path(__file__).resolve().parents[1] / "omni_pd"
 
 
 def test_every_point_is_inert_unless_armed(monkeypatch):
@@ -60,3 +65,43 @@ def test_the_push_stop_acts_after_its_chunks(monkeypatch):
     assert killed == [(os.getpid(), signal.SIGSTOP)]
     faults.hit("kv.push.chunk_sent", transfer_id="t")  # disarmed once it acted
     assert len(killed) == 1
+
+
+def test_named_faults_arm_their_points_through_a_stage_control_call():
+    from omni_pd.engines.base import StageEngine
+
+    class Engine(StageEngine):  # the smallest engine: control() is what is under test
+        stage_id = 0
+
+        def add_request(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def abort_request(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def has_unfinished_requests(self):
+            return False
+
+        def step(self):
+            return []
+
+    engine = Engine.__new__(Engine)
+    engine.control("arm_fault", fault="kv_corruption", block_index=2, byte_offset=7, after_checksum=True)
+    assert faults.take("kv.publish.flip") == {"block_index": 2, "byte_offset": 7, "after_checksum": True}
+    assert faults.take("prefill.uncacheable") == {}
+    for name in ("vllm_serve_refusal", "vllm_pull_miss"):
+        engine.control("arm_fault", fault=name)
+    assert faults.armed("vllm.serve.refuse") and faults.armed("vllm.pull.miss")
+
+
+def test_no_production_class_carries_a_test_hook_method():
+    """No `inject_*` method, and no process signalling itself, outside the registry."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("inject_"):
+                found.append(f"{path.relative_to(ROOT)}: def {node.name}")
+        if path.name != "faults.py" and "signal.SIGSTOP" in path.read_text():
+            found.append(f"{path.relative_to(ROOT)}: SIGSTOP")
+    assert found == []

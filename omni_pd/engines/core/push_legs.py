@@ -11,13 +11,12 @@ answers with the completion record instead of publishing a lease.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any, Callable, TypeAlias
 
 import torch
 
+from ... import faults
 from ...kv.errors import PoolExhausted
 from ...kv.fingerprint import FINGERPRINT_KEY
 from ...kv.push import RECORD_KEY, PushTarget
@@ -129,13 +128,12 @@ def start_push(engine: PrefillEngine, request: EngineRequest) -> list[StepOutput
     target = request.push_target
     assert target is not None, f"request {request.request_id} has no push target"
     began = time.perf_counter()
-    engine.pusher.fault = engine.sender.take_fault()
     engine.pusher.start(target, request.blocks)
 
     def send(computed: int) -> None:
         engine.pusher.send(target.transfer_id, computed)
-        if computed > request.cached_len:
-            _maybe_stop(engine, target.transfer_id)
+        if computed > request.cached_len:  # test-only (omni_pd/faults.py): nothing unless armed
+            faults.hit("kv.push.chunk_sent", transfer_id=target.transfer_id)
 
     try:
         pre = prefill_in_chunks(engine, request, target, send)
@@ -175,19 +173,6 @@ def start_push(engine: PrefillEngine, request: EngineRequest) -> list[StepOutput
     output.kv_transfer_params = out_params
     engine._drop(request)  # no lease: the KV is in the decode side's blocks already
     return [StepOutput(request.request_id, finished=True, output=output)]
-
-
-def _maybe_stop(engine: PrefillEngine, transfer_id: str) -> None:
-    """The inject_push_stop test hook: stop this worker once the chosen chunk's writes are out."""
-    if engine.push_stop_after is None:
-        return
-    engine.push_stop_after -= 1
-    if engine.push_stop_after == 0:
-        engine.push_stop_after = None
-        log.warning(
-            "transfer %s: this worker stops itself mid-push (inject_push_stop test hook)", transfer_id
-        )
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def chunk_tokens(engine: PrefillEngine, target: PushTarget) -> int:

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ... import faults
 from ..layout import BlockLayout, check_canonical
 from ..pool import BlockPool
 from ..shm import host_id
@@ -49,24 +50,8 @@ class KVSender:
         )
         self._ipc = self.pool.cuda_ipc_handle if same_host and self.pool.device.type == "cuda" else None
         self._leases: dict[str, Lease] = {}
-        self._fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()  # publish / release / expire may come from different threads
         self._closed = False
-
-    def inject_fault_once(self, block_index: int, byte_offset: int, after_checksum: bool = False) -> None:
-        """Test hook: the next publish flips one byte, before checksumming (corruption the
-        checksums cannot see) or after (as if the bytes changed on the way: the decode side must
-        catch it)."""
-        if block_index < 0 or byte_offset < 0:
-            raise ValueError("inject_fault_once: block_index and byte_offset must be >= 0")
-        with self._lock:
-            self._fault = (block_index, byte_offset, after_checksum)
-
-    def take_fault(self) -> tuple[int, int, bool] | None:
-        """The pending test fault, now the caller's to apply (a push applies it instead)."""
-        with self._lock:
-            fault, self._fault = self._fault, None
-            return fault
 
     def publish(self, transfer_id: str, kv_canonical: torch.Tensor) -> KVDescriptor:
         """Copy the KV into pool blocks allocated here and publish them (tools and tests)."""
@@ -115,15 +100,16 @@ class KVSender:
         """Checksum the blocks' transferred bytes (unless given) and hold them under a lease
         (lock held)."""
         lengths = self.layout.transfer_lengths(num_tokens)
-        if self._fault is not None and not self._fault[2]:
-            checksums = None  # the test hook's flip must come before the checksums: take them anew
-        self._apply_fault(transfer_id, block_ids, lengths, after_checksum=False)
+        fault = faults.take("kv.publish.flip")  # test-only (omni_pd/faults.py); None unless armed
+        if fault is not None and not fault.get("after_checksum", False):
+            checksums = None  # the fault's flip must come before the checksums: take them anew
+        self._apply_fault(fault, transfer_id, block_ids, lengths, after_checksum=False)
         sums = (
             tuple(checksums)
             if checksums is not None
             else tuple(self.pool.block_checksum(b, n) for b, n in zip(block_ids, lengths))
         )
-        self._apply_fault(transfer_id, block_ids, lengths, after_checksum=True)
+        self._apply_fault(fault, transfer_id, block_ids, lengths, after_checksum=True)
         if self.landing is not self.pool:  # Mooncake reads the host copy: bring it up to date
             self.landing.copy_blocks_from(self.pool, block_ids)
         descriptor = KVDescriptor(
@@ -147,11 +133,17 @@ class KVSender:
         return descriptor
 
     def _apply_fault(
-        self, transfer_id: str, block_ids: list[int], lengths: list[int], after_checksum: bool
+        self,
+        fault: dict | None,
+        transfer_id: str,
+        block_ids: list[int],
+        lengths: list[int],
+        after_checksum: bool,
     ) -> None:
-        if self._fault is None or self._fault[2] != after_checksum:
+        """The armed kv.publish.flip fault hook, applied at its moment (test-only)."""
+        if fault is None or fault.get("after_checksum", False) != after_checksum:
             return
-        (index, offset, _), self._fault = self._fault, None
+        index, offset = fault["block_index"], fault["byte_offset"]
         if index >= len(block_ids) or offset >= lengths[index]:
             raise ValueError(
                 f"injected fault (block {index}, byte {offset}) lies outside the "
