@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from ... import faults
 from ...kv import KVDescriptor, KVReceiver, KVSender
@@ -31,7 +31,7 @@ from ..base import StepOutput
 from ..hf.compute_identity import compute_identity
 from .ar_engine import ArEngine
 from .request import EngineRequest, Phase
-from .runner import ArRunner
+from .runner import ArRunner, Prefilled
 from . import push_legs
 from .transfer_settings import TransferSettings
 from ...kv.vllm.consumers import VllmConsumers
@@ -269,6 +269,22 @@ class PrefillEngine(ArEngine):
         self.sender.close()
         if self.vllm_consumers is not None:
             self.vllm_consumers.close()
+
+    # ---- what push mode calls of this leg (push_legs.PushPrefillLeg) -------------------------
+    def prefill_prompt(self, request: EngineRequest) -> Prefilled:
+        return self._prefill(request)
+
+    def take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled:
+        return self._take_first_token(request, result, elapsed_ms)
+
+    def cache_prompt(self, request: EngineRequest, pre: Prefilled, checksums: Sequence[str] = ()) -> None:
+        self._cache_prompt(request, pre, checksums)
+
+    def prompt_checksums(self, request: EngineRequest) -> list[str]:
+        return self._prompt_checksums(request)
+
+    def drop_request(self, request: EngineRequest) -> None:
+        self._drop(request)
 
 
 class DecodeEngine(ArEngine):
@@ -635,3 +651,10 @@ class DecodeEngine(ArEngine):
     def close(self) -> None:
         self.vllm.close()
         self.receiver.close()
+
+    # ---- what push mode calls of this leg (push_legs.PushDecodeLeg) --------------------------
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
+        return self._prompt_ids(request)
+
+    def resume_request(self, request: EngineRequest) -> list[StepOutput]:
+        return self._resume(request)
