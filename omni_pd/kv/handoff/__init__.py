@@ -16,7 +16,7 @@ and gets them back, filled and verified, with the result. Only when the layouts 
 read land in staging blocks first, converted into the destination blocks in one pass.
 
 Same host: when the prefill's pool is shared memory (`BlockPool(shared=True)`) and the decode
-side can map it (`shm.PeerPools`: same host, same user, the prefill process alive), the receiver
+side can map it (`transport.same_host`: same host, same user, the prefill process alive), the receiver
 copies each block straight out of the mapping into its destination block and checksums it while
 it is hot in cache: one copy, no Mooncake. `same_host` chooses: "auto" (that when possible, else
 Mooncake, said once per peer), "shm" (that or the transfer fails), "off" (Mooncake always).

@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 import torch
 
 from ..checksum import checksum
-from ..cuda_ipc import open_handle
 from ..errors import KVIntegrityError, KVMissError, KVTransferError
 from ..layout import BlockLayout, check_compatible, convert_blocks, unpack_blocks
 from ..pool import BlockPool
-from ..shm import PeerPools, host_id
 from ..transport import KVTransport, PeerRegions, ReadState, Segment, coalesce_groups
+from ..transport.same_host import same_host_paths
+from ..transport.shm import host_id
 from .descriptor import KVDescriptor
 from .pools import SAME_HOST_CHOICES, registered_pool
 from .state import Transfer, TransferState, _descriptor_of, _read_of
@@ -81,8 +81,7 @@ class KVReceiver:
             raise ValueError(f"kv_same_host must be one of {list(SAME_HOST_CHOICES)}, got {same_host!r}")
         self.layout, self.transport, self._clock, self.same_host = layout, transport, clock, same_host
         # The same-host paths: a peer's pool opened here (PeerRegions, kv/transport/base.py).
-        self._peers: PeerRegions = PeerPools()
-        self._peer_gpus: PeerRegions = PeerPools(open_handle)
+        self._same_host: dict[str, PeerRegions] = same_host_paths()
         self._paths_said: set[str] = set()  # peers whose path was logged
         # Mooncake's reads land in `landing`: the pool, or its host copy (then copied up).
         self.pool, self.landing = registered_pool(
@@ -328,10 +327,8 @@ class KVReceiver:
             where = descriptor.cuda_ipc if path == "cuda_ipc" else descriptor.shm_path
             assert where is not None, f"transfer {descriptor.transfer_id}: no {path} handle"
             try:
-                pool = (
-                    self._peer_gpus.get(descriptor.remote_session, where, highest * descriptor.block_bytes)
-                    if path == "cuda_ipc"
-                    else self._peers.get(descriptor.remote_session, where, highest * descriptor.block_bytes)
+                pool = self._same_host[path].get(
+                    descriptor.remote_session, where, highest * descriptor.block_bytes
                 )
             except OSError as exc:
                 why = f"its pool cannot be {'opened' if path == 'cuda_ipc' else 'mapped'} from here ({exc})"
@@ -521,5 +518,5 @@ class KVReceiver:
                 _KEPT_ALIVE.append(self.landing)
             self._closed = True
             self.transport.unregister(self.landing.base_address)
-            self._peers.close()
-            self._peer_gpus.close()
+            for peers in self._same_host.values():
+                peers.close()

@@ -13,7 +13,7 @@ import torch
 from ... import faults
 from ..layout import BlockLayout, check_canonical
 from ..pool import BlockPool
-from ..shm import host_id
+from ..transport.shm import host_id
 from ..transport import KVTransport
 from .descriptor import KVDescriptor
 from .pools import registered_pool

@@ -1,7 +1,8 @@
 """The KV transport: one interface (`KVTransport`, base.py) and its implementations, chosen by
 `open_transport` from a leg's transfer settings. `mooncake.py` is Mooncake's TransferEngine
 (tcp, rdma); `socket_filter.py` restricts its listening sockets to the engine's host, reading
-this process's sockets through `proc_net.py`."""
+this process's sockets through `proc_net.py`. The same-host paths (`same_host.py`: shared
+memory, `shm.py`; CUDA IPC, `cuda_ipc.py`) open a peer's pool instead (`PeerRegions`)."""
 
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ is in its `limits`. `open_transport` (kv/transport/__init__.py) picks the implem
 a leg's transfer settings: today Mooncake (`mooncake.MooncakeTransport`, tcp or rdma).
 
 The same-host paths are not transports of this shape, and say so here rather than pretend: a
-shared-memory pool (kv/shm.py) or a GPU pool opened by CUDA IPC handle (kv/cuda_ipc.py) is not
+shared-memory pool (shm.py) or a GPU pool opened by CUDA IPC handle (cuda_ipc.py) is not
 moved by address at all. The decode side opens the peer's whole region once (`PeerRegions`:
 mapped read-only, or rebuilt from its IPC handle) and then copies tensor to tensor, block by
 block, checksumming each block while it is hot in cache. A raw (address, address, length)
 write into local memory would lose that, and on a GPU has no torch interface. So they sit
-behind their own small interface, `PeerRegions`, which `kv.shm.PeerPools` implements for both
-(its opener is `shm.map_readonly` or `cuda_ipc.open_handle`); the receiver picks between a
-transport and a peer region per peer (kv/handoff, `same_host`).
+behind their own small interface, `PeerRegions` (same_host.py: `SharedMemoryPeers`,
+`CudaIpcPeers`); the receiver picks between its transport and a same-host path per peer
+(kv/handoff/receiver.py, `kv_same_host`).
 """
 
 from __future__ import annotations
@@ -149,6 +149,9 @@ class KVTransport(Protocol):
 class PeerRegions(Protocol):
     """A peer's published region opened in this process, for the same-host paths (shared
     memory, CUDA IPC): not a mover but a mapping (see the module docstring)."""
+
+    path: str  # its name in kv_same_host and in a transfer's kv_path ("shm", "cuda_ipc")
+    limits: TransportLimits
 
     def get(self, session: str, where: str, nbytes: int) -> torch.Tensor:
         """The peer's region as a uint8 tensor of at least `nbytes`; OSError when it cannot be
