@@ -1,6 +1,6 @@
-"""The KV data plane: block layouts, a registered block pool, the KV transport (its interface and
-Mooncake behind it), vLLM interop (kv/vllm/) and the
-prefill -> decode handoff. It knows bytes, blocks and peers, not prompts or models."""
+"""The KV data plane: block layouts, a registered block pool, the KV transport (its interface,
+with Mooncake and the same-host paths behind it), the prefill -> decode handoff (pull and push)
+and vLLM interop (kv/vllm/). It knows bytes, blocks and peers, not prompts or models."""
 
 from .errors import (
     KVError,

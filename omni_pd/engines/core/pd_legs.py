@@ -27,6 +27,8 @@ from ...kv import KVDescriptor, KVReceiver, KVSender
 from ...kv.transport import open_transport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
 from ...kv.push import RECORD_KEY, TARGET_KEY, KVPusher, PushReservations
+from ...kv.vllm.consumers import VllmConsumers
+from ...kv.vllm.source import VllmKVSource, from_vllm
 from ..base import StepOutput
 from ..hf.compute_identity import compute_identity
 from .ar_engine import ArEngine
@@ -34,8 +36,6 @@ from .request import EngineRequest, Phase
 from .runner import ArRunner, Prefilled
 from . import push_legs
 from .transfer_settings import TransferSettings
-from ...kv.vllm.consumers import VllmConsumers
-from ...kv.vllm.source import VllmKVSource, from_vllm
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,6 @@ from .base import (
 )
 from .mooncake import AsyncRead, MooncakeTransport, registers_device_memory
 
-# Mooncake's protocols (kv_connector_extra_config.mooncake_protocol).
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-
 
 def open_transport(host: str, protocol: str, progress_timeout_s: float | None = None) -> KVTransport:
     """The transport a P/D leg moves its KV with: `host` (kv_ip), `protocol`
@@ -30,7 +27,6 @@ def open_transport(host: str, protocol: str, progress_timeout_s: float | None = 
 
 
 __all__ = [
-    "MOONCAKE_PROTOCOLS",
     "AsyncRead",
     "KVTransport",
     "MooncakeTransport",
