@@ -11,7 +11,9 @@ from ..layout import BlockLayout
 from ..pool import BlockPool
 from ..transport import KVTransport
 
-log = logging.getLogger(__name__)
+# The package's logger, named as the module was before the split: log lines read as they did
+# (operators' filters; e2e/test_network_exposure.py reads the Mooncake engine's line).
+log = logging.getLogger(__package__)
 
 SAME_HOST_CHOICES = ("auto", "shm", "cuda_ipc", "off")
 BUFFER_DEVICE_CHOICES = (None, "cpu", "cuda")

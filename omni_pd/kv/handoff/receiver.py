@@ -25,7 +25,9 @@ from .descriptor import KVDescriptor
 from .pools import SAME_HOST_CHOICES, registered_pool
 from .state import Transfer, TransferState, _descriptor_of, _read_of
 
-log = logging.getLogger(__name__)
+# The package's logger, named as the module was before the split: log lines read as they did
+# (operators' filters; e2e/test_network_exposure.py reads the Mooncake engine's line).
+log = logging.getLogger(__package__)
 
 # Largest Mooncake entry a KV read is cut into: big enough that per-entry costs vanish (one
 # entry per 16 MiB: 24 for a 4k-token prompt of the 30B thinker), small enough that the checksums

@@ -19,7 +19,9 @@ from .descriptor import KVDescriptor
 from .pools import registered_pool
 from .state import Lease, TransferState
 
-log = logging.getLogger(__name__)
+# The package's logger, named as the module was before the split: log lines read as they did
+# (operators' filters; e2e/test_network_exposure.py reads the Mooncake engine's line).
+log = logging.getLogger(__package__)
 
 
 class KVSender:

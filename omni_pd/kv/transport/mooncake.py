@@ -34,7 +34,9 @@ from .base import ReadState, Segment, TransferHandle, TransportLimits, coalesce
 from .proc_net import listening_sockets
 from .socket_filter import ANY_DESTINATION_ENV, allowed_destinations, restrict_listeners
 
-log = logging.getLogger(__name__)
+# The package's logger, named as the module was before the split: log lines read as they did
+# (operators' filters; e2e/test_network_exposure.py reads the Mooncake engine's line).
+log = logging.getLogger(__package__)
 
 _INSTALL_HINT = (
     "install `mooncake-transfer-engine-non-cuda` (pip) and Debian `libibverbs1` "

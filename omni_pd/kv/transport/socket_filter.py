@@ -25,7 +25,9 @@ from typing import cast
 
 from .proc_net import _TCP_ESTABLISHED, own_tcp_sockets
 
-log = logging.getLogger(__name__)
+# The package's logger, named as the module was before the split: log lines read as they did
+# (operators' filters; e2e/test_network_exposure.py reads the Mooncake engine's line).
+log = logging.getLogger(__package__)
 
 ANY_DESTINATION_ENV = "OMNI_PD_KV_ANY_DESTINATION"
 _SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; the socket module does not export it
