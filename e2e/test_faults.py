@@ -231,7 +231,7 @@ def test_frozen_prefill_costs_one_window_per_request_until_the_breaker_opens(pd,
 def test_corrupted_block_is_caught_and_served_by_the_fallback(pd, reference):
     failures_before = pd.engine.handoff_failures
     # Flipped after the checksums were taken, as if the bytes changed on the way.
-    pd.control(PREFILL, "inject_kv_fault", block_index=0, byte_offset=5, after_checksum=True)
+    pd.control(PREFILL, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=5, after_checksum=True)
     out, took = _one(pd, PROMPTS[5])
     assert out.metrics["kv_fallback"] and pd.engine.handoff_failures == failures_before + 1
     _same_as_colocated(out, reference[PROMPTS[5]])

@@ -1,6 +1,6 @@
 """The fault suite in push mode (issue 39): the prefill worker writes the prompt's KV into blocks
 its decode worker reserved, chunk by chunk, and a peer dies in the middle of it. The prefill
-worker stops itself (SIGSTOP, the `inject_push_stop` test hook) once its first chunk's writes are
+worker stops itself (SIGSTOP, the `push_stop` fault hook, omni_pd/faults.py) once its first chunk's writes are
 out, so each case kills a peer at a known point mid-push with no sleep in between; then the
 request must be answered by the fallback (equal to the colocated pipeline), within the miss
 window of the kill, counted by the breaker, with nothing left on any stage. The soak runs here
@@ -106,7 +106,7 @@ def _start_and_stop_mid_push(pd, prompt: str):
     """Send `prompt` with the prefill worker set to stop itself after its first chunk's writes;
     returns the request's future and the stopped worker's pid once it has stopped."""
     pid = _pid(pd, PREFILL)
-    pd.control(PREFILL, "inject_push_stop", after_chunks=1)
+    pd.control(PREFILL, "arm_fault", fault="push_stop", after_chunks=1)
     future = asyncio.run_coroutine_threadsafe(pd.engine.generate(prompt), pd._loop)
     _wait_for(lambda: _stopped(pid), 10, "the prefill worker to stop itself mid-push")
     return future, pid

@@ -1,7 +1,7 @@
 """Cross-engine P/D the other way round: omni-pd's hf thinker prefill engine feeds an unmodified
 vLLM thinker decode engine (stage_configs/ci/qwen3_omni_tiny_hf_p_vllm_d.yaml;
 docs/cross_engine_pd.md). The hf leg serves vLLM's MooncakeConnector consumer protocol
-(kv/vllm_serve.py) and writes its blocks, translated into vLLM's CPU layout, into vLLM's cache.
+(kv/vllm/serve.py) and writes its blocks, translated into vLLM's CPU layout, into vLLM's cache.
 
 - On held prompts (text and audio) the pipeline's greedy thinker tokens and audio bytes equal the
   vLLM-colocated and the hf-colocated pipelines' (which must agree); every prompt block moved,
@@ -74,7 +74,7 @@ def test_the_reverse_pair_equals_both_colocated_pipelines(reverse, request, case
 def test_negative_control_a_perturbed_block_changes_the_output(reverse, hf_colocated):
     prompt = "Name three colours of the sea at dusk, and say why each one appears."
     want = hf_colocated.generate([prompt], use_tqdm=False)[0]
-    reverse.control(0, "inject_vllm_kv_fault", block_index=0, delta=0.5)
+    reverse.control(0, "arm_fault", fault="vllm_serve_corruption", block_index=0, delta=0.5)
     corrupted = reverse.generate([prompt], use_tqdm=False)[0]
     assert corrupted.metrics["kv_fallback"] is False  # the perturbed KV was taken
     assert (corrupted.token_ids, corrupted.audio_sha256) != (want.token_ids, want.audio_sha256)
@@ -87,7 +87,7 @@ def test_a_refused_consumer_counts_toward_the_breaker_and_falls_back(reverse, hf
     want = hf_colocated.generate([prompt], use_tqdm=False)[0]
     failures, fallbacks = reverse.engine.handoff_failures, reverse.engine.fallbacks
     refusals = len(_sent(reverse)["refusals"])
-    reverse.control(0, "inject_vllm_kv_refusal")
+    reverse.control(0, "arm_fault", fault="vllm_serve_refusal")
     got = reverse.generate([prompt], use_tqdm=False)[0]
     assert len(_sent(reverse)["refusals"]) == refusals + 1
     assert (reverse.engine.handoff_failures, reverse.engine.fallbacks) == (failures + 1, fallbacks + 1)

@@ -62,7 +62,7 @@ def test_push_equals_colocated_and_a_flipped_byte_is_noticed(colocated, push):
     # Negative control: a byte flipped in the first pushed block before its checksum.
     prompt = prompts["over_one_block"]
     want = colocated.generate([prompt])[0]
-    push.control(0, "inject_kv_fault", block_index=0, byte_offset=3)
+    push.control(0, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
     corrupted = push.generate([prompt])[0]
     assert "talker input hidden states" in differences(colocated, want, push, corrupted)
     assert differences(colocated, want, push, push.generate([prompt])[0]) == []

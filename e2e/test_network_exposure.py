@@ -2,7 +2,7 @@
 
 The HTTP server binds the host it is given. Mooncake (0.3.13) binds its two listening sockets, the
 P2P handshake port and the TCP data port, to the wildcard address (0.0.0.0 and [::]) whatever host
-it is initialised with, and no setting of it changes that; omni_pd.kv.transport attaches a socket
+it is initialised with, and no setting of it changes that; omni_pd.kv.transport (socket_filter.py) attaches a socket
 filter to both that drops every connection not addressed to the engine's host (loopback unless
 the stage's kv_ip names another address). So these tests read every listening TCP socket of the
 server and of every process it started (/proc/<pid>/net/tcp{,6}, socket inodes mapped through

@@ -210,7 +210,7 @@ def test_negative_control_one_flipped_byte_is_noticed(colocated, pd):
     want = colocated.generate([prompt])[0]
     # Flip the exponent byte of the first K value of layer 0 in the first block the prefill
     # engine publishes (before its checksums, so the corruption travels undetected).
-    pd.control(0, "inject_kv_fault", block_index=0, byte_offset=3)
+    pd.control(0, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
     corrupted = pd.generate([prompt])[0]
     found = differences(colocated, want, pd, corrupted)
     assert "talker input hidden states" in found, found

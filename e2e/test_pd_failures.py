@@ -85,7 +85,7 @@ def test_client_gone_mid_stream_stops_every_stage(small_decode_pool):
 def test_stage_failing_mid_stream_ends_the_stream_with_its_name(small_decode_pool):
     omni = small_decode_pool
     code2wav = _stage_of(omni, "code2wav")
-    omni.control(code2wav, "inject_chunk_fault", after_chunks=1)
+    omni.control(code2wav, "arm_fault", fault="chunk_failure", after_chunks=1)
     seen, error = _stream_until(omni, "Hi", stop_after_audio=0)
     assert seen == 1  # the first chunk reached the client, then the stage failed
     assert isinstance(error, StageError)

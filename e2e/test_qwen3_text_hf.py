@@ -63,7 +63,7 @@ def test_negative_control_a_flipped_kv_byte_changes_the_answer(colocated, pd):
     want = colocated.generate([prompt], [params])[0]
     # The exponent byte of the first K value of layer 0, before the checksums are taken, so the
     # corruption travels undetected: the decode engine attends to a huge key.
-    pd.control(0, "inject_kv_fault", block_index=0, byte_offset=3)
+    pd.control(0, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
     assert pd.generate([prompt], [params])[0].token_ids != want.token_ids
     assert pd.generate([prompt], [params])[0].token_ids == want.token_ids  # the next one is clean
 

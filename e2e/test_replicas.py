@@ -88,7 +88,9 @@ def test_negative_control_a_difference_on_one_replica_is_noticed(colocated, pd22
     prompt = _prompts(pd22)["over_one_block"]
     want = alone(colocated, "colocated", "over_one_block")
     pools = pd22.engine.pools
-    pd22.engine.pools[PREFILL].clients[1].control("inject_kv_fault", block_index=0, byte_offset=3)
+    pd22.engine.pools[PREFILL].clients[1].control(
+        "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3
+    )
     hold = pools[PREFILL].assign(0)
     try:
         corrupted = pd22.generate([prompt])[0]

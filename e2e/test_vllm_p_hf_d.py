@@ -57,7 +57,7 @@ def test_the_mixed_pair_equals_both_colocated_pipelines(mixed, request, case):
 def test_negative_control_a_perturbed_vllm_block_changes_the_output(mixed, hf_colocated):
     prompt = "Name three colours of the sea at dusk, and say why each one appears."  # not cached
     want = hf_colocated.generate([prompt], use_tqdm=False)[0]
-    mixed.control(1, "inject_vllm_kv_fault", block_index=0, delta=0.5)
+    mixed.control(1, "arm_fault", fault="vllm_pull_corruption", block_index=0, delta=0.5)
     corrupted = mixed.generate([prompt], use_tqdm=False)[0]
     assert corrupted.metrics["kv_blocks_transferred"] >= 1
     assert (corrupted.token_ids, corrupted.audio_sha256) != (want.token_ids, want.audio_sha256)
@@ -87,7 +87,7 @@ def test_a_missed_window_counts_toward_the_breaker_and_falls_back(mixed, hf_colo
     prompt = "What does the wind do to the waves, and why?"  # not cached on the decode side
     want = hf_colocated.generate([prompt], use_tqdm=False)[0]
     failures, fallbacks = mixed.engine.handoff_failures, mixed.engine.fallbacks
-    mixed.control(1, "inject_vllm_kv_miss")
+    mixed.control(1, "arm_fault", fault="vllm_pull_miss")
     got = mixed.generate([prompt], use_tqdm=False)[0]
     assert (mixed.engine.handoff_failures, mixed.engine.fallbacks) == (failures + 1, fallbacks + 1)
     assert (got.token_ids, got.audio_sha256) == (want.token_ids, want.audio_sha256)

@@ -341,7 +341,7 @@ def test_hf_only_keys_on_a_vllm_stage_are_refused_by_name(tmp_path: Path) -> Non
 
 def test_prefix_caching_hash_algo_on_an_hf_stage_is_vllms_and_checked_by_name(tmp_path: Path) -> None:
     from omni_pd.config.engine_keys import unused_by_hf
-    from omni_pd.kv.vllm_block_hash import SUPPORTED_ALGOS
+    from omni_pd.kv.vllm.block_hash import SUPPORTED_ALGOS
 
     data = pd_config()
     data["stage_args"][1]["engine_args"]["prefix_caching_hash_algo"] = "sha512"

@@ -13,6 +13,7 @@ import torch
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from omni_pd.kv import BlockLayout, KVDescriptor, KVIntegrityError, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
+from omni_pd import faults  # noqa: E402
 from omni_pd.kv.checksum import checksum, wsum64  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
 
@@ -49,7 +50,7 @@ def _gpu_sender(conn, fault: bool) -> None:
         lease_timeout_s=60.0,
     )
     if fault:
-        sender.inject_fault_once(1, 9, after_checksum=True)
+        faults.arm("kv.publish.flip", block_index=1, byte_offset=9, after_checksum=True)
     desc = sender.publish("t-ipc", make_kv(37, seed=2, device=GPU))
     conn.send(desc.to_params())
     conn.recv()  # until the decode side is done with the blocks

@@ -1,8 +1,8 @@
 """omni-pd's hf prefill side as the producer of vLLM 0.32's MooncakeConnector protocol
-(kv/vllm_serve.py, kv/vllm_bootstrap.py) and the reverse layout translation
+(kv/vllm/serve.py, kv/vllm/bootstrap.py) and the reverse layout translation
 (`vllm_layout.translate_blocks_to_vllm`).
 
-The consumer here is omni-pd's own implementation of vLLM's consumer half (kv/vllm_pull.py,
+The consumer here is omni-pd's own implementation of vLLM's consumer half (kv/vllm/pull.py,
 which test_vllm_to_hf_kv.py runs against a real vLLM producer): it asks the bootstrap `/query`,
 sends vLLM's msgpack `MooncakeXferMetadata` and waits for vLLM's response, so these tests check
 the server's side of the exchange exactly and fast. e2e/test_hf_p_vllm_d.py runs a real,
@@ -25,18 +25,18 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from omni_pd.kv import vllm_layout  # noqa: E402
+from omni_pd.kv.vllm import layout as vllm_layout  # noqa: E402
 from omni_pd.kv.errors import KVIntegrityError, KVTransferError  # noqa: E402
 from omni_pd.kv.layout import BlockLayout  # noqa: E402
 from omni_pd.kv.transport import MooncakeTransport  # noqa: E402
-from omni_pd.kv.vllm_layout import (  # noqa: E402
+from omni_pd.kv.vllm.layout import (  # noqa: E402
     geometry_of,
     layer_views,
     translate_blocks,
     translate_blocks_to_vllm,
 )
-from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
-from omni_pd.kv.vllm_serve import VllmKVServer  # noqa: E402
+from omni_pd.kv.vllm.pull import VllmKVPuller  # noqa: E402
+from omni_pd.kv.vllm.serve import VllmKVServer  # noqa: E402
 
 LAYOUT = BlockLayout(block_size=32, num_layers=3, num_kv_heads=2, head_dim=32, dtype="float32")
 GEOMETRY = geometry_of(LAYOUT)

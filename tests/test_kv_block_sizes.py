@@ -121,7 +121,7 @@ def test_pull_between_block_sizes_equals_colocated(
             assert out.output.metrics["kv_bytes_transferred"] == n * prefill.layout.bytes_per_token
         # Negative control: one byte flipped in the prefill's first block before its checksums
         # travels unnoticed by the handoff, and the output differs from colocated.
-        prefill.inject_kv_fault(block_index=0, byte_offset=3)
+        prefill.control("arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
         out = handoff(prefill, decode, "bad", prompts(tiny_tokenizer)[1], params(1))
         assert out.error is None and not same_output(out.output, colocated[1])
         assert_clean(prefill, decode)

@@ -20,7 +20,7 @@ from omni_pd.kv import (
     KVTransferError,
     MooncakeTransport,
 )
-from omni_pd.kv import cuda_ipc  # noqa: E402
+from omni_pd.kv.transport import cuda_ipc  # noqa: E402
 from omni_pd.kv.checksum import checksum, kind_for, wsum64  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
 

@@ -25,6 +25,7 @@ from omni_pd.kv import (
     PoolExhausted,
     TransferState,
 )
+from omni_pd import faults  # noqa: E402
 from omni_pd.kv.handoff import Lease, Transfer  # noqa: E402
 from omni_pd.kv.layout import unpack_blocks  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
@@ -160,7 +161,7 @@ def test_incompatible_geometry_fails_before_transfer(sender, transports):
 
 def test_injected_fault_travels_undetected(sender, receiver):
     kv = make_kv(20, seed=2)
-    sender.inject_fault_once(block_index=1, byte_offset=5)
+    faults.arm("kv.publish.flip", block_index=1, byte_offset=5)
     desc = sender.publish("t-fault", kv)
     result = receiver.fetch(desc)  # checksums were computed after the flip, so they pass
     diff = result.kv_canonical != kv
@@ -173,7 +174,7 @@ def test_injected_fault_travels_undetected(sender, receiver):
 
 
 def test_injected_fault_after_checksumming_is_caught(sender, receiver):
-    sender.inject_fault_once(block_index=1, byte_offset=5, after_checksum=True)
+    faults.arm("kv.publish.flip", block_index=1, byte_offset=5, after_checksum=True)
     desc = sender.publish("t-late-fault", make_kv(20, seed=2))
     with pytest.raises(KVIntegrityError, match=r"t-late-fault: block 1 "):
         receiver.fetch(desc)
@@ -181,7 +182,7 @@ def test_injected_fault_after_checksumming_is_caught(sender, receiver):
 
 
 def test_fault_outside_the_transferred_bytes_is_rejected(sender):
-    sender.inject_fault_once(block_index=0, byte_offset=3 * LAYOUT.bytes_per_token)
+    faults.arm("kv.publish.flip", block_index=0, byte_offset=3 * LAYOUT.bytes_per_token)
     with pytest.raises(ValueError, match="outside"):
         sender.publish("t-badfault", make_kv(2))
     assert sender.debug_state_counts() == {"leases": 0, "used_blocks": 0}
@@ -430,7 +431,7 @@ def test_same_host_kv_moves_through_shared_memory_and_says_so(shared_sender, tra
 
 
 def test_same_host_path_checks_integrity(shared_sender, receiver):
-    shared_sender.inject_fault_once(1, 5, after_checksum=True)
+    faults.arm("kv.publish.flip", block_index=1, byte_offset=5, after_checksum=True)
     desc = shared_sender.publish("t-shm-fault", make_kv(40, seed=9))
     try:
         with pytest.raises(KVIntegrityError, match="block 1"):

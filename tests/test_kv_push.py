@@ -76,7 +76,7 @@ def test_push_equals_colocated(runner, colocated, tiny_tokenizer, prefill_block,
             assert out.output.metrics["kv_bytes_transferred"] == n * prefill.layout.bytes_per_token
         # Negative control: one byte flipped in the first pushed block before its checksum
         # travels unnoticed, and the output differs from colocated.
-        prefill.inject_kv_fault(block_index=0, byte_offset=3)
+        prefill.control("arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
         out = pushed(prefill, decode, "bad", prompts(tiny_tokenizer)[1], params(1))
         assert out.error is None and not same_output(out.output, colocated[1])
         assert_clean(prefill, decode)

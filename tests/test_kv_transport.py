@@ -18,7 +18,7 @@ from omni_pd.kv import (
     TransferState,
 )
 from omni_pd.kv.handoff import Transfer
-from omni_pd.kv.transport import AsyncRead, _Submitter
+from omni_pd.kv.transport.mooncake import AsyncRead, _Submitter
 
 LAYOUT = BlockLayout.default_for(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
 
@@ -248,11 +248,12 @@ def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block
 
     import torch
 
-    from omni_pd.kv import handoff
-    from omni_pd.kv.handoff import checksum
+    from omni_pd.kv.checksum import checksum
+    from omni_pd.kv.errors import KVIntegrityError
+    from omni_pd.kv.handoff import receiver as handoff_receiver
 
     receiver, transport, _clock = setup
-    monkeypatch.setattr(handoff, "MAX_ENTRY_BYTES", LAYOUT.block_bytes)
+    monkeypatch.setattr(handoff_receiver, "MAX_ENTRY_BYTES", LAYOUT.block_bytes)
     into = receiver.pool.allocate(2)
     for block in into:
         receiver.pool.block_view(block).zero_()  # what a fake read "lands": zeros
@@ -268,7 +269,7 @@ def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block
     first, second = (batch for _, batch in transport.engine.submitted)
     transport.engine.status[first] = 1  # block 0 lands; block 1 still flies
     if bad_block == 0:
-        with pytest.raises(handoff.KVIntegrityError, match="block 0"):
+        with pytest.raises(KVIntegrityError, match="block 0"):
             receiver.poll("t1")
         assert receiver.debug_state_counts()["kv_quarantined_blocks"] == 2  # entry 2 may still write
         transport.engine.status[second] = 1
@@ -277,7 +278,7 @@ def test_blocks_are_verified_as_their_entries_land(setup, monkeypatch, bad_block
     assert receiver.poll("t1") is None
     assert receiver._transfers["t1"].unverified == {1}  # block 0 checked before the read ended
     transport.engine.status[second] = 1
-    with pytest.raises(handoff.KVIntegrityError, match="block 1"):
+    with pytest.raises(KVIntegrityError, match="block 1"):
         receiver.poll("t1")
     assert receiver.debug_state_counts() == {"transfers": 0, "used_blocks": 0, "kv_quarantined_blocks": 0}
     assert receiver.pool.num_used == 0

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "sampling": 0,
     "audio_io": 0,
     "paths": 0,
+    "faults": 0,  # the test-only fault hook registry production code consults
     "config": 1,
     "kv": 1,
     "planning": 2,

@@ -1,4 +1,4 @@
-"""omni_pd.kv.vllm_block_hash against vLLM 0.32 itself, byte for byte.
+"""omni_pd.kv.vllm.block_hash against vLLM 0.32 itself, byte for byte.
 
 The golden hashes come from a vLLM process started by this test (tests/vllm_block_hash_capture.py):
 an in-process engine's own Request.block_hashes and block-pool keys (xxhash_cbor with a random
@@ -22,7 +22,7 @@ import pytest
 
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 from omni_pd.sampling import SamplingParams
-from omni_pd.kv.vllm_block_hash import (
+from omni_pd.kv.vllm.block_hash import (
     DEFAULT_NONE_HASH_SEED,
     SUPPORTED_ALGOS,
     MultimodalSpan,

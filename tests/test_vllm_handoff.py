@@ -1,5 +1,5 @@
 """The check an hf decode engine makes of a vLLM producer at the first handoff
-(kv/vllm_handoff.py), and the one a vLLM decode engine makes of an hf producer (the reverse
+(kv/vllm/handoff.py), and the one a vLLM decode engine makes of an hf producer (the reverse
 pair): every field that differs is named with both values, in one message."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from omni_pd.kv.errors import KVIncompatibleError
 from omni_pd.kv.layout import BlockLayout
-from omni_pd.kv.vllm_handoff import (
+from omni_pd.kv.vllm.handoff import (
     MOONCAKE_PROTOCOL_VERSIONS,
     VllmProducerInfo,
     check_consumer,
@@ -20,7 +20,7 @@ from omni_pd.kv.vllm_handoff import (
     hf_producer_info,
     seed_rule,
 )
-from omni_pd.kv.vllm_layout import VllmKVGeometry, geometry_of
+from omni_pd.kv.vllm.layout import VllmKVGeometry, geometry_of
 
 GEOMETRY = VllmKVGeometry(
     layer_names=("l0", "l1"),

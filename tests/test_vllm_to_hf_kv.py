@@ -1,6 +1,6 @@
 """An unmodified vLLM prefill engine's KV, read by omni-pd's hf side over vLLM's own
-MooncakeConnector protocol (kv/vllm_pull.py), translated into the hf engine's fused blocks
-(kv/vllm_layout.py) and named by vLLM's block keys.
+MooncakeConnector protocol (kv/vllm/pull.py), translated into the hf engine's fused blocks
+(kv/vllm/layout.py) and named by vLLM's block keys.
 
 The producer is the CI's vLLM thinker prefill leg (stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml,
 the tiny Qwen3-Omni thinker on the hf stages' seeded weights) in its own process. The checks:
@@ -35,13 +35,13 @@ import torch  # noqa: E402
 from omni_pd.kv.errors import KVIncompatibleError, KVMissError  # noqa: E402
 from omni_pd.kv.layout import BlockLayout  # noqa: E402
 from omni_pd.kv.transport import MooncakeTransport  # noqa: E402
-from omni_pd.kv.vllm_block_hash import VllmBlockHasher  # noqa: E402
-from omni_pd.kv.vllm_layout import VllmKVGeometry, check_geometry, translate_blocks  # noqa: E402
+from omni_pd.kv.vllm.block_hash import VllmBlockHasher  # noqa: E402
+from omni_pd.kv.vllm.layout import VllmKVGeometry, check_geometry, translate_blocks  # noqa: E402
 from omni_pd.config import load_pipeline_config  # noqa: E402
 from omni_pd.engines.core.build import ar_engine  # noqa: E402
 from omni_pd.engines.core.pd_legs import DecodeEngine  # noqa: E402
-from omni_pd.kv.vllm_handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
-from omni_pd.kv.vllm_pull import VllmKVPuller  # noqa: E402
+from omni_pd.kv.vllm.handoff import VLLM_KV_KEY, VllmProducerInfo  # noqa: E402
+from omni_pd.kv.vllm.pull import VllmKVPuller  # noqa: E402
 from omni_pd.models.qwen3_omni.hf.thinker_runner import ThinkerRunner  # noqa: E402
 from omni_pd.planning import build_decode_sampling_params  # noqa: E402
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt  # noqa: E402

@@ -33,7 +33,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 from ..engines.core.paged_cache import PagedKVCache  # noqa: E402
-from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport  # noqa: E402
+from ..kv import BlockLayout, KVReceiver, KVSender, open_transport  # noqa: E402
 from ..kv.pool import BlockPool  # noqa: E402
 from .report import run_metadata  # noqa: E402
 
@@ -146,7 +146,10 @@ class _Pair:
     def __init__(self, layout: BlockLayout, blocks: int, path: str):
         self.path = path
         self.device = "cuda:0" if path in GPU_PATHS else "cpu"
-        self.sender_transport, self.receiver_transport = MooncakeTransport(), MooncakeTransport()
+        self.sender_transport, self.receiver_transport = (
+            open_transport("127.0.0.1", "tcp"),
+            open_transport("127.0.0.1", "tcp"),
+        )
         # the prefill engine's
         self.cache = PagedKVCache(layout, blocks, shared=path in ("shm", "cuda_ipc"), device=self.device)
         staged = "cpu" if path == "staged" else None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..engines.core.paged_cache import PagedKVCache
-from ..kv import BlockLayout, KVReceiver, KVSender, MooncakeTransport
+from ..kv import BlockLayout, KVReceiver, KVSender, open_transport
 from ..kv.pool import BlockPool
 from ..kv.push import KVPusher, PushReservations
 
@@ -44,7 +44,10 @@ class PushPullPair:
 
     def __init__(self, layout: BlockLayout, blocks: int):
         self.layout = layout
-        self.prefill_transport, self.decode_transport = MooncakeTransport(), MooncakeTransport()
+        self.prefill_transport, self.decode_transport = (
+            open_transport("127.0.0.1", "tcp"),
+            open_transport("127.0.0.1", "tcp"),
+        )
         self.cache = PagedKVCache(layout, blocks)
         self.sender = KVSender("bench-prefill", layout, self.cache.pool, self.prefill_transport, 600)
         self.receiver = KVReceiver(layout, BlockPool(layout, blocks), self.decode_transport, same_host="off")

@@ -177,7 +177,7 @@ class _TypedEngineArgs(_Model):
     trust_remote_code: bool = False
     distributed_executor_backend: Literal["mp", "ray", "uni", "external_launcher"] | None = None
     enable_prefix_caching: bool | None = None
-    # vLLM 0.32's hash of prefix-cache blocks (kv/vllm_block_hash.SUPPORTED_ALGOS). On an hf stage:
+    # vLLM 0.32's hash of prefix-cache blocks (kv/vllm/block_hash.SUPPORTED_ALGOS). On an hf stage:
     # its prefix cache names blocks with vLLM's keys (unset: omni-pd's own xxh3-128 chain).
     prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import faults
 from ..sampling import SamplingParams
 
 
@@ -124,7 +125,9 @@ class StageEngine(ABC):
         return 0.0
 
     # Engine calls the orchestrator may make outside the request path, by name.
-    control_calls: frozenset[str] = frozenset({"debug_state_counts", "runtime_info", "batch_stats"})
+    control_calls: frozenset[str] = frozenset(
+        {"debug_state_counts", "runtime_info", "batch_stats", "arm_fault"}
+    )
 
     def close(self) -> None:
         """Release what the engine holds (models, registered memory, sockets)."""
@@ -158,6 +161,10 @@ class StageEngine(ABC):
             "num_threads": torch.get_num_threads(),
             "num_interop_threads": torch.get_num_interop_threads(),
         }
+
+    def arm_fault(self, fault: str, **params: Any) -> None:
+        """Tests only: arm the named fault (omni_pd/faults.py) in this engine's process."""
+        faults.arm_fault(fault, **params)
 
     def control(self, name: str, **kwargs: Any) -> Any:
         if name not in self.control_calls:

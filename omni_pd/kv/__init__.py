@@ -1,5 +1,6 @@
-"""The KV data plane: block layouts, a registered block pool, a Mooncake transport and the
-prefill -> decode handoff. It knows bytes, blocks and peers, not prompts or models."""
+"""The KV data plane: block layouts, a registered block pool, the KV transport (its interface,
+with Mooncake and the same-host paths behind it), the prefill -> decode handoff (pull and push)
+and vLLM interop (kv/vllm/). It knows bytes, blocks and peers, not prompts or models."""
 
 from .errors import (
     KVError,
@@ -21,7 +22,7 @@ from .handoff import (
 )
 from .layout import BlockLayout, convert_blocks, dtype_name, pack_blocks, unpack_blocks
 from .pool import BlockPool
-from .transport import AsyncRead, MooncakeTransport, ReadState
+from .transport import AsyncRead, KVTransport, MooncakeTransport, ReadState, TransferHandle, open_transport
 
 __all__ = [
     "AsyncRead",
@@ -36,15 +37,18 @@ __all__ = [
     "KVMissError",
     "KVReceiver",
     "KVSender",
+    "KVTransport",
     "KVTransferError",
     "Lease",
     "MooncakeTransport",
     "PoolExhausted",
     "ReadState",
     "Transfer",
+    "TransferHandle",
     "TransferState",
     "convert_blocks",
     "dtype_name",
     "pack_blocks",
+    "open_transport",
     "unpack_blocks",
 ]

@@ -97,7 +97,7 @@ class BlockPool:
         if self.device.type == "cpu":
             return None
         if self._ipc_handle is None:
-            from .cuda_ipc import export_handle
+            from .transport.cuda_ipc import export_handle
 
             self._ipc_handle = export_handle(self._blocks.view(-1))
         return self._ipc_handle

@@ -31,11 +31,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from .. import faults
 from .checksum import CHECKSUM_KINDS, checksum
 from .errors import KVIncompatibleError, KVIntegrityError, KVMissError, KVTransferError
 from .layout import BlockLayout
 from .pool import BlockPool
-from .transport import AsyncRead, MooncakeTransport, ReadState, Segment, coalesce_groups
+from .transport import KVTransport, ReadState, Segment, TransferHandle, coalesce_groups
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +190,13 @@ class _Push:
     deadline: float
     state: PushState = PushState.WRITING
     sent: int = 0  # target blocks submitted so far
-    writes: list[AsyncRead] = field(default_factory=list)
+    writes: list[TransferHandle] = field(default_factory=list)
     checksums: list[str] = field(default_factory=list)
     held: list[int] = field(default_factory=list)  # blocks kept while writes may still read them
     bytes: int = 0
+    # The armed kv.publish.flip fault hook, taken at its start (test-only, omni_pd/faults.py):
+    # a byte of a target block flipped in the source before its checksum (unseen) or after.
+    fault: dict[str, Any] | None = None
 
     @property
     def settled(self) -> bool:
@@ -205,7 +209,7 @@ class KVPusher:
 
     def __init__(
         self,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         pool: BlockPool,
         landing: BlockPool,
         free: Callable[[list[int]], None],
@@ -221,9 +225,6 @@ class KVPusher:
         self._pushes: dict[str, _Push] = {}
         self._fenced: list[_Push] = []  # ended with writes in flight: their source blocks held
         self.late_writes = 0  # writes that landed after their wait ran out (counter)
-        # Test hook (KVSender.inject_fault_once's, taken over by a push): (target block, byte,
-        # after_checksum) flipped in the source before the checksum (unseen) or after (caught).
-        self.fault: tuple[int, int, bool] | None = None
         self._lock = threading.Lock()
 
     def start(self, target: PushTarget, source: list[int]) -> None:
@@ -232,7 +233,10 @@ class KVPusher:
             if target.transfer_id in self._pushes:
                 raise ValueError(f"transfer {target.transfer_id} is already being pushed")
             self._pushes[target.transfer_id] = _Push(
-                target, list(source), deadline=self._clock() + target.wait_s
+                target,
+                list(source),
+                deadline=self._clock() + target.wait_s,
+                fault=faults.take("kv.publish.flip"),
             )
 
     def send(self, transfer_id: str, computed: int) -> None:
@@ -271,17 +275,18 @@ class KVPusher:
         push.sent = ready
 
     def _apply_fault(self, push: _Push, k: int, views: list[torch.Tensor], after_checksum: bool) -> None:
-        if self.fault is None or self.fault[0] != k or self.fault[2] != after_checksum:
+        fault = push.fault
+        if fault is None or fault["block_index"] != k or fault.get("after_checksum", False) != after_checksum:
             return
-        offset = self.fault[1]
+        offset = fault["byte_offset"]
         for view in views:
             if offset < view.numel():
                 view[offset] ^= 0xFF
                 break
             offset -= view.numel()
         else:
-            raise ValueError(f"injected fault {self.fault} lies outside pushed block {k}")
-        self.fault = None
+            raise ValueError(f"injected fault {fault} lies outside pushed block {k}")
+        push.fault = None
         log.warning(
             "transfer %s: injected a KV fault in pushed block %d (test hook)", push.target.transfer_id, k
         )

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ... import faults
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import AudioOutput
@@ -54,7 +55,7 @@ class Utterance:
 
 
 class ChunkedEngine(StageEngine):
-    control_calls = StageEngine.control_calls | {"set_left_context_frames", "inject_chunk_fault"}
+    control_calls = StageEngine.control_calls | {"set_left_context_frames"}
 
     def __init__(
         self,
@@ -86,7 +87,6 @@ class ChunkedEngine(StageEngine):
                 exact,
             )
         self._utterances: OrderedDict[str, Utterance] = OrderedDict()
-        self._fault_after_chunks: int | None = None  # test hook: fail the next streamed utterance
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -105,10 +105,16 @@ class ChunkedEngine(StageEngine):
         self.left_context_frames = None if frames is None else int(frames)
         return previous
 
-    def inject_chunk_fault(self, after_chunks: int) -> None:
-        """Test hook: the next streamed utterance fails when decoding its chunk number
-        `after_chunks` + 1, as a stage failing mid-stream would."""
-        self._fault_after_chunks = int(after_chunks)
+    @staticmethod
+    def _fault_strikes(pieces: int) -> bool:
+        """The chunked.stream.fail fault hook (test-only, omni_pd/faults.py): the next streamed
+        utterance fails when decoding its chunk number `after_chunks` + 1, as a stage failing
+        mid-stream would. False unless a test armed it."""
+        fault = faults.peek("chunked.stream.fail")
+        if fault is None or fault["after_chunks"] != pieces:
+            return False
+        faults.disarm("chunked.stream.fail")
+        return True
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -180,9 +186,8 @@ class ChunkedEngine(StageEngine):
         try:
             if count:
                 start, end = u.decoded, u.decoded + count
-                if u.stream and self._fault_after_chunks == len(u.pieces):
-                    self._fault_after_chunks = None
-                    raise RuntimeError("injected fault (inject_chunk_fault)")
+                if u.stream and self._fault_strikes(len(u.pieces)):
+                    raise RuntimeError("injected fault (chunked.stream.fail fault hook)")
                 if u.stream:
                     piece = self.runner.decode_chunk(
                         u.carried, u.units[:, start:end], self.left_context_frames

@@ -20,19 +20,21 @@ import logging
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
-from ...kv import KVDescriptor, KVReceiver, KVSender, MooncakeTransport
+from ... import faults
+from ...kv import KVDescriptor, KVReceiver, KVSender
+from ...kv.transport import open_transport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
 from ...kv.push import RECORD_KEY, TARGET_KEY, KVPusher, PushReservations
+from ...kv.vllm.consumers import VllmConsumers
+from ...kv.vllm.source import VllmKVSource, from_vllm
 from ..base import StepOutput
 from .ar_engine import ArEngine
 from .request import EngineRequest, Phase
-from .runner import ArRunner
+from .runner import ArRunner, Prefilled
 from . import push_legs
 from .transfer_settings import TransferSettings
-from .vllm_consumers import VllmConsumers
-from .vllm_source import VllmKVSource, from_vllm
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +89,7 @@ class PrefillEngine(ArEngine):
     answering with the first token."""
 
     decodes = False
-    control_calls = ArEngine.control_calls | {
-        "release_kv",
-        "inject_kv_fault",
-        "inject_push_stop",
-        "vllm_serve_stats",
-        "inject_vllm_kv_fault",
-        "inject_vllm_kv_refusal",
-    }
+    control_calls = ArEngine.control_calls | {"release_kv", "vllm_serve_stats"}
 
     @staticmethod
     def shares_cache(stage_config) -> bool:
@@ -104,7 +99,7 @@ class PrefillEngine(ArEngine):
         super().__init__(stage_config, runner)
         settings = TransferSettings.of(stage_config)
         self.engine_id = settings.engine_id or f"prefill-{uuid.uuid4().hex[:12]}"
-        self.transport = MooncakeTransport(host=settings.host, protocol=settings.protocol)
+        self.transport = open_transport(settings.host, settings.protocol)
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "prefill", self.fingerprint)
         # The paged cache is what is published: registered once, its blocks leased as they are.
@@ -117,12 +112,10 @@ class PrefillEngine(ArEngine):
             buffer_device=settings.buffer_device,
             same_host=settings.handoff.kv_same_host != "off",
         )
-        self._fault_pending = False  # inject_kv_fault: the next admitted request stays uncached
         # Push mode: writes prompt blocks into the decode side's reservations (push_legs.py).
         self.pusher = KVPusher(self.transport, self.sender.pool, self.sender.landing, self.kv.free)
         self.push_chunk_tokens = settings.handoff.kv_push_chunk_tokens
-        self.push_stop_after: int | None = None  # inject_push_stop: chunks before the worker stops
-        # Unmodified vLLM decode engines as this leg's peers (vllm_consumers.py), when asked for.
+        # Unmodified vLLM decode engines as this leg's peers (kv/vllm/consumers.py), when asked for.
         self.vllm_consumers: VllmConsumers | None = None
         if settings.handoff.serve_vllm_consumers:
             self.vllm_consumers = VllmConsumers(
@@ -230,8 +223,8 @@ class PrefillEngine(ArEngine):
         return checksum
 
     def _match_prefix(self, request: EngineRequest) -> list[int]:
-        if self._fault_pending:  # the oldest waiting request is the next one published
-            request.cacheable, self._fault_pending = False, False
+        if faults.take("prefill.uncacheable") is not None:  # test-only (omni_pd/faults.py)
+            request.cacheable = False  # the oldest waiting request is the next one published
         return super()._match_prefix(request)
 
     def release_kv(self, transfer_id: str) -> bool:
@@ -250,31 +243,6 @@ class PrefillEngine(ArEngine):
     def vllm_serve_stats(self) -> dict[str, Any]:
         """What this leg wrote to vLLM decode engines (cumulative): sends, blocks, refusals."""
         return self._consumers().stats()
-
-    def inject_vllm_kv_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
-        """Test hook: the next request offered to a vLLM consumer has one block perturbed."""
-        self._consumers().inject_fault(block_index, delta)
-
-    def inject_vllm_kv_refusal(self) -> None:
-        """Test hook: the next request offered to a vLLM consumer is refused when it asks."""
-        self._consumers().inject_refusal()
-
-    def inject_kv_fault(
-        self, block_index: int = 0, byte_offset: int = 3, after_checksum: bool = False
-    ) -> None:
-        """Test hook: the next published request gets one flipped byte. Its blocks stay out of
-        the prefix cache both ways, so the flip corrupts that request alone, as a fault in
-        transit would, and not the cached prefix of the requests after it."""
-        self.sender.inject_fault_once(block_index, byte_offset, after_checksum)
-        self._fault_pending = True
-
-    def inject_push_stop(self, after_chunks: int = 1) -> None:
-        """Test hook: the next push stops this worker (SIGSTOP to its own process) once the
-        writes of its first `after_chunks` chunks are submitted, so that a test can kill either
-        peer at a known point mid-push and then let the worker go on (SIGCONT)."""
-        if after_chunks < 1:
-            raise ValueError(f"inject_push_stop: after_chunks must be at least 1, got {after_chunks}")
-        self.push_stop_after = after_chunks
 
     def housekeeping(self) -> None:
         self.sender.expire_leases()
@@ -301,6 +269,22 @@ class PrefillEngine(ArEngine):
         if self.vllm_consumers is not None:
             self.vllm_consumers.close()
 
+    # ---- what push mode calls of this leg (push_legs.PushPrefillLeg) -------------------------
+    def prefill_prompt(self, request: EngineRequest) -> Prefilled:
+        return self._prefill(request)
+
+    def take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled:
+        return self._take_first_token(request, result, elapsed_ms)
+
+    def cache_prompt(self, request: EngineRequest, pre: Prefilled, checksums: Sequence[str] = ()) -> None:
+        self._cache_prompt(request, pre, checksums)
+
+    def prompt_checksums(self, request: EngineRequest) -> list[str]:
+        return self._prompt_checksums(request)
+
+    def drop_request(self, request: EngineRequest) -> None:
+        self._drop(request)
+
 
 class DecodeEngine(ArEngine):
     """The decode leg. The wait for a request's KV is bounded by `kv_wait_s` from its
@@ -308,12 +292,7 @@ class DecodeEngine(ArEngine):
     KVMissError (and the orchestrator falls back)."""
 
     prefills_over_cache = False  # its blocks are named without their rows (_match_prefix)
-    control_calls = ArEngine.control_calls | {
-        "reserve_kv",
-        "release_push",
-        "inject_vllm_kv_fault",
-        "inject_vllm_kv_miss",
-    }
+    control_calls = ArEngine.control_calls | {"reserve_kv", "release_push"}
 
     def __init__(self, stage_config, runner: ArRunner):
         super().__init__(stage_config, runner)
@@ -324,8 +303,8 @@ class DecodeEngine(ArEngine):
         self.engine_id = settings.engine_id or f"decode-{uuid.uuid4().hex[:12]}"
         # A read abandoned on a frozen peer holds its blocks until Mooncake gives up on
         # it: make that the handoff deadline rather than Mooncake's 30 s.
-        self.transport = MooncakeTransport(
-            host=settings.host, protocol=settings.protocol, progress_timeout_s=handoff.kv_handoff_deadline_s
+        self.transport = open_transport(
+            settings.host, settings.protocol, progress_timeout_s=handoff.kv_handoff_deadline_s
         )
         self.fingerprint = engine_fingerprint(runner, self.layout, self.engine_id)
         _log_fingerprint(self.stage_id, self.name, "decode", self.fingerprint)
@@ -569,17 +548,6 @@ class DecodeEngine(ArEngine):
         )
         return self._resume(request)
 
-    def inject_vllm_kv_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
-        """Test hook: block `block_index` of the next pull from a vLLM producer is perturbed by
-        `delta` in staging, before its translation (vLLM's protocol carries no checksum that
-        would notice); that request's blocks stay out of the prefix cache."""
-        self.vllm.inject_fault(block_index, delta)
-
-    def inject_vllm_kv_miss(self) -> None:
-        """Test hook: the next pull from a vLLM producer waits 0 s, so it misses its window
-        (KVMissError) while the producer still sends: its staging stays quarantined until then."""
-        self.vllm.inject_miss()
-
     def _name_blocks(self, request: EngineRequest) -> None:
         """Name the prompt's full blocks, arrived or reused, for the next turn's handoff."""
         same_layout = request.vllm_kv is not None or _remote_kv(request).kv_layout == self.layout
@@ -682,3 +650,10 @@ class DecodeEngine(ArEngine):
     def close(self) -> None:
         self.vllm.close()
         self.receiver.close()
+
+    # ---- what push mode calls of this leg (push_legs.PushDecodeLeg) --------------------------
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
+        return self._prompt_ids(request)
+
+    def resume_request(self, request: EngineRequest) -> list[StepOutput]:
+        return self._resume(request)

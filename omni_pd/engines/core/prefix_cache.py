@@ -6,7 +6,7 @@ hash of a multimodal input's content). So equal hashes mean equal prefixes up to
 the block. By default (`OMNI_PD_NAMING`) this uses xxh3-128 over a fixed byte encoding (parent
 hash, the ids as little-endian int64, the extra keys' bytes): the same chain as vLLM's, not the
 same numbers. With `prefix_caching_hash_algo` set on the stage (`vllm_naming`), blocks are named
-by vLLM's own hashes (kv/vllm_block_hash.py): a block of text tokens gets the key a vLLM engine
+by vLLM's own hashes (kv/vllm/block_hash.py): a block of text tokens gets the key a vLLM engine
 with the same algorithm and NONE_HASH seed gives it, so keys can be exchanged with vLLM. A block
 holding audio is keyed by omni-pd's content key of the clip under its own tag, never equal to a
 vLLM key (vLLM's multimodal identifiers come from its own processor's hasher).
@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from ...kv.pool import BlockPool
-from ...kv.vllm_block_hash import CRYPTOGRAPHIC_ALGOS, VllmBlockHasher
+from ...kv.vllm.block_hash import CRYPTOGRAPHIC_ALGOS, VllmBlockHasher
 
 log = logging.getLogger(__name__)
 

@@ -11,24 +11,100 @@ answers with the completion record instead of publishing a lease.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
-from typing import Any, Callable, TypeAlias
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
+from ... import faults
 from ...kv.errors import PoolExhausted
-from ...kv.fingerprint import FINGERPRINT_KEY
-from ...kv.push import RECORD_KEY, PushTarget
+from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints
+from ...kv.layout import BlockLayout
+from ...kv.push import RECORD_KEY, KVPusher, PushReservations, PushTarget
+from ...kv.transport import KVTransport
 from ..base import StepOutput
 from .request import EngineRequest
-from .runner import PrefillItem, Prefilled
+from .runner import ArRunner, PrefillItem, Prefilled
 
-# The legs (pd_legs.DecodeEngine / PrefillEngine) call in here: typed loosely, as importing
-# them would make a cycle.
-DecodeEngine: TypeAlias = Any
-PrefillEngine: TypeAlias = Any
+if TYPE_CHECKING:
+    from .kv_manager import KVManager
+
+
+class PushDecodeLeg(Protocol):
+    """What push mode reads and calls of the decode leg (pd_legs.DecodeEngine)."""
+
+    @property
+    def stage_id(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def prefix_caching(self) -> bool: ...
+    @property
+    def layout(self) -> BlockLayout: ...
+    @property
+    def runner(self) -> ArRunner: ...
+    @property
+    def kv(self) -> KVManager: ...
+    @property
+    def pushes(self) -> PushReservations: ...
+    @property
+    def peers(self) -> PeerFingerprints: ...
+
+    def new_request(self, request_id: str, prompt: Any, params: Any) -> EngineRequest:
+        """The runner's checked record of a request, its blocks' extra keys named."""
+        ...
+
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
+        """The ids its prefix cache names the prompt's blocks by."""
+        ...
+
+    def resume_request(self, request: EngineRequest) -> list[StepOutput]:
+        """Start a request whose prompt KV is in its blocks, from the prefill's first token."""
+        ...
+
+
+class PushPrefillLeg(Protocol):
+    """What push mode reads and calls of the prefill leg (pd_legs.PrefillEngine)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def layout(self) -> BlockLayout: ...
+    @property
+    def runner(self) -> ArRunner: ...
+    @property
+    def kv(self) -> KVManager: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def fingerprint(self) -> dict[str, Any]: ...
+    @property
+    def transport(self) -> KVTransport: ...
+    @property
+    def pusher(self) -> KVPusher: ...
+    @property
+    def push_chunk_tokens(self) -> int: ...
+
+    def prefill_prompt(self, request: EngineRequest) -> Prefilled:
+        """Prefill the whole prompt (over its cached prefix) and sample the first token."""
+        ...
+
+    def compute_prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
+        """One prefill pass of its runner through the engine's attention (ArEngine's)."""
+        ...
+
+    def take_first_token(self, request: EngineRequest, result: Prefilled, elapsed_ms: float) -> Prefilled: ...
+
+    def cache_prompt(self, request: EngineRequest, pre: Prefilled, checksums: Sequence[str] = ()) -> None:
+        """Name the prompt's blocks in its prefix cache (with their checksums)."""
+        ...
+
+    def prompt_checksums(self, request: EngineRequest) -> list[str]: ...
+
+    def drop_request(self, request: EngineRequest) -> None:
+        """Forget a finished request (its blocks freed)."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +112,14 @@ log = logging.getLogger(__name__)
 # ---- decode leg ----------------------------------------------------------------------------
 
 
-def reserve(engine: DecodeEngine, transfer_id: str, prompt: Any, params: Any, wait_s: float) -> dict:
+def reserve(engine: PushDecodeLeg, transfer_id: str, prompt: Any, params: Any, wait_s: float) -> dict:
     """Reserve the blocks of the request the decode leg will get as `prompt` (the prompt it is
     sent) with `params`: its prefix cache's blocks, then the rest of prompt plus max_tokens.
     Returns the push target for the prefill leg (kv_transfer_params[TARGET_KEY])."""
     request = engine.new_request(transfer_id, prompt, params)
     matched: list[int] = []
     if engine.prefix_caching:
-        matched = engine.kv.match(engine._prompt_ids(request), request.extra_keys, limit=request.prompt_len)
+        matched = engine.kv.match(engine.prompt_ids(request), request.extra_keys, limit=request.prompt_len)
     positions = request.prompt_len + params.max_tokens
     if engine.kv.blocks_for(positions) > engine.kv.num_blocks:
         engine.kv.free(matched)
@@ -67,7 +143,7 @@ def reserve(engine: DecodeEngine, transfer_id: str, prompt: Any, params: Any, wa
     return target.to_params()
 
 
-def take_pushed(engine: DecodeEngine, request: EngineRequest, kv_params: dict[str, Any]) -> None:
+def take_pushed(engine: PushDecodeLeg, request: EngineRequest, kv_params: dict[str, Any]) -> None:
     """A decode request whose prompt KV was pushed: check the record, verify the blocks and make
     the reservation's blocks the request's (raises KV errors: the orchestrator falls back)."""
     transfer_id = kv_params.get("transfer_id")
@@ -98,12 +174,12 @@ def take_pushed(engine: DecodeEngine, request: EngineRequest, kv_params: dict[st
     )
 
 
-def start_pushed(engine: DecodeEngine, request: EngineRequest) -> list[StepOutput]:
+def start_pushed(engine: PushDecodeLeg, request: EngineRequest) -> list[StepOutput]:
     """Start a pushed request: its blocks hold the prompt's KV already."""
     if engine.prefix_caching and request.cacheable and _kv_params(request).get("kv_cacheable") is not False:
         full = request.prompt_len // engine.block_size
-        engine.kv.register(request.blocks[:full], engine._prompt_ids(request), request.extra_keys)
-    return engine._resume(request)
+        engine.kv.register(request.blocks[:full], engine.prompt_ids(request), request.extra_keys)
+    return engine.resume_request(request)
 
 
 def _kv_params(request: EngineRequest) -> dict[str, Any]:
@@ -113,7 +189,7 @@ def _kv_params(request: EngineRequest) -> dict[str, Any]:
 # ---- prefill leg ---------------------------------------------------------------------------
 
 
-def check_target(engine: PrefillEngine, request: EngineRequest, params: Any) -> None:
+def check_target(engine: PushPrefillLeg, request: EngineRequest, params: Any) -> None:
     """Read the decode side's push target (refused when it cannot be written from here)."""
     target = PushTarget.from_params(params)
     if target.num_tokens != request.prompt_len:
@@ -125,17 +201,16 @@ def check_target(engine: PrefillEngine, request: EngineRequest, params: Any) -> 
     request.push_target = target
 
 
-def start_push(engine: PrefillEngine, request: EngineRequest) -> list[StepOutput]:
+def start_push(engine: PushPrefillLeg, request: EngineRequest) -> list[StepOutput]:
     target = request.push_target
     assert target is not None, f"request {request.request_id} has no push target"
     began = time.perf_counter()
-    engine.pusher.fault = engine.sender.take_fault()
     engine.pusher.start(target, request.blocks)
 
     def send(computed: int) -> None:
         engine.pusher.send(target.transfer_id, computed)
-        if computed > request.cached_len:
-            _maybe_stop(engine, target.transfer_id)
+        if computed > request.cached_len:  # test-only (omni_pd/faults.py): nothing unless armed
+            faults.hit("kv.push.chunk_sent", transfer_id=target.transfer_id)
 
     try:
         pre = prefill_in_chunks(engine, request, target, send)
@@ -145,7 +220,7 @@ def start_push(engine: PrefillEngine, request: EngineRequest) -> list[StepOutput
             request.blocks = []  # held until Mooncake ends the writes that read them
         raise
     transfer_ms = (time.perf_counter() - began) * 1e3
-    engine._cache_prompt(request, pre, engine._prompt_checksums(request))
+    engine.cache_prompt(request, pre, engine.prompt_checksums(request))
     assert pre.first_token is not None, "_take_first_token samples the first token"
     out_params = {
         "transfer_id": target.transfer_id,
@@ -173,24 +248,11 @@ def start_push(engine: PrefillEngine, request: EngineRequest) -> list[StepOutput
     request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
     output = engine.runner.output(request, "length")
     output.kv_transfer_params = out_params
-    engine._drop(request)  # no lease: the KV is in the decode side's blocks already
+    engine.drop_request(request)  # no lease: the KV is in the decode side's blocks already
     return [StepOutput(request.request_id, finished=True, output=output)]
 
 
-def _maybe_stop(engine: PrefillEngine, transfer_id: str) -> None:
-    """The inject_push_stop test hook: stop this worker once the chosen chunk's writes are out."""
-    if engine.push_stop_after is None:
-        return
-    engine.push_stop_after -= 1
-    if engine.push_stop_after == 0:
-        engine.push_stop_after = None
-        log.warning(
-            "transfer %s: this worker stops itself mid-push (inject_push_stop test hook)", transfer_id
-        )
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def chunk_tokens(engine: PrefillEngine, target: PushTarget) -> int:
+def chunk_tokens(engine: PushPrefillLeg, target: PushTarget) -> int:
     """kv_push_chunk_tokens rounded up to a multiple of both block sizes (chunks end on block
     boundaries of both sides)."""
     unit = max(engine.block_size, target.kv_layout.block_size)
@@ -198,15 +260,15 @@ def chunk_tokens(engine: PrefillEngine, target: PushTarget) -> int:
 
 
 def prefill_in_chunks(
-    engine: PrefillEngine, request: EngineRequest, target: PushTarget, send: Callable[[int], None]
+    engine: PushPrefillLeg, request: EngineRequest, target: PushTarget, send: Callable[[int], None]
 ) -> Prefilled:
     """Prefill the prompt into its blocks chunk by chunk, calling `send(n)` once the first n
     positions are in them; a runner without chunks (or a prompt its batched pass cannot take)
     prefills whole. The chunks' results are bit for bit the whole prompt's (each chunk attends
     to the KV of the ones before, as a prompt over a cached prefix does)."""
     if not (request.batchable and getattr(engine.runner, "prefills_in_chunks", False)):
-        pre = engine._prefill(request)
-        engine.kv.write(request.blocks, request.cached_len, pre.kv)
+        pre = engine.prefill_prompt(request)
+        engine.kv.write(request.blocks, request.cached_len, pre.computed_kv)
         send(request.prompt_len)
         return pre
     began = time.perf_counter()
@@ -228,4 +290,4 @@ def prefill_in_chunks(
         {name: torch.cat([p.rows[name] for p in parts]) for name in last.rows},
         dict(last.state),
     )
-    return engine._take_first_token(request, whole, (time.perf_counter() - began) * 1e3)
+    return engine.take_first_token(request, whole, (time.perf_counter() - began) * 1e3)

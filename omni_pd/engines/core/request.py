@@ -53,8 +53,8 @@ class EngineRequest:
     # Push mode. Decode leg: the reservation the prefill wrote the prompt's KV into (its blocks
     # are the request's from add_request on). Prefill leg: the decode side's blocks to write.
     pushed: Reservation | None = None
-    # Decode leg, KV from an unmodified vLLM prefill engine (core/vllm_source.py): its producer
-    # (kv.vllm_handoff.VllmProducerInfo) and, while its blocks move, the pull (kv.vllm_pull.VllmPull).
+    # Decode leg, KV from an unmodified vLLM prefill engine (kv/vllm/source.py): its producer
+    # (kv.vllm.handoff.VllmProducerInfo) and, while its blocks move, the pull (kv.vllm.pull.VllmPull).
     vllm_kv: Any = None
     vllm_pull: Any = None
     push_target: PushTarget | None = None

@@ -53,7 +53,7 @@ from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..types import TextOutput, TokenPrompt
 from ...kv.errors import KVIncompatibleError
-from ...kv.vllm_handoff import (
+from ...kv.vllm.handoff import (
     HF_KV_KEY,
     VLLM_KV_KEY,
     VllmProducerInfo,
@@ -61,7 +61,7 @@ from ...kv.vllm_handoff import (
     check_vllm_consumer,
 )
 from .hooks import LegRole, VllmModelHooks
-from .kv_producer_info import log_producer_info, producer_info
+from ...kv.vllm.producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
 from .rows import RequestRows, check_vllm_version
 
@@ -303,7 +303,7 @@ class VllmEngine(StageEngine):
     def _check_hf_producer(self, described: Any) -> None:
         """omni-pd's hf prefill engine as this consumer's producer: its blocks (translated into
         vLLM's CPU layout) and block keys must be this engine's; refused by name at the first
-        handoff (kv/vllm_handoff.py), once per producer description."""
+        handoff (kv/vllm/handoff.py), once per producer description."""
         if described in self._hf_producers:
             return
         if self.consumer_info is None:

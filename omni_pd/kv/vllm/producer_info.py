@@ -1,4 +1,4 @@
-"""A vLLM producer's KV as a non-vLLM decode engine needs to know it (kv/vllm_handoff.py); the
+"""A vLLM producer's KV as a non-vLLM decode engine needs to know it (kv/vllm/handoff.py); the
 same for a vLLM consumer, checked against an hf producer's.
 
 Read once, after start-up, from what vLLM's MooncakeConnector worker registered in this process
@@ -15,8 +15,8 @@ import json
 import logging
 import os
 
-from ...kv.vllm_handoff import VllmProducerInfo, seed_rule
-from ...kv.vllm_layout import VllmKVGeometry
+from .handoff import VllmProducerInfo, seed_rule
+from .layout import VllmKVGeometry
 
 log = logging.getLogger(__name__)
 

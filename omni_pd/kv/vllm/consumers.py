@@ -1,10 +1,10 @@
 """The hf prefill leg's vLLM decode peers: an unmodified vLLM decode engine (MooncakeConnector,
 `kv_role: kv_consumer`) reads the prompt KV this leg prefilled, over vLLM's own protocol
-(kv/vllm_serve.py), translated into vLLM's CPU layout (kv/vllm_layout.py).
+(kv/vllm/serve.py), translated into vLLM's CPU layout (kv/vllm/layout.py).
 
 Chosen by the stage's `kv_connector_extra_config.serve_vllm_consumers: true` (the config check
 asks for it on an hf prefill stage paired with a vLLM decode stage, and only there). At start-up
-the leg logs its KV fingerprint in vLLM's producer shape (kv/vllm_handoff.py), registers staging
+the leg logs its KV fingerprint in vLLM's producer shape (kv/vllm/handoff.py), registers staging
 for as many blocks as its paged cache holds and starts the bootstrap and side-channel servers.
 Per request `offer` translates the prompt's blocks into staging (byte checked) under a lease of
 `kv_lease_timeout_s`, and the request's own blocks go back to the engine (its prefix cache keeps
@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from ...kv.transport import MooncakeTransport
-from ...kv.vllm_handoff import HF_KV_KEY, hf_producer_info
-from ...kv.vllm_serve import VllmKVServer
+from ... import faults
+from ..transport import KVTransport
+from .handoff import HF_KV_KEY, hf_producer_info
+from .serve import VllmKVServer
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class VllmConsumers:
         stage_id: int,
         engine_id: str,
         layout,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         naming_scheme: str,
         naming_seed: str,
         model: str,
@@ -57,21 +58,23 @@ class VllmConsumers:
             lease_timeout_s,
             host=transport.host,
         )
-        self._fault: tuple[int, float] | None = None
-        self._refuse = False
 
     def offer(self, transfer_id: str, fused: torch.Tensor, blocks: list[int]) -> dict[str, Any]:
         """Hold the prompt's blocks for the vLLM consumer that asks for `transfer_id`; the keys
         that tell it where (the caller adds its own)."""
-        refuse, self._refuse = self._refuse, False
+        refuse = faults.take("vllm.serve.refuse") is not None  # test-only; False unless armed
         offer = self.server.offer(
             transfer_id,
             fused,
             blocks,
-            refuse="refused by a test hook (inject_vllm_kv_refusal)" if refuse else None,
+            refuse="refused by a test hook (vllm.serve.refuse)" if refuse else None,
         )
-        if self._fault is not None:  # test hook: one staged block perturbed, every layer
-            (block, delta), self._fault = self._fault, None
+        # Test-only (omni_pd/faults.py): one staged block perturbed, every layer, after its
+        # (checked) translation, as a fault in transit would be: vLLM's protocol carries no
+        # checksum, so only the output can show it.
+        fault = faults.take("vllm.serve.perturb")
+        if fault is not None:
+            block, delta = fault["block_index"], fault["delta"]
             for layer in self.server.layers:
                 layer[offer.staging[block]] += delta
             log.warning("transfer %s: perturbed staged block %d by %g (test hook)", transfer_id, block, delta)
@@ -86,16 +89,6 @@ class VllmConsumers:
 
     def release(self, transfer_id: str) -> bool:
         return self.server.release(transfer_id)
-
-    def inject_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
-        """Test hook: the next offer's block `block_index` is perturbed in staging after its
-        (checked) translation, as a fault in transit would be: vLLM's protocol carries no
-        checksum, so only the output can show it."""
-        self._fault = (block_index, delta)
-
-    def inject_refusal(self) -> None:
-        """Test hook: the next offer is held but its consumer's ask is refused."""
-        self._refuse = True
 
     def expire(self) -> None:
         self.server.expire()

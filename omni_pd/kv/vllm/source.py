@@ -1,8 +1,8 @@
 """The hf decode leg's second KV source: an unmodified vLLM prefill engine (MooncakeConnector
-producer), read over vLLM's own protocol (kv/vllm_pull.py) and translated into the request's
-blocks (kv/vllm_layout.py).
+producer), read over vLLM's own protocol (kv/vllm/pull.py) and translated into the request's
+blocks (kv/vllm/layout.py).
 
-A request whose kv_transfer_params carry `omni_pd_vllm_kv` (kv/vllm_handoff.py) comes from such
+A request whose kv_transfer_params carry `omni_pd_vllm_kv` (kv/vllm/handoff.py) comes from such
 a producer. At its first handoff the producer's geometry and block keys are checked against this
 engine's (`check_consumer`: refused with both values named); the staging memory, one region per
 vLLM layer, is made then, for that geometry, and registered once with the decode leg's Mooncake
@@ -18,18 +18,19 @@ import json
 import logging
 from typing import Any
 
-from ...kv.errors import KVIncompatibleError
-from ...kv.layout import BlockLayout
-from ...kv.transport import MooncakeTransport
-from ...kv.vllm_handoff import (
+from ... import faults
+from ..errors import KVIncompatibleError
+from ..layout import BlockLayout
+from ..transport import KVTransport
+from .handoff import (
     VLLM_KV_KEY,
     VllmProducerInfo,
     check_consumer,
     check_protocol_version,
     consumer_fingerprint,
 )
-from ...kv.vllm_layout import translate_blocks
-from ...kv.vllm_pull import VllmKVPuller, VllmPull
+from .layout import translate_blocks
+from .pull import VllmKVPuller, VllmPull
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class VllmKVSource:
         self,
         stage_id: int,
         layout: BlockLayout,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         naming_scheme: str,
         naming_seed: str,
         model: str,
@@ -56,8 +57,6 @@ class VllmKVSource:
         self.fingerprint = consumer_fingerprint(layout, naming_scheme, naming_seed, model)
         self.producer: VllmProducerInfo | None = None  # the producer accepted at the first handoff
         self.puller: VllmKVPuller | None = None
-        self._fault: tuple[int, float] | None = None  # inject_fault: (block, delta) of the next pull
-        self._miss = False  # inject_miss: the next pull's wait is 0 s
 
     def log_fingerprint(self) -> None:
         log.info(
@@ -94,7 +93,8 @@ class VllmKVSource:
 
     @property
     def fault_pending(self) -> bool:
-        return self._fault is not None
+        """A test has armed the vllm.pull.perturb fault hook (omni_pd/faults.py) for the next pull."""
+        return faults.armed("vllm.pull.perturb")
 
     def free_staging(self) -> int:
         return self.staging_blocks - self.debug_state_counts()["kv.vllm_staging_blocks_held"]
@@ -102,8 +102,8 @@ class VllmKVSource:
     def start(self, kv_params: dict[str, Any], num_blocks: int, wait_s: float) -> VllmPull:
         assert self.puller is not None, "accept() ran at the request's check"
         query_s = wait_s  # the bootstrap query's bound, even when a test hook zeroes the wait
-        if self._miss:
-            self._miss, wait_s = False, 0.0
+        if faults.take("vllm.pull.miss") is not None:  # test-only: this pull misses its window
+            wait_s = 0.0
         return self.puller.start_at(
             kv_params["transfer_id"],
             kv_params["remote_bootstrap_addr"],
@@ -132,9 +132,9 @@ class VllmKVSource:
         the fused blocks' checksums."""
         assert self.puller is not None
         try:
-            if self._fault is not None:  # test hook: one staged block perturbed, every layer
-                block, delta = self._fault
-                self._fault = None
+            fault = faults.take("vllm.pull.perturb")  # test-only; None unless armed
+            if fault is not None:  # one staged block perturbed, every layer
+                block, delta = fault["block_index"], fault["delta"]
                 for layer in self.puller.layers:
                     layer[pull.staging[block]] += delta
             return translate_blocks(self.puller.layers, pull.staging, fused, dests)
@@ -144,12 +144,6 @@ class VllmKVSource:
     def release(self, pull: VllmPull) -> None:
         if self.puller is not None:
             self.puller.release(pull)
-
-    def inject_miss(self) -> None:
-        self._miss = True
-
-    def inject_fault(self, block_index: int = 0, delta: float = 0.5) -> None:
-        self._fault = (block_index, delta)
 
     def debug_state_counts(self) -> dict[str, int]:
         if self.puller is None:

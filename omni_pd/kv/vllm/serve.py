@@ -2,7 +2,7 @@
 
 An unmodified vLLM decode engine (`kv_role: kv_consumer`) given `do_remote_prefill`,
 `remote_engine_id`, `remote_bootstrap_addr` and `transfer_id` in a request's kv_transfer_params
-asks the producer's bootstrap server where its worker listens (kv/vllm_bootstrap.py), sends
+asks the producer's bootstrap server where its worker listens (kv/vllm/bootstrap.py), sends
 that worker one msgpack `MooncakeXferMetadata` over a ZMQ DEALER socket (its Mooncake session,
 per request its transfer id and destination block ids per KV group, per registered layer region
 its base address, block stride, block length and layer index) and waits for the producer to
@@ -34,11 +34,11 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import KVTransferError
-from .transport import MooncakeTransport, Segment
-from .vllm_bootstrap import BootstrapServer
-from .vllm_layout import VllmKVGeometry, translate_blocks_to_vllm
-from .vllm_staging import VllmStaging
+from ..errors import KVTransferError
+from ..transport import KVTransport, Segment
+from .bootstrap import BootstrapServer
+from .layout import VllmKVGeometry, translate_blocks_to_vllm
+from .staging import VllmStaging
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ConsumerRefused(KVTransferError):
 class VllmKVServer:
     def __init__(
         self,
-        transport: MooncakeTransport,
+        transport: KVTransport,
         geometry: VllmKVGeometry,
         staging_blocks: int,
         engine_id: str,

@@ -15,7 +15,7 @@ head_dim]` (kv/layout.py). `translate_blocks` moves whole blocks from the first 
 second and then checks every block byte for byte (the fused block read back in vLLM's order must
 equal what arrived), so a wrong mapping can never hand the decode engine shuffled KV.
 `translate_blocks_to_vllm` is its reverse, for an hf prefill engine that feeds a vLLM decode
-engine (kv/vllm_serve.py), with the same check the other way round; `geometry_of` is the vLLM
+engine (kv/vllm/serve.py), with the same check the other way round; `geometry_of` is the vLLM
 geometry an hf engine's blocks translate into.
 
 Geometries that cannot be translated exactly are refused by name (`check_geometry`): another
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .checksum import checksum
-from .errors import KVIncompatibleError, KVIntegrityError
-from .layout import BlockLayout, DTypeName
+from ..checksum import checksum
+from ..errors import KVIncompatibleError, KVIntegrityError
+from ..layout import BlockLayout, DTypeName
 
 VLLM_CPU_LAYOUT = "LBHNC"  # vLLM's name for the CPU attention's cache layout
 TRANSLATED_ISAS = ("vec",)  # vLLM CPU attention kernels whose K packing translate_blocks knows

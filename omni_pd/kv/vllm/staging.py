@@ -1,7 +1,7 @@
 """Host memory in vLLM's CPU KV layout that Mooncake reads from or writes into, for both
 cross-engine directions: the hf decode side's staging for a vLLM producer's blocks
-(kv/vllm_pull.py) and the hf prefill side's translated copy for vLLM consumers
-(kv/vllm_serve.py). One region per vLLM layer, `num_blocks` blocks each (the per-layer views
+(kv/vllm/pull.py) and the hf prefill side's translated copy for vLLM consumers
+(kv/vllm/serve.py). One region per vLLM layer, `num_blocks` blocks each (the per-layer views
 are `layers`), registered once with the transport, and the free list of its block slots. The
 owner locks around take / give.
 """
@@ -12,15 +12,15 @@ import logging
 
 import torch
 
-from .errors import PoolExhausted
-from .transport import MooncakeTransport
-from .vllm_layout import VllmKVGeometry, layer_views
+from ..errors import PoolExhausted
+from ..transport import KVTransport
+from .layout import VllmKVGeometry, layer_views
 
 log = logging.getLogger(__name__)
 
 
 class VllmStaging:
-    def __init__(self, transport: MooncakeTransport, geometry: VllmKVGeometry, num_blocks: int):
+    def __init__(self, transport: KVTransport, geometry: VllmKVGeometry, num_blocks: int):
         self.transport, self.geometry, self.num_blocks = transport, geometry, num_blocks
         self.region_bytes = num_blocks * geometry.block_bytes
         self.buffer = torch.zeros(self.region_bytes * geometry.num_layers, dtype=torch.uint8)

@@ -11,7 +11,7 @@ err_reqs, or ERROR with a message). A consumer that asks for fewer blocks than t
 gets the *last* ones (vLLM's partial prefix hit): the prefix it holds already never moves.
 
 `VllmKVPuller` is that consumer: its staging memory mirrors the producer's regions (one per layer,
-vLLM's CPU block layout, `vllm_layout.py`), registered once with this engine's Mooncake
+vLLM's CPU block layout, `layout.py`), registered once with this engine's Mooncake
 transport. Each pull runs its blocking ZMQ exchange on a worker thread, bounded by the request's
 wait; a pull given up on keeps its staging blocks until the producer's answer (or the socket's
 timeout) ends the exchange, so a late write never lands in reused memory.
@@ -27,10 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 
-from .errors import KVMissError, KVTransferError
-from .transport import MooncakeTransport
-from .vllm_layout import VllmKVGeometry
-from .vllm_staging import VllmStaging
+from ..errors import KVMissError, KVTransferError
+from ..transport import KVTransport
+from .layout import VllmKVGeometry
+from .staging import VllmStaging
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class VllmPull:
 
 
 class VllmKVPuller:
-    def __init__(self, transport: MooncakeTransport, geometry: VllmKVGeometry, staging_blocks: int):
+    def __init__(self, transport: KVTransport, geometry: VllmKVGeometry, staging_blocks: int):
         import msgspec  # vLLM's own dependencies: present wherever a vLLM producer is
         import zmq
 

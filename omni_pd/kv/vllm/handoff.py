@@ -13,9 +13,9 @@ cannot take exactly or cannot name by the same keys: one message naming every fi
 differs with both values.
 
 The reverse pair (omni-pd's hf prefill engine feeding an unmodified vLLM decode engine,
-kv/vllm_serve.py) uses the same shape the other way round: the hf prefill leg adds
+kv/vllm/serve.py) uses the same shape the other way round: the hf prefill leg adds
 `omni_pd_hf_kv` (`hf_producer_info`: the vLLM geometry its blocks are translated into, its block
-keys, the model) and logs it; omni-pd's vLLM decode engine logs its own (`kv_producer_info`) and
+keys, the model) and logs it; omni-pd's vLLM decode engine logs its own (`kv.vllm.producer_info`) and
 refuses, at the first handoff, a producer that differs (`check_vllm_consumer`).
 """
 
@@ -24,14 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import KVIncompatibleError
-from .layout import BlockLayout
-from .vllm_layout import TRANSLATED_ISAS, VLLM_CPU_LAYOUT, VllmKVGeometry, check_geometry, geometry_of
+from ..errors import KVIncompatibleError
+from ..layout import BlockLayout
+from .layout import TRANSLATED_ISAS, VLLM_CPU_LAYOUT, VllmKVGeometry, check_geometry, geometry_of
 
 VLLM_KV_KEY = "omni_pd_vllm_kv"  # the prefill leg's kv_transfer_params entry
 HF_KV_KEY = "omni_pd_hf_kv"  # an hf prefill leg's entry, for a vLLM decode engine
 # The vLLM versions whose MooncakeConnector messages (the bootstrap /query answer,
-# MooncakeXferMetadata, MooncakeXferResponse) kv/vllm_pull.py and kv/vllm_serve.py speak. The
+# MooncakeXferMetadata, MooncakeXferResponse) kv/vllm/pull.py and kv/vllm/serve.py speak. The
 # layout is vLLM's private one, so a cross-engine pair is checked by version, as the connector
 # fixes are (engines/vllm/patches).
 MOONCAKE_PROTOCOL_VERSIONS = ("0.32.0",)
