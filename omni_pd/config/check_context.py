@@ -28,5 +28,5 @@ class CheckContext:
         return ConfigIssue(self.file, sid, key, got, allowed, message)
 
 
-def _ek(index: int, rest: str) -> str:
+def stage_key(index: int, rest: str) -> str:
     return f"stage_args[{index}].{rest}"

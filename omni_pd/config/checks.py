@@ -15,7 +15,7 @@ import re
 from typing import Callable
 
 from omni_pd import registry
-from omni_pd.config.check_context import CheckContext, _ek
+from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.pair_checks import check_pd
 from omni_pd.config.pydantic_issues import suggest
@@ -50,7 +50,7 @@ def check_graph(ctx: CheckContext) -> list[ConfigIssue]:
     graph: dict[int, list[int]] = {sid: [] for sid in ctx.known_ids}
     for index, stage in ctx.stages:
         for src in stage.engine_input_source:
-            key = _ek(index, "engine_input_source")
+            key = stage_key(index, "engine_input_source")
             if src == stage.stage_id:
                 issues.append(ctx.issue(stage, key, src, "ids of other stages", "a stage cannot feed itself"))
             elif src not in ctx.known_ids:
@@ -148,7 +148,7 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "engine_args.model_stage"),
+                    stage_key(index, "engine_args.model_stage"),
                     args.model_stage,
                     ", ".join(sorted(hf_stages)),
                     "no registered model has an hf engine for this model stage"
@@ -160,7 +160,7 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
                 issues.append(
                     ctx.issue(
                         stage,
-                        _ek(index, f"engine_args.{key}"),
+                        stage_key(index, f"engine_args.{key}"),
                         getattr(args, key),
                         f"remove it ({HF_ONLY_KEYS[key]})",
                         "only omni-pd's hf engine reads this key; this stage runs on engine: vllm",
@@ -170,7 +170,7 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "custom_process_input_func"),
+                    stage_key(index, "custom_process_input_func"),
                     stage.custom_process_input_func,
                     "set engine_input_source too, or drop the function",
                     "an input processor needs source stages (engine_input_source is empty)",
@@ -181,7 +181,7 @@ def check_stage_rules(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "default_sampling_params.kv_transfer_params"),
+                    stage_key(index, "default_sampling_params.kv_transfer_params"),
                     kv_params,
                     "remove it",
                     "kv_transfer_params are set per request by omni-pd's P/D planning, not in the file",
@@ -206,7 +206,7 @@ def check_kv_extra_keys(ctx: CheckContext) -> list[ConfigIssue]:
                 issues.append(
                     ctx.issue(
                         stage,
-                        _ek(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
+                        stage_key(index, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
                         extra[key],
                         ", ".join(ours),
                         f"unknown key '{key}'; did you mean '{hint}'?",
@@ -237,7 +237,7 @@ def check_connectors(ctx: CheckContext) -> list[ConfigIssue]:
     for index, stage in ctx.stages:
         for field, pattern in _CONNECTOR_KEY.items():
             for conn_key, conn_name in getattr(stage, field).items():
-                key = _ek(index, f"{field}.{conn_key}")
+                key = stage_key(index, f"{field}.{conn_key}")
                 match = pattern.match(conn_key)
                 if match is None:
                     expected = pattern.pattern.strip("^$").replace(r"(\d+)", "<stage_id>")
@@ -296,7 +296,7 @@ def check_imports(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "custom_process_input_func"),
+                    stage_key(index, "custom_process_input_func"),
                     func,
                     "an importable 'package.module.function'",
                     problem,

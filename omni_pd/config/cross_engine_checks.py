@@ -3,7 +3,7 @@ feeding unmodified vLLM decode (docs/cross_engine_pd.md)."""
 
 from __future__ import annotations
 
-from omni_pd.config.check_context import CheckContext, _ek
+from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.schema import StageConfig
 
@@ -11,7 +11,7 @@ CROSS_ENGINE_PAIR = ("vllm", "hf")  # (prefill engine, decode engine): the mixed
 REVERSE_CROSS_ENGINE_PAIR = ("hf", "vllm")
 
 
-def _check_cross_engine_pair(
+def check_cross_engine_pair(
     ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
 ) -> list[ConfigIssue]:
     """A vLLM prefill stage and an hf decode stage share one block size (vLLM's block_size, the
@@ -24,7 +24,7 @@ def _check_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ps,
-                _ek(pi, "engine_args.tensor_parallel_size"),
+                stage_key(pi, "engine_args.tensor_parallel_size"),
                 ptp,
                 f"1 (as hf decode stage {ds.stage_id}), or a vLLM decode stage to keep TP {ptp}",
                 f"vLLM prefill stage {ps.stage_id} runs tensor_parallel_size {ptp} but feeds hf "
@@ -37,7 +37,7 @@ def _check_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ds,
-                _ek(di, "engine_args.kv_block_size"),
+                stage_key(di, "engine_args.kv_block_size"),
                 ds.engine_args.kv_block_size,
                 f"{vllm_block} (vLLM prefill stage {ps.stage_id}'s block_size)"
                 if vllm_block is not None
@@ -52,7 +52,7 @@ def _check_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ds,
-                _ek(di, "engine_args.prefix_caching_hash_algo"),
+                stage_key(di, "engine_args.prefix_caching_hash_algo"),
                 ds.engine_args.prefix_caching_hash_algo,
                 repr(vllm_algo),
                 f"the hf decode stage names the blocks it reads from vLLM prefill stage "
@@ -63,7 +63,7 @@ def _check_cross_engine_pair(
     return issues
 
 
-def _check_reverse_cross_engine_pair(
+def check_reverse_cross_engine_pair(
     ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
 ) -> list[ConfigIssue]:
     """An hf prefill stage feeding a vLLM decode stage serves vLLM's consumers
@@ -77,7 +77,9 @@ def _check_reverse_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ps,
-                _ek(pi, "engine_args.kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers"),
+                stage_key(
+                    pi, "engine_args.kv_transfer_config.kv_connector_extra_config.serve_vllm_consumers"
+                ),
                 False,
                 "true",
                 f"hf prefill stage {ps.stage_id} feeds vLLM decode stage {ds.stage_id}: it must serve "
@@ -89,7 +91,7 @@ def _check_reverse_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ds,
-                _ek(di, "engine_args.block_size"),
+                stage_key(di, "engine_args.block_size"),
                 vllm_block,
                 f"{ps.engine_args.kv_block_size} (hf prefill stage {ps.stage_id}'s kv_block_size, "
                 "a multiple of 32 on CPU)",
@@ -103,7 +105,7 @@ def _check_reverse_cross_engine_pair(
         issues.append(
             ctx.issue(
                 ps,
-                _ek(pi, "engine_args.prefix_caching_hash_algo"),
+                stage_key(pi, "engine_args.prefix_caching_hash_algo"),
                 ps.engine_args.prefix_caching_hash_algo,
                 repr(vllm_algo),
                 f"the hf prefill stage's block keys (prefix_caching_hash_algo "

@@ -4,16 +4,16 @@ rules are in cross_engine_checks.py, a vLLM pair's tensor-parallel rules in tp_c
 
 from __future__ import annotations
 
-from omni_pd.config.check_context import CheckContext, _ek
+from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.cross_engine_checks import (
     CROSS_ENGINE_PAIR,
     REVERSE_CROSS_ENGINE_PAIR,
-    _check_cross_engine_pair,
-    _check_reverse_cross_engine_pair,
+    check_cross_engine_pair,
+    check_reverse_cross_engine_pair,
 )
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.schema import KVConnectorExtraConfig, KVTransferConfig, StageConfig
-from omni_pd.config.tp_checks import _check_pair_tp
+from omni_pd.config.tp_checks import check_pair_tp
 
 PREFILL_ROLES: frozenset[str] = frozenset({"kv_producer", "kv_both"})
 DECODE_ROLES: frozenset[str] = frozenset({"kv_consumer", "kv_both"})
@@ -28,7 +28,7 @@ def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "is_decode_only"),
+                    stage_key(index, "is_decode_only"),
                     True,
                     "set only one of is_prefill_only / is_decode_only",
                     "a stage cannot be both prefill-only and decode-only",
@@ -41,7 +41,7 @@ def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
                 issues.append(
                     ctx.issue(
                         stage,
-                        _ek(index, role),
+                        stage_key(index, role),
                         True,
                         f"{role}: true on one stage only",
                         f"more than one {role} stage ({ids}); omni-pd supports one prefill/decode pair",
@@ -57,7 +57,7 @@ def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
         else:
             key, message = "is_decode_only", "decode-only stage has no prefill-only stage"
             allowed = "add a stage with is_prefill_only: true that feeds this stage"
-        issues.append(ctx.issue(stage, _ek(index, key), True, allowed, message))
+        issues.append(ctx.issue(stage, stage_key(index, key), True, allowed, message))
     if prefill and decode:
         issues.extend(_check_pair(ctx, prefill[0], decode[0]))
     return issues
@@ -74,7 +74,7 @@ def _check_pair(
         add(
             ctx.issue(
                 ds,
-                _ek(di, "engine_input_source"),
+                stage_key(di, "engine_input_source"),
                 list(ds.engine_input_source),
                 f"a list containing {ps.stage_id}",
                 f"decode stage must be fed by its prefill stage {ps.stage_id}",
@@ -82,18 +82,18 @@ def _check_pair(
         )
     vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
     if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
-        issues.extend(_check_pair_tp(ctx, p, d))
+        issues.extend(check_pair_tp(ctx, p, d))
     engines = (ps.engine_args.engine, ds.engine_args.engine)
     mixed = engines == CROSS_ENGINE_PAIR
     if mixed:  # an unmodified vLLM prefill feeds hf decode (core/vllm_source.py)
-        issues.extend(_check_cross_engine_pair(ctx, p, d))
+        issues.extend(check_cross_engine_pair(ctx, p, d))
     elif engines == REVERSE_CROSS_ENGINE_PAIR:  # hf prefill feeds unmodified vLLM decode (vllm_consumers.py)
-        issues.extend(_check_reverse_cross_engine_pair(ctx, p, d))
+        issues.extend(check_reverse_cross_engine_pair(ctx, p, d))
     elif ps.engine_args.engine != ds.engine_args.engine:
         add(
             ctx.issue(
                 ds,
-                _ek(di, "engine_args.engine"),
+                stage_key(di, "engine_args.engine"),
                 ds.engine_args.engine,
                 f"{ps.engine_args.engine!r} (as prefill stage {ps.stage_id})",
                 f"a {ps.engine_args.engine} prefill stage cannot feed a {ds.engine_args.engine} decode "
@@ -108,7 +108,7 @@ def _check_pair(
                 add(
                     ctx.issue(
                         stage,
-                        f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_connector_extra_config"
+                        f"{stage_key(index, 'engine_args.kv_transfer_config')}.kv_connector_extra_config"
                         ".serve_vllm_consumers",
                         True,
                         "false (or unset)",
@@ -125,7 +125,7 @@ def _check_pair(
             add(
                 ctx.issue(
                     ds,
-                    _ek(di, f"engine_args.{attr}"),
+                    stage_key(di, f"engine_args.{attr}"),
                     dv,
                     repr(pv),
                     f"decode stage's {attr} differs from prefill stage {ps.stage_id}'s; "
@@ -137,7 +137,7 @@ def _check_pair(
     pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
     for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
         side = "prefill" if stage is ps else "decode"
-        base = _ek(index, "engine_args.kv_transfer_config")
+        base = stage_key(index, "engine_args.kv_transfer_config")
         if kv is None:
             add(
                 ctx.issue(
@@ -172,7 +172,7 @@ def _check_pair(
     if pkv is None or dkv is None:
         return issues
 
-    dbase = _ek(di, "engine_args.kv_transfer_config")
+    dbase = stage_key(di, "engine_args.kv_transfer_config")
     if pkv.kv_connector and dkv.kv_connector and pkv.kv_connector != dkv.kv_connector:
         add(
             ctx.issue(
@@ -225,7 +225,7 @@ def _check_pair(
             add(
                 ctx.issue(
                     stage,
-                    f"{_ek(index, 'engine_args.kv_transfer_config')}.kv_buffer_device",
+                    f"{stage_key(index, 'engine_args.kv_transfer_config')}.kv_buffer_device",
                     kv.kv_buffer_device,
                     "'cpu', 'cuda', or unset",
                     "where Mooncake moves a GPU stage's KV from: 'cuda' (the GPU memory, "
@@ -269,7 +269,7 @@ def _check_block_sizes(
     return [
         ctx.issue(
             ds,
-            _ek(di, "engine_args.kv_block_size"),
+            stage_key(di, "engine_args.kv_block_size"),
             db,
             f"a divisor or multiple of prefill stage {ps.stage_id}'s kv_block_size {pb} "
             f"(e.g. {pb} or {2 * pb})",
@@ -303,7 +303,7 @@ def _check_handoff_keys(
             issues.append(
                 ctx.issue(
                     ps,
-                    _ek(pi, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
+                    stage_key(pi, f"engine_args.kv_transfer_config.kv_connector_extra_config.{key}"),
                     pv,
                     f"{dv!r} (decode stage {ds.stage_id}'s value), or remove it here",
                     f"{key} differs between prefill stage {ps.stage_id} ({pv!r}) and decode stage "

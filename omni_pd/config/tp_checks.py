@@ -4,7 +4,7 @@ whole KV heads."""
 from __future__ import annotations
 
 from omni_pd import registry
-from omni_pd.config.check_context import CheckContext, _ek
+from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.schema import StageConfig
 
@@ -16,7 +16,7 @@ def _kv_heads(stage: StageConfig, default_model: str | None) -> int | None:
     return registry.text_kv_heads(model) if model else None
 
 
-def _check_pair_tp(
+def check_pair_tp(
     ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
 ) -> list[ConfigIssue]:
     """A vLLM pair may differ in tensor_parallel_size (vLLM's MooncakeConnector maps the ranks
@@ -29,7 +29,7 @@ def _check_pair_tp(
         issues.append(
             ctx.issue(
                 ds,
-                _ek(di, "engine_args.tensor_parallel_size"),
+                stage_key(di, "engine_args.tensor_parallel_size"),
                 dtp,
                 f"a divisor or a multiple of prefill stage {ps.stage_id}'s {ptp}",
                 f"neither the prefill ({ptp}) nor the decode ({dtp}) tensor_parallel_size divides "
@@ -45,7 +45,7 @@ def _check_pair_tp(
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "engine_args.tensor_parallel_size"),
+                    stage_key(index, "engine_args.tensor_parallel_size"),
                     tp,
                     f"a divisor of {heads} ({', '.join(map(str, divisors))}) or a multiple of it",
                     f"the model's {heads} KV heads do not split over {tp} ranks: each rank must hold "

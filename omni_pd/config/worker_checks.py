@@ -3,7 +3,7 @@ process or a Ray actor)."""
 
 from __future__ import annotations
 
-from omni_pd.config.check_context import CheckContext, _ek
+from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.errors import ConfigIssue
 
 
@@ -20,7 +20,7 @@ def check_replicas(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "runtime.num_replicas"),
+                    stage_key(index, "runtime.num_replicas"),
                     replicas,
                     f"at most {have // tp} with these devices, or list {replicas * tp} devices",
                     f"{replicas} replicas of tensor_parallel_size {tp} need {replicas * tp} devices, "
@@ -43,7 +43,7 @@ def check_worker_backend(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "engine_args.distributed_executor_backend"),
+                    stage_key(index, "engine_args.distributed_executor_backend"),
                     backend,
                     "mp (a local worker process) or ray (a Ray actor)",
                     "omni-pd runs each stage worker as a local process or a Ray actor",
@@ -53,7 +53,7 @@ def check_worker_backend(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "runtime.process"),
+                    stage_key(index, "runtime.process"),
                     False,
                     "true, or drop the ray backend",
                     "a Ray actor is a process of its own; an in-process stage cannot be one",
@@ -63,7 +63,7 @@ def check_worker_backend(ctx: CheckContext) -> list[ConfigIssue]:
             issues.append(
                 ctx.issue(
                     stage,
-                    _ek(index, "runtime.ray_resources"),
+                    stage_key(index, "runtime.ray_resources"),
                     dict(stage.runtime.ray_resources),
                     "distributed_executor_backend: ray on this stage, or remove ray_resources",
                     "Ray resources place Ray actors; this stage runs as a local process",
