@@ -66,10 +66,32 @@ def check_pd(ctx: CheckContext) -> list[ConfigIssue]:
 def _check_pair(
     ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
 ) -> list[ConfigIssue]:
-    (pi, ps), (di, ds) = p, d
+    issues = [
+        *_check_fed_by_prefill(ctx, p, d),
+        *_check_engines(ctx, p, d),
+        *_check_layouts(ctx, p, d),
+        *_check_block_sizes(ctx, p, d),
+        *_check_kv_transfer_configs(ctx, p, d),
+    ]
+    pkv, dkv = p[1].kv_transfer_config, d[1].kv_transfer_config
+    if pkv is None or dkv is None:
+        return issues
+    return [
+        *issues,
+        *_check_connector_and_engine_id(ctx, p, d, pkv, dkv),
+        *_check_handoff_keys(ctx, p, d, pkv, dkv),
+        *_check_transfer_paths(ctx, p, d, pkv, dkv),
+        *_check_ports(ctx, p, d, pkv, dkv),
+    ]
+
+
+def _check_fed_by_prefill(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """The decode stage takes its input from its prefill stage."""
+    (_, ps), (di, ds) = p, d
     issues: list[ConfigIssue] = []
     add = issues.append
-
     if ps.stage_id not in ds.engine_input_source:
         add(
             ctx.issue(
@@ -80,6 +102,17 @@ def _check_pair(
                 f"decode stage must be fed by its prefill stage {ps.stage_id}",
             )
         )
+    return issues
+
+
+def _check_engines(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """Which engines may pair: equal ones, or a cross-engine pair with its own rules; only an
+    hf prefill feeding vLLM decode serves vLLM's consumers."""
+    (pi, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
     vllm_pair = ps.engine_args.engine == ds.engine_args.engine == "vllm"
     if vllm_pair:  # vLLM's connectors reshard KV heads between TP sizes: checked apart
         issues.extend(check_pair_tp(ctx, p, d))
@@ -116,9 +149,21 @@ def _check_pair(
                         f"consumers; this pair is {engines[0]} prefill -> {engines[1]} decode",
                     )
                 )
-    # A vLLM pair reshards between TP sizes (above); the vLLM -> hf pair checks TP apart (the hf
-    # decode stage runs at TP 1, so what to change is the vLLM prefill's size). The hf -> vLLM
-    # pair's sizes must be equal (its hf prefill writes one vLLM worker's blocks).
+    return issues
+
+
+def _check_layouts(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """The KV layout both stages share: model stage and (where no connector reshards) TP size."""
+    (_, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
+    engines = (ps.engine_args.engine, ds.engine_args.engine)
+    # A vLLM pair reshards between TP sizes (check_pair_tp); the vLLM -> hf pair checks TP apart
+    # (the hf decode stage runs at TP 1, so what to change is the vLLM prefill's size). The hf ->
+    # vLLM pair's sizes must be equal (its hf prefill writes one vLLM worker's blocks).
+    vllm_pair, mixed = engines == ("vllm", "vllm"), engines == CROSS_ENGINE_PAIR
     for attr in ("model_stage",) + (() if vllm_pair or mixed else ("tensor_parallel_size",)):
         pv, dv = getattr(ps.engine_args, attr), getattr(ds.engine_args, attr)
         if pv != dv:
@@ -132,8 +177,16 @@ def _check_pair(
                     "the KV cache can only move between identical layouts",
                 )
             )
+    return issues
 
-    issues.extend(_check_block_sizes(ctx, p, d))
+
+def _check_kv_transfer_configs(
+    ctx: CheckContext, p: tuple[int, StageConfig], d: tuple[int, StageConfig]
+) -> list[ConfigIssue]:
+    """Each side has a kv_transfer_config with a connector and a role for its side."""
+    (pi, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
     pkv, dkv = ps.kv_transfer_config, ds.kv_transfer_config
     for index, stage, kv, roles in ((pi, ps, pkv, PREFILL_ROLES), (di, ds, dkv, DECODE_ROLES)):
         side = "prefill" if stage is ps else "decode"
@@ -169,9 +222,20 @@ def _check_pair(
                     "a P/D stage needs a kv_connector",
                 )
             )
-    if pkv is None or dkv is None:
-        return issues
+    return issues
 
+
+def _check_connector_and_engine_id(
+    ctx: CheckContext,
+    p: tuple[int, StageConfig],
+    d: tuple[int, StageConfig],
+    pkv: KVTransferConfig,
+    dkv: KVTransferConfig,
+) -> list[ConfigIssue]:
+    """One connector for both sides, and an engine_id each."""
+    (_, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
     dbase = stage_key(di, "engine_args.kv_transfer_config")
     if pkv.kv_connector and dkv.kv_connector and pkv.kv_connector != dkv.kv_connector:
         add(
@@ -194,7 +258,21 @@ def _check_pair(
                 f"engine_id is shared with prefill stage {ps.stage_id}; each engine needs its own",
             )
         )
-    issues.extend(_check_handoff_keys(ctx, p, d, pkv, dkv))
+    return issues
+
+
+def _check_transfer_paths(
+    ctx: CheckContext,
+    p: tuple[int, StageConfig],
+    d: tuple[int, StageConfig],
+    pkv: KVTransferConfig,
+    dkv: KVTransferConfig,
+) -> list[ConfigIssue]:
+    """Push mode, the same-host path and the buffer device: what each needs of the pair."""
+    (pi, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
+    dbase = stage_key(di, "engine_args.kv_transfer_config")
     mode = dkv.kv_connector_extra_config.transfer_mode
     if mode == "push" and (ps.engine != "hf" or ds.engine != "hf"):
         add(
@@ -232,7 +310,21 @@ def _check_pair(
                     "needs a CUDA build of Mooncake) or 'cpu' (a pinned host copy)",
                 )
             )
-    # Replica k of a stage listens on its port + k (config/replicas.py): the ranges must not meet.
+    return issues
+
+
+def _check_ports(
+    ctx: CheckContext,
+    p: tuple[int, StageConfig],
+    d: tuple[int, StageConfig],
+    pkv: KVTransferConfig,
+    dkv: KVTransferConfig,
+) -> list[ConfigIssue]:
+    """Replica k of a stage listens on its port + k (config/replicas.py): the ranges must not meet."""
+    (_, ps), (di, ds) = p, d
+    issues: list[ConfigIssue] = []
+    add = issues.append
+    dbase = stage_key(di, "engine_args.kv_transfer_config")
     pports = _ports(pkv.bootstrap_port, ps.runtime.num_replicas)
     dports = _ports(dkv.bootstrap_port, ds.runtime.num_replicas)
     if pports & dports:
