@@ -24,12 +24,12 @@ from ...audio_io import PCM16_SAMPLE_RATE, stage_config_pcm16_gain
 from ...orchestrator.async_omni import AsyncOmni
 from ...orchestrator.heap import freeze_startup_heap
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl
-from .chat import _add_chat_route
+from .chat import add_chat_route
 from .demo import add_demo_routes
-from .errors import _add_error_handlers
+from .errors import add_error_handlers
 from .middleware import RequestGuard
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, REALTIME_PATH
-from .routes import _add_debug_routes, _add_info_routes, _add_realtime_route
+from .routes import add_debug_routes, add_info_routes, add_realtime_route
 from .server_state import ServerState
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,12 @@ def create_app(
     )
     app.state.omni_pd = state
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
-    _add_error_handlers(app, state)
-    _add_info_routes(app, state)
+    add_error_handlers(app, state)
+    add_info_routes(app, state)
     if enable_debug_endpoints:
-        _add_debug_routes(app, state)
-    _add_realtime_route(app, state)
-    _add_chat_route(app, state)
+        add_debug_routes(app, state)
+    add_realtime_route(app, state)
+    add_chat_route(app, state)
     if demo_page:
         add_demo_routes(app, state, api_key_required=bool(api_key), realtime_path=REALTIME_PATH)
     return app

@@ -14,10 +14,10 @@ from fastapi.responses import Response, StreamingResponse
 from ...orchestrator.async_omni import AsyncOmni, PreparedPrompt
 from ...orchestrator.outputs import OmniRequestOutput
 from .admission import Slot
-from .chat_stream import _stream
-from .completion_parts import AUDIO_EXPIRES_S, _usage, pcm16_base64, wav_base64
-from .errors import _as_api_error
-from .prepare import _prepare_checked
+from .chat_stream import stream_chat
+from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, usage, wav_base64
+from .errors import as_api_error
+from .prepare import prepare_checked
 from .protocol import CHAT_PATH, ChatCompletionRequest
 from .server_state import ServerState
 from .translate import TranslatedRequest
@@ -29,7 +29,7 @@ async def _until_disconnected(http_request: Request) -> None:
         pass
 
 
-def _add_chat_route(app: FastAPI, state: ServerState) -> None:
+def add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         omni = state.ready_omni()
@@ -57,12 +57,12 @@ def _stage_params(omni: AsyncOmni, request: TranslatedRequest) -> list:
 async def _serve_chat(
     state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest, http_request: Request, slot: Slot
 ):
-    request, prepared = await _prepare_checked(state, omni, body)
+    request, prepared = await prepare_checked(state, omni, body)
     params = _stage_params(omni, request)
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     created = int(time.time())
     if body.stream:
-        events = _stream(
+        events = stream_chat(
             omni,
             state,
             request,
@@ -114,7 +114,7 @@ async def _generate_unless_gone(
     except BaseException as exc:
         if not generation.done():  # this handler was cancelled (the server is stopping)
             omni.abort(completion_id)
-        raise _as_api_error(state, exc) from exc
+        raise as_api_error(state, exc) from exc
     finally:
         client_gone.cancel()
         state.metrics.in_flight.dec()
@@ -148,7 +148,7 @@ def _completion(
         "choices": [
             {"index": 0, "message": message, "finish_reason": output.finish_reason, "logprobs": None}
         ],
-        "usage": _usage(output),
+        "usage": usage(output),
     }
 
 

@@ -8,8 +8,8 @@ import secrets
 from typing import Any, AsyncIterator
 
 from ...orchestrator.async_omni import AsyncOmni, AudioDelta, Finished, PreparedPrompt, TextDelta
-from .completion_parts import AUDIO_EXPIRES_S, _usage, pcm16_base64
-from .errors import _as_api_error
+from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, usage
+from .errors import as_api_error
 from .protocol import APIError
 from .server_state import ServerState
 from .translate import TranslatedRequest
@@ -19,7 +19,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _stream(
+async def stream_chat(
     omni: AsyncOmni,
     state: ServerState,
     request: TranslatedRequest,
@@ -92,7 +92,7 @@ async def _stream(
                             "created": created,
                             "model": state.served_model,
                             "choices": [],
-                            "usage": _usage(output),
+                            "usage": usage(output),
                         }
                     )
                 state.metrics.requests.labels(outcome="success").inc()
@@ -101,7 +101,7 @@ async def _stream(
         yield "data: [DONE]\n\n"
     except Exception as exc:  # headers are sent: report in-band, as vLLM does
         counted = True
-        error = _as_api_error(state, exc)
+        error = as_api_error(state, exc)
         body = error.body.model_dump() if isinstance(error, APIError) else {"error": {"message": str(exc)}}
         yield _sse(body)
         yield "data: [DONE]\n\n"

@@ -22,7 +22,7 @@ def pcm16_base64(audio, sample_rate: int, gain: float) -> str:
     return base64.b64encode(pcm16_bytes(audio, sample_rate, gain)).decode()
 
 
-def _usage(output) -> dict[str, Any]:
+def usage(output) -> dict[str, Any]:
     """OpenAI's usage, with `prompt_tokens_details.cached_tokens`: the prompt tokens whose KV
     came from the prefix cache."""
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)

@@ -28,7 +28,7 @@ class _ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return _ErrorJSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
 
 
@@ -97,28 +97,28 @@ def _http_error_message(state: ServerState, request: Request, exc: StarletteHTTP
     return APIError(exc.status_code, message, type=kind)
 
 
-def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+def add_error_handlers(app: FastAPI, state: ServerState) -> None:
     """Every error, ours or the framework's, leaves in OpenAI's error JSON."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc, headers=exc.headers)
+        return error_response(exc, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         _count_bad_request(state, request)
-        return _error_response(_validation_error_message(request, exc))
+        return error_response(_validation_error_message(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error_response(_http_error_message(state, request, exc), headers=exc.headers)
+        return error_response(_http_error_message(state, request, exc), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):  # Starlette logs it, then re-raises
-        return _error_response(APIError(500, f"{type(exc).__name__}: {exc}", type="internal_server_error"))
+        return error_response(APIError(500, f"{type(exc).__name__}: {exc}", type="internal_server_error"))
 
 
-def _as_api_error(state: ServerState, exc: BaseException) -> BaseException:
+def as_api_error(state: ServerState, exc: BaseException) -> BaseException:
     if isinstance(exc, APIError):
         state.metrics.requests.labels(outcome="bad_request").inc()
         return exc

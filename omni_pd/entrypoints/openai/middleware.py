@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import _error_response
+from .errors import error_response
 from .protocol import APIError
 from .realtime import subprotocols
 
@@ -40,7 +40,7 @@ class RequestGuard:
 
     def _too_large(self) -> JSONResponse:
         limit = self.max_request_bytes
-        return _error_response(
+        return error_response(
             APIError(
                 413,
                 f"the request body is over this server's limit of {limit} bytes "
@@ -62,7 +62,7 @@ class RequestGuard:
             and scope["method"] != "OPTIONS"
             and not self._authorized(headers)
         ):
-            response = _error_response(
+            response = error_response(
                 APIError(
                     401,
                     "missing or incorrect API key: send the header `Authorization: Bearer <key>` "

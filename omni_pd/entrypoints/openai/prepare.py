@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from ...orchestrator.async_omni import AsyncOmni, PreparedPrompt, PromptTooLong
-from .errors import _as_api_error
+from .errors import as_api_error
 from .protocol import APIError, ChatCompletionRequest
 from .server_state import ServerState
 from .translate import TranslatedRequest, translate
@@ -34,7 +34,7 @@ def _texts(prompt: dict[str, Any]) -> list[str]:
 INLINE_PREPARE_CHARS = 4096
 
 
-def _prepare_inline(body: ChatCompletionRequest) -> bool:
+def prepare_inline(body: ChatCompletionRequest) -> bool:
     """Whether `body` is short text only, cheaper to prepare on the event loop than in a thread."""
     chars = 0
     for message in body.messages:
@@ -53,7 +53,7 @@ def _prepare(
 ) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request translated (its audio decoded), its prompt built and its length checked: CPU
     work that runs in a thread, off the event loop (a 20 MB text took 26 s to tokenize on it, and
-    the server answered nothing meanwhile, /health included), unless `_prepare_inline`. Checked
+    the server answered nothing meanwhile, /health included), unless `prepare_inline`. Checked
     here so a streamed request that cannot fit gets a 400 before its response starts; the built
     prompt goes to the stages."""
     thinker_defaults = omni.stages[omni.text_stage_id].default_sampling_params
@@ -75,7 +75,7 @@ def _prepare(
     return request, prepared
 
 
-async def _prepare_checked(
+async def prepare_checked(
     state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest
 ) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request checked, translated and its prompt built; any refusal as an API error."""
@@ -86,8 +86,8 @@ async def _prepare_checked(
                 f"voice {body.audio.voice!r} is not available; choose one of {list(omni.pipeline.voices)}",
                 param="audio.voice",
             )
-        if _prepare_inline(body):
+        if prepare_inline(body):
             return _prepare(omni, body, state.served_model)
         return await asyncio.to_thread(_prepare, omni, body, state.served_model)
     except BaseException as exc:
-        raise _as_api_error(state, exc) from exc
+        raise as_api_error(state, exc) from exc

@@ -9,7 +9,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import _as_api_error
+from .errors import as_api_error
 from .middleware import WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER
 from .protocol import REALTIME_PATH
 from .realtime import subprotocols
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 # ---- /health, /v1/models, /metrics, /debug/state --------------------------------------------
-def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+def add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         if state.omni is None:
@@ -47,7 +47,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
+def add_debug_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/debug/state")
     async def debug_state():
         omni = state.ready_omni()
@@ -73,7 +73,7 @@ def _realtime_refusal(state: ServerState, model: str | None) -> tuple[str, int] 
     return None
 
 
-def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
+def add_realtime_route(app: FastAPI, state: ServerState) -> None:
     @app.websocket(REALTIME_PATH)
     async def realtime(websocket: WebSocket):
         """The Realtime API: one session per socket (realtime/session.py)."""
@@ -102,7 +102,7 @@ def _add_realtime_route(app: FastAPI, state: ServerState) -> None:
             websocket.scope
         )
         session = RealtimeSession(
-            websocket, state.omni, state, state.served_model, lambda exc: _as_api_error(state, exc), beta=beta
+            websocket, state.omni, state, state.served_model, lambda exc: as_api_error(state, exc), beta=beta
         )
         state.realtime_sessions.add(session)
         state.metrics.realtime_sessions.inc()
