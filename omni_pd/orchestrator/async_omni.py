@@ -21,7 +21,6 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence, cast
 
@@ -52,8 +51,18 @@ from .outputs import OmniRequestOutput
 from .processors import import_processor, stream_processors
 from .breaker import CircuitBreaker
 from .replicas import StagePool
+from .request_io import (
+    AudioDelta,
+    Finished,
+    HandoffFailed,
+    PreparedPrompt,
+    PromptTooLong,
+    RequestAborted,
+    RequestTimeout,
+    TextDelta,
+)
 from .request_state import RequestState
-from .stage_client import StageClient, StageError, StageTimeout, StageUnavailable
+from .stage_client import StageClient, StageError, StageTimeout
 from .threads import orchestrator_threads, stage_threads
 
 log = logging.getLogger(__name__)
@@ -66,58 +75,6 @@ CONTROL_TIMEOUT_S = 5.0  # a stage that does not answer a state query within thi
 HANDOFF_FAILURES = frozenset(
     {"KVTransferError", "KVMissError", "KVIntegrityError", "KVIncompatibleError", "KVTransferFailed"}
 )
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted (its client went away)."""
-
-
-class RequestTimeout(StageError):
-    """The request passed its deadline."""
-
-
-class HandoffFailed(StageUnavailable):
-    """The P/D pair could not hand the KV on and its kv_fallback is 'error'."""
-
-
-class PromptTooLong(ValueError):
-    """Prompt plus max_tokens exceed the text stage's context."""
-
-    @classmethod
-    def of(cls, prompt_len: int, max_tokens: int, context: int, at_least: bool = False) -> "PromptTooLong":
-        return cls(
-            f"the prompt has {'over ' if at_least else ''}{prompt_len} tokens and asks for up "
-            f"to {max_tokens} more, over this model's context of {context} tokens; shorten "
-            "the messages or lower max_tokens"
-        )
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A prompt normalized and built for the text stage (`AsyncOmni.prepare`): `generate` and
-    `stream` take it as the prompt and skip building it again (the server builds it once, in the
-    thread that checks its length)."""
-
-    prompt: Any  # the model's normalized prompt (messages, speaker)
-    text_prompt: TokenPrompt
-
-
-@dataclass
-class TextDelta:
-    text: str
-
-
-@dataclass
-class AudioDelta:
-    """Waveform samples that follow the ones already sent for this request (float32, mono)."""
-
-    audio: torch.Tensor
-    sample_rate: int
-
-
-@dataclass
-class Finished:
-    output: OmniRequestOutput
 
 
 class AsyncOmni:
