@@ -38,6 +38,7 @@ import re
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -447,11 +448,6 @@ async def _bench_target(
     """Every level against one server; returns the model name used, one row per closed-loop
     level, one per open-loop rate, and (--multi-turn) one per turn."""
     import openai
-    from tqdm import tqdm
-
-    from .load import PROMPTS, run_level, run_open_loop, stream_one
-    from .realtime import realtime_one
-    from .stats import summarize_level
 
     # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
     client = openai.AsyncOpenAI(
@@ -461,128 +457,182 @@ async def _bench_target(
         timeout=args.request_timeout,
     )
     rows, open_rows, turn_rows = [], [], []
-    slos = {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
     try:
         if model is None:
             listed = await client.models.list()
             model = listed.data[0].id
         fresh = _prompt_maker(args, model)
         if args.multi_turn:
-            from .multi_turn import run_conversations, summarize_turns
-
-            for i in range(args.warmup):
-                await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
-            count = args.conversations or (2 if args.quick else 4)
-            with tqdm(
-                total=count * args.multi_turn,
-                desc=f"{label} {args.multi_turn} turns",
-                unit="req",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            ) as bar:
-                by_turn = await run_conversations(
-                    client,
-                    model,
-                    args.multi_turn,
-                    count,
-                    args.max_tokens,
-                    on_done=lambda _r, bar=bar: bar.update(1),
-                    audio_seconds=args.audio_turns,
-                )
-            failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
-            if failures:
-                errors[f"{label} multi-turn"] = failures
-            turn_rows = summarize_turns(label, by_turn)
+            turn_rows = await _bench_multi_turn(client, model, label, args, errors)
             levels = []  # conversations instead of the levels
         for concurrency in levels:
-            n = requests_per_level(num_requests, concurrency)
-            for warm_prompt in fresh(args.warmup):
-                warm = await stream_one(client, model, warm_prompt, args.max_tokens)
-                if not warm.ok:
-                    print(
-                        f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr
-                    )
-            for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
-                name = label if endpoint == "chat" else f"{label} realtime"
-                handoffs_before = await _handoff_totals(base_url)
-                with tqdm(
-                    total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr, dynamic_ncols=True
-                ) as bar:
-                    failed = 0
-
-                    def done(record, bar=bar):
-                        nonlocal failed
-                        failed += not record.ok
-                        bar.update(1)
-                        if failed:
-                            bar.set_postfix(errors=failed)
-
-                    records, wall_s = await run_level(
-                        client,
-                        model,
-                        concurrency,
-                        n,
-                        args.max_tokens,
-                        prompts=fresh(n),
-                        on_done=done,
-                        send=realtime_one if endpoint == "realtime" else stream_one,
-                    )
-                failures = [r.error or "error" for r in records if not r.ok]
-                if failures:
-                    errors[f"{name} c={concurrency}"] = failures
-                rows.append(
-                    {
-                        "config": name,
-                        "concurrency": concurrency,
-                        **summarize_level(records, wall_s, **slos),
-                        "kv_handoff_ms_mean": _mean_handoff_ms(
-                            handoffs_before, await _handoff_totals(base_url)
-                        ),
-                        **({"endpoint": endpoint, "chat_config": label} if args.realtime else {}),
-                    }
-                )
-        capacity = max(
-            (r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"), default=0.0
-        )
-        for offered, value, relative in _rates(args.request_rate):
-            rate = value * capacity if relative else value
-            if rate <= 0:
-                print(
-                    f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
-                    file=sys.stderr,
-                )
-                continue
-            n = args.open_loop_requests or (
-                QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS
+            rows += await _bench_level(
+                client, model, base_url, label, concurrency, args, num_requests, errors, fresh
             )
-            with tqdm(
-                total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr, dynamic_ncols=True
-            ) as bar:
-                records, wall_s = await run_open_loop(
-                    client,
-                    model,
-                    rate,
-                    n,
-                    args.max_tokens,
-                    prompts=fresh(n),
-                    seed=args.seed,
-                    on_done=lambda _r, bar=bar: bar.update(1),
-                )
-            failures = [r.error or "error" for r in records if not r.ok]
-            if failures:
-                errors[f"{label} rate={offered}"] = failures
-            open_rows.append(
-                {
-                    "config": label,
-                    "offered": offered,
-                    "request_rate": rate,
-                    "capacity_req_per_s": capacity or None,
-                    **summarize_level(records, wall_s, **slos),
-                }
-            )
+        open_rows = await _bench_open_loop(client, model, label, args, rows, errors, fresh)
     finally:
         await client.close()
     return model, rows, open_rows, turn_rows
+
+
+def _slos(args: argparse.Namespace) -> dict[str, float | None]:
+    return {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
+
+
+async def _bench_multi_turn(
+    client, model: str, label: str, args: argparse.Namespace, errors: dict[str, list[str]]
+) -> list[dict]:
+    """--multi-turn: the warm-up requests, then the conversations; one row per turn."""
+    from tqdm import tqdm
+
+    from .load import PROMPTS, stream_one
+    from .multi_turn import run_conversations, summarize_turns
+
+    for i in range(args.warmup):
+        await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+    count = args.conversations or (2 if args.quick else 4)
+    with tqdm(
+        total=count * args.multi_turn,
+        desc=f"{label} {args.multi_turn} turns",
+        unit="req",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
+        by_turn = await run_conversations(
+            client,
+            model,
+            args.multi_turn,
+            count,
+            args.max_tokens,
+            on_done=lambda _r, bar=bar: bar.update(1),
+            audio_seconds=args.audio_turns,
+        )
+    failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
+    if failures:
+        errors[f"{label} multi-turn"] = failures
+    return summarize_turns(label, by_turn)
+
+
+async def _bench_level(
+    client,
+    model: str,
+    base_url: str,
+    label: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    num_requests: int | None,
+    errors: dict[str, list[str]],
+    fresh: Callable[[int], Sequence[str]],
+) -> list[dict]:
+    """One closed-loop level: its warm-up requests, then a row per endpoint (chat, and the
+    Realtime API's with --realtime)."""
+    from tqdm import tqdm
+
+    from .load import run_level, stream_one
+    from .realtime import realtime_one
+    from .stats import summarize_level
+
+    rows = []
+    n = requests_per_level(num_requests, concurrency)
+    for warm_prompt in fresh(args.warmup):
+        warm = await stream_one(client, model, warm_prompt, args.max_tokens)
+        if not warm.ok:
+            print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr)
+    for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
+        name = label if endpoint == "chat" else f"{label} realtime"
+        handoffs_before = await _handoff_totals(base_url)
+        with tqdm(
+            total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr, dynamic_ncols=True
+        ) as bar:
+            failed = 0
+
+            def done(record, bar=bar):
+                nonlocal failed
+                failed += not record.ok
+                bar.update(1)
+                if failed:
+                    bar.set_postfix(errors=failed)
+
+            records, wall_s = await run_level(
+                client,
+                model,
+                concurrency,
+                n,
+                args.max_tokens,
+                prompts=fresh(n),
+                on_done=done,
+                send=realtime_one if endpoint == "realtime" else stream_one,
+            )
+        failures = [r.error or "error" for r in records if not r.ok]
+        if failures:
+            errors[f"{name} c={concurrency}"] = failures
+        rows.append(
+            {
+                "config": name,
+                "concurrency": concurrency,
+                **summarize_level(records, wall_s, **_slos(args)),
+                "kv_handoff_ms_mean": _mean_handoff_ms(handoffs_before, await _handoff_totals(base_url)),
+                **({"endpoint": endpoint, "chat_config": label} if args.realtime else {}),
+            }
+        )
+    return rows
+
+
+async def _bench_open_loop(
+    client,
+    model: str,
+    label: str,
+    args: argparse.Namespace,
+    rows: list[dict],
+    errors: dict[str, list[str]],
+    fresh: Callable[[int], Sequence[str]],
+) -> list[dict]:
+    """--request-rate: one row per rate, a relative rate taken of the capacity the closed-loop
+    `rows` measured."""
+    from tqdm import tqdm
+
+    from .load import run_open_loop
+    from .stats import summarize_level
+
+    open_rows = []
+    capacity = max((r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"), default=0.0)
+    for offered, value, relative in _rates(args.request_rate):
+        rate = value * capacity if relative else value
+        if rate <= 0:
+            print(
+                f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
+                file=sys.stderr,
+            )
+            continue
+        n = args.open_loop_requests or (
+            QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS
+        )
+        with tqdm(
+            total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr, dynamic_ncols=True
+        ) as bar:
+            records, wall_s = await run_open_loop(
+                client,
+                model,
+                rate,
+                n,
+                args.max_tokens,
+                prompts=fresh(n),
+                seed=args.seed,
+                on_done=lambda _r, bar=bar: bar.update(1),
+            )
+        failures = [r.error or "error" for r in records if not r.ok]
+        if failures:
+            errors[f"{label} rate={offered}"] = failures
+        open_rows.append(
+            {
+                "config": label,
+                "offered": offered,
+                "request_rate": rate,
+                "capacity_req_per_s": capacity or None,
+                **summarize_level(records, wall_s, **_slos(args)),
+            }
+        )
+    return open_rows
 
 
 def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: str) -> None:
@@ -614,19 +664,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    from .report import (
-        cpu_count,
-        format_multi_turn_table,
-        format_open_loop_table,
-        format_table,
-        print_errors,
-        run_metadata,
-        write_json,
-        write_plot,
-    )
-    from .server import ServerProcess, ServerStartError, health_status
-    from .stats import add_ratios
+    levels, num_requests, server_env = _checked_args(args)
+    targets, baselines = _targets(args, scratch)
+    runs = _Runs(model_used=args.model)
+    for label, config in targets:
+        if config is None:
+            _bench_base_url(runs, label, args, levels, num_requests)
+        else:
+            _bench_started_server(runs, label, config, args, levels, num_requests, server_env)
+    _add_comparisons(runs, baselines, args)
+    _print_tables(runs)
+    meta = _metadata(args, runs, levels, num_requests, targets, server_env, baselines)
+    _write_outputs(args, meta, runs)
+    return 1 if runs.failures or not (runs.results or runs.multi_turn) else 0
 
+
+def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict[str, str]]:
+    """The concurrency levels, the requests per level (None: by concurrency) and the servers'
+    environment; any argument that cannot work refused before a server starts."""
     try:
         import openai  # noqa: F401
     except ImportError:
@@ -655,8 +710,13 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         )
     server_env = _server_env(args.server_env)
     _rates(args.request_rate)  # refuse a bad rate before any server starts
-    baselines: dict[str, str] = {}
+    return levels, num_requests, server_env
 
+
+def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, Path | None]], dict[str, str]]:
+    """(label, config) of each server to measure (config None: the --base-url server), and each
+    --xpyd layout's baseline label."""
+    baselines: dict[str, str] = {}
     if args.base_url:
         from urllib.parse import urlparse
 
@@ -679,92 +739,139 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
             if p.strip()
         ]
         targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
+    return targets, baselines
 
-    results: list[dict] = []
-    open_loop: list[dict] = []
-    multi_turn: list[dict] = []
-    errors: dict[str, list[str]] = {}
-    failures: list[str] = []
-    model_used = args.model
-    for label, config in targets:
-        if config is None:
-            status = health_status(args.base_url.rstrip("/"), timeout_s=10)
-            if status != 200:
-                print(
-                    f"error: GET {args.base_url.rstrip('/')}/health answered {status or 'nothing'}, not 200",
-                    file=sys.stderr,
-                )
-                failures.append(f"{label}: the server is not ready")
-                continue
-            model_used, rows, open_rows, turn_rows = asyncio.run(
-                _bench_target(args.base_url, label, args.model, levels, args, num_requests, errors)
-            )
-            results += rows
-            open_loop += open_rows
-            multi_turn += turn_rows
-            continue
-        model_used = args.model or DEFAULT_MODEL
-        server = ServerProcess(
-            model_used,
-            config,
-            request_timeout_s=args.request_timeout,
-            startup_timeout_s=args.startup_timeout,
-            env=server_env,
-            log_level=args.server_log_level,
-            serve_args=args.serve_arg,
+
+@dataclass
+class _Runs:
+    """What the servers measured so far: the rows of each kind, the errors by level, the
+    targets that could not be measured, and the model name used."""
+
+    model_used: str | None
+    results: list[dict] = field(default_factory=list)
+    open_loop: list[dict] = field(default_factory=list)
+    multi_turn: list[dict] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, rows: list[dict], open_rows: list[dict], turn_rows: list[dict]) -> None:
+        self.results += rows
+        self.open_loop += open_rows
+        self.multi_turn += turn_rows
+
+
+def _bench_base_url(
+    runs: _Runs, label: str, args: argparse.Namespace, levels: list[int], num_requests: int | None
+) -> None:
+    from .server import health_status
+
+    status = health_status(args.base_url.rstrip("/"), timeout_s=10)
+    if status != 200:
+        print(
+            f"error: GET {args.base_url.rstrip('/')}/health answered {status or 'nothing'}, not 200",
+            file=sys.stderr,
         )
-        print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
-        try:
-            server.start()
-        except ServerStartError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            failures.append(f"{label}: the server did not start")
-            continue
-        try:
-            _, rows, open_rows, turn_rows = asyncio.run(
-                _bench_target(server.base_url, label, model_used, levels, args, num_requests, errors)
-            )
-            results += rows
-            open_loop += open_rows
-            multi_turn += turn_rows
-        finally:
-            status = server.stop()
-        if status not in (0, -signal.SIGTERM):
-            print(
-                f"warning: {label}: the server exited with {status}; log {server.log_path}", file=sys.stderr
-            )
+        runs.failures.append(f"{label}: the server is not ready")
+        return
+    runs.model_used, rows, open_rows, turn_rows = asyncio.run(
+        _bench_target(args.base_url, label, args.model, levels, args, num_requests, runs.errors)
+    )
+    runs.add(rows, open_rows, turn_rows)
 
-    add_ratios(results)
+
+def _bench_started_server(
+    runs: _Runs,
+    label: str,
+    config: Path,
+    args: argparse.Namespace,
+    levels: list[int],
+    num_requests: int | None,
+    server_env: dict[str, str],
+) -> None:
+    """Start `omni-pd serve` with `config`, measure it, stop it."""
+    from .server import ServerProcess, ServerStartError
+
+    runs.model_used = args.model or DEFAULT_MODEL
+    server = ServerProcess(
+        runs.model_used,
+        config,
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+        env=server_env,
+        log_level=args.server_log_level,
+        serve_args=args.serve_arg,
+    )
+    print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
+    try:
+        server.start()
+    except ServerStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        runs.failures.append(f"{label}: the server did not start")
+        return
+    try:
+        _, rows, open_rows, turn_rows = asyncio.run(
+            _bench_target(server.base_url, label, runs.model_used, levels, args, num_requests, runs.errors)
+        )
+        runs.add(rows, open_rows, turn_rows)
+    finally:
+        status = server.stop()
+    if status not in (0, -signal.SIGTERM):
+        print(f"warning: {label}: the server exited with {status}; log {server.log_path}", file=sys.stderr)
+
+
+def _add_comparisons(runs: _Runs, baselines: dict[str, str], args: argparse.Namespace) -> None:
+    """Each row's ratios: to the first config, to chat (--realtime), to its baseline (--xpyd),
+    to the same config without the prefix cache (--multi-turn)."""
+    from .stats import add_ratios
+
+    add_ratios(runs.results)
     if args.realtime:
         from .realtime import add_vs_chat
 
-        add_vs_chat(results)
-    add_baseline_ratios(results, baselines, "concurrency")
-    add_baseline_ratios(open_loop, baselines, "offered")
-    if multi_turn:
+        add_vs_chat(runs.results)
+    add_baseline_ratios(runs.results, baselines, "concurrency")
+    add_baseline_ratios(runs.open_loop, baselines, "offered")
+    if runs.multi_turn:
         from .multi_turn import add_uncached_ratios
 
-        labels = {row["config"] for row in multi_turn}
+        labels = {row["config"] for row in runs.multi_turn}
         add_uncached_ratios(
-            multi_turn,
+            runs.multi_turn,
             {
                 label: f"{label}@prefix_caching=false"
                 for label in labels
                 if f"{label}@prefix_caching=false" in labels
             },
         )
-    if errors:
-        print_errors(errors)
-    if results:
-        print(format_table(results))
-    if open_loop:
+
+
+def _print_tables(runs: _Runs) -> None:
+    from .report import format_multi_turn_table, format_open_loop_table, format_table, print_errors
+
+    if runs.errors:
+        print_errors(runs.errors)
+    if runs.results:
+        print(format_table(runs.results))
+    if runs.open_loop:
         print()
-        print(format_open_loop_table(open_loop))
-    if multi_turn:
+        print(format_open_loop_table(runs.open_loop))
+    if runs.multi_turn:
         print()
-        print(format_multi_turn_table(multi_turn))
-    cores = cpu_count()
-    meta = run_metadata(
+        print(format_multi_turn_table(runs.multi_turn))
+
+
+def _metadata(
+    args: argparse.Namespace,
+    runs: _Runs,
+    levels: list[int],
+    num_requests: int | None,
+    targets: list[tuple[str, Path | None]],
+    server_env: dict[str, str],
+    baselines: dict[str, str],
+) -> dict:
+    from .report import run_metadata
+
+    return run_metadata(
         ["omni-pd", *sys.argv[1:]],
         argv=list(sys.argv),
         max_tokens=args.max_tokens,
@@ -772,12 +879,12 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         concurrency=levels,
         warmup_requests=args.warmup,
         quick=bool(args.quick),
-        model=model_used,
+        model=runs.model_used,
         base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
         request_timeout_s=args.request_timeout,
         server_env=server_env,
-        failures=failures,
+        failures=runs.failures,
         request_rate=args.request_rate,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_ttfa_ms=args.slo_ttfa_ms,
@@ -790,10 +897,14 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         audio_turns_s=args.audio_turns,
         realtime=args.realtime,
     )
+
+
+def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
+    from .report import cpu_count, write_json, write_plot
+
     if args.json:
-        write_json(args.json, meta, results, open_loop, multi_turn)
+        write_json(args.json, meta, runs.results, runs.open_loop, runs.multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot and results:
-        write_plot(args.plot, results, cores=cores, max_tokens=args.max_tokens)
+    if args.plot and runs.results:
+        write_plot(args.plot, runs.results, cores=cpu_count(), max_tokens=args.max_tokens)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 1 if failures or not (results or multi_turn) else 0
