@@ -33,7 +33,7 @@ import torch
 from .. import registry
 from ..engines.types import AudioOutput, TextOutput, TokenPrompt
 from ..planning import expand_sampling_params, find_pd_pair
-from ..planning.pd import PDPair
+from ..planning.pd import HandoffPolicy, PDPair
 from ..sampling import SamplingParams
 from .breaker import CircuitBreaker
 from .graph import topological_order
@@ -98,11 +98,10 @@ class AsyncOmni:
         self.model = model
         self.stage_configs_path, self.config = load_config(stage_configs_path, deploy_config, device, model)
         self.keep_stage_outputs = keep_stage_outputs
-        self.request_timeout_s = request_timeout_s
         self.stages = {s.stage_id: s for s in self.config.stages}
         self.order = topological_order({s.stage_id: tuple(s.engine_input_source) for s in self.config.stages})
         self.pd_pair: PDPair | None = find_pd_pair(self.config)
-        self.handoff, breakers = plan_handoff(self.pd_pair, self.stages)
+        handoff, breakers = plan_handoff(self.pd_pair, self.stages)
         note_unused_engine_keys(self.config)
         self._load_pipeline(model)
         self._requests: dict[str, RequestState] = {}
@@ -118,7 +117,7 @@ class AsyncOmni:
             self.stream_processors,
             request_timeout_s,
             self.pd_pair,
-            self.handoff,
+            handoff,
             breakers,
         )
         self.pd: PDHandoff = self.runner.pd
@@ -142,6 +141,24 @@ class AsyncOmni:
             return finals[-1]
         text_stage = self.pipeline.text_model_stage
         return [s.stage_id for s in self.config.stages if s.model_stage == text_stage][-1]
+
+    # The runner and the P/D legs hold these; set here, they change there (tests tighten them).
+    @property
+    def request_timeout_s(self) -> float:
+        return self.runner.request_timeout_s
+
+    @request_timeout_s.setter
+    def request_timeout_s(self, value: float) -> None:
+        self.runner.request_timeout_s = value
+
+    @property
+    def handoff(self) -> HandoffPolicy | None:
+        """The P/D pair's handoff policy (None without a pair)."""
+        return self.pd.policy
+
+    @handoff.setter
+    def handoff(self, policy: HandoffPolicy | None) -> None:
+        self.pd.policy = policy
 
     @property
     def pools(self) -> dict[int, StagePool]:
