@@ -60,10 +60,14 @@ def test_no_function_over_max_lines_but_the_allowed_tables():
     assert over == {}, f"split these functions (at most {MAX_LINES} lines each): {over}"
 
 
-def test_every_allowed_function_is_still_long():
-    """An entry whose function was split (or renamed, or moved) leaves the list."""
+BEING_SPLIT = "issue 46: being split"
+
+
+def test_every_allowed_table_is_still_long():
+    """An entry whose function was split (or renamed, or moved) leaves the list. The entries
+    being split on another branch are left out: that work may land first, and removes them."""
     found = _long_functions_under(ROOT)
-    stale = sorted(key for key in ALLOWED if key not in found)
+    stale = sorted(key for key, why in ALLOWED.items() if key not in found and why != BEING_SPLIT)
     assert stale == [], f"remove these from ALLOWED: no such function over {MAX_LINES} lines now: {stale}"
 
 
