@@ -8,7 +8,9 @@ import statistics
 import pytest
 
 from omni_pd.bench.load import poisson_arrivals
-from omni_pd.bench.serve import _rates, add_baseline_ratios, xpyd_targets
+from omni_pd.bench.serve import add_baseline_ratios
+from omni_pd.bench.serve_configs import xpyd_targets
+from omni_pd.bench.serve_target import _rates
 from omni_pd.bench.stats import RequestRecord, summarize_level
 from omni_pd.config import load_pipeline_config
 
@@ -102,7 +104,7 @@ def test_baseline_ratios_pair_rows_of_the_same_level():
 
 def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     from omni_pd.bench.multi_turn import add_uncached_ratios, conversation_turn, summarize_turns
-    from omni_pd.bench.serve import _resolve_config
+    from omni_pd.bench.serve_configs import _resolve_config
 
     def record(ttft, cached):
         return RequestRecord(
