@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
-from .serve_configs import _labels, _resolve_config, _server_env, xpyd_targets
+from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
 from .serve_target import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OPEN_LOOP_REQUESTS,
     QUICK_NUM_REQUESTS,
     QUICK_OPEN_LOOP_REQUESTS,
     WAVES,
-    _bench_target,
-    _rates,
+    bench_target,
+    parse_rates,
     requests_per_level,
 )
 
@@ -320,8 +320,8 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
         )
-    server_env = _server_env(args.server_env)
-    _rates(args.request_rate)  # refuse a bad rate before any server starts
+    server_env = parse_server_env(args.server_env)
+    parse_rates(args.request_rate)  # refuse a bad rate before any server starts
     return levels, num_requests, server_env
 
 
@@ -337,20 +337,18 @@ def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, P
         ]
     elif args.xpyd:
         made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
-        targets = [
-            (label, _resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made
-        ]
+        targets = [(label, resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made]
         baselines = {label: base for label, _, base in made if base}
     else:
         defaults = [str(p) for p in DEFAULT_CONFIGS]
         if args.multi_turn:  # each default with the prefix cache on, then off
             defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
         resolved = [
-            _resolve_config(p, scratch, args.ignore_eos)
+            resolve_config(p, scratch, args.ignore_eos)
             for p in (args.configs.split(",") if args.configs else defaults)
             if p.strip()
         ]
-        targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
+        targets = list(zip(unique_labels([label for label, _ in resolved]), [p for _, p in resolved]))
     return targets, baselines
 
 
@@ -386,7 +384,7 @@ def _bench_base_url(
         runs.failures.append(f"{label}: the server is not ready")
         return
     runs.model_used, rows, open_rows, turn_rows = asyncio.run(
-        _bench_target(args.base_url, label, args.model, levels, args, num_requests, runs.errors)
+        bench_target(args.base_url, label, args.model, levels, args, num_requests, runs.errors)
     )
     runs.add(rows, open_rows, turn_rows)
 
@@ -422,7 +420,7 @@ def _bench_started_server(
         return
     try:
         _, rows, open_rows, turn_rows = asyncio.run(
-            _bench_target(server.base_url, label, runs.model_used, levels, args, num_requests, runs.errors)
+            bench_target(server.base_url, label, runs.model_used, levels, args, num_requests, runs.errors)
         )
         runs.add(rows, open_rows, turn_rows)
     finally:

@@ -15,7 +15,7 @@ XPYD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 KV_OVERRIDES = ("transfer_mode", "kv_same_host", "kv_push_chunk_tokens")
 
 
-def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
+def resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
     """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
     `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
     ignore_eos in every stage's default sampling params."""
@@ -116,7 +116,7 @@ def xpyd_targets(
     return out
 
 
-def _labels(labels: list[str]) -> list[str]:
+def unique_labels(labels: list[str]) -> list[str]:
     """A repeated label gets -2, -3, ..."""
     out, seen = [], {}
     for label in labels:
@@ -125,7 +125,7 @@ def _labels(labels: list[str]) -> list[str]:
     return out
 
 
-def _server_env(pairs: list[str]) -> dict[str, str]:
+def parse_server_env(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -14,7 +14,7 @@ WAVES = 4  # default requests per level: WAVES x concurrency, at least DEFAULT_N
 DEFAULT_OPEN_LOOP_REQUESTS, QUICK_OPEN_LOOP_REQUESTS = 32, 8
 
 
-def _rates(text: str | None) -> list[tuple[str, float, bool]]:
+def parse_rates(text: str | None) -> list[tuple[str, float, bool]]:
     """`--request-rate` as (label, value, relative): `8` is 8 req/s, `50%` half the capacity."""
     out = []
     for part in (p.strip() for p in (text or "").split(",")):
@@ -77,7 +77,7 @@ def _prompt_maker(args: argparse.Namespace, model: str) -> Callable[[int], Seque
     return fresh
 
 
-async def _bench_target(
+async def bench_target(
     base_url: str,
     label: str,
     model: str | None,
@@ -237,7 +237,7 @@ async def _bench_open_loop(
 
     open_rows = []
     capacity = max((r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"), default=0.0)
-    for offered, value, relative in _rates(args.request_rate):
+    for offered, value, relative in parse_rates(args.request_rate):
         rate = value * capacity if relative else value
         if rate <= 0:
             print(
