@@ -103,7 +103,7 @@ class _FaultAtDecodeLeg:
         self.sent_at: float | None = None
         self.failed: list[tuple[float, str]] = []
         self.pid = _prefill_pid(omni)
-        remote_decode, handoff_failed = engine._remote_decode, engine._handoff_failed
+        remote_decode, handoff_failed = engine.pd.remote_decode, engine.pd.handoff_failed
 
         async def fault_then_decode(*args, **kwargs):
             if self.sent_at is None:
@@ -115,8 +115,8 @@ class _FaultAtDecodeLeg:
             self.failed.append((time.monotonic(), why))
             return handoff_failed(state, why)
 
-        monkeypatch.setattr(engine, "_remote_decode", fault_then_decode)
-        monkeypatch.setattr(engine, "_handoff_failed", record_failure)
+        monkeypatch.setattr(engine.pd, "remote_decode", fault_then_decode)
+        monkeypatch.setattr(engine.pd, "handoff_failed", record_failure)
 
     def read_ended_after_s(self) -> float:
         assert self.sent_at is not None and self.failed, (self.sent_at, self.failed)

@@ -8,7 +8,9 @@ import statistics
 import pytest
 
 from omni_pd.bench.load import poisson_arrivals
-from omni_pd.bench.serve import _rates, add_baseline_ratios, xpyd_targets
+from omni_pd.bench.serve import add_baseline_ratios
+from omni_pd.bench.serve_configs import xpyd_targets
+from omni_pd.bench.serve_target import parse_rates
 from omni_pd.bench.stats import RequestRecord, summarize_level
 from omni_pd.config import load_pipeline_config
 
@@ -47,11 +49,11 @@ def test_goodput_counts_requests_within_both_slos_and_no_speech_apart():
 
 
 def test_request_rates_take_numbers_and_shares_of_capacity():
-    assert _rates("8, 50%") == [("8", 8.0, False), ("50%", 0.5, True)]
-    assert _rates(None) == []
+    assert parse_rates("8, 50%") == [("8", 8.0, False), ("50%", 0.5, True)]
+    assert parse_rates(None) == []
     for bad in ("0", "-1", "fast", "0%"):
         with pytest.raises(SystemExit, match="--request-rate"):
-            _rates(bad)
+            parse_rates(bad)
 
 
 def test_xpyd_layouts_come_with_colocated_baselines_of_as_many_thinker_workers(tmp_path):
@@ -102,7 +104,7 @@ def test_baseline_ratios_pair_rows_of_the_same_level():
 
 def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     from omni_pd.bench.multi_turn import add_uncached_ratios, conversation_turn, summarize_turns
-    from omni_pd.bench.serve import _resolve_config
+    from omni_pd.bench.serve_configs import resolve_config
 
     def record(ttft, cached):
         return RequestRecord(
@@ -118,7 +120,7 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     history = conversation_turn([{"role": "system", "content": "s"}], 0)
     assert [m["role"] for m in history] == ["system", "user"]
     # The override that makes the uncached twin: every thinker stage, nothing else.
-    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@prefix_caching=false", tmp_path)
+    label, path = resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@prefix_caching=false", tmp_path)
     assert label == "qwen3_omni_tiny_pd@prefix_caching=false"
     stages = load_pipeline_config(path).stages
     assert [s.engine_args.enable_prefix_caching for s in stages if s.model_stage == "thinker"] == [

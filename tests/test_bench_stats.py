@@ -131,26 +131,26 @@ def test_json_holds_null_for_none_and_nan_and_the_table_shows_a_dash(tmp_path):
 def test_config_overrides_make_a_labelled_copy(tmp_path):
     import yaml
 
-    from omni_pd.bench.serve import _labels, _resolve_config
+    from omni_pd.bench.serve_configs import unique_labels, resolve_config
 
-    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk=false", tmp_path)
+    label, path = resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk=false", tmp_path)
     assert label == "qwen3_omni_tiny_pd@async_chunk=false"
     data = yaml.safe_load(path.read_text())
     assert data["async_chunk"] is False and len(data["stage_args"]) == 4
-    plain_label, plain = _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml", tmp_path)
+    plain_label, plain = resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml", tmp_path)
     assert yaml.safe_load(plain.read_text())["async_chunk"] is True
-    assert _labels([plain_label, plain_label]) == ["qwen3_omni_tiny_pd", "qwen3_omni_tiny_pd-2"]
+    assert unique_labels([plain_label, plain_label]) == ["qwen3_omni_tiny_pd", "qwen3_omni_tiny_pd-2"]
     with pytest.raises(SystemExit, match="KEY=VALUE"):
-        _resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)
+        resolve_config("stage_configs/ci/qwen3_omni_tiny_pd.yaml@async_chunk", tmp_path)
 
 
 def test_transfer_mode_and_load_format_overrides_reach_the_stages(tmp_path):
     import yaml
 
-    from omni_pd.bench.serve import _resolve_config
+    from omni_pd.bench.serve_configs import resolve_config
 
     pd = "stage_configs/ci/qwen3_omni_tiny_pd.yaml"
-    label, path = _resolve_config(f"{pd}@transfer_mode=push@load_format=auto@kv_same_host=off", tmp_path)
+    label, path = resolve_config(f"{pd}@transfer_mode=push@load_format=auto@kv_same_host=off", tmp_path)
     assert label == "qwen3_omni_tiny_pd@transfer_mode=push@load_format=auto@kv_same_host=off"
     stages = yaml.safe_load(path.read_text())["stage_args"]
     extra = [s["engine_args"]["kv_transfer_config"]["kv_connector_extra_config"] for s in stages[:2]]
@@ -168,10 +168,10 @@ def test_transfer_mode_and_load_format_overrides_reach_the_stages(tmp_path):
 
     load_pipeline_config(path)
     # ... and the plain file keeps pull (the default) and dummy weights
-    _, plain = _resolve_config(pd, tmp_path)
+    _, plain = resolve_config(pd, tmp_path)
     assert "transfer_mode" not in plain.read_text() and "load_format: dummy" in plain.read_text()
     with pytest.raises(SystemExit, match="transfer_mode needs a P/D config"):
-        _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml@transfer_mode=push", tmp_path)
+        resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml@transfer_mode=push", tmp_path)
 
 
 def test_sized_prompts_have_the_length_asked_and_no_shared_prefix():
@@ -189,16 +189,16 @@ def test_sized_prompts_have_the_length_asked_and_no_shared_prefix():
 def test_ignore_eos_sets_every_stage_of_the_copy(tmp_path):
     import yaml
 
-    from omni_pd.bench.serve import _resolve_config
+    from omni_pd.bench.serve_configs import resolve_config
 
-    label, path = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path, ignore_eos=True)
+    label, path = resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path, ignore_eos=True)
     stages = yaml.safe_load(path.read_text())["stage_args"]
     assert label == "qwen3_omni_tiny" and len(stages) == 3
     assert all(stage["default_sampling_params"]["ignore_eos"] is True for stage in stages)
     # the talker keeps its own sampling settings beside it
     assert stages[1]["default_sampling_params"]["max_tokens"] == 64
     # without the flag the shipped file is served as it is: no ignore_eos anywhere
-    _, plain = _resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
+    _, plain = resolve_config("stage_configs/ci/qwen3_omni_tiny.yaml", tmp_path)
     assert not any(
         "ignore_eos" in (s.get("default_sampling_params") or {})
         for s in yaml.safe_load(plain.read_text())["stage_args"]
@@ -216,7 +216,7 @@ def test_pd_ttft_overhead_is_ttft_beyond_colocated_minus_the_handoff():
 
 
 def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
-    from omni_pd.bench.serve import _mean_handoff_ms
+    from omni_pd.bench.serve_target import _mean_handoff_ms
 
     assert _mean_handoff_ms((0.010, 4), (0.016, 7)) == pytest.approx(2.0)
     assert _mean_handoff_ms((0.010, 4), (0.010, 4)) is None  # colocated: no handoff observed
@@ -224,7 +224,7 @@ def test_mean_handoff_comes_from_the_histogram_delta_of_one_level():
 
 
 def test_requests_per_level_default_is_several_waves_of_the_concurrency():
-    from omni_pd.bench.serve import DEFAULT_NUM_REQUESTS, WAVES, requests_per_level
+    from omni_pd.bench.serve_target import DEFAULT_NUM_REQUESTS, WAVES, requests_per_level
 
     # Unset: WAVES x the concurrency, so a level is not one burst; never fewer than the floor.
     assert [requests_per_level(None, c) for c in (1, 4, 8, 16)] == [

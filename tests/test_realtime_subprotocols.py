@@ -1,5 +1,5 @@
 """The Realtime API's key as browsers must send it, as a websocket subprotocol
-(realtime/subprotocols.py, checked by api_server.RequestGuard), in process against a scripted
+(realtime/subprotocols.py, checked by middleware.RequestGuard), in process against a scripted
 orchestrator; the header and the 401 stay for other clients. The demo page uses it in a real
 browser in e2e/test_demo_page.py."""
 

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from omni_pd.entrypoints.cli import build_parser
-from omni_pd.entrypoints.openai.api_server import RequestGuard
+from omni_pd.entrypoints.openai.middleware import RequestGuard
 from omni_pd.entrypoints.openai.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -77,17 +77,17 @@ def test_the_api_key_guards_v1_only():
 def test_short_text_is_prepared_on_the_loop_and_the_rest_in_a_thread():
     """Short text only: prepared on the event loop (the thread hop costs more). Long text, audio
     or a malformed part: in a thread, so the loop (and /health) never waits on tokenizing."""
-    from omni_pd.entrypoints.openai.api_server import INLINE_PREPARE_CHARS, _prepare_inline
+    from omni_pd.entrypoints.openai.prepare import INLINE_PREPARE_CHARS, prepare_inline
     from omni_pd.entrypoints.openai.protocol import ChatCompletionRequest
 
     def body(*contents):
         return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": c} for c in contents])
 
     half = "a" * (INLINE_PREPARE_CHARS // 2)
-    assert _prepare_inline(body("hello", [{"type": "text", "text": "there"}], None))
-    assert _prepare_inline(body(half, half))
-    assert not _prepare_inline(body(half, half + "a"))
-    assert not _prepare_inline(
+    assert prepare_inline(body("hello", [{"type": "text", "text": "there"}], None))
+    assert prepare_inline(body(half, half))
+    assert not prepare_inline(body(half, half + "a"))
+    assert not prepare_inline(
         body(
             [
                 {"type": "text", "text": "hi"},
@@ -95,4 +95,4 @@ def test_short_text_is_prepared_on_the_loop_and_the_rest_in_a_thread():
             ]
         )
     )
-    assert not _prepare_inline(body([{"type": "text", "text": 3}]))
+    assert not prepare_inline(body([{"type": "text", "text": 3}]))

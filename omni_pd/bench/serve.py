@@ -26,6 +26,9 @@ behind the same router, on the same machine.
     omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D] [--concurrency 1,4,8,16]
                         [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
                         [--num-requests N] [--json out.json] [--plot out.png] [--quick]
+
+This module holds the flags and the run over the servers; serve_configs.py resolves the configs
+each server runs, serve_target.py measures one server.
 """
 
 from __future__ import annotations
@@ -33,27 +36,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import re
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..paths import STAGE_CONFIGS_DIR
+from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
+from .serve_target import (
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_OPEN_LOOP_REQUESTS,
+    QUICK_NUM_REQUESTS,
+    QUICK_OPEN_LOOP_REQUESTS,
+    WAVES,
+    bench_target,
+    parse_rates,
+    requests_per_level,
+)
 
 DEFAULT_CONFIGS = (
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml",
 )
-REPO_ROOT = STAGE_CONFIGS_DIR.parent
 DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
-DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
-WAVES = 4  # default requests per level: WAVES x concurrency, at least DEFAULT_NUM_REQUESTS
-DEFAULT_OPEN_LOOP_REQUESTS, QUICK_OPEN_LOOP_REQUESTS = 32, 8
-XPYD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,343 +255,6 @@ def _int_list(text: str, what: str) -> list[int]:
     return sorted(dict.fromkeys(values))
 
 
-# PATH@key=value keys set in every stage's kv_connector_extra_config (P/D configs only).
-KV_OVERRIDES = ("transfer_mode", "kv_same_host", "kv_push_chunk_tokens")
-
-
-def _resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[str, Path]:
-    """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
-    `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
-    ignore_eos in every stage's default sampling params."""
-    import yaml
-
-    name, *overrides = text.split("@")
-    path = Path(name).expanduser()
-    found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
-    if found is None:
-        raise SystemExit(f"error: stage config {name!r} not found (here or under {REPO_ROOT})")
-    if not overrides and not ignore_eos:
-        return found.stem, found
-    data = yaml.safe_load(found.read_text())
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"error: a config override is KEY=VALUE, got {override!r} in {text!r}")
-        if key == "prefix_caching":  # every thinker stage's enable_prefix_caching
-            for stage in data.get("stage_args", []):
-                if stage.get("engine_args", {}).get("model_stage") == "thinker":
-                    stage["engine_args"]["enable_prefix_caching"] = bool(yaml.safe_load(value))
-            continue
-        if key in KV_OVERRIDES:  # the P/D pair's KV handoff settings
-            kv_stages = [
-                s["engine_args"]["kv_transfer_config"]
-                for s in data.get("stage_args", [])
-                if s.get("engine_args", {}).get("kv_transfer_config")
-            ]
-            if not kv_stages:
-                raise SystemExit(f"error: {text!r}: {key} needs a P/D config, {found} has no kv stages")
-            for kv in kv_stages:
-                # as written ("off" stays a string), but a chunk size is a number
-                kv.setdefault("kv_connector_extra_config", {})[key] = (
-                    int(value) if key == "kv_push_chunk_tokens" else value
-                )
-            continue
-        if key == "load_format":  # every stage's: auto reads the served checkpoint's weights
-            for stage in data.get("stage_args", []):
-                stage.setdefault("engine_args", {})["load_format"] = value
-            continue
-        data[key] = yaml.safe_load(value)
-    if ignore_eos:
-        stages = data.get("stage_args") if isinstance(data, dict) else None
-        if not isinstance(stages, list):
-            raise SystemExit(
-                f"error: --ignore-eos sets each stage's default_sampling_params, but "
-                f"{found} has no stage_args list"
-            )
-        for stage in stages:
-            stage.setdefault("default_sampling_params", {})["ignore_eos"] = True
-    label = "@".join([found.stem, *overrides])
-    copy = scratch / f"{label}.yaml"
-    copy.write_text(yaml.safe_dump(data, sort_keys=False))
-    return label, copy
-
-
-def _rates(text: str | None) -> list[tuple[str, float, bool]]:
-    """`--request-rate` as (label, value, relative): `8` is 8 req/s, `50%` half the capacity."""
-    out = []
-    for part in (p.strip() for p in (text or "").split(",")):
-        if not part:
-            continue
-        relative = part.endswith("%")
-        try:
-            value = float(part[:-1] if relative else part)
-        except ValueError:
-            value = -1.0
-        if value <= 0:
-            raise SystemExit(f"error: --request-rate takes positive numbers or percentages, got {part!r}")
-        out.append((part, value / 100 if relative else value, relative))
-    return out
-
-
-def xpyd_targets(
-    layouts: str, pd_config: str, colocated_config: str, scratch: Path
-) -> list[tuple[str, Path, str | None]]:
-    """(label, config, baseline label) for each layout and its colocated baseline, baselines
-    first: colocated-Nx (the thinker with N = x + y replicas) then xPyD."""
-    import yaml
-
-    def load(text: str) -> tuple[dict, Path]:
-        path = Path(text).expanduser()
-        found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
-        if found is None:
-            raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
-        return yaml.safe_load(found.read_text()), found
-
-    def write(data: dict, label: str) -> Path:
-        copy = scratch / f"{label}.yaml"
-        copy.write_text(yaml.safe_dump(data, sort_keys=False))
-        return copy
-
-    def replicas(data: dict, which, count: int, source: Path) -> None:
-        stages = [s for s in data.get("stage_args", []) if which(s)]
-        if len(stages) != 1:
-            raise SystemExit(f"error: --xpyd needs stage_args with exactly one such stage in {source}")
-        stages[0].setdefault("runtime", {})["num_replicas"] = count
-
-    out: list[tuple[str, Path, str | None]] = []
-    for layout in (p.strip() for p in layouts.split(",") if p.strip()):
-        match = XPYD.match(layout)
-        if not match or min(int(match[1]), int(match[2])) < 1:
-            raise SystemExit(f"error: --xpyd takes layouts such as 1P1D or 2P2D, got {layout!r}")
-        x, y = int(match[1]), int(match[2])
-        baseline = f"colocated-{x + y}x"
-        if baseline not in [label for label, _, _ in out]:
-            data, source = load(colocated_config)
-            replicas(data, lambda s: s.get("engine_args", {}).get("model_stage") == "thinker", x + y, source)
-            out.append((baseline, write(data, baseline), None))
-        data, source = load(pd_config)
-        replicas(data, lambda s: s.get("is_prefill_only"), x, source)
-        replicas(data, lambda s: s.get("is_decode_only"), y, source)
-        label = f"{x}P{y}D"
-        out.append((label, write(data, label), baseline))
-    return out
-
-
-def _labels(labels: list[str]) -> list[str]:
-    """A repeated label gets -2, -3, ..."""
-    out, seen = [], {}
-    for label in labels:
-        seen[label] = seen.get(label, 0) + 1
-        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
-    return out
-
-
-def _server_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"error: --server-env takes KEY=VAL, got {pair!r}")
-        env[key] = value
-    return env
-
-
-async def _handoff_totals(base_url: str) -> tuple[float, float] | None:
-    """(sum of seconds, count) of the server's KV handoff histogram, from GET /metrics; None
-    when it cannot be read (an older server, a proxy)."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=10) as http:
-            text = (await http.get(f"{base_url.rstrip('/')}/metrics")).text
-    except httpx.HTTPError:
-        return None
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("omni_pd_kv_handoff_seconds_sum", "omni_pd_kv_handoff_seconds_count"):
-            values[name] = float(value)
-    if len(values) != 2:
-        return None
-    return values["omni_pd_kv_handoff_seconds_sum"], values["omni_pd_kv_handoff_seconds_count"]
-
-
-def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-    if before is None or after is None or after[1] <= before[1]:
-        return None  # no P/D handoff in this level (a colocated server)
-    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
-
-
-def _prompt_maker(args: argparse.Namespace, model: str) -> Callable[[int], Sequence[str]]:
-    """`fresh(n)`: the next n prompts. Short varied ones by default (repeating); with
-    --prompt-tokens, each of that many tokens and numbered on from the last (none repeats)."""
-    from .load import PROMPTS
-
-    if not args.prompt_tokens:
-        return lambda n: [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    from .sized_prompts import load_tokenizer, sized_prompts
-
-    tokenizer = load_tokenizer(args.model or model)
-    made = 0
-
-    def fresh(n: int) -> Sequence[str]:
-        nonlocal made
-        made += n
-        return sized_prompts(tokenizer, args.prompt_tokens, n, first=made - n)
-
-    return fresh
-
-
-async def _bench_target(
-    base_url: str,
-    label: str,
-    model: str | None,
-    levels: list[int],
-    args: argparse.Namespace,
-    num_requests: int | None,
-    errors: dict[str, list[str]],
-) -> tuple[str, list[dict], list[dict], list[dict]]:
-    """Every level against one server; returns the model name used, one row per closed-loop
-    level, one per open-loop rate, and (--multi-turn) one per turn."""
-    import openai
-    from tqdm import tqdm
-
-    from .load import PROMPTS, run_level, run_open_loop, stream_one
-    from .realtime import realtime_one
-    from .stats import summarize_level
-
-    # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
-    client = openai.AsyncOpenAI(
-        base_url=f"{base_url.rstrip('/')}/v1",
-        api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
-        max_retries=0,
-        timeout=args.request_timeout,
-    )
-    rows, open_rows, turn_rows = [], [], []
-    slos = {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
-    try:
-        if model is None:
-            listed = await client.models.list()
-            model = listed.data[0].id
-        fresh = _prompt_maker(args, model)
-        if args.multi_turn:
-            from .multi_turn import run_conversations, summarize_turns
-
-            for i in range(args.warmup):
-                await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
-            count = args.conversations or (2 if args.quick else 4)
-            with tqdm(
-                total=count * args.multi_turn,
-                desc=f"{label} {args.multi_turn} turns",
-                unit="req",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            ) as bar:
-                by_turn = await run_conversations(
-                    client,
-                    model,
-                    args.multi_turn,
-                    count,
-                    args.max_tokens,
-                    on_done=lambda _r, bar=bar: bar.update(1),
-                    audio_seconds=args.audio_turns,
-                )
-            failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
-            if failures:
-                errors[f"{label} multi-turn"] = failures
-            turn_rows = summarize_turns(label, by_turn)
-            levels = []  # conversations instead of the levels
-        for concurrency in levels:
-            n = requests_per_level(num_requests, concurrency)
-            for warm_prompt in fresh(args.warmup):
-                warm = await stream_one(client, model, warm_prompt, args.max_tokens)
-                if not warm.ok:
-                    print(
-                        f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr
-                    )
-            for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
-                name = label if endpoint == "chat" else f"{label} realtime"
-                handoffs_before = await _handoff_totals(base_url)
-                with tqdm(
-                    total=n, desc=f"{name} c={concurrency}", unit="req", file=sys.stderr, dynamic_ncols=True
-                ) as bar:
-                    failed = 0
-
-                    def done(record, bar=bar):
-                        nonlocal failed
-                        failed += not record.ok
-                        bar.update(1)
-                        if failed:
-                            bar.set_postfix(errors=failed)
-
-                    records, wall_s = await run_level(
-                        client,
-                        model,
-                        concurrency,
-                        n,
-                        args.max_tokens,
-                        prompts=fresh(n),
-                        on_done=done,
-                        send=realtime_one if endpoint == "realtime" else stream_one,
-                    )
-                failures = [r.error or "error" for r in records if not r.ok]
-                if failures:
-                    errors[f"{name} c={concurrency}"] = failures
-                rows.append(
-                    {
-                        "config": name,
-                        "concurrency": concurrency,
-                        **summarize_level(records, wall_s, **slos),
-                        "kv_handoff_ms_mean": _mean_handoff_ms(
-                            handoffs_before, await _handoff_totals(base_url)
-                        ),
-                        **({"endpoint": endpoint, "chat_config": label} if args.realtime else {}),
-                    }
-                )
-        capacity = max(
-            (r["req_per_s"] or 0.0 for r in rows if r.get("endpoint", "chat") == "chat"), default=0.0
-        )
-        for offered, value, relative in _rates(args.request_rate):
-            rate = value * capacity if relative else value
-            if rate <= 0:
-                print(
-                    f"{label}: no capacity measured (run closed-loop levels) for rate {offered}",
-                    file=sys.stderr,
-                )
-                continue
-            n = args.open_loop_requests or (
-                QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS
-            )
-            with tqdm(
-                total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr, dynamic_ncols=True
-            ) as bar:
-                records, wall_s = await run_open_loop(
-                    client,
-                    model,
-                    rate,
-                    n,
-                    args.max_tokens,
-                    prompts=fresh(n),
-                    seed=args.seed,
-                    on_done=lambda _r, bar=bar: bar.update(1),
-                )
-            failures = [r.error or "error" for r in records if not r.ok]
-            if failures:
-                errors[f"{label} rate={offered}"] = failures
-            open_rows.append(
-                {
-                    "config": label,
-                    "offered": offered,
-                    "request_rate": rate,
-                    "capacity_req_per_s": capacity or None,
-                    **summarize_level(records, wall_s, **slos),
-                }
-            )
-    finally:
-        await client.close()
-    return model, rows, open_rows, turn_rows
-
-
 def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: str) -> None:
     """For each row of a config with a baseline (`--xpyd`: the colocated replicas), its req/s and
     goodput against the baseline's at the same level, measured in the same run."""
@@ -600,33 +270,30 @@ def add_baseline_ratios(rows: list[dict], baselines: dict[str, str], level_key: 
                 row["goodput_vs_baseline"] = ratio(row["goodput_req_per_s"], base.get("goodput_req_per_s"))
 
 
-def requests_per_level(num_requests: int | None, concurrency: int) -> int:
-    """Measured requests at one level: `num_requests` when given (at least the concurrency),
-    else WAVES x the concurrency, at least DEFAULT_NUM_REQUESTS."""
-    if num_requests is None:
-        return max(DEFAULT_NUM_REQUESTS, WAVES * concurrency)
-    return max(num_requests, concurrency)
-
-
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="omni-pd-bench-") as scratch:  # overridden configs
         return _run(args, Path(scratch))
 
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
-    from .report import (
-        cpu_count,
-        format_multi_turn_table,
-        format_open_loop_table,
-        format_table,
-        print_errors,
-        run_metadata,
-        write_json,
-        write_plot,
-    )
-    from .server import ServerProcess, ServerStartError, health_status
-    from .stats import add_ratios
+    levels, num_requests, server_env = _checked_args(args)
+    targets, baselines = _targets(args, scratch)
+    runs = _Runs(model_used=args.model)
+    for label, config in targets:
+        if config is None:
+            _bench_base_url(runs, label, args, levels, num_requests)
+        else:
+            _bench_started_server(runs, label, config, args, levels, num_requests, server_env)
+    _add_comparisons(runs, baselines, args)
+    _print_tables(runs)
+    meta = _metadata(args, runs, levels, num_requests, targets, server_env, baselines)
+    _write_outputs(args, meta, runs)
+    return 1 if runs.failures or not (runs.results or runs.multi_turn) else 0
 
+
+def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict[str, str]]:
+    """The concurrency levels, the requests per level (None: by concurrency) and the servers'
+    environment; any argument that cannot work refused before a server starts."""
     try:
         import openai  # noqa: F401
     except ImportError:
@@ -653,10 +320,15 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
         )
-    server_env = _server_env(args.server_env)
-    _rates(args.request_rate)  # refuse a bad rate before any server starts
-    baselines: dict[str, str] = {}
+    server_env = parse_server_env(args.server_env)
+    parse_rates(args.request_rate)  # refuse a bad rate before any server starts
+    return levels, num_requests, server_env
 
+
+def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, Path | None]], dict[str, str]]:
+    """(label, config) of each server to measure (config None: the --base-url server), and each
+    --xpyd layout's baseline label."""
+    baselines: dict[str, str] = {}
     if args.base_url:
         from urllib.parse import urlparse
 
@@ -665,106 +337,151 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         ]
     elif args.xpyd:
         made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
-        targets = [
-            (label, _resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made
-        ]
+        targets = [(label, resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made]
         baselines = {label: base for label, _, base in made if base}
     else:
         defaults = [str(p) for p in DEFAULT_CONFIGS]
         if args.multi_turn:  # each default with the prefix cache on, then off
             defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
         resolved = [
-            _resolve_config(p, scratch, args.ignore_eos)
+            resolve_config(p, scratch, args.ignore_eos)
             for p in (args.configs.split(",") if args.configs else defaults)
             if p.strip()
         ]
-        targets = list(zip(_labels([label for label, _ in resolved]), [p for _, p in resolved]))
+        targets = list(zip(unique_labels([label for label, _ in resolved]), [p for _, p in resolved]))
+    return targets, baselines
 
-    results: list[dict] = []
-    open_loop: list[dict] = []
-    multi_turn: list[dict] = []
-    errors: dict[str, list[str]] = {}
-    failures: list[str] = []
-    model_used = args.model
-    for label, config in targets:
-        if config is None:
-            status = health_status(args.base_url.rstrip("/"), timeout_s=10)
-            if status != 200:
-                print(
-                    f"error: GET {args.base_url.rstrip('/')}/health answered {status or 'nothing'}, not 200",
-                    file=sys.stderr,
-                )
-                failures.append(f"{label}: the server is not ready")
-                continue
-            model_used, rows, open_rows, turn_rows = asyncio.run(
-                _bench_target(args.base_url, label, args.model, levels, args, num_requests, errors)
-            )
-            results += rows
-            open_loop += open_rows
-            multi_turn += turn_rows
-            continue
-        model_used = args.model or DEFAULT_MODEL
-        server = ServerProcess(
-            model_used,
-            config,
-            request_timeout_s=args.request_timeout,
-            startup_timeout_s=args.startup_timeout,
-            env=server_env,
-            log_level=args.server_log_level,
-            serve_args=args.serve_arg,
+
+@dataclass
+class _Runs:
+    """What the servers measured so far: the rows of each kind, the errors by level, the
+    targets that could not be measured, and the model name used."""
+
+    model_used: str | None
+    results: list[dict] = field(default_factory=list)
+    open_loop: list[dict] = field(default_factory=list)
+    multi_turn: list[dict] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, rows: list[dict], open_rows: list[dict], turn_rows: list[dict]) -> None:
+        self.results += rows
+        self.open_loop += open_rows
+        self.multi_turn += turn_rows
+
+
+def _bench_base_url(
+    runs: _Runs, label: str, args: argparse.Namespace, levels: list[int], num_requests: int | None
+) -> None:
+    from .server import health_status
+
+    status = health_status(args.base_url.rstrip("/"), timeout_s=10)
+    if status != 200:
+        print(
+            f"error: GET {args.base_url.rstrip('/')}/health answered {status or 'nothing'}, not 200",
+            file=sys.stderr,
         )
-        print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
-        try:
-            server.start()
-        except ServerStartError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            failures.append(f"{label}: the server did not start")
-            continue
-        try:
-            _, rows, open_rows, turn_rows = asyncio.run(
-                _bench_target(server.base_url, label, model_used, levels, args, num_requests, errors)
-            )
-            results += rows
-            open_loop += open_rows
-            multi_turn += turn_rows
-        finally:
-            status = server.stop()
-        if status not in (0, -signal.SIGTERM):
-            print(
-                f"warning: {label}: the server exited with {status}; log {server.log_path}", file=sys.stderr
-            )
+        runs.failures.append(f"{label}: the server is not ready")
+        return
+    runs.model_used, rows, open_rows, turn_rows = asyncio.run(
+        bench_target(args.base_url, label, args.model, levels, args, num_requests, runs.errors)
+    )
+    runs.add(rows, open_rows, turn_rows)
 
-    add_ratios(results)
+
+def _bench_started_server(
+    runs: _Runs,
+    label: str,
+    config: Path,
+    args: argparse.Namespace,
+    levels: list[int],
+    num_requests: int | None,
+    server_env: dict[str, str],
+) -> None:
+    """Start `omni-pd serve` with `config`, measure it, stop it."""
+    from .server import ServerProcess, ServerStartError
+
+    runs.model_used = args.model or DEFAULT_MODEL
+    server = ServerProcess(
+        runs.model_used,
+        config,
+        request_timeout_s=args.request_timeout,
+        startup_timeout_s=args.startup_timeout,
+        env=server_env,
+        log_level=args.server_log_level,
+        serve_args=args.serve_arg,
+    )
+    print(f"{label}: starting omni-pd serve ({config})", file=sys.stderr)
+    try:
+        server.start()
+    except ServerStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        runs.failures.append(f"{label}: the server did not start")
+        return
+    try:
+        _, rows, open_rows, turn_rows = asyncio.run(
+            bench_target(server.base_url, label, runs.model_used, levels, args, num_requests, runs.errors)
+        )
+        runs.add(rows, open_rows, turn_rows)
+    finally:
+        status = server.stop()
+    if status not in (0, -signal.SIGTERM):
+        print(f"warning: {label}: the server exited with {status}; log {server.log_path}", file=sys.stderr)
+
+
+def _add_comparisons(runs: _Runs, baselines: dict[str, str], args: argparse.Namespace) -> None:
+    """Each row's ratios: to the first config, to chat (--realtime), to its baseline (--xpyd),
+    to the same config without the prefix cache (--multi-turn)."""
+    from .stats import add_ratios
+
+    add_ratios(runs.results)
     if args.realtime:
         from .realtime import add_vs_chat
 
-        add_vs_chat(results)
-    add_baseline_ratios(results, baselines, "concurrency")
-    add_baseline_ratios(open_loop, baselines, "offered")
-    if multi_turn:
+        add_vs_chat(runs.results)
+    add_baseline_ratios(runs.results, baselines, "concurrency")
+    add_baseline_ratios(runs.open_loop, baselines, "offered")
+    if runs.multi_turn:
         from .multi_turn import add_uncached_ratios
 
-        labels = {row["config"] for row in multi_turn}
+        labels = {row["config"] for row in runs.multi_turn}
         add_uncached_ratios(
-            multi_turn,
+            runs.multi_turn,
             {
                 label: f"{label}@prefix_caching=false"
                 for label in labels
                 if f"{label}@prefix_caching=false" in labels
             },
         )
-    if errors:
-        print_errors(errors)
-    if results:
-        print(format_table(results))
-    if open_loop:
+
+
+def _print_tables(runs: _Runs) -> None:
+    from .report import format_multi_turn_table, format_open_loop_table, format_table, print_errors
+
+    if runs.errors:
+        print_errors(runs.errors)
+    if runs.results:
+        print(format_table(runs.results))
+    if runs.open_loop:
         print()
-        print(format_open_loop_table(open_loop))
-    if multi_turn:
+        print(format_open_loop_table(runs.open_loop))
+    if runs.multi_turn:
         print()
-        print(format_multi_turn_table(multi_turn))
-    cores = cpu_count()
-    meta = run_metadata(
+        print(format_multi_turn_table(runs.multi_turn))
+
+
+def _metadata(
+    args: argparse.Namespace,
+    runs: _Runs,
+    levels: list[int],
+    num_requests: int | None,
+    targets: list[tuple[str, Path | None]],
+    server_env: dict[str, str],
+    baselines: dict[str, str],
+) -> dict:
+    from .report import run_metadata
+
+    return run_metadata(
         ["omni-pd", *sys.argv[1:]],
         argv=list(sys.argv),
         max_tokens=args.max_tokens,
@@ -772,12 +489,12 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         concurrency=levels,
         warmup_requests=args.warmup,
         quick=bool(args.quick),
-        model=model_used,
+        model=runs.model_used,
         base_url=args.base_url,
         configs={label: (str(path) if path else None) for label, path in targets},
         request_timeout_s=args.request_timeout,
         server_env=server_env,
-        failures=failures,
+        failures=runs.failures,
         request_rate=args.request_rate,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_ttfa_ms=args.slo_ttfa_ms,
@@ -790,10 +507,14 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
         audio_turns_s=args.audio_turns,
         realtime=args.realtime,
     )
+
+
+def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
+    from .report import cpu_count, write_json, write_plot
+
     if args.json:
-        write_json(args.json, meta, results, open_loop, multi_turn)
+        write_json(args.json, meta, runs.results, runs.open_loop, runs.multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot and results:
-        write_plot(args.plot, results, cores=cores, max_tokens=args.max_tokens)
+    if args.plot and runs.results:
+        write_plot(args.plot, runs.results, cores=cpu_count(), max_tokens=args.max_tokens)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 1 if failures or not (results or multi_turn) else 0

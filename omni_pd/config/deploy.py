@@ -383,72 +383,87 @@ class _Converter:
         if ts.custom_process_input_func:
             out["custom_process_input_func"] = ts.custom_process_input_func
         for key, value in ds.items():
-            if key == "stage_id":
-                continue
-            if key in ("devices", "env", "num_replicas"):
-                runtime[key] = value
-            elif key == "runtime":
-                runtime.update(value)
-            elif key == "async_chunk":
-                if value is not None and value != async_chunk:
-                    self._stage(
-                        sid,
-                        key,
-                        value,
-                        f"{async_chunk} (the top-level async_chunk), or remove it",
-                        "omni-pd streams between stages pipeline-wide only "
-                        "(the top-level async_chunk); a stage cannot opt out",
-                    )
-            elif key in ("input_connectors", "output_connectors"):
-                out[key] = value
-            elif key == "default_sampling_params":
-                if value is not None:
-                    out[key] = value  # the file's defaults, as in vllm-omni (not merged)
-            elif key in ("is_prefill_only", "is_decode_only"):
-                self._check_role(ts, key, value)
-            elif key in TOPOLOGY_KEYS:
-                self._stage(
-                    sid,
-                    key,
-                    value,
-                    f"remove it, or choose another `pipeline:` ({', '.join(_pipelines())})",
-                    f"{key} is set by pipeline {self.topology.name} (stage {sid} is its {ts.label} stage)",
-                )
-            elif key in REFUSED_STAGE_KEYS:
-                if value:
-                    self._stage(
-                        sid,
-                        key,
-                        value,
-                        "remove it",
-                        f"{key} is not supported by omni-pd: {REFUSED_STAGE_KEYS[key]}",
-                    )
-            elif key in RUNTIME_KEYS:
-                self._stage(
-                    sid,
-                    key,
-                    value,
-                    f"runtime: {{{key}: ...}}",
-                    f"{key} is a runtime key of omni-pd's; write it under the stage's runtime:",
-                )
-            elif key in _ENGINE_KEYS:
-                engine[key] = value
-                self.keys.engine_sources.pop((sid, key), None)
-            else:
-                hint = suggest(str(key), STAGE_KEYS | _ENGINE_KEYS | RUNTIME_KEYS)
-                self._stage(
-                    sid,
-                    key,
-                    value,
-                    "a deploy stage key (devices, env, "
-                    "default_sampling_params, input_connectors, ...) or one of "
-                    f"{len(_ENGINE_KEYS)} known engine keys (omni-pd, vllm-omni and vLLM "
-                    "EngineArgs names)",
-                    f"unknown key '{key}'" + (f"; did you mean '{hint}'?" if hint else ""),
-                )
+            if key != "stage_id":
+                self._place_stage_key(ts, key, value, async_chunk, out, engine, runtime)
         out["engine_args"] = engine
         out["runtime"] = runtime
         return out
+
+    def _place_stage_key(
+        self,
+        ts: TopologyStage,
+        key: str,
+        value: Any,
+        async_chunk: bool,
+        out: dict[str, Any],
+        engine: dict[str, Any],
+        runtime: dict[str, Any],
+    ) -> None:
+        """A deploy stage's key into the stage's own keys (`out`), its engine_args or its runtime;
+        or reported, where omni-pd refuses it or does not know it."""
+        assert self.topology is not None
+        sid = ts.stage_id
+        if key in ("devices", "env", "num_replicas"):
+            runtime[key] = value
+        elif key == "runtime":
+            runtime.update(value)
+        elif key == "async_chunk":
+            if value is not None and value != async_chunk:
+                self._stage(
+                    sid,
+                    key,
+                    value,
+                    f"{async_chunk} (the top-level async_chunk), or remove it",
+                    "omni-pd streams between stages pipeline-wide only "
+                    "(the top-level async_chunk); a stage cannot opt out",
+                )
+        elif key in ("input_connectors", "output_connectors"):
+            out[key] = value
+        elif key == "default_sampling_params":
+            if value is not None:
+                out[key] = value  # the file's defaults, as in vllm-omni (not merged)
+        elif key in ("is_prefill_only", "is_decode_only"):
+            self._check_role(ts, key, value)
+        elif key in TOPOLOGY_KEYS:
+            self._stage(
+                sid,
+                key,
+                value,
+                f"remove it, or choose another `pipeline:` ({', '.join(_pipelines())})",
+                f"{key} is set by pipeline {self.topology.name} (stage {sid} is its {ts.label} stage)",
+            )
+        elif key in REFUSED_STAGE_KEYS:
+            if value:
+                self._stage(
+                    sid,
+                    key,
+                    value,
+                    "remove it",
+                    f"{key} is not supported by omni-pd: {REFUSED_STAGE_KEYS[key]}",
+                )
+        elif key in RUNTIME_KEYS:
+            self._stage(
+                sid,
+                key,
+                value,
+                f"runtime: {{{key}: ...}}",
+                f"{key} is a runtime key of omni-pd's; write it under the stage's runtime:",
+            )
+        elif key in _ENGINE_KEYS:
+            engine[key] = value
+            self.keys.engine_sources.pop((sid, key), None)
+        else:
+            hint = suggest(str(key), STAGE_KEYS | _ENGINE_KEYS | RUNTIME_KEYS)
+            self._stage(
+                sid,
+                key,
+                value,
+                "a deploy stage key (devices, env, "
+                "default_sampling_params, input_connectors, ...) or one of "
+                f"{len(_ENGINE_KEYS)} known engine keys (omni-pd, vllm-omni and vLLM "
+                "EngineArgs names)",
+                f"unknown key '{key}'" + (f"; did you mean '{hint}'?" if hint else ""),
+            )
 
     def _check_role(self, ts: TopologyStage, key: str, value: Any) -> None:
         assert self.topology is not None

@@ -9,8 +9,9 @@ by a vLLM assertion after a rank process started.
 
 from __future__ import annotations
 
-from omni_pd.config.checks import CheckContext, check_pd
+from omni_pd.config.check_context import CheckContext
 from omni_pd.config.errors import ConfigError
+from omni_pd.config.pair_checks import check_pd
 from omni_pd.config.schema import PipelineConfig
 
 

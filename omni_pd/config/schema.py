@@ -2,7 +2,8 @@
 
 Pydantic v2, `extra="forbid"` and frozen everywhere except where a connector defines its own keys
 (`kv_connector_extra_config`). The models check shape and types only; rules that span keys or
-stages (P/D pairing, graph, imports) live in `checks.py` so that every problem can be collected.
+stages (P/D pairing, graph, imports) live in `checks.py` and the modules it runs (pair_checks.py,
+worker_checks.py, ...) so that every problem can be collected.
 """
 
 from __future__ import annotations

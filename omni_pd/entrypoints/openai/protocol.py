@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # 16 kHz mono 16-bit audio (4 at 24 kHz, 1 at 44.1 kHz stereo), far more as FLAC or OGG; parsing
 # that much JSON takes about 0.1 s.
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+CHAT_PATH = "/v1/chat/completions"
+REALTIME_PATH = "/v1/realtime"
 
 
 class ErrorBody(BaseModel):

@@ -172,27 +172,8 @@ def _content(message_index: int, content: Any) -> Any:
     return parts
 
 
-def translate(
-    request: ChatCompletionRequest, thinker_defaults: SamplingParams, served_model: str
-) -> TranslatedRequest:
-    where = _invalid_unicode(request.model_dump(exclude_unset=True), "")
-    if where:
-        raise _bad(
-            f"{where} holds a lone UTF-16 surrogate (such as \\ud800 without its pair), "
-            "which is not valid Unicode; send UTF-8 text, with any surrogates in pairs",
-            where,
-            "invalid_unicode",
-        )
-    if request.model != served_model:
-        raise APIError(
-            404,
-            f"the model {request.model!r} does not exist; this server serves {served_model!r}",
-            param="model",
-            code="model_not_found",
-        )
-    if not request.messages:
-        raise _bad("messages must hold at least one message", "messages")
-    _refuse_unsupported(request)
+def _output_format(request: ChatCompletionRequest) -> tuple[tuple[str, ...], str]:
+    """The request's output modalities and its audio format, refused where unsupported."""
     modalities = tuple(request.modalities or ["text"])
     if modalities not in (("text",), ("text", "audio"), ("audio", "text")):
         raise _bad(
@@ -216,6 +197,11 @@ def translate(
             "audio.format",
             "unsupported_audio_format",
         )
+    return modalities, audio_format
+
+
+def _sampling_changes(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The sampling params the request sets over the text stage's defaults, each range-checked."""
     changes: dict[str, Any] = {}
     if request.temperature is not None:
         if not 0.0 <= request.temperature <= 2.0:  # NaN too
@@ -248,10 +234,37 @@ def translate(
         if len(stops) > 4:
             raise _bad("at most 4 stop sequences are allowed", "stop")
         changes["stop"] = tuple(s for s in stops if s)
+    return changes
+
+
+def translate(
+    request: ChatCompletionRequest, thinker_defaults: SamplingParams, served_model: str
+) -> TranslatedRequest:
+    where = _invalid_unicode(request.model_dump(exclude_unset=True), "")
+    if where:
+        raise _bad(
+            f"{where} holds a lone UTF-16 surrogate (such as \\ud800 without its pair), "
+            "which is not valid Unicode; send UTF-8 text, with any surrogates in pairs",
+            where,
+            "invalid_unicode",
+        )
+    if request.model != served_model:
+        raise APIError(
+            404,
+            f"the model {request.model!r} does not exist; this server serves {served_model!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if not request.messages:
+        raise _bad("messages must hold at least one message", "messages")
+    _refuse_unsupported(request)
+    modalities, audio_format = _output_format(request)
+    changes = _sampling_changes(request)
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": _content(i, m.content)}
         for i, m in enumerate(request.messages)
     ]
+    audio = request.audio
     prompt = {"messages": messages, "speaker": audio.voice if audio else "ethan"}
     return TranslatedRequest(
         prompt=prompt,
