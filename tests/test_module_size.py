@@ -12,16 +12,13 @@ ROOT = Path(__file__).resolve().parents[1] / "omni_pd"
 MAX_LINES = 80
 
 # (file under omni_pd, qualified name) -> why it may be longer. Argument tables and config
-# dictionaries read best whole; the entries marked "issue 46: being split" are split on another
-# branch of the same issue and leave this list with that work.
+# dictionaries read best whole.
 ALLOWED: dict[tuple[str, str], str] = {
     ("entrypoints/cli.py", "build_parser"): "CLI argument table (omni-pd's subcommands and flags)",
     ("bench/serve.py", "add_arguments"): "CLI argument table (omni-pd bench serve's flags)",
     ("entrypoints/openai/metrics.py", "ServerMetrics.__init__"): "table of the server's Prometheus metrics",
     ("models/qwen3_omni/tiny_config.py", "tiny_config_dict"): "config dictionary (the tiny model's)",
     ("models/qwen3_omni/real_config.py", "real_config_dict"): "config dictionary (the real model's shapes)",
-    ("models/qwen3_omni/hf/thinker_batch.py", "BatchedThinkerDecoder.prefill"): "issue 46: being split",
-    ("engines/vllm/engine.py", "VllmEngine.__init__"): "issue 46: being split",
 }
 
 
@@ -60,14 +57,10 @@ def test_no_function_over_max_lines_but_the_allowed_tables():
     assert over == {}, f"split these functions (at most {MAX_LINES} lines each): {over}"
 
 
-BEING_SPLIT = "issue 46: being split"
-
-
 def test_every_allowed_table_is_still_long():
-    """An entry whose function was split (or renamed, or moved) leaves the list. The entries
-    being split on another branch are left out: that work may land first, and removes them."""
+    """An entry whose function was split (or renamed, or moved) leaves the list."""
     found = _long_functions_under(ROOT)
-    stale = sorted(key for key, why in ALLOWED.items() if key not in found and why != BEING_SPLIT)
+    stale = sorted(key for key in ALLOWED if key not in found)
     assert stale == [], f"remove these from ALLOWED: no such function over {MAX_LINES} lines now: {stale}"
 
 
