@@ -393,8 +393,8 @@ def test_a_prompt_failing_in_a_shared_prefill_fails_alone(tiny_model, prompts, a
     bad = prompts[2].request_id
     real = engine.runner.prefill
 
-    def prefill(items, cache):
-        results = real(items, cache)  # the pass runs (state written), then fails
+    def prefill(items, attention):
+        results = real(items, attention)  # the pass runs (state written), then fails
         if any(item.request.request_id == bad for item in items):
             raise RuntimeError("injected prefill failure")
         return results

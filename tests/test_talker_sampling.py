@@ -1,4 +1,4 @@
-"""The talker's row sampler (`talker_batch.sample_rows`): it draws from the distribution that
+"""The talker's row sampler (`talker_runner.sample_rows`): it draws from the distribution that
 temperature, top-k and top-p define, only ever picks an allowed token, gives a row the same pick
 alone or in any mixed batch, and depends on the request's seed and the draw's key."""
 
