@@ -424,7 +424,6 @@ class ArEngine(StageEngine):
 
     def _finish(self, request: EngineRequest, reason: str) -> StepOutput:
         request.metrics["e2e_ms"] = request.elapsed_ms()
-        request.metrics["prefix_cached_tokens"] = request.cached_len
         output = self._output(request, reason)
         self._drop(request)
         new, chunk = self._stream_out(request, True) if request.stream else ([], None)
@@ -441,6 +440,9 @@ class ArEngine(StageEngine):
         return new, chunk
 
     def _output(self, request: EngineRequest, reason: str) -> Any:
+        """The runner's output record, with what the engine counted in its metrics (the prompt
+        positions the prefix cache gave)."""
+        request.metrics["prefix_cached_tokens"] = request.cached_len
         return self.runner.output(request, reason)
 
 

@@ -210,7 +210,7 @@ class PrefillEngine(ArEngine):
         self.runner.prefilled(request, pre)
         request.tokens.append(pre.first_token)
         request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
-        output = self.runner.output(request, "length")  # the prompt's (request.publishes)
+        output = self._output(request, "length")  # the prompt's (request.publishes)
         output.kv_transfer_params = out_params
         self._drop(request)
         return [StepOutput(request.request_id, finished=True, output=output)]
@@ -281,6 +281,9 @@ class PrefillEngine(ArEngine):
 
     def prompt_checksums(self, request: EngineRequest) -> list[str]:
         return self._prompt_checksums(request)
+
+    def request_output(self, request: EngineRequest, reason: str) -> Any:
+        return self._output(request, reason)
 
     def drop_request(self, request: EngineRequest) -> None:
         self._drop(request)

@@ -101,6 +101,10 @@ class PushPrefillLeg(Protocol):
 
     def prompt_checksums(self, request: EngineRequest) -> list[str]: ...
 
+    def request_output(self, request: EngineRequest, reason: str) -> Any:
+        """The finished request's output record, with the engine's metrics."""
+        ...
+
     def drop_request(self, request: EngineRequest) -> None:
         """Forget a finished request (its blocks freed)."""
         ...
@@ -246,7 +250,7 @@ def start_push(engine: PushPrefillLeg, request: EngineRequest) -> list[StepOutpu
     engine.runner.prefilled(request, pre)
     request.tokens.append(pre.first_token)
     request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
-    output = engine.runner.output(request, "length")
+    output = engine.request_output(request, "length")
     output.kv_transfer_params = out_params
     engine.drop_request(request)  # no lease: the KV is in the decode side's blocks already
     return [StepOutput(request.request_id, finished=True, output=output)]
