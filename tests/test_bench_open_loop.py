@@ -11,7 +11,7 @@ from omni_pd.bench.load import poisson_arrivals
 from omni_pd.bench.serve import add_baseline_ratios
 from omni_pd.bench.serve_configs import xpyd_targets
 from omni_pd.bench.serve_target import parse_rates
-from omni_pd.bench.stats import RequestRecord, summarize_level
+from omni_pd.bench.stats import RequestRecord, mean_tpot_s, meets_slo, summarize_level
 from omni_pd.config import load_pipeline_config
 
 
@@ -46,6 +46,30 @@ def test_goodput_counts_requests_within_both_slos_and_no_speech_apart():
     # TTFA percentiles leave the answer without speech out.
     assert row["ttfa_ms_p50"] == pytest.approx(200.0)
     assert "goodput_req_per_s" not in summarize_level(records, wall_s=2.0)  # no SLO, no goodput
+
+
+def _timed(ttft: float, e2e: float, tokens: int) -> RequestRecord:
+    return RequestRecord(ok=True, ttft_s=ttft, ttfa_s=ttft, e2e_s=e2e, output_tokens=tokens)
+
+
+def test_the_itl_slo_is_judged_per_request_on_its_mean_time_per_output_token():
+    """DistServe's goodput: a request counts only if every SLO holds, the inter-token one on its
+    own mean time per output token after the first, (e2e - ttft) / (tokens - 1)."""
+    records = [
+        _timed(0.10, 0.10 + 9 * 0.020, 10),  # 20 ms per token: within 25
+        _timed(0.10, 0.10 + 9 * 0.030, 10),  # 30 ms per token: over 25
+        _timed(0.90, 0.90 + 9 * 0.010, 10),  # fast tokens, but TTFT over its 500 ms SLO
+        _timed(0.10, 0.10, 1),  # one token: no gap to miss
+    ]
+    assert mean_tpot_s(records[0]) == pytest.approx(0.020) and mean_tpot_s(records[3]) is None
+    row = summarize_level(records, wall_s=1.0, slo_ttft_ms=500, slo_itl_ms=25)
+    assert row["goodput_req_per_s"] == pytest.approx(2.0) and row["slo_attainment"] == pytest.approx(0.5)
+    assert row["tpot_ms_p50"] == pytest.approx(20.0)
+    # Negative control: without the ITL SLO the 30 ms request counts; with only it, the slow
+    # first token does.
+    assert summarize_level(records, wall_s=1.0, slo_ttft_ms=500)["goodput_req_per_s"] == pytest.approx(3.0)
+    assert summarize_level(records, wall_s=1.0, slo_itl_ms=25)["goodput_req_per_s"] == pytest.approx(3.0)
+    assert not meets_slo(records[1], None, None, slo_itl_ms=25) and meets_slo(records[1], None, None, 35)
 
 
 def test_request_rates_take_numbers_and_shares_of_capacity():

@@ -13,7 +13,8 @@ Open loop (`--request-rate`, vLLM's flag): after the closed-loop levels, request
 Poisson process of the given rate whatever is in flight, so latency shows what a server past its
 capacity does; a rate written `N%` is that share of the config's capacity as measured by its
 closed-loop levels in the same run (its best req/s). With `--slo-ttft-ms` / `--slo-ttfa-ms` each
-level reports goodput: requests per second within the SLOs.
+level reports goodput: requests per second within the SLOs (`--slo-itl-ms`: each request's mean
+time per output token, DistServe's TPOT, within it too).
 
 `--multi-turn K` runs conversations of K turns instead of the levels (each turn sends the whole
 history after a long system prompt) and reports TTFT and TTFA per turn; by default on the two
@@ -131,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="time-to-first-audio objective (a request without speech has none)",
+    )
+    parser.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=None,
+        help="inter-token objective, judged per request on its mean time per output token "
+        "after the first (DistServe's TPOT): goodput counts a request only if every SLO holds",
     )
     parser.add_argument(
         "--xpyd",
@@ -498,6 +506,7 @@ def _metadata(
         request_rate=args.request_rate,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_ttfa_ms=args.slo_ttfa_ms,
+        slo_itl_ms=args.slo_itl_ms,
         seed=args.seed,
         xpyd=args.xpyd,
         baselines=baselines,

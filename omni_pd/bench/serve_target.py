@@ -117,7 +117,7 @@ async def bench_target(
 
 
 def _slos(args: argparse.Namespace) -> dict[str, float | None]:
-    return {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms}
+    return {"slo_ttft_ms": args.slo_ttft_ms, "slo_ttfa_ms": args.slo_ttfa_ms, "slo_itl_ms": args.slo_itl_ms}
 
 
 async def _bench_multi_turn(

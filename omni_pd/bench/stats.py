@@ -70,10 +70,30 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_ttfa_ms: float | None) -> bool:
-    """A completed request within both SLOs (a request without speech has no TTFA to miss)."""
+def mean_tpot_s(record: RequestRecord) -> float | None:
+    """The request's mean time per output token after its first (DistServe's TPOT): (end-to-end
+    - TTFT) / (output tokens - 1); None for an answer of one token, which has no gap to time."""
+    if record.e2e_s is None or record.ttft_s is None or record.output_tokens < 2:
+        return None
+    return (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
+
+
+def meets_slo(
+    record: RequestRecord,
+    slo_ttft_ms: float | None,
+    slo_ttfa_ms: float | None,
+    slo_itl_ms: float | None = None,
+) -> bool:
+    """A completed request within every SLO given (DistServe's goodput): its TTFT, its TTFA (a
+    request without speech has none to miss) and its mean time per output token (the ITL SLO is
+    judged on this one number per request, not on a percentile of its gaps; an answer of one
+    token has none to miss)."""
     if not record.ok:
         return False
+    if slo_itl_ms is not None:
+        tpot = mean_tpot_s(record)
+        if tpot is not None and tpot * 1e3 > slo_itl_ms:
+            return False
     if slo_ttft_ms is not None and (record.ttft_s is None or record.ttft_s * 1e3 > slo_ttft_ms):
         return False
     if (
@@ -90,12 +110,14 @@ def summarize_level(
     wall_s: float,
     slo_ttft_ms: float | None = None,
     slo_ttfa_ms: float | None = None,
+    slo_itl_ms: float | None = None,
 ) -> dict:
     """Throughput and latency percentiles of one level: `records` ran in `wall_s` seconds.
 
     Throughput counts successful requests only; latency percentiles are over successful requests,
     ITL over every gap of every successful request pooled together. Goodput (with an SLO given):
-    successful requests per second within the SLOs, and the share of all requests that were."""
+    successful requests per second within the SLOs, and the share of all requests that were.
+    `tpot_ms_p50/p99`: percentiles over requests of each one's mean time per output token."""
     done = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in done)
     wall = _finite(wall_s)
@@ -115,11 +137,12 @@ def summarize_level(
     }
     for name in LATENCIES:
         row[f"{name}_ms_p50"], row[f"{name}_ms_p99"] = percentiles_ms(samples[name])
+    row["tpot_ms_p50"], row["tpot_ms_p99"] = percentiles_ms(mean_tpot_s(r) for r in done)
     row["errors"] = len(records) - len(done)
     row["no_speech"] = sum(r.no_speech for r in done)
     row["rejected"] = sum(r.rejected for r in records)
-    if slo_ttft_ms is not None or slo_ttfa_ms is not None:
-        good = sum(meets_slo(r, slo_ttft_ms, slo_ttfa_ms) for r in records)
+    if slo_ttft_ms is not None or slo_ttfa_ms is not None or slo_itl_ms is not None:
+        good = sum(meets_slo(r, slo_ttft_ms, slo_ttfa_ms, slo_itl_ms) for r in records)
         row["goodput_req_per_s"] = ratio(good, wall)
         row["slo_attainment"] = ratio(good, len(records))
     return row
