@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..engines.core.request import EngineRequest
 from ..engines.core.runner import PrefillItem
 from ..engines.hf import batch_invariant as bi
-from ..engines.core.attention import SequenceSlot, StepAttention
+from ..engines.core.ar_engine import decode_attention, prefill_attention
 from ..engines.core.paged_cache import PagedKVCache
 from ..sampling import SamplingParams
 from .report import run_metadata, write_json
@@ -265,9 +265,8 @@ class Bench:
             for r in rs:
                 r.prompt = _Prompt(r.token_ids)
             items = [PrefillItem(r, 0) for r in rs]
-            slots = [SequenceSlot(r.blocks, 0, r.prompt_len) for r in rs]
             ms, used, flops = self._measure(
-                lambda: runner.prefill(items, StepAttention.for_prefill(runner.compute, cache, slots))
+                lambda: runner.prefill(items, prefill_attention(runner, cache, items))
             )
             touched = fixed - embed + head + used * per_expert
             nbytes = touched + batch * tokens * layout.bytes_per_token
@@ -277,7 +276,7 @@ class Bench:
             rs = requests(batch, context, cache)
             for r in rs:
                 r.tokens = [int(r.token_ids[-1])]  # the position its token goes to: `context`
-            ms, used, flops = self._measure(lambda: runner.decode(rs, _decode_step(runner, cache, rs)))
+            ms, used, flops = self._measure(lambda: runner.decode(rs, decode_attention(runner, cache, rs)))
             touched = fixed - embed + head + used * per_expert
             nbytes = touched + batch * (context + 1) * layout.bytes_per_token + batch * embed // vocab
             self._add("thinker_decode", batch, 1, context, layers, ms, nbytes, flops)
@@ -329,7 +328,7 @@ class Bench:
                 return out
 
             rs = fresh()
-            ms, used, flops = self._measure(lambda: runner.decode(rs, _decode_step(runner, cache, rs)))
+            ms, used, flops = self._measure(lambda: runner.decode(rs, decode_attention(runner, cache, rs)))
             # The code predictor runs its whole stack once per codebook (`groups` times a step);
             # each codebook's head and embedding once.
             touched = (
@@ -495,10 +494,3 @@ def _plot(rows: list[Row], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _decode_step(runner, cache: PagedKVCache, requests: list[EngineRequest]) -> StepAttention:
-    """The attention the engine builds for a decode step of `requests` (as ArEngine._decode)."""
-    return StepAttention.for_decode(
-        runner.compute, cache, [SequenceSlot(r.blocks, r.position, 1) for r in requests]
-    )

@@ -31,6 +31,7 @@ from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from .attention import SequenceSlot, StepAttention
 from .kv_manager import KVManager
+from .paged_cache import PagedKVCache
 from .prefix_cache import OMNI_PD_NAMING, multimodal_extra_keys, naming_for
 from .request import EngineRequest
 from .runner import ArRunner, PrefillItem, Prefilled
@@ -325,15 +326,7 @@ class ArEngine(StageEngine):
     def compute_prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         """One batched prefill pass of the runner over `items`, through this step's attention
         (each prompt's blocks, cached prefix and new positions): each result with its KV."""
-        slots = [
-            SequenceSlot(
-                i.request.blocks, i.start, (i.end if i.end is not None else i.request.prompt_len) - i.start
-            )
-            for i in items
-        ]
-        attention = StepAttention.for_prefill(
-            self.runner.compute, self.kv.cache, slots, self.runner.prompt_attention
-        )
+        attention = prefill_attention(self.runner, self.kv.cache, items)
         results = self.runner.prefill(items, attention)
         for index, result in enumerate(results):
             if result.kv is None:
@@ -389,10 +382,7 @@ class ArEngine(StageEngine):
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, batch: list[EngineRequest]) -> list[StepOutput]:
         try:
-            attention = StepAttention.for_decode(
-                self.runner.compute, self.kv.cache, [SequenceSlot(r.blocks, r.position, 1) for r in batch]
-            )
-            result = self.runner.decode(batch, attention)
+            result = self.runner.decode(batch, decode_attention(self.runner, self.kv.cache, batch))
             tokens = self.runner.sample(batch, result.logits, first=False)
         except Exception as exc:  # noqa: BLE001 - the batched pass: fail its requests
             log.exception(
@@ -444,6 +434,27 @@ class ArEngine(StageEngine):
         positions the prefix cache gave)."""
         request.metrics["prefix_cached_tokens"] = request.cached_len
         return self.runner.output(request, reason)
+
+
+def prefill_attention(runner: ArRunner, cache: PagedKVCache, items: Sequence[PrefillItem]) -> StepAttention:
+    """The attention of one prefill pass of `runner` over `items`: each prompt's blocks, its
+    cached prefix (or earlier chunks) and the positions it computes now."""
+    slots = [
+        SequenceSlot(
+            i.request.blocks, i.start, (i.end if i.end is not None else i.request.prompt_len) - i.start
+        )
+        for i in items
+    ]
+    return StepAttention.for_prefill(runner.compute, cache, slots, runner.prompt_attention)
+
+
+def decode_attention(
+    runner: ArRunner, cache: PagedKVCache, requests: Sequence[EngineRequest]
+) -> StepAttention:
+    """The attention of one decode step of `requests`: one new position each, at `position`."""
+    return StepAttention.for_decode(
+        runner.compute, cache, [SequenceSlot(r.blocks, r.position, 1) for r in requests]
+    )
 
 
 def _cat(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
