@@ -193,13 +193,22 @@ def test_local_prefill_equals_the_colocated_engine(decode, colocated, tiny_token
 def test_local_prefill_costs_its_prompt_in_the_token_budget(runner, tiny_tokenizer):
     prompt = _prompts(tiny_tokenizer, ["x" * 50])[0]
     stage = _pd_stage(1)
-    args = stage.engine_args.model_copy(update={"max_num_batched_tokens": len(prompt.prompt_token_ids) - 1})
-    engine = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerRunner(runner))
-    try:
-        with pytest.raises(ValueError, match="max_num_batched_tokens"):
-            engine.add_request("long", prompt, _params(0))
-    finally:
-        engine.close()
+    budget = len(prompt.prompt_token_ids) - 1
+    for chunked in (False, True):
+        args = stage.engine_args.model_copy(
+            update={"max_num_batched_tokens": budget, "enable_chunked_prefill": chunked}
+        )
+        engine = DecodeEngine(stage.model_copy(update={"engine_args": args}), ThinkerRunner(runner))
+        try:
+            if not chunked:
+                with pytest.raises(ValueError, match="max_num_batched_tokens"):
+                    engine.add_request("long", prompt, _params(0))
+            else:  # over two steps (tests/test_chunked_prefill.py: equal to one)
+                engine.generate("long", prompt, _params(0))
+                assert engine.batch_stats()["partial_chunks"] == 1
+                assert engine.batch_stats()["max_step_tokens"] <= budget
+        finally:
+            engine.close()
 
 
 # -- B. the remote path: polled across steps, output equals the colocated engine ---------------

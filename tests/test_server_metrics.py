@@ -20,6 +20,7 @@ def _health() -> dict:
         load = {"routed": 3 + k, "in_flight": k}
         if thinker:
             load.update(prefix_cache_queries=40, prefix_cache_hits=16)
+            load.update(running=2 + k, waiting=1, used_kv_blocks=30, kv_blocks=120, preemptions=4)
         return {"load": load}
 
     return {
@@ -151,3 +152,28 @@ def test_the_dashboard_check_catches_a_metric_or_label_that_does_not_exist():
     assert "omni_pd_no_such_metric_total is not exported" in found[0]
     assert "omni_pd_requests is not exported" in found[1]
     assert "the label 'stage_nme'" in found[2]
+
+
+def test_scheduler_series_per_replica_as_a_vllm_dashboard_reads_them():
+    metrics = _served()
+    report = _health()
+    report["stages"]["0"]["replicas"][1]["load"]["preemptions"] = 9  # a later scrape
+    metrics.observe_health(report)
+
+    def value(name: str, replica: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            name, {"stage": "0", "stage_name": "thinker prefill", "replica": replica}
+        )
+
+    assert value("omni_pd_num_requests_running", "1") == 3
+    assert value("omni_pd_num_requests_waiting", "0") == 1
+    assert value("omni_pd_kv_cache_usage_perc", "0") == 0.25
+    # A counter of the engine's running total: advanced by the difference, not added again.
+    assert value("omni_pd_num_preemptions_total", "0") == 4
+    assert value("omni_pd_num_preemptions_total", "1") == 9
+    assert (
+        metrics.registry.get_sample_value(
+            "omni_pd_num_requests_running", {"stage": "2", "stage_name": "talker", "replica": "0"}
+        )
+        is None
+    )  # a replica that reports no scheduler has no series

@@ -131,11 +131,12 @@ def test_scheduler_honours_max_num_seqs_and_token_budget(runner, tiny_tokenizer)
     engine = _engine(runner, max_num_seqs=3)
     _run_together(engine, prompts, params)
     assert engine.batch_stats()["max_decode_batch"] == 3
-    # A budget as large as the longest short prompt fits one of them per step, never two.
+    # Without chunked prefill, a budget as large as the longest short prompt fits one of them per
+    # step, never two (tests/test_chunked_prefill.py: with it).
     small = [p for p in prompts if len(p.prompt_token_ids) <= 16]
     lengths = sorted(len(p.prompt_token_ids) for p in small)
     assert len(small) >= 3 and lengths[0] + lengths[1] > lengths[-1]
-    engine = _engine(runner, max_num_batched_tokens=lengths[-1])
+    engine = _engine(runner, max_num_batched_tokens=lengths[-1], enable_chunked_prefill=False)
     _run_together(engine, small, _params(len(small)))
     assert engine.batch_stats()["max_admitted"] == 1
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -145,14 +146,20 @@ def test_scheduler_honours_max_num_seqs_and_token_budget(runner, tiny_tokenizer)
     assert engine.debug_state_counts()["thinker.requests"] == 0
 
 
-def test_requests_wait_for_kv_blocks_instead_of_failing(runner, tiny_tokenizer):
+def test_a_pool_too_small_for_the_batch_preempts_and_outputs_stay_exact(runner, tiny_tokenizer):
+    """Blocks come as positions need them: requests start together, the pool runs out, the
+    newest is preempted and computed again; every output (and what was streamed) is its solo
+    run's. tests/test_preemption.py has the negative control."""
     prompts = [p for i, p in enumerate(_prompts(tiny_tokenizer)) if i in (0, 1, 3, 4)]
     params = _params(4)
     engine = _engine(runner, kv_pool_blocks=3)  # 2-3 blocks a request: room for one at a time
     solo = [_engine(runner).generate(f"s{i}", p, params[i]) for i, p in enumerate(prompts)]
-    together, _ = _run_together(engine, prompts, params)
-    assert engine.batch_stats()["max_decode_batch"] == 1
+    together, deltas = _run_together(engine, prompts, params)
+    assert engine.batch_stats()["max_decode_batch"] >= 2  # nothing was reserved for max_tokens
+    assert engine.load()["preemptions"] > 0
     assert all(_same(a, b) for a, b in zip(solo, together))
+    assert deltas == [o.token_ids for o in together]  # nothing sent twice
+    assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
 
 
 def test_abort_frees_the_request_and_the_others_finish_unchanged(runner, tiny_tokenizer):

@@ -380,6 +380,7 @@ HF_ENGINE_KEYS: frozenset[str] = frozenset(
         "attention_kernels",
         "distributed_executor_backend",  # mp: a local worker process; ray: a Ray actor
         "enable_prefix_caching",  # the autoregressive engines' prefix cache (default on)
+        "enable_chunked_prefill",  # the autoregressive engines' chunked prefill (default on)
         "prefix_caching_hash_algo",  # its blocks named by vLLM's keys (default: omni-pd's own)
     }
 ) | frozenset(registry.model_engine_args())  # and the keys each model's hf stages read
@@ -396,7 +397,6 @@ _WHY_UNUSED: dict[str, str] = {
     "scheduler_cls": "vllm-omni's scheduler; omni-pd's engine schedules itself",
     "async_scheduling": "vllm-omni's scheduler; omni-pd's engine schedules itself",
     "trust_remote_code": "remote model code; omni-pd builds the model classes it knows",
-    "enable_chunked_prefill": "not implemented by the hf engine",
     "mm_processor_cache_gb": "vLLM's multimodal processor cache",
     "custom_process_next_stage_input_func": "given to the stages this one feeds as their "
     "custom_process_input_func",

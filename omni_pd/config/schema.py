@@ -178,6 +178,10 @@ class _TypedEngineArgs(_Model):
     trust_remote_code: bool = False
     distributed_executor_backend: Literal["mp", "ray", "uni", "external_launcher"] | None = None
     enable_prefix_caching: bool | None = None
+    # vLLM's key: a prompt longer than what a step has left is computed over several steps,
+    # beside the running decodes (hf engines: on unless false; prompts of a runner that cannot
+    # chunk, such as the talker's, are computed whole).
+    enable_chunked_prefill: bool | None = None
     # vLLM 0.32's hash of prefix-cache blocks (kv/vllm/block_hash.SUPPORTED_ALGOS). On an hf stage:
     # its prefix cache names blocks with vLLM's keys (unset: omni-pd's own xxh3-128 chain).
     prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = None
@@ -331,9 +335,9 @@ class StageConfig(_Model):
 
     @property
     def max_num_batched_tokens(self) -> int:
-        """Tokens one engine step may process (vLLM's meaning): a prefill costs its prompt
-        length, a decode one token. There is no chunked prefill in the hf engines, so this also
-        bounds the longest prompt."""
+        """Tokens one engine step may process (vLLM's meaning): a decode costs one token, a
+        prompt chunk its positions. With chunked prefill off, this also bounds the longest
+        prompt."""
         value = self.engine_args.max_num_batched_tokens
         return value if value is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS
 

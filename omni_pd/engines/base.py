@@ -61,10 +61,14 @@ class BatchStats:
     max_decode_batch: int = 0  # most requests advanced by one decode pass
     max_admitted: int = 0  # most requests started in one step
     decode_rows: int = 0  # requests advanced, summed over decode steps (mean batch: / decode_steps)
+    max_step_tokens: int = 0  # most tokens one step computed (decodes + prompt positions)
+    partial_chunks: int = 0  # prompt chunks that were not a prompt's last (chunked prefill)
 
-    def record(self, admitted: int, decoding: int) -> None:
+    def record(self, admitted: int, decoding: int, tokens: int = 0, partial_chunks: int = 0) -> None:
         self.steps += 1
         self.max_admitted = max(self.max_admitted, admitted)
+        self.max_step_tokens = max(self.max_step_tokens, tokens)
+        self.partial_chunks += partial_chunks
         if decoding:
             self.decode_steps += 1
             self.decode_rows += decoding

@@ -3,19 +3,24 @@
 The loop is vLLM's: schedule, execute, update. Each step
 1. lets the runner take input appended since the last step (`before_step`), and picks the
    running requests that decode (ready ones, before this step's KV reads complete);
-2. admits waiting requests (`Scheduler.admit`: seats, token budget, KV blocks, the prefix
-   cache's blocks first);
-3. prefills the admitted prompts the batched pass takes in one pass (`runner.prefill`), then
-   starts each admitted request: this role prefills it here (its share of that pass, or alone),
-   the prefill leg publishes its KV, the decode leg reads its KV from the prefill engine
-   (`pd_legs.py`);
+2. schedules (`Scheduler.schedule`): decodes first, then prompt chunks within the token budget
+   (chunked prefill), blocks allocated as positions need them, the newest request preempted when
+   they run out, waiting requests admitted (the prefix cache's blocks first);
+3. computes the step's prompt chunks in one batched pass (`runner.prefill`); a prompt whose last
+   chunk ran starts: this role takes its first token here, the prefill leg publishes its KV, the
+   decode leg reads its KV from the prefill engine (`pd_legs.py`);
 4. advances every decoding request by one token in one batched pass (`runner.decode`), samples
    (`runner.sample`) and stops the finished ones (`runner.finish_reason`).
 
 A request's state lives in one `EngineRequest` (request.py has its lifecycle), held by the
 scheduler from `add_request` until it finishes, fails or is aborted; its blocks go back to the
-KV manager on each of those paths. A batched prefill that fails is retried request by request at
-each request's start, so only the requests that fail alone fail.
+KV manager on each of those paths. A batched prefill that fails is retried request by request,
+so only the requests that fail alone fail.
+
+Chunked = whole, bit for bit: a chunk attends to the KV of the chunks before it in the request's
+blocks, as a prompt over a cached prefix does, and the runners' passes are row-invariant. A
+preempted request is computed again the same way (its prompt, then one decode row a step), so
+its tokens are its unpreempted run's; the engine checks each against the ones it had sent.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from .attention import SequenceSlot, StepAttention
 from .kv_manager import KVManager
 from .paged_cache import PagedKVCache
 from .prefix_cache import OMNI_PD_NAMING, multimodal_extra_keys, naming_for
-from .request import EngineRequest
+from .request import EngineRequest, Phase
+from .fallback import each_alone
 from .runner import ArRunner, PrefillItem, Prefilled
-from .scheduler import Scheduler
+from .scheduler import Chunk, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ class ArEngine(StageEngine):
         self.block_size = args.kv_block_size
         self.max_num_seqs = stage_config.max_num_seqs
         self.max_num_batched_tokens = stage_config.max_num_batched_tokens
+        # vLLM's key and default: on. Prompts of a runner that cannot chunk are computed whole.
+        self.chunked_prefill = args.enable_chunked_prefill is not False
         # vLLM's key, on unless the file turns it off, for a runner whose prompts have ids.
         self.prefix_caching = args.enable_prefix_caching is not False and runner.caches_prefixes
         self.device = runner.device  # the cache lives with the model
@@ -72,15 +80,18 @@ class ArEngine(StageEngine):
             naming=naming_for(args.prefix_caching_hash_algo) if self.prefix_caching else OMNI_PD_NAMING,
         )
         self.layout = self.kv.layout
-        self.scheduler = Scheduler(self.kv, self.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, self.max_num_seqs, self.max_num_batched_tokens, chunked=self.chunked_prefill
+        )
         self._stats = BatchStats()
         log.info(
-            "stage %d: %s engine, max_num_seqs %d, max_num_batched_tokens %d, %d KV blocks "
-            "of %d tokens, prefix caching %s",
+            "stage %d: %s engine, max_num_seqs %d, max_num_batched_tokens %d, chunked prefill %s, "
+            "%d KV blocks of %d tokens, prefix caching %s",
             self.stage_id,
             self.name,
             self.max_num_seqs,
             self.max_num_batched_tokens,
+            "on" if self.chunked_prefill and runner.prefills_in_chunks else "off",
             args.kv_pool_blocks,
             self.block_size,
             f"on, blocks named {self.kv.naming.describe()}" if self.prefix_caching else "off",
@@ -109,13 +120,18 @@ class ArEngine(StageEngine):
         if request.prompt_len == 0:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         self._check(request)
-        if request.prefills_here and request.prompt_len > self.max_num_batched_tokens:
+        if (
+            request.prefills_here
+            and not self.chunked_prefill
+            and request.prompt_len > self.max_num_batched_tokens
+        ):
             raise ValueError(
                 f"request {request_id}: the prompt has {request.prompt_len} positions, "
                 f"over stage {self.stage_id}'s max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}); raise it in engine_args or shorten "
-                "the prompt"
+                f"({self.max_num_batched_tokens}) with enable_chunked_prefill false; raise "
+                "max_num_batched_tokens, turn chunked prefill on, or shorten the prompt"
             )
+        # Blocks are allocated as positions need them, but a request must fit the pool alone.
         needed = self.kv.blocks_for(request.prompt_len + params.max_tokens)
         if needed > self.kv.num_blocks:
             raise ValueError(
@@ -166,7 +182,7 @@ class ArEngine(StageEngine):
 
     def has_unfinished_requests(self) -> bool:
         s = self.scheduler
-        if s.waiting or s.fetching:
+        if s.waiting or s.fetching or s.prefilling:
             return True
         running = [s.requests[r] for r in s.running]
         return any(self.runner.ready(r) for r in running) or self.runner.pending(running)
@@ -184,6 +200,10 @@ class ArEngine(StageEngine):
         load = {
             "requests": len(self.scheduler.requests),
             "waiting": len(self.scheduler.waiting),
+            "running": self.scheduler.num_running,
+            "preemptions": self.scheduler.num_preemptions,
+            # Blocks requests and leases hold (idle cached blocks are free: vLLM's usage).
+            "used_kv_blocks": self.kv.num_blocks - self.kv.num_free,
             "free_kv_blocks": self.kv.num_free,
             "kv_blocks": self.kv.num_blocks,
             "kv_block_size": self.block_size,
@@ -215,29 +235,63 @@ class ArEngine(StageEngine):
         s = self.scheduler
         outputs = [
             self._fail(r, why)
-            for r, why in self.runner.before_step([s.requests[r] for r in s.running + list(s.waiting)])
+            for r, why in self.runner.before_step(
+                [s.requests[r] for r in s.running + s.prefilling + list(s.waiting)]
+            )
         ]
         decoding = s.decoding(self.runner.ready)
         # Requests whose KV arrived get their first token now and decode from the next step, as
         # an admitted prompt does.
         outputs.extend(self._progress())
-        admitted = s.admit(len(decoding), self._match_prefix, self._can_start)
-        for request in admitted:
+        plan = s.schedule(decoding, self._match_prefix, self._can_start, self._can_chunk)
+        for request in plan.preempted:
+            self._preempted(request)
+        for request in plan.admitted:
             if self.prefix_caching and request.prefills_here and request.batchable:
                 self.kv.count_query(request.prompt_len, request.cached_len)
-        self._stats.record(len(admitted), len(decoding))
-        self._prefill_together([r for r in admitted if r.prefills_here and r.batchable and self._batches(r)])
-        for request in admitted:
-            try:
-                outputs.extend(self._start(request))
-            except Exception as exc:
-                log.debug(
-                    "stage %d: request %s failed to start", self.stage_id, request.request_id, exc_info=True
-                )
-                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
-        if decoding:
-            outputs.extend(self._decode(decoding))
+        self._stats.record(
+            len(plan.admitted),
+            len(plan.decode),
+            len(plan.decode) + sum(c.end - c.start for c in plan.chunks),
+            sum(not c.final for c in plan.chunks),
+        )
+        for request in plan.admitted:
+            if not request.prefills_here:  # its KV comes by transfer: the role starts it
+                outputs.extend(self._start_or_fail(request))
+        outputs.extend(self._prefill_chunks(plan.chunks))
+        if plan.decode:
+            outputs.extend(self._decode(plan.decode))
         return outputs
+
+    def _start_or_fail(self, request: EngineRequest) -> list[StepOutput]:
+        try:
+            return self._start(request)
+        except Exception as exc:
+            log.debug(
+                "stage %d: request %s failed to start", self.stage_id, request.request_id, exc_info=True
+            )
+            return [self._fail(request, f"{type(exc).__name__}: {exc}")]
+
+    def _can_chunk(self, request: EngineRequest) -> bool:
+        """Whether a prompt may be computed over several steps: the runner's batched pass takes
+        it and honours chunk ends (a pushed prompt prefills in its own chunks at its start)."""
+        return self.runner.prefills_in_chunks and request.batchable and self._batches(request)
+
+    def _preempted(self, request: EngineRequest) -> None:
+        """Reset a request the scheduler preempted (its blocks are freed): it is computed again
+        from its prompt, here (a decode leg's request whose KV came from a prefill engine is
+        prefilled here too), and its tokens must come out as the ones it had."""
+        request.vllm_kv = None  # its pull is done: nothing to tell its producer
+        self._release(request)
+        if len(request.tokens) > len(request.replay):
+            request.replay = request.tokens
+        request.tokens = []
+        request.cached_len = request.computed = 0
+        request.chunk_rows, request.chunk_ms, request.prefilled = [], 0.0, None
+        request.kv = request.pushed = request.vllm_kv = None
+        self.runner.restart(request)
+        request.metrics["preemptions"] = request.metrics.get("preemptions", 0) + 1
+        log.debug("stage %d: request %s preempted (KV blocks ran out)", self.stage_id, request.request_id)
 
     def _fail(self, request: EngineRequest, error: str) -> StepOutput:
         if self.scheduler.get(request.request_id) is request:
@@ -294,34 +348,62 @@ class ArEngine(StageEngine):
         )
 
     # ---- prefill -------------------------------------------------------------------------------
-    def _prefill_together(self, requests: list[EngineRequest]) -> None:
-        """One batched pass for the batchable prompts admitted in this step; each request's
-        share waits on it until its start. If the pass fails, each prompt runs the same pass
-        alone at its start, so only the prompts that fail alone fail."""
-        if not requests:
-            return
+    def _prefill_chunks(self, chunks: list[Chunk]) -> list[StepOutput]:
+        """The step's prompt chunks: the batchable ones in one pass (each alone if it fails, so
+        only the ones that fail alone fail), their KV written at once; a prompt whose last chunk
+        ran starts. The others (a whole prompt of the runner's own path, a pushed one) start
+        and prefill there."""
+        batched = [c for c in chunks if c.request.batchable and self._batches(c.request)]
+        outputs: list[StepOutput] = []
+        failed: list[tuple[EngineRequest, Exception]] = []
         began = time.perf_counter()
-        try:
-            results = self.compute_prefill([PrefillItem(r, r.cached_len) for r in requests])
-        except Exception:  # noqa: BLE001 - retried per request at its start
-            log.debug(
-                "stage %d: batched prefill of %d prompts failed; each runs alone",
-                self.stage_id,
-                len(requests),
-                exc_info=True,
-            )
-            return
+        done = each_alone(
+            batched,
+            lambda some: self.compute_prefill([PrefillItem(c.request, c.start, c.end) for c in some]),
+            lambda chunk, exc: failed.append((chunk.request, exc)),
+            f"stage {self.stage_id}: prefill",
+        )
         elapsed = (time.perf_counter() - began) * 1e3
-        for request, result in zip(requests, results):
+        outputs.extend(self._fail(r, f"{type(exc).__name__}: {exc}") for r, exc in failed)
+        for chunk, part in done:
+            request = chunk.request
+            request.chunk_ms += elapsed
+            if not chunk.final:
+                self.kv.write(request.blocks, chunk.start, part.computed_kv)
+                request.chunk_rows.append(part.rows)
+                request.computed = chunk.end
+                continue
             try:
-                request.prefilled = self._take_first_token(request, result, elapsed)
-            except Exception:  # noqa: BLE001 - its start prefills it again and fails it alone
-                log.debug(
-                    "stage %d: request %s: first token failed",
-                    self.stage_id,
-                    request.request_id,
-                    exc_info=True,
+                request.prefilled = self._take_first_token(
+                    request, self._joined(request, part), request.chunk_ms
                 )
+            except Exception as exc:  # noqa: BLE001 - this request alone
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+                continue
+            outputs.extend(self._started(request))
+        whole = [c.request for c in chunks if not (c.request.batchable and self._batches(c.request))]
+        outputs.extend(o for request in whole for o in self._started(request))
+        return outputs
+
+    def _joined(self, request: EngineRequest, last: Prefilled) -> Prefilled:
+        """A prompt's prefill from its last chunk and the ones before (their KV in its blocks,
+        their rows kept): what one pass from `cached_len` gives."""
+        if not request.chunk_rows:
+            return last
+        start = request.prompt_len - last.computed_kv.shape[3]
+        earlier = self.kv.cache.read(request.blocks, start)[:, :, :, request.cached_len :]
+        rows = {
+            name: torch.cat([*(r[name] for r in request.chunk_rows), last.rows[name]]) for name in last.rows
+        }
+        request.chunk_rows = []
+        return Prefilled(last.logits, torch.cat([earlier, last.computed_kv], dim=3), rows, dict(last.state))
+
+    def _started(self, request: EngineRequest) -> list[StepOutput]:
+        """A prompt computed (or one the role computes at its start): it leaves PREFILLING."""
+        self.scheduler.prefilling.remove(request.request_id)
+        request.phase = Phase.RUNNING
+        request.computed = request.prompt_len
+        return self._start_or_fail(request)
 
     def compute_prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         """One batched prefill pass of the runner over `items`, through this step's attention
@@ -363,14 +445,15 @@ class ArEngine(StageEngine):
         self.kv.write(request.blocks, request.cached_len, pre.computed_kv)
         self._cache_prompt(request, pre)
         self.runner.prefilled(request, pre)
-        request.metrics["prefill_ms"] = pre.prefill_ms
+        request.metrics.setdefault("prefill_ms", pre.prefill_ms)  # the first one's, if preempted
         assert pre.first_token is not None, "_prefill samples the first token"
         return self._first_token(request, pre.first_token)
 
     def _first_token(self, request: EngineRequest, token: int) -> list[StepOutput]:
         """A request has its first token: it runs (decodes from the next step) or is done."""
-        request.tokens.append(token)
-        request.metrics["first_token_ms"] = request.elapsed_ms()
+        if (diverged := self._append(request, token)) is not None:
+            return [self._fail(request, diverged)]
+        request.metrics.setdefault("first_token_ms", request.elapsed_ms())
         reason = self.runner.finish_reason(request)
         if reason is not None:
             return [self._finish(request, reason)]
@@ -394,7 +477,9 @@ class ArEngine(StageEngine):
             if isinstance(token, Exception):
                 outputs.append(self._fail(request, f"{self.name}: {token}"))
                 continue
-            request.tokens.append(token)
+            if (diverged := self._append(request, token)) is not None:
+                outputs.append(self._fail(request, diverged))
+                continue
             reason = self.runner.finish_reason(request)
             if reason is not None:
                 outputs.append(self._finish(request, reason))
@@ -402,10 +487,24 @@ class ArEngine(StageEngine):
                 outputs.append(delta)
         return outputs
 
+    def _append(self, request: EngineRequest, token: int) -> str | None:
+        """Append a sampled token; a request computed again after preemption must sample the
+        tokens it had (None), else why it fails."""
+        index = len(request.tokens)
+        if index < len(request.replay) and token != request.replay[index]:
+            return (
+                f"{self.name}: request {request.request_id} computed again after preemption "
+                f"sampled {token} as token {index}, not the {request.replay[index]} it had sent "
+                "(its computation is not batch-invariant)"
+            )
+        request.tokens.append(token)
+        return None
+
     def _delta(self, request: EngineRequest) -> StepOutput | None:
         """A streamed request's new tokens and chunk since the last one (the runner says what
-        they are); None when it has nothing new to send."""
-        if not request.stream:
+        they are); None when it has nothing new to send (nor while a preempted request is
+        computed again up to what it had sent)."""
+        if not request.stream or len(request.tokens) <= len(request.replay):
             return None
         new, chunk = self._stream_out(request, False)
         if not new and chunk is None:

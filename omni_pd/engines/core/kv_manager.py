@@ -3,8 +3,7 @@
 The API every engine uses, whatever its model (vLLM's `KVCacheManager` is the model):
 `match` a prompt's cached prefix, `allocate` blocks for a request, `register` its full prompt
 blocks for later prompts, `free` them, and the counters the router and /metrics read. Blocks are
-reserved for the prompt plus `max_tokens` at admission, so a running request never waits for
-one and nothing is preempted.
+allocated as a request's positions need them (the scheduler preempts when they run out).
 
 Beside each named block the manager can keep rows per position that the next stage needs and
 that a prompt prefilled over cached blocks does not compute again (`row_widths`: a model's

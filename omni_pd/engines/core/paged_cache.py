@@ -7,9 +7,8 @@ one contiguous span across all layers, its first n positions are a contiguous pr
 the handoff moves a prefill engine's blocks straight into a decode engine's blocks: no pack, no
 unpack, no staging copy when both sides share the layout.
 
-A request owns a list of block ids (its block table); positions fill its blocks in order. Blocks
-are reserved for the prompt plus `max_tokens` when a request is admitted, so a running request
-never waits for a block and nothing is preempted.
+A request owns a list of block ids (its block table); positions fill its blocks in order, and
+the table grows as they need blocks (engines/core/scheduler.py).
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ class DecodeEngine(ArEngine):
         self._check_handoff_keys(request, kv_params, descriptor.transfer_id)
         self._wait_s(request.request_id, kv_params)
         staging = self.receiver.staging_blocks(descriptor)
-        needed = staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
+        needed = staging + self.kv.blocks_for(request.prompt_len)
         if staging and needed > self.kv.num_blocks:
             raise ValueError(
                 f"request {request.request_id}: transfer {descriptor.transfer_id} "
@@ -598,11 +598,7 @@ class DecodeEngine(ArEngine):
         if request.vllm_kv is not None:
             return self.kv.blocks_for(request.prompt_len) <= self.vllm.free_staging()
         staging = self.receiver.staging_blocks(_remote_kv(request))
-        return (
-            staging == 0
-            or staging + self.kv.blocks_for(request.prompt_len + request.params.max_tokens)
-            <= self.kv.num_free
-        )
+        return staging == 0 or staging + self.kv.blocks_for(request.prompt_len) <= self.kv.num_free
 
     def _release(self, request: EngineRequest) -> None:
         if request.vllm_pull is not None:  # staging stays quarantined until the producer answers

@@ -118,8 +118,8 @@ log = logging.getLogger(__name__)
 
 def reserve(engine: PushDecodeLeg, transfer_id: str, prompt: Any, params: Any, wait_s: float) -> dict:
     """Reserve the blocks of the request the decode leg will get as `prompt` (the prompt it is
-    sent) with `params`: its prefix cache's blocks, then the rest of prompt plus max_tokens.
-    Returns the push target for the prefill leg (kv_transfer_params[TARGET_KEY])."""
+    sent) with `params`: its prefix cache's blocks, then the rest of the prompt (its output's
+    blocks come as it decodes). Returns the push target for the prefill leg (kv_transfer_params[TARGET_KEY])."""
     request = engine.new_request(transfer_id, prompt, params)
     matched: list[int] = []
     if engine.prefix_caching:
@@ -133,7 +133,7 @@ def reserve(engine: PushDecodeLeg, transfer_id: str, prompt: Any, params: Any, w
             "engine_args.kv_pool_blocks or lower max_tokens"
         )
     try:
-        blocks = matched + engine.kv.allocate(positions, have=len(matched))
+        blocks = matched + engine.kv.allocate(request.prompt_len, have=len(matched))
     except PoolExhausted:
         engine.kv.free(matched)
         raise

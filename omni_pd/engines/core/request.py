@@ -1,15 +1,22 @@
 """One request's whole state in an autoregressive engine, and its lifecycle.
 
-    add_request ──> WAITING ──admit──> RUNNING ──finish / fail / abort──> gone
-                       │                  ▲
-                       └──admit (decode leg, remote KV)──> FETCHING ──KV arrived──┘
+    add_request ──> WAITING ──admit──> PREFILLING ──last chunk──> RUNNING ──finish / fail / abort──> gone
+                     ▲  │                                          ▲   │
+                     │  └──admit (decode leg, remote KV)──> FETCHING ──KV arrived──┘   │
+                     └───────────── preempted (PREFILLING or RUNNING) ─────────────────┘
 
 * WAITING: added, not admitted (no KV blocks held). Admission is oldest first, within the step's
   seats (`max_num_seqs`), token budget (`max_num_batched_tokens`) and free KV blocks.
+* PREFILLING: admitted, its prompt computed chunk by chunk over steps (`computed` positions so
+  far, in its blocks); a prompt that fits the step's budget passes through in one step.
 * FETCHING (decode leg only): admitted, its prompt's KV read from the prefill engine is in
   flight; each step polls it without blocking, bounded by the request's miss window.
-* RUNNING: admitted and prefilled (or its KV arrived): it has its first token and decodes one
-  token per step until the runner says it is finished.
+* RUNNING: it has its first token and decodes one token per step until the runner says it is
+  finished, its blocks growing as its positions need them.
+* Preempted (the pool ran out of blocks and it was the newest): its blocks are freed and it
+  waits again at the front of the queue, to be computed again from its prompt. The tokens it had
+  sent are kept in `replay`: computed again, they must come out the same (the engine checks),
+  and nothing is sent again until it is past them.
 
 Everything a request holds lives in its `EngineRequest`: its blocks go back to the KV manager,
 and the object leaves the engine's map, on each of the three ways out. The runner keeps what its
@@ -30,6 +37,7 @@ from ...sampling import SamplingParams
 
 class Phase(enum.Enum):
     WAITING = "waiting"
+    PREFILLING = "prefilling"
     FETCHING = "fetching"
     RUNNING = "running"
 
@@ -48,6 +56,7 @@ class EngineRequest:
     chunk_sizes: tuple[int, int] | None = None  # units per chunk (first, later), or every step's
     arrived: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0  # perf_counter() when it was admitted
+    order: int = 0  # admission order: the newest is preempted first
     phase: Phase = Phase.WAITING
     kv: KVDescriptor | None = None  # decode leg: the remote prompt KV to fetch (None: prefill here)
     # Push mode. Decode leg: the reservation the prefill wrote the prompt's KV into (its blocks
@@ -63,6 +72,11 @@ class EngineRequest:
     publishes: bool = False
     blocks: list[int] = field(default_factory=list)  # its block table: prompt, then output
     cached_len: int = 0  # prompt positions whose KV came from the prefix cache (the first blocks)
+    computed: int = 0  # prompt positions whose KV is in its blocks (cached, or earlier chunks)
+    # Rows (Prefilled.rows) of the prompt chunks computed so far, joined at its last chunk.
+    chunk_rows: list[dict[str, Any]] = field(default_factory=list)
+    chunk_ms: float = 0.0  # time of the prefill passes its chunks took part in so far
+    replay: list[int] = field(default_factory=list)  # tokens sent before it was preempted
     cacheable: bool = True  # False: its blocks neither come from nor go to the prefix cache
     reused: list[int] = field(default_factory=list)  # decode leg: cached blocks while the rest moves
     # The prompt's multimodal inputs as (start, end, content key) placeholder spans, from the

@@ -138,6 +138,11 @@ class ArRunner(Protocol):
     def resume(self, request: "EngineRequest", state: Mapping[str, int]) -> None:
         """A decode leg's request whose KV arrived: the prefill's `state` (handoff_keys)."""
 
+    def restart(self, request: "EngineRequest") -> None:
+        """A preempted request is computed again from its prompt: forget what was computed
+        from the prompt on (outputs, rows, traces), keep its inputs and what was already sent
+        (the engine sends nothing until the request is past it again)."""
+
     def finish_reason(self, request: "EngineRequest") -> str | None:
         """'stop', 'length' (or another reason) once the latest token ends the request."""
 
@@ -178,6 +183,12 @@ class ArRunnerBase:
 
     def resume(self, request: "EngineRequest", state: Mapping[str, int]) -> None:
         pass
+
+    def restart(self, request: "EngineRequest") -> None:
+        if request.model is not None:  # a runner with per-request state says what to forget
+            raise NotImplementedError(
+                f"the {getattr(self, 'name', 'model')} runner cannot compute a preempted request again"
+            )
 
     def ready(self, request: "EngineRequest") -> bool:
         """Whether a running request can decode this step (a stage fed while its source still

@@ -126,6 +126,32 @@ class ServerMetrics:
             REPLICA,
             registry=self.registry,
         )
+        # The scheduler of each autoregressive stage replica (what a vLLM dashboard reads:
+        # vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc, vllm:num_preemptions).
+        self.sched_running = Gauge(
+            "omni_pd_num_requests_running",
+            "Requests a stage replica is computing (decoding, prefilling or reading their KV)",
+            REPLICA,
+            registry=self.registry,
+        )
+        self.sched_waiting = Gauge(
+            "omni_pd_num_requests_waiting",
+            "Requests a stage replica holds but has not admitted (preempted ones included)",
+            REPLICA,
+            registry=self.registry,
+        )
+        self.kv_usage = Gauge(
+            "omni_pd_kv_cache_usage_perc",
+            "Share of a stage replica's KV blocks in use (1 = full; idle cached blocks are free)",
+            REPLICA,
+            registry=self.registry,
+        )
+        self.preemptions = Counter(
+            "omni_pd_num_preemptions",
+            "Requests a stage replica preempted because its KV blocks ran out",
+            REPLICA,
+            registry=self.registry,
+        )
         # The Realtime API: open sessions, and responses by how they ended.
         self.realtime_sessions = Gauge(
             "omni_pd_realtime_sessions", "Open /v1/realtime sessions", registry=self.registry
@@ -159,6 +185,8 @@ class ServerMetrics:
                 load, at = replica["load"], {**labels, "replica": str(k)}
                 self._advance(f"routed:{stage_id}:{k}", self.stage_requests.labels(**at), load["routed"])
                 self.stage_load.labels(**at).set(load["in_flight"])
+                if "preemptions" in load:
+                    self._observe_scheduler(load, at, f"{stage_id}:{k}")
                 if "prefix_cache_queries" in load:
                     self._advance(
                         f"prefix_q:{stage_id}:{k}",
@@ -173,6 +201,12 @@ class ServerMetrics:
             self.kv_breaker_open.set(0 if handoff["breaker"] == "closed" else 1)
             self._advance("failures", self.kv_handoff_failures, handoff["failures"])
             self._advance("fallbacks", self.kv_fallbacks, handoff["fallbacks"])
+
+    def _observe_scheduler(self, load: dict, labels: dict, key: str) -> None:
+        self.sched_running.labels(**labels).set(load["running"])
+        self.sched_waiting.labels(**labels).set(load["waiting"])
+        self.kv_usage.labels(**labels).set(load["used_kv_blocks"] / max(load["kv_blocks"], 1))
+        self._advance(f"preempt:{key}", self.preemptions.labels(**labels), load["preemptions"])
 
     def observe(self, metrics: dict) -> None:
         if metrics.get("ttft_ms") is not None:

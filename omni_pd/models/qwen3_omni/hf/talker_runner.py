@@ -298,6 +298,14 @@ class TalkerRunner(ArRunnerBase):
     def pending(self, requests: Sequence[EngineRequest]) -> bool:
         return any(r.model.stale is not None for r in requests)
 
+    def restart(self, request: EngineRequest) -> None:
+        """Its inputs (prompt, trailing rows, thinker output so far) stay; its frames go
+        (frames_sent: what was sent)."""
+        state = request.model
+        state.frames, state.hidden, state.error = [], None, None
+        if state.trace is not None:
+            state.trace = {name: [] for name in state.trace}
+
     def ready(self, request: EngineRequest) -> bool:
         return request.model.ready_to_decode
 

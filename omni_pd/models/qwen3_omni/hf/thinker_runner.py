@@ -160,6 +160,11 @@ class ThinkerRunner(ArRunnerBase):
     def resume(self, request: EngineRequest, state: Mapping[str, int]) -> None:
         request.model.rope_deltas = state["rope_deltas"]
 
+    def restart(self, request: EngineRequest) -> None:
+        state = request.model
+        state.prompt_embeds = state.prompt_hidden = None
+        state.output_embeds, state.output_hidden = [], []  # rows_streamed: what was sent
+
     # ---- results -------------------------------------------------------------------------------
     def finish_reason(self, request: EngineRequest) -> str | None:
         return self.runner.finish_reason(request.tokens, request.params)

@@ -38,6 +38,7 @@ _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 class Qwen3TextRunner(ArRunnerBase):
     caches_prefixes = True
+    prefills_in_chunks = True  # `prefill` computes positions start .. end (PrefillItem.end)
 
     def __init__(self, llm: torch.nn.Module, tokenizer, name: str, kernels: str = "native"):
         self.llm, self.text = llm, llm.model
@@ -97,7 +98,7 @@ class Qwen3TextRunner(ArRunnerBase):
     @torch.no_grad()
     def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
         starts = [item.start for item in items]
-        prompts = [item.request.token_ids for item in items]
+        prompts = [item.request.token_ids[: item.end] for item in items]
         lengths = [len(ids) - start for ids, start in zip(prompts, starts)]
         h = self.text.embed_tokens(torch.tensor([t for ids, s in zip(prompts, starts) for t in ids[s:]]))
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
