@@ -19,6 +19,7 @@ from omni_pd.config.check_context import CheckContext, stage_key
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.pair_checks import check_pd
 from omni_pd.config.pydantic_issues import suggest
+from omni_pd.config.scheduler_checks import check_step_budget
 from omni_pd.config.schema import KVConnectorExtraConfig
 from omni_pd.config.worker_checks import check_replicas, check_worker_backend
 
@@ -314,6 +315,7 @@ ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
     check_pd,
     check_replicas,
     check_worker_backend,
+    check_step_budget,
 )
 
 
