@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_pd.config import ConfigError, PipelineConfig, pipeline_config_from_dict
+from omni_pd.config import ConfigError, PipelineConfig, load_deploy_config, pipeline_config_from_dict
 from omni_pd.config.cpu_checks import check_host_cpus
 from omni_pd.config.cpus import format_cpulist, parse_cpulist
 from omni_pd.config.replicas import replica_configs
@@ -180,3 +180,23 @@ def test_the_host_check_reads_this_process_affinity_and_leaves_ray_stages_to_the
         check_host_cpus(config, "pd.yaml")
     data["stage_args"][0]["engine_args"]["distributed_executor_backend"] = "ray"
     check_host_cpus(_load(data), "pd.yaml")  # its node checks it (test_cpu_pin.py)
+
+
+def test_a_deploy_file_sets_cpus_under_a_stages_runtime_and_is_refused_by_its_own_keys(tmp_path):
+    raw = yaml.safe_load((STAGE_CONFIGS_DIR / "deploy" / "qwen3_omni_tiny_pd.yaml").read_text())
+    stages = {s["stage_id"]: s for s in raw["stages"]}
+    stages[0].update(num_replicas=2, runtime={"cpus": ["0", "1"]})
+    stages[1]["runtime"] = {"cpus": "2"}
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert [s.runtime.cpus for s in load_deploy_config(path, check_imports=False).stages][:2] == [
+        ((0,), (1,)),
+        ((2,),),
+    ]
+    stages[1]["runtime"] = {"cpus": "1"}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ConfigError) as info:
+        load_deploy_config(path, check_imports=False)
+    (issue,) = info.value.issues
+    assert (issue.stage_id, issue.key) == (1, "stages[stage_id=1].runtime.cpus")
+    assert "stage 1 shares CPU(s) 1 with stage 0 replica 1" in issue.message
