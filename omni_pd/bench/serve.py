@@ -22,9 +22,17 @@ default configs with prefix caching on and off (`PATH@prefix_caching=false`), si
 
 `--xpyd 1P1D,1P2D,2P2D` benchmarks, in one run, each P/D layout against the fair baseline: the
 colocated pipeline with as many thinker replicas as the layout has thinker workers (x + y),
-behind the same router, on the same machine.
+behind the same router, on the same cores. `colocated-Nx` adds a colocated layout of its own:
+`--xpyd 1P1D,colocated-1x` measures 1P1D, colocated-2x and one thinker on all the cores. Each
+layout gets the same CPUs, `--xpyd-cpus` (default: all this process may run on), shared evenly
+among its thinker workers as `runtime.cpus` (prefill replicas first, then decode; torch runs one
+thread per CPU), so on CPUs 0-1 1P1D is prefill 0 and decode 1, colocated-2x a replica on each,
+colocated-1x one replica on 0-1 with two threads; the talker and code2wav stay unpinned. CPUs
+that the workers do not divide evenly are refused; the JSON's `target_cpus` says who got what.
+`--xpyd-cpus none` pins nothing (stages Ray places on other nodes, or on GPUs).
 
-    omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D] [--concurrency 1,4,8,16]
+    omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D [--xpyd-cpus 0-3]]
+                        [--concurrency 1,4,8,16]
                         [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
                         [--num-requests N] [--json out.json] [--plot out.png] [--quick]
 
@@ -45,6 +53,7 @@ from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
 from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
+from .xpyd_layouts import bench_cpus
 from .serve_target import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OPEN_LOOP_REQUESTS,
@@ -144,7 +153,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--xpyd",
         default=None,
         help="comma-separated P/D layouts (e.g. 1P1D,1P2D,2P2D), each run beside "
-        "colocated with x+y thinker replicas; excludes --configs",
+        "colocated with x+y thinker replicas (colocated-2x for 1P1D), and colocated-Nx layouts of "
+        "their own (colocated-1x: one thinker on all of --xpyd-cpus); excludes --configs",
+    )
+    parser.add_argument(
+        "--xpyd-cpus",
+        default=None,
+        metavar="LIST",
+        help="the CPUs every --xpyd layout gets (cpulist, e.g. 0-3; default: every CPU this "
+        "process may run on), shared evenly among its thinker workers, prefill replicas first, "
+        "as their runtime.cpus (one torch thread per CPU); talker and code2wav unpinned; "
+        "none: pin nothing (Ray-placed or GPU stages)",
     )
     parser.add_argument(
         "--xpyd-pd-config",
@@ -285,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
     levels, num_requests, server_env = _checked_args(args)
-    targets, baselines = _targets(args, scratch)
+    targets, baselines, target_cpus = _targets(args, scratch)
     runs = _Runs(model_used=args.model)
     for label, config in targets:
         if config is None:
@@ -295,6 +314,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     _add_comparisons(runs, baselines, args)
     _print_tables(runs)
     meta = _metadata(args, runs, levels, num_requests, targets, server_env, baselines)
+    meta["target_cpus"] = target_cpus
     _write_outputs(args, meta, runs)
     return 1 if runs.failures or not (runs.results or runs.multi_turn) else 0
 
@@ -311,6 +331,8 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     if sum(map(bool, (args.base_url, args.configs, args.xpyd))) > 1:
         raise SystemExit("error: --configs, --xpyd and --base-url exclude each other")
+    if args.xpyd_cpus is not None and not args.xpyd:
+        raise SystemExit("error: --xpyd-cpus shares CPUs among the --xpyd layouts; add --xpyd")
     if args.base_url and args.ignore_eos:
         raise SystemExit(
             "error: --ignore-eos changes the configs bench starts servers with; for "
@@ -333,10 +355,13 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
     return levels, num_requests, server_env
 
 
-def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, Path | None]], dict[str, str]]:
-    """(label, config) of each server to measure (config None: the --base-url server), and each
-    --xpyd layout's baseline label."""
+def _targets(
+    args: argparse.Namespace, scratch: Path
+) -> tuple[list[tuple[str, Path | None]], dict[str, str], dict[str, dict[str, list[str]]]]:
+    """(label, config) of each server to measure (config None: the --base-url server), each
+    --xpyd layout's baseline label, and each --xpyd layout's thinker CPUs by role."""
     baselines: dict[str, str] = {}
+    target_cpus: dict[str, dict[str, list[str]]] = {}
     if args.base_url:
         from urllib.parse import urlparse
 
@@ -344,9 +369,11 @@ def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, P
             (args.label or urlparse(args.base_url).netloc or args.base_url, None)
         ]
     elif args.xpyd:
-        made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
-        targets = [(label, resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made]
-        baselines = {label: base for label, _, base in made if base}
+        cpus = bench_cpus(args.xpyd_cpus)
+        made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch, cpus)
+        targets = [(t.label, resolve_config(str(t.config), scratch, args.ignore_eos)[1]) for t in made]
+        baselines = {t.label: t.baseline for t in made if t.baseline}
+        target_cpus.update({t.label: t.cpus for t in made})
     else:
         defaults = [str(p) for p in DEFAULT_CONFIGS]
         if args.multi_turn:  # each default with the prefix cache on, then off
@@ -357,7 +384,7 @@ def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, P
             if p.strip()
         ]
         targets = list(zip(unique_labels([label for label, _ in resolved]), [p for _, p in resolved]))
-    return targets, baselines
+    return targets, baselines, target_cpus
 
 
 @dataclass
