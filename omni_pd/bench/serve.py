@@ -16,6 +16,17 @@ closed-loop levels in the same run (its best req/s). With `--slo-ttft-ms` / `--s
 level reports goodput: requests per second within the SLOs (`--slo-itl-ms`: each request's mean
 time per output token, DistServe's TPOT, within it too).
 
+Mixed lengths (`--prompt-tokens` / `--output-tokens`, each `N` or `uniform:LO:HI`): request i of
+every level and rate gets the i-th (prompt length, output length) of one sequence drawn from
+`--seed`, the same in every config; `--ignore-eos` makes each answer exactly its drawn length.
+The JSON holds the spec and the drawn lengths' mean / min / max (`workload`), and each row its
+requests' drawn and answered token counts (`requests`). workload.py draws them.
+
+`--text-only` measures the thinker alone: requests ask for `modalities: ["text"]` (no TTFA), on
+the thinker-only configs by default (`qwen3_omni_tiny_thinker.yaml`, `..._thinker_pd.yaml`,
+which load no talker and no code2wav). A text-only request to a whole omni config runs its
+thinker stages only, but that server still holds the talker and code2wav.
+
 `--multi-turn K` runs conversations of K turns instead of the levels (each turn sends the whole
 history after a long system prompt) and reports TTFT and TTFA per turn; by default on the two
 default configs with prefix caching on and off (`PATH@prefix_caching=false`), side by side.
@@ -34,10 +45,11 @@ that the workers do not divide evenly are refused; the JSON's `target_cpus` says
     omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D [--xpyd-cpus 0-3]]
                         [--concurrency 1,4,8,16]
                         [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
-                        [--num-requests N] [--json out.json] [--plot out.png] [--quick]
+                        [--prompt-tokens N|uniform:LO:HI] [--output-tokens N|uniform:LO:HI]
+                        [--text-only] [--num-requests N] [--json out.json] [--plot out.png] [--quick]
 
 This module holds the flags and the run over the servers; serve_configs.py resolves the configs
-each server runs, serve_target.py measures one server.
+each server runs, workload.py draws the requests' lengths, serve_target.py measures one server.
 """
 
 from __future__ import annotations
@@ -64,10 +76,16 @@ from .serve_target import (
     parse_rates,
     requests_per_level,
 )
+from .workload import DEFAULT_MAX_TOKENS, MIN_PROMPT_TOKENS, workload_from_args
 
 DEFAULT_CONFIGS = (
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml",
+)
+# --text-only: the thinker served alone, colocated and P/D (no talker, no code2wav loaded).
+TEXT_ONLY_CONFIGS = (
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_thinker.yaml",
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_thinker_pd.yaml",
 )
 DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
@@ -85,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stage's kv_connector_extra_config, load_format=FORMAT "
         "on every stage (auto: read --model's weights) (default: "
         "stage_configs/ci/qwen3_omni_tiny.yaml,"
-        "stage_configs/ci/qwen3_omni_tiny_pd.yaml)",
+        "stage_configs/ci/qwen3_omni_tiny_pd.yaml; --text-only: "
+        "stage_configs/ci/qwen3_omni_tiny_thinker.yaml,"
+        "stage_configs/ci/qwen3_omni_tiny_thinker_pd.yaml)",
     )
     parser.add_argument(
         "--base-url",
@@ -129,7 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests per open-loop rate (default {DEFAULT_OPEN_LOOP_REQUESTS}; "
         f"--quick: {QUICK_OPEN_LOOP_REQUESTS})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the Poisson arrivals and of the drawn --prompt-tokens / --output-tokens lengths",
+    )
     parser.add_argument(
         "--slo-ttft-ms",
         type=float,
@@ -167,13 +192,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--xpyd-pd-config",
-        default=str(DEFAULT_CONFIGS[1]),
-        help="the P/D stage YAML the layouts are made from",
+        default=None,
+        help="the P/D stage YAML the layouts are made from (default: "
+        f"{DEFAULT_CONFIGS[1].name}; --text-only: {TEXT_ONLY_CONFIGS[1].name})",
     )
     parser.add_argument(
         "--xpyd-colocated-config",
-        default=str(DEFAULT_CONFIGS[0]),
-        help="the colocated stage YAML the baselines are made from",
+        default=None,
+        help="the colocated stage YAML the baselines are made from (default: "
+        f"{DEFAULT_CONFIGS[0].name}; --text-only: {TEXT_ONLY_CONFIGS[0].name})",
     )
     parser.add_argument(
         "--realtime",
@@ -205,14 +232,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="conversations per config with --multi-turn, one after another (default 4; --quick: 2)",
     )
-    parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument(
-        "--prompt-tokens",
+        "--max-tokens",
         type=int,
         default=None,
-        help="make every user message this many tokens of the served model's tokenizer, each "
-        "beginning with its own number so that no two share a prefix (default: short varied "
-        "prompts)",
+        help=f"max_tokens of every request (default {DEFAULT_MAX_TOKENS}; excludes --output-tokens)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        default=None,
+        metavar="N|uniform:LO:HI",
+        help="each request's max_tokens: N, or drawn per request uniformly from LO..HI "
+        "(inclusive) by --seed, the same sequence for every config and level; only "
+        "--ignore-eos makes each answer exactly that long",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        default=None,
+        metavar="N|uniform:LO:HI",
+        help=f"make each user message N tokens of the served model's tokenizer, or a length "
+        f"drawn per request uniformly from LO..HI (inclusive) by --seed (at least "
+        f"{MIN_PROMPT_TOKENS}); each begins with its own number so that no two share a prefix "
+        "(default: short varied prompts)",
+    )
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help='measure the thinker alone: requests ask for text only (modalities ["text"]), so '
+        "no TTFA (--slo-ttfa-ms, --realtime and --multi-turn are refused); default configs, "
+        "and --xpyd's: the thinker-only qwen3_omni_tiny_thinker.yaml and "
+        "qwen3_omni_tiny_thinker_pd.yaml",
     )
     parser.add_argument(
         "--ignore-eos",
@@ -220,7 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set ignore_eos in every stage's default_sampling_params of the served "
         "configs (vLLM's benchmark flag): every request then runs each stage to "
         "its max_tokens, so its work does not depend on when random weights "
-        "happen to sample an EOS (the talker never samples its codec EOS)",
+        "happen to sample an EOS (the talker never samples its codec EOS); this is "
+        "what makes --output-tokens lengths exact",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="uncounted requests sent before each level (default 1)"
@@ -344,8 +394,10 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
     num_requests = (
         args.num_requests if args.num_requests is not None else QUICK_NUM_REQUESTS if args.quick else None
     )  # None: by concurrency
-    if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
-        raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
+    if (num_requests is not None and num_requests < 1) or args.warmup < 0:
+        raise SystemExit("error: --num-requests must be >= 1, --warmup >= 0")
+    workload_from_args(args)  # refuse a bad length or a clash of length flags now
+    _check_text_only(args)
     if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
@@ -353,6 +405,22 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
     server_env = parse_server_env(args.server_env)
     parse_rates(args.request_rate)  # refuse a bad rate before any server starts
     return levels, num_requests, server_env
+
+
+def _check_text_only(args: argparse.Namespace) -> None:
+    """--text-only asks for no audio: refuse what would measure or judge it."""
+    if not args.text_only:
+        return
+    for flag, given in (
+        ("--slo-ttfa-ms", args.slo_ttfa_ms is not None),
+        ("--realtime", args.realtime),
+        ("--multi-turn", args.multi_turn is not None),
+    ):
+        if given:
+            raise SystemExit(
+                f"error: --text-only requests have no audio, so {flag} has nothing to measure; "
+                f"drop {flag} or --text-only"
+            )
 
 
 def _targets(
@@ -370,12 +438,19 @@ def _targets(
         ]
     elif args.xpyd:
         cpus = bench_cpus(args.xpyd_cpus)
-        made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch, cpus)
+        colocated, pd = TEXT_ONLY_CONFIGS if args.text_only else DEFAULT_CONFIGS
+        made = xpyd_targets(
+            args.xpyd,
+            args.xpyd_pd_config or str(pd),
+            args.xpyd_colocated_config or str(colocated),
+            scratch,
+            cpus,
+        )
         targets = [(t.label, resolve_config(str(t.config), scratch, args.ignore_eos)[1]) for t in made]
         baselines = {t.label: t.baseline for t in made if t.baseline}
         target_cpus.update({t.label: t.cpus for t in made})
     else:
-        defaults = [str(p) for p in DEFAULT_CONFIGS]
+        defaults = [str(p) for p in (TEXT_ONLY_CONFIGS if args.text_only else DEFAULT_CONFIGS)]
         if args.multi_turn:  # each default with the prefix cache on, then off
             defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
         resolved = [
@@ -516,10 +591,14 @@ def _metadata(
 ) -> dict:
     from .report import run_metadata
 
+    workload = workload_from_args(args)
+    fixed = workload.output.lo == workload.output.hi
     return run_metadata(
         ["omni-pd", *sys.argv[1:]],
         argv=list(sys.argv),
-        max_tokens=args.max_tokens,
+        max_tokens=workload.output.lo if fixed else None,  # else each request's: `workload`
+        workload=None if args.multi_turn else workload.describe(_requests_drawn(args, levels, num_requests)),
+        text_only=bool(args.text_only),
         num_requests=[requests_per_level(num_requests, c) for c in levels],
         concurrency=levels,
         warmup_requests=args.warmup,
@@ -545,6 +624,17 @@ def _metadata(
     )
 
 
+def _requests_drawn(args: argparse.Namespace, levels: list[int], num_requests: int | None) -> int:
+    """The most requests one batch sends (a level, a rate, the warm-up): each sends a prefix of
+    the same drawn lengths."""
+    from .serve_target import open_loop_requests
+
+    sizes = [requests_per_level(num_requests, c) for c in levels] + [args.warmup]
+    if args.request_rate:
+        sizes.append(open_loop_requests(args))
+    return max(sizes)
+
+
 def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
     from .report import cpu_count, write_json, write_plot
 
@@ -552,5 +642,7 @@ def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
         write_json(args.json, meta, runs.results, runs.open_loop, runs.multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and runs.results:
-        write_plot(args.plot, runs.results, cores=cpu_count(), max_tokens=args.max_tokens)
+        write_plot(
+            args.plot, runs.results, cores=cpu_count(), max_tokens=str(workload_from_args(args).output)
+        )
         print(f"wrote {args.plot}", file=sys.stderr)
