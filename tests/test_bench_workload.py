@@ -216,3 +216,30 @@ def test_the_thinker_only_configs_hold_the_thinker_alone():
     assert {s.model_stage for s in pd.stages} == {"thinker"}  # each loads only thinker.* (lean)
     for config in (colocated, pd):
         assert [s.final_output_type for s in config.final_output_stages()] == ["text"]
+
+
+def test_the_first_token_is_timed_at_its_chunk_even_when_its_text_is_held_back():
+    """The server sends a chunk per step with tokens, content "" while the detokenizer holds
+    the text back (vLLM's client counts those): the first one is the TTFT, each one a token
+    event; the finish chunk's "" is none."""
+    contents = ["", "", "ab", "c"]
+
+    class Held(_Client):
+        async def create(self, **kwargs):
+            async def chunks():
+                for text in contents:
+                    delta = SimpleNamespace(content=text, audio=None, model_extra={})
+                    yield SimpleNamespace(
+                        usage=None, choices=[SimpleNamespace(delta=delta, finish_reason=None)]
+                    )
+                end = SimpleNamespace(content="", audio=None, model_extra={})
+                yield SimpleNamespace(usage=None, choices=[SimpleNamespace(delta=end, finish_reason="stop")])
+
+            return chunks()
+
+    record = asyncio.run(stream_one(Held(), "m", "hi", 4, text_only=True))
+    assert record.ok and record.text == "abc" and record.output_tokens == 4
+    assert len(record.itl_s) == 3  # four token chunks, the finish chunk not among them
+    assert record.ttft_s is not None and record.ttft_s < record.e2e_s
+    contents[:] = ["ab", "c"]  # control: no held-back chunks, two token events
+    assert len(asyncio.run(stream_one(Held(), "m", "hi", 2, text_only=True)).itl_s) == 1

@@ -56,9 +56,10 @@ async def stream_one(
     client: Any, model: str, prompt: str | list[dict], max_tokens: int, text_only: bool = False
 ) -> RequestRecord:
     """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT:
-    first chunk with non-empty `delta.content`; TTFA: first chunk with audio data; ITL: gaps
-    between consecutive content chunks; e2e: until the stream ends; output tokens:
-    `usage.completion_tokens` when sent, else the number of content chunks.
+    first chunk with `delta.content` before the finish (content "" counts: the server sends one
+    when a token exists whose text is held back, as vLLM's client counts it); TTFA: first chunk
+    with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
+    output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
     A request that raises is an error (`ok` False); a server that fails a request mid-stream
     sends an error event, which the client raises. A stream that ends normally without audio is
     an answer with nothing to speak (the thinker's end token first, or, with random weights, the
@@ -96,7 +97,8 @@ async def stream_one(
             delta = chunk.choices[0].delta
             if delta is None:
                 continue
-            if delta.content:
+            # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
+            if delta.content is not None and (delta.content or not chunk.choices[0].finish_reason):
                 pieces.append(delta.content)
                 content_times.append(now)
                 if ttft is None:
