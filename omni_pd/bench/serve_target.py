@@ -101,7 +101,13 @@ class Requests:
 
 def _request_rows(records: Sequence[RequestRecord], batch: Batch) -> list[dict]:
     """Each request's drawn lengths beside the token counts its answer reported (`usage`; the
-    prompt's count includes the chat template's tokens)."""
+    prompt's count includes the chat template's tokens), and its TTFT, mean TPOT and end-to-end
+    time (ms), so that goodput under any SLO can be computed again from the JSON."""
+    from .stats import mean_tpot_s
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1e3
+
     return [
         {
             "index": i,
@@ -110,6 +116,9 @@ def _request_rows(records: Sequence[RequestRecord], batch: Batch) -> list[dict]:
             "output_tokens_drawn": batch.max_tokens[i],
             "prompt_tokens": record.prompt_tokens,
             "output_tokens": record.output_tokens if record.ok else None,
+            "ttft_ms": ms(record.ttft_s) if record.ok else None,
+            "tpot_ms": ms(mean_tpot_s(record)) if record.ok else None,
+            "e2e_ms": ms(record.e2e_s) if record.ok else None,
         }
         for i, record in enumerate(records)
     ]
