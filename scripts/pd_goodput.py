@@ -16,6 +16,10 @@ set from step costs measured in the same run.
    same seeded prompt and output lengths for every layout (`--ignore-eos`: exact lengths).
 4. Goodput (requests per second within both SLOs) per layout, rate and SLO pair, computed from
    each request's TTFT and TPOT in bench serve's JSON; the JSON and a goodput-against-rate plot.
+5. `--plan`: `omni-pd plan` on step costs profiled at 1 and 2 threads (after the measurement, so
+   the profile does not share the cores with it): its prediction and recommendation for the
+   same workload and SLOs, and `--compare` of every measured row against it. With
+   `--plan-only RESULT.json` it does this step alone on an earlier run's result.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def configs(budgets: list[int], scratch: Path) -> list[tuple[str, Path]]:
         colocated["stage_args"][0]["runtime"].update(num_replicas=2, cpus=["0", "1"])
         made.append((f"colocated-2x_b{budget}", colocated))
     single = yaml.safe_load(THINKER.read_text())
-    _stage_args(single, max_num_batched_tokens=budgets[len(budgets) // 2])
+    _stage_args(single, max_num_batched_tokens=budgets[len(budgets) // 2])  # _middle
     single["stage_args"][0]["runtime"].update(cpus="0-1")  # one worker, two threads
     made.append(("colocated-1x", single))
     out = []
@@ -158,6 +162,85 @@ def analyse(serve: dict, slos: dict) -> dict:
     return {"goodput": table, "summary": summary}
 
 
+PLAN_ROOFLINE = [
+    "--stages", "thinker_prefill,thinker_decode", "--prefill-tokens", "64,256,1024",
+    "--prefill-batches", "1,2", "--batches", "1,4,8,16", "--contexts", "256,1024", "--repeats", "2",
+]  # fmt: skip
+
+
+def _plan_label(label: str, budgets: dict[str, int]) -> str:
+    """A driver label as `omni-pd plan --compare` reads it (the chunk budget as an @key=value)."""
+    if label.startswith("colocated-2x_b"):
+        return f"colocated-2x@max_num_batched_tokens={label.removeprefix('colocated-2x_b')}"
+    if label == "colocated-1x":
+        return f"colocated-1x@max_num_batched_tokens={budgets['colocated-1x']}"
+    return label
+
+
+def plan(result: dict, args: argparse.Namespace, scratch: Path) -> dict:
+    """`omni-pd plan` on this host's step costs (1 and 2 threads): its prediction for the
+    experiment's workload and SLOs, and every measured row against it."""
+    profiles = []
+    for cpus, threads in (("0", "1"), ("0,1", "2")):
+        out = scratch / f"roofline-t{threads}.json"
+        subprocess.run(
+            [
+                "taskset",
+                "-c",
+                cpus,
+                OMNI_PD,
+                "bench",
+                "roofline",
+                args.model,
+                *PLAN_ROOFLINE,
+                "--json",
+                str(out),
+            ],
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": threads},
+        )
+        profiles.append(str(out))
+    slos = result["slos"]
+    serve = result["serve"]
+    budgets = {"colocated-1x": _middle(args.budgets)}
+    compare = []
+    for pair, slo in slos.items():
+        copy = json.loads(json.dumps(serve))
+        copy.update(slo_ttft_ms=slo["ttft_ms"], slo_itl_ms=slo["itl_ms"])
+        for row in copy["open_loop"]:
+            row["goodput_req_per_s"] = goodput(row, slo)
+            row["config"] = _plan_label(row["config"], budgets)
+        path = scratch / f"{pair}.json"
+        path.write_text(json.dumps(copy))
+        compare.append(str(path))
+    common = ["--profile", ",".join(profiles), "--cpus", "2", "--kv-blocks", str(KV_POOL_BLOCKS)]
+    compared = scratch / "compare.json"
+    subprocess.run(
+        [OMNI_PD, "plan", *common, "--compare", ",".join(compare), "--json", str(compared)], check=True
+    )
+    predicted = scratch / "plan.json"
+    subprocess.run(
+        [OMNI_PD, "plan", *common, "--prompt-tokens", args.prompt, "--output-tokens", args.output,
+         "--request-rate", args.rates, "--num-requests", str(args.requests), "--seed", str(args.seed),
+         "--slo-ttft-ms", ",".join(f"{slos[p]['ttft_ms']:.0f}" for p in PAIRS),
+         "--slo-itl-ms", ",".join(f"{slos[p]['itl_ms']:.0f}" for p in PAIRS),
+         "--layouts", "1P1D,colocated-2x,colocated-1x", "--chunk-budgets", args.budgets,
+         "--json", str(predicted)],
+        check=True,
+    )  # fmt: skip
+    return {
+        "profiles": {Path(p).stem: json.loads(Path(p).read_text()) for p in profiles},
+        "compare": json.loads(compared.read_text()),
+        "prediction": json.loads(predicted.read_text()),
+    }
+
+
+def _middle(budgets: str) -> int:
+    """colocated-1x's chunk budget: the middle one of the sweep (`configs`)."""
+    values = [int(b) for b in budgets.split(",")]
+    return values[len(values) // 2]
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -196,7 +279,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot", required=True)
+    parser.add_argument("--plan", action="store_true", help="then predict it with omni-pd plan (step 5)")
+    parser.add_argument("--plan-only", metavar="RESULT", help="step 5 alone, on an earlier run's --json")
     args = parser.parse_args()
+    if args.plan_only:
+        result = json.loads(Path(args.plan_only).read_text())
+        with tempfile.TemporaryDirectory(prefix="pd-goodput-plan-") as tmp:
+            result["plan"] = plan(result, args, Path(tmp))
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
     with tempfile.TemporaryDirectory(prefix="pd-goodput-") as tmp:
         scratch = Path(tmp)
         costs = step_costs(args, scratch)
@@ -204,8 +295,13 @@ def main() -> int:
         print(f"step costs {costs}\nSLO pairs {slos}", file=sys.stderr)
         targets = configs([int(b) for b in args.budgets.split(",")], scratch)
         serve = bench(args, targets, slos, scratch)
-    result = {"command": " ".join(sys.argv), "step_costs": costs, "slos": slos, **analyse(serve, slos)}
-    result["serve"] = serve
+        for label, path in targets:  # the JSON keeps each layout's config itself
+            serve["configs"][label] = str(path)
+            serve.setdefault("config_texts", {})[label] = path.read_text()
+        result = {"command": " ".join(sys.argv), "step_costs": costs, "slos": slos, **analyse(serve, slos)}
+        result["serve"] = serve
+        if args.plan:
+            result["plan"] = plan(result, args, scratch)
     Path(args.json).write_text(json.dumps(result, indent=1))
     plot(result, args.plot)
     print(json.dumps({"step_costs": costs, "slos": slos, "summary": result["summary"]}, indent=1))
