@@ -15,7 +15,6 @@ template's tokens (`template_tokens`: 8 for Qwen3-Omni's template, `<|im_start|>
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass
 
 from ..bench.load import poisson_arrivals
@@ -100,6 +99,3 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
     """Send times (s) of `count` requests at `rate` req/s: the bench's Poisson process."""
     return poisson_arrivals(rate, count, seed)
 
-
-def mean_lengths(pairs: list[tuple[int, int]]) -> tuple[float, float]:
-    return statistics.fmean(p for p, _ in pairs), statistics.fmean(o for _, o in pairs)
