@@ -98,4 +98,3 @@ class Workload:
 def arrivals(rate: float, count: int, seed: int) -> list[float]:
     """Send times (s) of `count` requests at `rate` req/s: the bench's Poisson process."""
     return poisson_arrivals(rate, count, seed)
-
