@@ -226,7 +226,7 @@ def test_profile_model_plans_from_what_the_roofline_bench_measures(tmp_path, mon
     )
     assert rc == 0 and "recommended under tight" in capsys.readouterr().out
     assert sorted(t for t, _, _ in asked) == [1, 2]
-    assert asked[0][1] == [(1, t) for t in profile_run.PREFILL_TOKENS]
+    assert asked[0][1] == list(profile_run.PREFILL_ROWS)
     again = read_profile(saved / "roofline-t2.json")
     assert again.threads == 2 and again.rows == recorded[2].rows
 
@@ -240,6 +240,6 @@ def test_profile_model_on_the_tiny_checkpoint(tmp_path):
 
     checkpoint = save_tiny_model(tmp_path / "tiny", seed=0)
     [profile] = profile_model(str(checkpoint), [1])
-    assert profile.threads == 1 and len(profile.stage("thinker_prefill")) == 3
+    assert profile.threads == 1 and len(profile.stage("thinker_prefill")) == 4
     costs = fit_costs(profile)
     assert costs.prefill_ms([(1024, 0)]) > costs.prefill_ms([(64, 0)]) > 0

@@ -19,7 +19,9 @@ from typing import Any, Callable
 from .errors import PlanError
 from .profile import Profile, StepRow
 
-PREFILL_TOKENS = (64, 256, 1024)
+# (prompts, tokens each) of the prefill rows: three lengths for the fit, and a pass of 2,048
+# tokens as a P/D prefill leg batches waiting prompts.
+PREFILL_ROWS = ((1, 64), (1, 256), (1, 1024), (2, 1024))
 DECODE_BATCHES = (1, 4, 8, 16)
 DECODE_CONTEXTS = (256, 1024)
 
@@ -68,7 +70,7 @@ def profile_model(
             bench = _quick_bench(checkpoint, device, dtype)
             with torch.no_grad():
                 bench.thinker(
-                    [(1, t) for t in PREFILL_TOKENS],
+                    list(PREFILL_ROWS),
                     [(b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES],
                 )
             rows = tuple(StepRow(r.stage, r.batch, r.tokens, r.context, r.step_ms) for r in bench.rows)
