@@ -115,10 +115,14 @@ def test_plot_is_a_png(quick_run):
     assert png_path.is_file() and png_path.read_bytes()[:8] == PNG_SIGNATURE
 
 
+XPYD_CPUS = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))[:2])
+
+
 @pytest.fixture(scope="module")
 def xpyd_run(tmp_path_factory):
     """The fair-baseline comparison in its smallest form: 1P1D beside colocated with two thinker
-    replicas, a closed-loop level, then Poisson arrivals at half the measured capacity."""
+    replicas, each thinker worker pinned to one of two CPUs, a closed-loop level, then Poisson
+    arrivals at half the measured capacity."""
     json_path = tmp_path_factory.mktemp("bench") / "xpyd.json"
     proc = subprocess.run(
         [
@@ -131,6 +135,8 @@ def xpyd_run(tmp_path_factory):
             "serve",
             "--xpyd",
             "1P1D",
+            "--xpyd-cpus",
+            XPYD_CPUS,
             "--concurrency",
             "2",
             "--num-requests",
@@ -159,6 +165,11 @@ def test_xpyd_runs_each_layout_beside_its_colocated_replicas_with_goodput(xpyd_r
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(json_path.read_text())
     assert report["baselines"] == {"1P1D": "colocated-2x"}
+    first, second = XPYD_CPUS.split(",")  # each thinker worker one of the two CPUs
+    assert report["target_cpus"] == {
+        "colocated-2x": {"thinker": [first, second]},
+        "1P1D": {"prefill": [first], "decode": [second]},
+    }
     closed = {r["config"]: r for r in report["results"]}
     assert set(closed) == {"colocated-2x", "1P1D"}
     assert closed["1P1D"]["req_per_s_vs_baseline"] > 0 and closed["1P1D"]["kv_handoff_ms_mean"] > 0

@@ -205,6 +205,32 @@ def test_pd_equals_colocated(colocated, pd, case):
     assert got.metrics["kv_transfer_ms"] > 0
 
 
+@pytest.fixture(scope="module")
+def pd_chunked(tmp_path_factory, pd_config):
+    """P/D with the prefill leg's step budget at 64 tokens: every prompt over it is prefilled in
+    chunks over several steps (chunked prefill, the engine's default)."""
+    text = pd_config.read_text()
+    first = "\n      kv_block_size: 16\n"
+    assert first in text
+    copy = tmp_path_factory.mktemp("chunked") / pd_config.name
+    copy.write_text(text.replace(first, first + "      max_num_batched_tokens: 64\n", 1))
+    with Omni(stage_configs_path=copy, keep_stage_outputs=True) as omni:
+        assert omni.config.stage(0).max_num_batched_tokens == 64
+        yield omni
+
+
+def test_a_chunked_prefill_leg_equals_colocated_whole(colocated, pd_chunked):
+    """Chunked = whole through the omni pipeline: thinker tokens, talker inputs, codes, audio
+    (`differences` is seen to fail by the flipped-byte control below)."""
+    cases = ["over_one_block", "long_1000", "audio"]
+    got = pd_chunked.generate([_prompts(pd_chunked)[case] for case in cases])
+    for case, out in zip(cases, got):
+        assert differences(colocated, alone(colocated, "colocated", case), pd_chunked, out) == [], case
+    stats = pd_chunked.control(0, "batch_stats")
+    assert stats["partial_chunks"] >= 1000 // 64 and stats["max_step_tokens"] <= 64
+    assert all(v == 0 for v in pd_chunked.debug_state_counts().values())
+
+
 def test_negative_control_one_flipped_byte_is_noticed(colocated, pd):
     prompt = _prompts(colocated)["over_one_block"]
     want = colocated.generate([prompt])[0]

@@ -86,15 +86,16 @@ def test_xpyd_layouts_come_with_colocated_baselines_of_as_many_thinker_workers(t
         "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
         "stage_configs/ci/qwen3_omni_tiny.yaml",
         tmp_path,
+        cpus=tuple(range(6)),  # shared evenly by 2 and by 3 workers
     )
-    assert [(label, base) for label, _, base in made] == [
+    assert [(t.label, t.baseline) for t in made] == [
         ("colocated-2x", None),
         ("1P1D", "colocated-2x"),
         ("colocated-3x", None),
         ("1P2D", "colocated-3x"),
         ("2P1D", "colocated-3x"),
     ]
-    for label, path, _ in made:
+    for label, path, _, _ in made:
         stages = load_pipeline_config(path).stages
         replicas = {
             s.model_stage
@@ -106,12 +107,13 @@ def test_xpyd_layouts_come_with_colocated_baselines_of_as_many_thinker_workers(t
         else:
             assert (replicas["thinker/p"], replicas["thinker/d"]) == (int(label[0]), int(label[2]))
         assert replicas["talker"] == replicas["code2wav"] == 1  # only the thinker is scaled
-    with pytest.raises(SystemExit, match="1P1D or 2P2D"):
+    with pytest.raises(SystemExit, match="1P1D, 2P2D or colocated-1x"):
         xpyd_targets(
             "0P1D",
             "stage_configs/ci/qwen3_omni_tiny_pd.yaml",
             "stage_configs/ci/qwen3_omni_tiny.yaml",
             tmp_path,
+            cpus=(0, 1),
         )
 
 

@@ -22,6 +22,8 @@ from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.planning.pd import build_decode_sampling_params, build_prefill_sampling_params
 from omni_pd.sampling import SamplingParams
 
+pytestmark = pytest.mark.exactness  # scripts/test.sh runs these again under an older CPU level
+
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"
 PD = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
 LONG = [

@@ -1079,3 +1079,18 @@ def test_a_cross_engine_pair_shares_block_size_and_block_keys(tmp_path: Path, mu
     issue = only_issue(errors_of(tmp_path, data), key)
     for needle in needles:
         assert needle in str(issue), str(issue)
+
+
+def test_a_step_budget_smaller_than_a_block_or_the_seats_is_refused_by_name(tmp_path: Path) -> None:
+    data = pd_config()
+    thinker = data["stage_args"][0]["engine_args"]
+    thinker.update(max_num_batched_tokens=8, kv_block_size=16)
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[0].engine_args.max_num_batched_tokens")
+    assert "stage 0" in str(issue) and "at least kv_block_size (16)" in str(issue)
+    thinker.update(enable_chunked_prefill=False)  # whole prompts: no chunk to fill a block
+    load_pipeline_config(write(tmp_path, data))
+    thinker.update(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=64)
+    issue = only_issue(errors_of(tmp_path, data), "stage_args[0].engine_args.max_num_batched_tokens")
+    assert "max_num_seqs (64)" in str(issue)
+    thinker.update(max_num_seqs=32)  # the control
+    load_pipeline_config(write(tmp_path, data))

@@ -45,18 +45,30 @@ def delta_audio_data(delta: Any) -> str | None:
     return data or None
 
 
-async def stream_one(client: Any, model: str, prompt: str | list[dict], max_tokens: int) -> RequestRecord:
-    """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT: first chunk with non-empty `delta.content`; TTFA: first chunk
+def _output(text_only: bool) -> dict[str, Any]:
+    """The request's output keys: text alone, or text and streamed speech."""
+    if text_only:
+        return {"modalities": ["text"]}
+    return {"modalities": ["text", "audio"], "audio": {"voice": VOICE, "format": "pcm16"}}
+
+
+async def stream_one(
+    client: Any, model: str, prompt: str | list[dict], max_tokens: int, text_only: bool = False
+) -> RequestRecord:
+    """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT:
+    first chunk with `delta.content` before the finish (content "" counts: the server sends one
+    when a token exists whose text is held back, as vLLM's client counts it); TTFA: first chunk
     with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
     output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
     A request that raises is an error (`ok` False); a server that fails a request mid-stream
     sends an error event, which the client raises. A stream that ends normally without audio is
     an answer with nothing to speak (the thinker's end token first, or, with random weights, the
-    talker's codec end first): complete, with `no_speech`, and counted apart."""
+    talker's codec end first): complete, with `no_speech`, and counted apart. `text_only`: the
+    request asks for text alone (`modalities: ["text"]`), and has no TTFA."""
     sent = time.perf_counter()
     ttft = ttfa = None
     content_times: list[float] = []
-    usage_tokens = cached_tokens = None
+    usage_tokens = cached_tokens = prompt_tokens = None
     finish_reason = None
     pieces: list[str] = []
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -65,8 +77,7 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
             model=model,
             messages=messages,
             max_tokens=max_tokens,
-            modalities=["text", "audio"],
-            audio={"voice": VOICE, "format": "pcm16"},
+            **_output(text_only),
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -75,6 +86,8 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
             usage = getattr(chunk, "usage", None)
             if usage is not None and getattr(usage, "completion_tokens", None) is not None:
                 usage_tokens = int(usage.completion_tokens)
+                if getattr(usage, "prompt_tokens", None) is not None:
+                    prompt_tokens = int(usage.prompt_tokens)
                 details = getattr(usage, "prompt_tokens_details", None)
                 if getattr(details, "cached_tokens", None) is not None:
                     cached_tokens = int(details.cached_tokens)
@@ -84,7 +97,8 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
             delta = chunk.choices[0].delta
             if delta is None:
                 continue
-            if delta.content:
+            # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
+            if delta.content is not None and (delta.content or not chunk.choices[0].finish_reason):
                 pieces.append(delta.content)
                 content_times.append(now)
                 if ttft is None:
@@ -100,7 +114,7 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
         return RequestRecord(ok=False, error="the stream ended without a finish_reason")
     return RequestRecord(
         ok=True,
-        no_speech=ttfa is None,
+        no_speech=ttfa is None and not text_only,
         ttft_s=ttft,
         ttfa_s=ttfa,
         e2e_s=ended - sent,
@@ -108,7 +122,13 @@ async def stream_one(client: Any, model: str, prompt: str | list[dict], max_toke
         output_tokens=usage_tokens if usage_tokens is not None else len(content_times),
         text="".join(pieces),
         cached_tokens=cached_tokens,
+        prompt_tokens=prompt_tokens,
     )
+
+
+def nth(max_tokens: int | Sequence[int], index: int) -> int:
+    """Request `index`'s max_tokens: the one for all, or its own (a mixed-length workload)."""
+    return max_tokens if isinstance(max_tokens, int) else max_tokens[index]
 
 
 async def run_level(
@@ -116,14 +136,15 @@ async def run_level(
     model: str,
     concurrency: int,
     num_requests: int,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     prompts: Sequence[str] = PROMPTS,
     on_done: Callable[[RequestRecord], None] | None = None,
     send: Callable[..., Awaitable[RequestRecord]] = stream_one,
 ) -> tuple[list[RequestRecord], float]:
     """`num_requests` requests with exactly `concurrency` in flight (fewer only once fewer remain),
-    each sent by `send` (the chat endpoint; bench/realtime.py has the Realtime API's). Returns
-    the records in request order and the level's wall time in seconds."""
+    each sent by `send` (the chat endpoint; bench/realtime.py has the Realtime API's), request i
+    with `max_tokens` or its i-th entry. Returns the records in request order and the level's
+    wall time in seconds."""
     records: list[RequestRecord | None] = [None] * num_requests
     next_index = 0
 
@@ -132,7 +153,7 @@ async def run_level(
         while next_index < num_requests:
             index = next_index
             next_index += 1
-            record = await send(client, model, prompts[index % len(prompts)], max_tokens)
+            record = await send(client, model, prompts[index % len(prompts)], nth(max_tokens, index))
             records[index] = record
             if on_done:
                 on_done(record)
@@ -158,15 +179,16 @@ async def run_open_loop(
     model: str,
     rate: float,
     num_requests: int,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     seed: int = 0,
     prompts: Sequence[str] = PROMPTS,
     on_done: Callable[[RequestRecord], None] | None = None,
+    send: Callable[..., Awaitable[RequestRecord]] = stream_one,
 ) -> tuple[list[RequestRecord], float]:
-    """`num_requests` requests sent at Poisson arrival times whatever is in flight (vLLM's
-    `--request-rate`): the offered load does not wait for the server, so a server past its
-    capacity shows it in its latencies. Returns the records in request order and the wall time
-    from the first send to the last answer."""
+    """`num_requests` requests sent by `send` at Poisson arrival times whatever is in flight
+    (vLLM's `--request-rate`): the offered load does not wait for the server, so a server past
+    its capacity shows it in its latencies. Request i has `max_tokens` or its i-th entry. Returns
+    the records in request order and the wall time from the first send to the last answer."""
     loop = asyncio.get_running_loop()
     began = loop.time()
 
@@ -174,7 +196,7 @@ async def run_open_loop(
         delay = began + at - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)  # the arrival schedule itself, not a wait for the server
-        record = await stream_one(client, model, prompts[index % len(prompts)], max_tokens)
+        record = await send(client, model, prompts[index % len(prompts)], nth(max_tokens, index))
         if on_done:
             on_done(record)
         return record

@@ -192,9 +192,9 @@ def format_table(results: list[dict]) -> str:
     return _grid(results, columns + _extra_columns(results))
 
 
-def write_plot(path: str | Path, results: list[dict], *, cores: int, max_tokens: int) -> None:
+def write_plot(path: str | Path, results: list[dict], *, cores: int, max_tokens: int | str) -> None:
     """Two panels against concurrency, one line per config: throughput (req/s), and e2e p50
-    (solid) with TTFA p50 (dashed) in ms."""
+    (solid) with TTFA p50 (dashed) in ms. `max_tokens`: a number, or the drawn lengths' spec."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,20 +16,40 @@ closed-loop levels in the same run (its best req/s). With `--slo-ttft-ms` / `--s
 level reports goodput: requests per second within the SLOs (`--slo-itl-ms`: each request's mean
 time per output token, DistServe's TPOT, within it too).
 
+Mixed lengths (`--prompt-tokens` / `--output-tokens`, each `N` or `uniform:LO:HI`): request i of
+every level and rate gets the i-th (prompt length, output length) of one sequence drawn from
+`--seed`, the same in every config; `--ignore-eos` makes each answer exactly its drawn length.
+The JSON holds the spec and the drawn lengths' mean / min / max (`workload`), and each row its
+requests' drawn and answered token counts (`requests`). workload.py draws them.
+
+`--text-only` measures the thinker alone: requests ask for `modalities: ["text"]` (no TTFA), on
+the thinker-only configs by default (`qwen3_omni_tiny_thinker.yaml`, `..._thinker_pd.yaml`,
+which load no talker and no code2wav). A text-only request to a whole omni config runs its
+thinker stages only, but that server still holds the talker and code2wav.
+
 `--multi-turn K` runs conversations of K turns instead of the levels (each turn sends the whole
 history after a long system prompt) and reports TTFT and TTFA per turn; by default on the two
 default configs with prefix caching on and off (`PATH@prefix_caching=false`), side by side.
 
 `--xpyd 1P1D,1P2D,2P2D` benchmarks, in one run, each P/D layout against the fair baseline: the
 colocated pipeline with as many thinker replicas as the layout has thinker workers (x + y),
-behind the same router, on the same machine.
+behind the same router, on the same cores. `colocated-Nx` adds a colocated layout of its own:
+`--xpyd 1P1D,colocated-1x` measures 1P1D, colocated-2x and one thinker on all the cores. Each
+layout gets the same CPUs, `--xpyd-cpus` (default: all this process may run on), shared evenly
+among its thinker workers as `runtime.cpus` (prefill replicas first, then decode; torch runs one
+thread per CPU), so on CPUs 0-1 1P1D is prefill 0 and decode 1, colocated-2x a replica on each,
+colocated-1x one replica on 0-1 with two threads; the talker and code2wav stay unpinned. CPUs
+that the workers do not divide evenly are refused; the JSON's `target_cpus` says who got what.
+`--xpyd-cpus none` pins nothing (stages Ray places on other nodes, or on GPUs).
 
-    omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D] [--concurrency 1,4,8,16]
+    omni-pd bench serve [--configs A.yaml,B.yaml | --xpyd 1P1D,2P2D [--xpyd-cpus 0-3]]
+                        [--concurrency 1,4,8,16]
                         [--request-rate 50%,90%] [--slo-ttft-ms MS] [--slo-ttfa-ms MS]
-                        [--num-requests N] [--json out.json] [--plot out.png] [--quick]
+                        [--prompt-tokens N|uniform:LO:HI] [--output-tokens N|uniform:LO:HI]
+                        [--text-only] [--num-requests N] [--json out.json] [--plot out.png] [--quick]
 
 This module holds the flags and the run over the servers; serve_configs.py resolves the configs
-each server runs, serve_target.py measures one server.
+each server runs, workload.py draws the requests' lengths, serve_target.py measures one server.
 """
 
 from __future__ import annotations
@@ -45,6 +65,7 @@ from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
 from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
+from .xpyd_layouts import bench_cpus
 from .serve_target import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OPEN_LOOP_REQUESTS,
@@ -55,10 +76,16 @@ from .serve_target import (
     parse_rates,
     requests_per_level,
 )
+from .workload import DEFAULT_MAX_TOKENS, MIN_PROMPT_TOKENS, workload_from_args
 
 DEFAULT_CONFIGS = (
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml",
     STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml",
+)
+# --text-only: the thinker served alone, colocated and P/D (no talker, no code2wav loaded).
+TEXT_ONLY_CONFIGS = (
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_thinker.yaml",
+    STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_thinker_pd.yaml",
 )
 DEFAULT_MODEL = "tiny-qwen3-omni"
 DEFAULT_CONCURRENCY, QUICK_CONCURRENCY = "1,4,8,16", "1,4"
@@ -76,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stage's kv_connector_extra_config, load_format=FORMAT "
         "on every stage (auto: read --model's weights) (default: "
         "stage_configs/ci/qwen3_omni_tiny.yaml,"
-        "stage_configs/ci/qwen3_omni_tiny_pd.yaml)",
+        "stage_configs/ci/qwen3_omni_tiny_pd.yaml; --text-only: "
+        "stage_configs/ci/qwen3_omni_tiny_thinker.yaml,"
+        "stage_configs/ci/qwen3_omni_tiny_thinker_pd.yaml)",
     )
     parser.add_argument(
         "--base-url",
@@ -120,7 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests per open-loop rate (default {DEFAULT_OPEN_LOOP_REQUESTS}; "
         f"--quick: {QUICK_OPEN_LOOP_REQUESTS})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the Poisson arrivals and of the drawn --prompt-tokens / --output-tokens lengths",
+    )
     parser.add_argument(
         "--slo-ttft-ms",
         type=float,
@@ -144,17 +178,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--xpyd",
         default=None,
         help="comma-separated P/D layouts (e.g. 1P1D,1P2D,2P2D), each run beside "
-        "colocated with x+y thinker replicas; excludes --configs",
+        "colocated with x+y thinker replicas (colocated-2x for 1P1D), and colocated-Nx layouts of "
+        "their own (colocated-1x: one thinker on all of --xpyd-cpus); excludes --configs",
+    )
+    parser.add_argument(
+        "--xpyd-cpus",
+        default=None,
+        metavar="LIST",
+        help="the CPUs every --xpyd layout gets (cpulist, e.g. 0-3; default: every CPU this "
+        "process may run on), shared evenly among its thinker workers, prefill replicas first, "
+        "as their runtime.cpus (one torch thread per CPU); talker and code2wav unpinned; "
+        "none: pin nothing (Ray-placed or GPU stages)",
     )
     parser.add_argument(
         "--xpyd-pd-config",
-        default=str(DEFAULT_CONFIGS[1]),
-        help="the P/D stage YAML the layouts are made from",
+        default=None,
+        help="the P/D stage YAML the layouts are made from (default: "
+        f"{DEFAULT_CONFIGS[1].name}; --text-only: {TEXT_ONLY_CONFIGS[1].name})",
     )
     parser.add_argument(
         "--xpyd-colocated-config",
-        default=str(DEFAULT_CONFIGS[0]),
-        help="the colocated stage YAML the baselines are made from",
+        default=None,
+        help="the colocated stage YAML the baselines are made from (default: "
+        f"{DEFAULT_CONFIGS[0].name}; --text-only: {TEXT_ONLY_CONFIGS[0].name})",
     )
     parser.add_argument(
         "--realtime",
@@ -186,14 +232,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="conversations per config with --multi-turn, one after another (default 4; --quick: 2)",
     )
-    parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of every request")
     parser.add_argument(
-        "--prompt-tokens",
+        "--max-tokens",
         type=int,
         default=None,
-        help="make every user message this many tokens of the served model's tokenizer, each "
-        "beginning with its own number so that no two share a prefix (default: short varied "
-        "prompts)",
+        help=f"max_tokens of every request (default {DEFAULT_MAX_TOKENS}; excludes --output-tokens)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        default=None,
+        metavar="N|uniform:LO:HI",
+        help="each request's max_tokens: N, or drawn per request uniformly from LO..HI "
+        "(inclusive) by --seed, the same sequence for every config and level; only "
+        "--ignore-eos makes each answer exactly that long",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        default=None,
+        metavar="N|uniform:LO:HI",
+        help=f"make each user message N tokens of the served model's tokenizer, or a length "
+        f"drawn per request uniformly from LO..HI (inclusive) by --seed (at least "
+        f"{MIN_PROMPT_TOKENS}); each begins with its own number so that no two share a prefix "
+        "(default: short varied prompts)",
+    )
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help='measure the thinker alone: requests ask for text only (modalities ["text"]), so '
+        "no TTFA (--slo-ttfa-ms, --realtime and --multi-turn are refused); default configs, "
+        "and --xpyd's: the thinker-only qwen3_omni_tiny_thinker.yaml and "
+        "qwen3_omni_tiny_thinker_pd.yaml",
     )
     parser.add_argument(
         "--ignore-eos",
@@ -201,7 +269,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set ignore_eos in every stage's default_sampling_params of the served "
         "configs (vLLM's benchmark flag): every request then runs each stage to "
         "its max_tokens, so its work does not depend on when random weights "
-        "happen to sample an EOS (the talker never samples its codec EOS)",
+        "happen to sample an EOS (the talker never samples its codec EOS); this is "
+        "what makes --output-tokens lengths exact",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="uncounted requests sent before each level (default 1)"
@@ -285,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, scratch: Path) -> int:
     levels, num_requests, server_env = _checked_args(args)
-    targets, baselines = _targets(args, scratch)
+    targets, baselines, target_cpus = _targets(args, scratch)
     runs = _Runs(model_used=args.model)
     for label, config in targets:
         if config is None:
@@ -295,6 +364,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> int:
     _add_comparisons(runs, baselines, args)
     _print_tables(runs)
     meta = _metadata(args, runs, levels, num_requests, targets, server_env, baselines)
+    meta["target_cpus"] = target_cpus
     _write_outputs(args, meta, runs)
     return 1 if runs.failures or not (runs.results or runs.multi_turn) else 0
 
@@ -311,6 +381,8 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     if sum(map(bool, (args.base_url, args.configs, args.xpyd))) > 1:
         raise SystemExit("error: --configs, --xpyd and --base-url exclude each other")
+    if args.xpyd_cpus is not None and not args.xpyd:
+        raise SystemExit("error: --xpyd-cpus shares CPUs among the --xpyd layouts; add --xpyd")
     if args.base_url and args.ignore_eos:
         raise SystemExit(
             "error: --ignore-eos changes the configs bench starts servers with; for "
@@ -322,8 +394,10 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
     num_requests = (
         args.num_requests if args.num_requests is not None else QUICK_NUM_REQUESTS if args.quick else None
     )  # None: by concurrency
-    if (num_requests is not None and num_requests < 1) or args.max_tokens < 1 or args.warmup < 0:
-        raise SystemExit("error: --num-requests and --max-tokens must be >= 1, --warmup >= 0")
+    if (num_requests is not None and num_requests < 1) or args.warmup < 0:
+        raise SystemExit("error: --num-requests must be >= 1, --warmup >= 0")
+    workload_from_args(args)  # refuse a bad length or a clash of length flags now
+    _check_text_only(args)
     if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
@@ -333,10 +407,29 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
     return levels, num_requests, server_env
 
 
-def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, Path | None]], dict[str, str]]:
-    """(label, config) of each server to measure (config None: the --base-url server), and each
-    --xpyd layout's baseline label."""
+def _check_text_only(args: argparse.Namespace) -> None:
+    """--text-only asks for no audio: refuse what would measure or judge it."""
+    if not args.text_only:
+        return
+    for flag, given in (
+        ("--slo-ttfa-ms", args.slo_ttfa_ms is not None),
+        ("--realtime", args.realtime),
+        ("--multi-turn", args.multi_turn is not None),
+    ):
+        if given:
+            raise SystemExit(
+                f"error: --text-only requests have no audio, so {flag} has nothing to measure; "
+                f"drop {flag} or --text-only"
+            )
+
+
+def _targets(
+    args: argparse.Namespace, scratch: Path
+) -> tuple[list[tuple[str, Path | None]], dict[str, str], dict[str, dict[str, list[str]]]]:
+    """(label, config) of each server to measure (config None: the --base-url server), each
+    --xpyd layout's baseline label, and each --xpyd layout's thinker CPUs by role."""
     baselines: dict[str, str] = {}
+    target_cpus: dict[str, dict[str, list[str]]] = {}
     if args.base_url:
         from urllib.parse import urlparse
 
@@ -344,11 +437,20 @@ def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, P
             (args.label or urlparse(args.base_url).netloc or args.base_url, None)
         ]
     elif args.xpyd:
-        made = xpyd_targets(args.xpyd, args.xpyd_pd_config, args.xpyd_colocated_config, scratch)
-        targets = [(label, resolve_config(str(path), scratch, args.ignore_eos)[1]) for label, path, _ in made]
-        baselines = {label: base for label, _, base in made if base}
+        cpus = bench_cpus(args.xpyd_cpus)
+        colocated, pd = TEXT_ONLY_CONFIGS if args.text_only else DEFAULT_CONFIGS
+        made = xpyd_targets(
+            args.xpyd,
+            args.xpyd_pd_config or str(pd),
+            args.xpyd_colocated_config or str(colocated),
+            scratch,
+            cpus,
+        )
+        targets = [(t.label, resolve_config(str(t.config), scratch, args.ignore_eos)[1]) for t in made]
+        baselines = {t.label: t.baseline for t in made if t.baseline}
+        target_cpus.update({t.label: t.cpus for t in made})
     else:
-        defaults = [str(p) for p in DEFAULT_CONFIGS]
+        defaults = [str(p) for p in (TEXT_ONLY_CONFIGS if args.text_only else DEFAULT_CONFIGS)]
         if args.multi_turn:  # each default with the prefix cache on, then off
             defaults = [v for p in defaults for v in (p, f"{p}@prefix_caching=false")]
         resolved = [
@@ -357,7 +459,7 @@ def _targets(args: argparse.Namespace, scratch: Path) -> tuple[list[tuple[str, P
             if p.strip()
         ]
         targets = list(zip(unique_labels([label for label, _ in resolved]), [p for _, p in resolved]))
-    return targets, baselines
+    return targets, baselines, target_cpus
 
 
 @dataclass
@@ -489,10 +591,14 @@ def _metadata(
 ) -> dict:
     from .report import run_metadata
 
+    workload = workload_from_args(args)
+    fixed = workload.output.lo == workload.output.hi
     return run_metadata(
         ["omni-pd", *sys.argv[1:]],
         argv=list(sys.argv),
-        max_tokens=args.max_tokens,
+        max_tokens=workload.output.lo if fixed else None,  # else each request's: `workload`
+        workload=None if args.multi_turn else workload.describe(_requests_drawn(args, levels, num_requests)),
+        text_only=bool(args.text_only),
         num_requests=[requests_per_level(num_requests, c) for c in levels],
         concurrency=levels,
         warmup_requests=args.warmup,
@@ -518,6 +624,17 @@ def _metadata(
     )
 
 
+def _requests_drawn(args: argparse.Namespace, levels: list[int], num_requests: int | None) -> int:
+    """The most requests one batch sends (a level, a rate, the warm-up): each sends a prefix of
+    the same drawn lengths."""
+    from .serve_target import open_loop_requests
+
+    sizes = [requests_per_level(num_requests, c) for c in levels] + [args.warmup]
+    if args.request_rate:
+        sizes.append(open_loop_requests(args))
+    return max(sizes)
+
+
 def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
     from .report import cpu_count, write_json, write_plot
 
@@ -525,5 +642,7 @@ def _write_outputs(args: argparse.Namespace, meta: dict, runs: _Runs) -> None:
         write_json(args.json, meta, runs.results, runs.open_loop, runs.multi_turn)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and runs.results:
-        write_plot(args.plot, runs.results, cores=cpu_count(), max_tokens=args.max_tokens)
+        write_plot(
+            args.plot, runs.results, cores=cpu_count(), max_tokens=str(workload_from_args(args).output)
+        )
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -1,16 +1,20 @@
 """Which servers `omni-pd bench serve` measures: stage configs with their overrides
-(`PATH@key=value`), the --xpyd layouts and their colocated baselines, unique labels, and the
-environment the started servers get."""
+(`PATH@key=value`), the --xpyd layouts and their colocated baselines with each thinker worker's
+CPUs (xpyd_layouts.py), unique labels, and the environment the started servers get."""
 
 from __future__ import annotations
 
-import re
+import copy
 from pathlib import Path
+from typing import NamedTuple
 
+import yaml
+
+from ..config.cpus import CpuSet, format_cpulist
 from ..paths import STAGE_CONFIGS_DIR
+from .xpyd_layouts import parse_layouts, runtime_cpus, share_cpus
 
 REPO_ROOT = STAGE_CONFIGS_DIR.parent
-XPYD = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 # PATH@key=value keys set in every stage's kv_connector_extra_config (P/D configs only).
 KV_OVERRIDES = ("transfer_mode", "kv_same_host", "kv_push_chunk_tokens")
 
@@ -19,8 +23,6 @@ def resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[
     """`PATH` or `PATH@key=value[@key=value...]` (top-level YAML keys set on a copy, e.g.
     `...pd.yaml@async_chunk=false`): the label and the file to serve. `ignore_eos`: a copy with
     ignore_eos in every stage's default sampling params."""
-    import yaml
-
     name, *overrides = text.split("@")
     path = Path(name).expanduser()
     found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
@@ -72,53 +74,80 @@ def resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[
     return label, copy
 
 
+class XpydTarget(NamedTuple):
+    label: str  # the layout: "1P1D", "colocated-2x"
+    config: Path  # the stage YAML written for it
+    baseline: str | None  # the colocated layout it is measured against (None: it is one)
+    cpus: dict[str, list[str]]  # each thinker worker's cpulist by role, one per replica
+
+
 def xpyd_targets(
-    layouts: str, pd_config: str, colocated_config: str, scratch: Path
-) -> list[tuple[str, Path, str | None]]:
-    """(label, config, baseline label) for each layout and its colocated baseline, baselines
-    first: colocated-Nx (the thinker with N = x + y replicas) then xPyD."""
-    import yaml
-
-    def load(text: str) -> tuple[dict, Path]:
-        path = Path(text).expanduser()
-        found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
-        if found is None:
-            raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
-        return yaml.safe_load(found.read_text()), found
-
-    def write(data: dict, label: str) -> Path:
-        copy = scratch / f"{label}.yaml"
-        copy.write_text(yaml.safe_dump(data, sort_keys=False))
-        return copy
-
-    def replicas(data: dict, which, count: int, source: Path) -> None:
-        stages = [s for s in data.get("stage_args", []) if which(s)]
-        if len(stages) != 1:
-            raise SystemExit(f"error: --xpyd needs stage_args with exactly one such stage in {source}")
-        stages[0].setdefault("runtime", {})["num_replicas"] = count
-
-    out: list[tuple[str, Path, str | None]] = []
-    for layout in (p.strip() for p in layouts.split(",") if p.strip()):
-        match = XPYD.match(layout)
-        if not match or min(int(match[1]), int(match[2])) < 1:
-            raise SystemExit(f"error: --xpyd takes layouts such as 1P1D or 2P2D, got {layout!r}")
-        x, y = int(match[1]), int(match[2])
-        baseline = f"colocated-{x + y}x"
-        if baseline not in [label for label, _, _ in out]:
-            data, source = load(colocated_config)
-            replicas(data, lambda s: s.get("engine_args", {}).get("model_stage") == "thinker", x + y, source)
-            out.append((baseline, write(data, baseline), None))
-        data, source = load(pd_config)
-        replicas(data, lambda s: s.get("is_prefill_only"), x, source)
-        replicas(data, lambda s: s.get("is_decode_only"), y, source)
-        label = f"{x}P{y}D"
-        out.append((label, write(data, label), baseline))
+    layouts: str, pd_config: str, colocated_config: str, scratch: Path, cpus: CpuSet | None
+) -> list[XpydTarget]:
+    """Each layout of `--xpyd` (xpyd_layouts.py) and each P/D layout's colocated baseline,
+    baselines first, as a config with its thinker replicas pinned to their share of `cpus`
+    (None: not pinned)."""
+    files = {"pd": pd_config, "colocated": colocated_config}
+    sources: dict[str, tuple[dict, Path]] = {}  # read when a layout first needs one
+    out: list[XpydTarget] = []
+    for layout in parse_layouts(layouts):
+        for wanted in (layout.baseline, layout):
+            if wanted is None or wanted.label in [t.label for t in out]:
+                continue
+            kind = "colocated" if wanted.colocated else "pd"
+            if kind not in sources:
+                sources[kind] = _xpyd_source(files[kind])
+            data, source = copy.deepcopy(sources[kind])
+            shares = share_cpus(cpus, wanted) if cpus is not None else {}
+            for role, count in wanted.replicas().items():
+                stage = _thinker_stage(data, role, source, pinned=cpus is not None)
+                runtime = stage.setdefault("runtime", {})
+                runtime["num_replicas"] = count
+                if role in shares:
+                    runtime["cpus"] = runtime_cpus(shares[role])
+            config = scratch / f"{wanted.label}.yaml"
+            config.write_text(yaml.safe_dump(data, sort_keys=False))
+            baseline = wanted.baseline.label if wanted.baseline else None
+            lists = {role: [format_cpulist(s) for s in sets] for role, sets in shares.items()}
+            out.append(XpydTarget(wanted.label, config, baseline, lists))
     return out
+
+
+def _xpyd_source(text: str) -> tuple[dict, Path]:
+    path = Path(text).expanduser()
+    found = next((c.resolve() for c in (path, REPO_ROOT / path) if c.is_file()), None)
+    if found is None:
+        raise SystemExit(f"error: stage config {text!r} not found (here or under {REPO_ROOT})")
+    return yaml.safe_load(found.read_text()), found
+
+
+_ROLES = {
+    "prefill": lambda s: s.get("is_prefill_only"),
+    "decode": lambda s: s.get("is_decode_only"),
+    "thinker": lambda s: s.get("engine_args", {}).get("model_stage") == "thinker",
+}
+
+
+def _thinker_stage(data: dict, role: str, source: Path, pinned: bool) -> dict:
+    """The one stage of `data` in `role`; when `pinned`, one whose threads or CPUs the file sets
+    already is refused, since --xpyd-cpus sets them."""
+    stages = [s for s in data.get("stage_args", []) if _ROLES[role](s)]
+    if len(stages) != 1:
+        raise SystemExit(f"error: --xpyd needs stage_args with exactly one {role} stage in {source}")
+    set_here = sorted({"cpus", "num_threads"} & set(stages[0].get("runtime") or {}))
+    if pinned and set_here:
+        raise SystemExit(
+            f"error: --xpyd pins the {role} stage (stage {stages[0].get('stage_id')}) of {source} "
+            f"to its share of --xpyd-cpus, one thread per CPU: remove its runtime."
+            f"{' and runtime.'.join(set_here)}"
+        )
+    return stages[0]
 
 
 def unique_labels(labels: list[str]) -> list[str]:
     """A repeated label gets -2, -3, ..."""
-    out, seen = [], {}
+    out: list[str] = []
+    seen: dict[str, int] = {}
     for label in labels:
         seen[label] = seen.get(label, 0) + 1
         out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")

@@ -5,9 +5,14 @@ they send and the KV handoff time the server reports."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from .stats import RequestRecord
+from .workload import Workload, workload_from_args
 
 DEFAULT_NUM_REQUESTS, QUICK_NUM_REQUESTS = 16, 4
 WAVES = 4  # default requests per level: WAVES x concurrency, at least DEFAULT_NUM_REQUESTS
@@ -57,24 +62,73 @@ def _mean_handoff_ms(before: tuple[float, float] | None, after: tuple[float, flo
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
 
 
-def _prompt_maker(args: argparse.Namespace, model: str) -> Callable[[int], Sequence[str]]:
-    """`fresh(n)`: the next n prompts. Short varied ones by default (repeating); with
-    --prompt-tokens, each of that many tokens and numbered on from the last (none repeats)."""
-    from .load import PROMPTS
+@dataclass(frozen=True)
+class Batch:
+    """The next requests to send: their prompts, their max_tokens and their drawn prompt lengths
+    (None: a short varied prompt)."""
 
-    if not args.prompt_tokens:
-        return lambda n: [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    from .sized_prompts import load_tokenizer, sized_prompts
+    prompts: list[str]
+    max_tokens: list[int]
+    prompt_tokens: list[int | None]
 
-    tokenizer = load_tokenizer(args.model or model)
-    made = 0
 
-    def fresh(n: int) -> Sequence[str]:
-        nonlocal made
-        made += n
-        return sized_prompts(tokenizer, args.prompt_tokens, n, first=made - n)
+class Requests:
+    """The requests a server is sent, batch by batch. Request i of a batch has the workload's
+    i-th lengths; prompts are numbered on from the last batch (a sized one never repeats; the
+    short varied ones of load.PROMPTS do)."""
 
-    return fresh
+    def __init__(self, workload: Workload, tokenizer_model: str) -> None:
+        self.workload, self._made, self._tokenizer = workload, 0, None
+        if workload.prompt is not None:
+            from .sized_prompts import load_tokenizer
+
+            self._tokenizer = load_tokenizer(tokenizer_model)
+
+    def next(self, n: int) -> Batch:
+        from .load import PROMPTS
+        from .sized_prompts import sized_prompt
+
+        pairs = self.workload.pairs(n)
+        prompts = [
+            PROMPTS[i % len(PROMPTS)]
+            if length is None
+            else sized_prompt(self._tokenizer, length, self._made + i)
+            for i, (length, _) in enumerate(pairs)
+        ]
+        self._made += n
+        return Batch(prompts, [out for _, out in pairs], [length for length, _ in pairs])
+
+
+def _request_rows(records: Sequence[RequestRecord], batch: Batch) -> list[dict]:
+    """Each request's drawn lengths beside the token counts its answer reported (`usage`; the
+    prompt's count includes the chat template's tokens), and its TTFT, mean TPOT and end-to-end
+    time (ms), so that goodput under any SLO can be computed again from the JSON."""
+    from .stats import mean_tpot_s
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1e3
+
+    return [
+        {
+            "index": i,
+            "ok": record.ok,
+            "prompt_tokens_drawn": batch.prompt_tokens[i],
+            "output_tokens_drawn": batch.max_tokens[i],
+            "prompt_tokens": record.prompt_tokens,
+            "output_tokens": record.output_tokens if record.ok else None,
+            "ttft_ms": ms(record.ttft_s) if record.ok else None,
+            "tpot_ms": ms(mean_tpot_s(record)) if record.ok else None,
+            "e2e_ms": ms(record.e2e_s) if record.ok else None,
+        }
+        for i, record in enumerate(records)
+    ]
+
+
+def _sender(args: argparse.Namespace) -> Callable[..., Awaitable[RequestRecord]]:
+    """The chat request of every level: text and speech, or text alone (--text-only)."""
+    from .load import stream_one
+
+    return functools.partial(stream_one, text_only=True) if args.text_only else stream_one
 
 
 async def bench_target(
@@ -102,9 +156,10 @@ async def bench_target(
         if model is None:
             listed = await client.models.list()
             model = listed.data[0].id
-        fresh = _prompt_maker(args, model)
+        workload = workload_from_args(args)
+        fresh = Requests(workload, args.model or model)
         if args.multi_turn:
-            turn_rows = await _bench_multi_turn(client, model, label, args, errors)
+            turn_rows = await _bench_multi_turn(client, model, label, args, errors, workload.output.lo)
             levels = []  # conversations instead of the levels
         for concurrency in levels:
             rows += await _bench_level(
@@ -121,7 +176,7 @@ def _slos(args: argparse.Namespace) -> dict[str, float | None]:
 
 
 async def _bench_multi_turn(
-    client, model: str, label: str, args: argparse.Namespace, errors: dict[str, list[str]]
+    client, model: str, label: str, args: argparse.Namespace, errors: dict[str, list[str]], max_tokens: int
 ) -> list[dict]:
     """--multi-turn: the warm-up requests, then the conversations; one row per turn."""
     from tqdm import tqdm
@@ -130,7 +185,7 @@ async def _bench_multi_turn(
     from .multi_turn import run_conversations, summarize_turns
 
     for i in range(args.warmup):
-        await stream_one(client, model, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+        await stream_one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
     count = args.conversations or (2 if args.quick else 4)
     with tqdm(
         total=count * args.multi_turn,
@@ -144,7 +199,7 @@ async def _bench_multi_turn(
             model,
             args.multi_turn,
             count,
-            args.max_tokens,
+            max_tokens,
             on_done=lambda _r, bar=bar: bar.update(1),
             audio_seconds=args.audio_turns,
         )
@@ -163,20 +218,21 @@ async def _bench_level(
     args: argparse.Namespace,
     num_requests: int | None,
     errors: dict[str, list[str]],
-    fresh: Callable[[int], Sequence[str]],
+    fresh: Requests,
 ) -> list[dict]:
     """One closed-loop level: its warm-up requests, then a row per endpoint (chat, and the
     Realtime API's with --realtime)."""
     from tqdm import tqdm
 
-    from .load import run_level, stream_one
+    from .load import run_level
     from .realtime import realtime_one
     from .stats import summarize_level
 
     rows = []
     n = requests_per_level(num_requests, concurrency)
-    for warm_prompt in fresh(args.warmup):
-        warm = await stream_one(client, model, warm_prompt, args.max_tokens)
+    warm_up = fresh.next(args.warmup)
+    for warm_prompt, warm_tokens in zip(warm_up.prompts, warm_up.max_tokens):
+        warm = await _sender(args)(client, model, warm_prompt, warm_tokens)
         if not warm.ok:
             print(f"{label} c={concurrency}: the warm-up request failed: {warm.error}", file=sys.stderr)
     for endpoint in ("chat", "realtime") if args.realtime else ("chat",):
@@ -194,15 +250,16 @@ async def _bench_level(
                 if failed:
                     bar.set_postfix(errors=failed)
 
+            batch = fresh.next(n)
             records, wall_s = await run_level(
                 client,
                 model,
                 concurrency,
                 n,
-                args.max_tokens,
-                prompts=fresh(n),
+                batch.max_tokens,
+                prompts=batch.prompts,
                 on_done=done,
-                send=realtime_one if endpoint == "realtime" else stream_one,
+                send=realtime_one if endpoint == "realtime" else _sender(args),
             )
         failures = [r.error or "error" for r in records if not r.ok]
         if failures:
@@ -214,6 +271,7 @@ async def _bench_level(
                 **summarize_level(records, wall_s, **_slos(args)),
                 "kv_handoff_ms_mean": _mean_handoff_ms(handoffs_before, await _handoff_totals(base_url)),
                 **({"endpoint": endpoint, "chat_config": label} if args.realtime else {}),
+                **({"requests": _request_rows(records, batch)} if fresh.workload.listed else {}),
             }
         )
     return rows
@@ -226,7 +284,7 @@ async def _bench_open_loop(
     args: argparse.Namespace,
     rows: list[dict],
     errors: dict[str, list[str]],
-    fresh: Callable[[int], Sequence[str]],
+    fresh: Requests,
 ) -> list[dict]:
     """--request-rate: one row per rate, a relative rate taken of the capacity the closed-loop
     `rows` measured."""
@@ -245,9 +303,8 @@ async def _bench_open_loop(
                 file=sys.stderr,
             )
             continue
-        n = args.open_loop_requests or (
-            QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS
-        )
+        n = open_loop_requests(args)
+        batch = fresh.next(n)
         with tqdm(
             total=n, desc=f"{label} rate={rate:.2f}/s", unit="req", file=sys.stderr, dynamic_ncols=True
         ) as bar:
@@ -256,10 +313,11 @@ async def _bench_open_loop(
                 model,
                 rate,
                 n,
-                args.max_tokens,
-                prompts=fresh(n),
+                batch.max_tokens,
+                prompts=batch.prompts,
                 seed=args.seed,
                 on_done=lambda _r, bar=bar: bar.update(1),
+                send=_sender(args),
             )
         failures = [r.error or "error" for r in records if not r.ok]
         if failures:
@@ -271,9 +329,15 @@ async def _bench_open_loop(
                 "request_rate": rate,
                 "capacity_req_per_s": capacity or None,
                 **summarize_level(records, wall_s, **_slos(args)),
+                **({"requests": _request_rows(records, batch)} if fresh.workload.listed else {}),
             }
         )
     return open_rows
+
+
+def open_loop_requests(args: argparse.Namespace) -> int:
+    """Requests per open-loop rate: --open-loop-requests, else the default (--quick: fewer)."""
+    return args.open_loop_requests or (QUICK_OPEN_LOOP_REQUESTS if args.quick else DEFAULT_OPEN_LOOP_REQUESTS)
 
 
 def requests_per_level(num_requests: int | None, concurrency: int) -> int:

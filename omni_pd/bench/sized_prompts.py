@@ -1,7 +1,7 @@
-"""Prompts of a set length in tokens for `omni-pd bench serve --prompt-tokens N`: each request's
-user message is N tokens of the served model's tokenizer, and begins with its own number, so no
-two share a prefix (a prefix cache finds nothing to reuse and every handoff moves the whole
-prompt)."""
+"""Prompts of a set length in tokens for `omni-pd bench serve --prompt-tokens`: each request's
+user message is its drawn length (workload.py) in tokens of the served model's tokenizer, and
+begins with its own number, so no two share a prefix (a prefix cache finds nothing to reuse and
+every handoff moves the whole prompt)."""
 
 from __future__ import annotations
 
@@ -26,16 +26,21 @@ def load_tokenizer(model: str) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(registry.checkpoint_dir(model))
 
 
-def sized_prompts(tokenizer: Any, num_tokens: int, count: int, first: int = 0) -> list[str]:
-    """`count` user messages of `num_tokens` tokens each (as `tokenizer` encodes them, without
-    the chat template's tokens), numbered from `first`."""
+def sized_prompt(tokenizer: Any, num_tokens: int, index: int) -> str:
+    """User message number `index`, `num_tokens` tokens long as `tokenizer` encodes it (without
+    the chat template's tokens)."""
     if num_tokens < 8:
         raise ValueError(f"--prompt-tokens must be at least 8, got {num_tokens}")
-    out = []
-    for index in range(first, first + count):
-        text = f"Request {index}. {PROMPTS[index % len(PROMPTS)]} "
-        while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
-            text += _FILLER
-        ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
-        out.append(tokenizer.decode(ids))
-    return out
+    text = f"Request {index}. {PROMPTS[index % len(PROMPTS)]} "
+    while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
+        text += _FILLER
+    prompt = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:num_tokens])
+    got = len(tokenizer.encode(prompt, add_special_tokens=False))
+    if got != num_tokens:  # cut between tokens that merge again once decoded
+        raise ValueError(f"prompt {index} re-encodes to {got} tokens, not the {num_tokens} asked")
+    return prompt
+
+
+def sized_prompts(tokenizer: Any, num_tokens: int, count: int, first: int = 0) -> list[str]:
+    """`count` user messages of `num_tokens` tokens each, numbered from `first`."""
+    return [sized_prompt(tokenizer, num_tokens, index) for index in range(first, first + count)]

@@ -44,6 +44,7 @@ class RequestRecord:
     error: str | None = None
     text: str = ""  # the answer's text (a multi-turn conversation carries it on)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    prompt_tokens: int | None = None  # usage.prompt_tokens (chat template included), when sent
 
 
 def _finite(value: float | None) -> float | None:

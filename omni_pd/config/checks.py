@@ -1,6 +1,6 @@
 """Rules that span keys or stages: ids, the stage graph, imports, connectors; and every check in
 the order the loader runs them (`run_checks`). The P/D pair's checks are in pair_checks.py, where
-a stage's workers run in worker_checks.py.
+a stage's workers run in worker_checks.py, their CPUs in cpu_checks.py.
 
 Each check takes the stages that passed schema validation (with their index in `stage_args`)
 and returns issues; none raises, so the loader can report everything at once. When some stages
@@ -16,9 +16,11 @@ from typing import Callable
 
 from omni_pd import registry
 from omni_pd.config.check_context import CheckContext, stage_key
+from omni_pd.config.cpu_checks import check_cpus
 from omni_pd.config.errors import ConfigIssue
 from omni_pd.config.pair_checks import check_pd
 from omni_pd.config.pydantic_issues import suggest
+from omni_pd.config.scheduler_checks import check_step_budget
 from omni_pd.config.schema import KVConnectorExtraConfig
 from omni_pd.config.worker_checks import check_replicas, check_worker_backend
 
@@ -314,6 +316,8 @@ ALL_CHECKS: tuple[Callable[[CheckContext], list[ConfigIssue]], ...] = (
     check_pd,
     check_replicas,
     check_worker_backend,
+    check_step_budget,
+    check_cpus,
 )
 
 

@@ -1,7 +1,8 @@
 """One stage's replicas as stage configs of their own.
 
 Each replica is a worker like any other stage's, so it gets a config that differs only where two
-workers of one stage would collide: its share of `runtime.devices`, its KV `engine_id`, and a
+workers of one stage would collide: its share of `runtime.devices`, its own set of `runtime.cpus`
+(the k-th; the checks made sure there is one per replica), its KV `engine_id`, and a
 fixed Mooncake bootstrap port (replica k listens on the file's port + k). The engines never
 learn that they are replicas.
 """
@@ -24,6 +25,8 @@ def _replica(stage: StageConfig, k: int) -> StageConfig:
         tp = stage.engine_args.tensor_parallel_size
         devices = [d.strip() for d in runtime.devices.split(",") if d.strip()]
         runtime = runtime.model_copy(update={"devices": ",".join(devices[k * tp : (k + 1) * tp])})
+    if runtime.cpus:
+        runtime = runtime.model_copy(update={"cpus": (runtime.cpus[k],)})
     args = stage.engine_args
     kv = args.kv_transfer_config
     if kv is not None:

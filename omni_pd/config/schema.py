@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator, model_validator
 
 from omni_pd import registry
+from omni_pd.config.cpus import cpu_sets
 from omni_pd.config.engine_keys import VLLM_ENGINE_ARG_NAMES, VLLM_OMNI_ENGINE_ARG_NAMES
 from omni_pd.sampling import SamplingParams
 
@@ -253,7 +254,8 @@ class StageRuntime(_Model):
     devices: str | None = None  # CUDA_VISIBLE_DEVICES-style list, e.g. "0,1"
     max_batch_size: int = Field(default=1, ge=1)
     env: dict[str, str] = Field(default_factory=dict)
-    # torch threads in the stage's worker; default: an equal share of the cores per worker.
+    # torch threads in the stage's worker; default: one per CPU of runtime.cpus when set, else an
+    # equal share of the cores per worker.
     num_threads: int | None = Field(default=None, ge=1)
     num_interop_threads: int | None = Field(default=None, ge=1)
     # omni-pd: a dead worker is restarted with a doubling backoff, unless it died more than
@@ -269,6 +271,18 @@ class StageRuntime(_Model):
     # custom resources (a node label such as `prefill_node: 1`), and `CPU` / `GPU` counts
     # (default: no CPU reserved, one GPU per entry of `devices`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
+    # The CPUs the stage's workers are pinned to (os.sched_setaffinity, at worker start; torch
+    # then runs one intra-op thread per CPU unless num_threads says fewer). One set for a stage
+    # of one worker: "0-3,6" (Linux's cpulist syntax), 2, or [0, 1, 2]. With num_replicas: N, a
+    # list of N sets, replica k taking the k-th: ["0-1", "2-3"] or [[0, 1], [2, 3]]. A list of
+    # numbers is one set. Stored as one sorted tuple per replica (config/cpus.py); the rules
+    # across workers (no two share a CPU, ...) are in cpu_checks.py.
+    cpus: tuple[tuple[int, ...], ...] | None = None
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus_as_sets(cls, value: Any) -> Any:
+        return None if value is None else cpu_sets(value)
 
     @field_validator("num_replicas", mode="before")
     @classmethod

@@ -10,11 +10,13 @@ one final record (or error) per finished request. The worker calls `step()` whil
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import faults
+from ..config.cpus import format_cpulist
 from ..sampling import SamplingParams
 
 
@@ -158,12 +160,14 @@ class StageEngine(ABC):
         return {}
 
     def runtime_info(self) -> dict[str, Any]:
-        """What the worker process runs with (threads), for operators and tests."""
+        """What the worker process runs with (threads, and the CPUs this thread may run on as a
+        cpulist), for operators and tests."""
         import torch
 
         return {
             "num_threads": torch.get_num_threads(),
             "num_interop_threads": torch.get_num_interop_threads(),
+            "cpus": format_cpulist(os.sched_getaffinity(0)),
         }
 
     def arm_fault(self, fault: str, **params: Any) -> None:

@@ -164,9 +164,9 @@ class StageRunner:
             detok = IncrementalDetokenizer(self.pipeline.tokenizer, params, self.pipeline.eos_token_ids)
 
             def stream(token_ids: list[int]) -> None:  # on the event loop
-                delta = detok.add(token_ids)
-                if delta:
-                    on_text(delta)
+                # Every step with new tokens sends, as vLLM does: "" while the text is held
+                # back, so a client times the first token when it exists.
+                on_text(detok.add(token_ids))
 
             state.text_stream = stream
             return stream

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from ..config import PipelineConfig, load_deploy_config, load_pipeline_config
+from ..config.cpu_checks import check_host_cpus
 from ..config.devices import check_devices
 from ..config.engine_keys import unused_by_hf
 from ..config.model_tp import check_pair_tp_for_model
@@ -22,7 +23,7 @@ from .breaker import CircuitBreaker
 from .processors import import_processor, stream_processors
 from .replicas import StagePool
 from .stage_client import StageClient
-from .threads import orchestrator_threads, stage_threads
+from .threads import orchestrator_threads, stage_threads, worker_threads
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 def load_config(
     stage_configs_path: str | Path | None, deploy_config: str | Path | None, device: str, model: str
 ) -> tuple[Path, PipelineConfig]:
-    """The stage config's path and the config, its devices and the P/D pair's TP checked."""
+    """The stage config's path and the config, its devices, its workers' CPUs and the P/D pair's TP
+    checked against this host and the model."""
     if stage_configs_path is not None and deploy_config is not None:
         raise ValueError("pass stage_configs_path or deploy_config, not both")
     # Either schema loads from stage_configs_path (told by its keys); deploy_config insists
@@ -38,6 +40,7 @@ def load_config(
     path = Path(deploy_config or stage_configs_path or default_stage_config())
     config: PipelineConfig = (load_deploy_config if deploy_config is not None else load_pipeline_config)(path)
     config = check_devices(config, device)  # before any worker starts
+    check_host_cpus(config, str(path))
     check_pair_tp_for_model(config, model, str(path))
     return path, config
 
@@ -155,7 +158,7 @@ class Workers:
                             replica_config,
                             model,
                             startup_timeout_s,
-                            threads[stage_id],
+                            worker_threads(replica_config, threads[stage_id]),
                             replica=k if len(configs) > 1 else None,
                         )
                     )

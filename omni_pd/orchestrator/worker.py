@@ -8,7 +8,8 @@ requests join between steps.
 In a worker process (`runtime.process: true`, the default) the worker ignores SIGINT (Ctrl-C
 reaches the whole process group; the orchestrator decides when workers stop), sets the stage's
 `runtime.env` before torch computes anything (so `ATEN_CPU_CAPABILITY` there picks the stage's
-CPU kernels, checked by name), sets torch's thread counts from the stage config, and exits on a Shutdown message, when the pipe closes, or
+CPU kernels, checked by name), pins itself to its `runtime.cpus` (cpu_pin.py), sets torch's
+thread counts from the stage config, and exits on a Shutdown message, when the pipe closes, or
 when its parent is gone, so a killed orchestrator never leaves a worker (nor its Mooncake port)
 behind. `serve()` is the same loop for an engine on a thread of the orchestrator's process.
 """
@@ -29,6 +30,7 @@ import torch
 from ..engines.base import StepOutput
 from ..engines.device import to_device
 from . import messages as msg
+from .cpu_pin import CpuPinError, pin_worker
 from .heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,10 @@ def worker_main(
         os.environ.clear()
         os.environ.update(environ)
     os.environ.update(stage_config.runtime.env)  # torch reads ATEN_CPU_CAPABILITY at its first op
+    pinned = _pin(stage_config, tag, conn)  # before torch's pool starts: its threads inherit it
     apply_threads(*threads)
     parent = os.getppid()
-    engine = _build(stage_config, model, conn, freeze=True)
+    engine = _build(stage_config, model, conn, freeze=True) if pinned else None
     if engine is not None:
         serve(engine, conn, alive=(lambda: os.getppid() == parent) if watch_parent else (lambda: True))
     if not exit_process:
@@ -94,6 +97,17 @@ def worker_main(
     logging.shutdown()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _pin(stage_config: Any, tag: str, conn) -> bool:
+    """Pin the worker to its CPUs; False (the orchestrator told why) when its node lacks them."""
+    try:
+        pin_worker(stage_config, tag)
+    except CpuPinError as exc:
+        conn.send_bytes(msg.dumps(msg.StartupFailed(stage_config.stage_id, str(exc))))
+        conn.close()
+        return False
+    return True
 
 
 def _build(stage_config: Any, model: str, conn, freeze: bool = False):

@@ -617,7 +617,8 @@ class DecodeEngine(ArEngine):
         # Nothing decodes: every admitted request waits on its read, and a request still
         # waiting after a step could not be admitted (it waits for slots or blocks that only
         # the end of a read or quarantine frees). Stepping again at once would only spin.
-        if not self.scheduler.requests or self.scheduler.running:
+        s = self.scheduler
+        if not s.requests or s.running or s.prefilling:  # a prompt part-way goes on at once
             return 0.0
         young = time.perf_counter() - self._last_fetch_start < FETCH_FAST_WINDOW_S
         return FETCH_FAST_POLL_S if young else FETCH_POLL_S

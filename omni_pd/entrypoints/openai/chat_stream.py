@@ -97,9 +97,10 @@ async def stream_chat(
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
     audio waits to learn whether it is the last.
 
-    The first chunk leaves with the first text or audio and carries `role`, as vLLM's does:
-    clients time the first token from the first chunk (vLLM's `bench serve`), and a role-only
-    chunk sent before the prompt has run would read as a first token in a few milliseconds."""
+    The first chunk leaves with the first token (its content "" while the detokenizer holds the
+    text back: half a UTF-8 character, a possible stop string) and carries `role`, as vLLM's
+    does; after that each step's tokens send a chunk. Clients time the first token from the
+    first chunk (vLLM's `bench serve`); no chunk leaves before the prompt has run."""
     chunks = _ChunkStream(completion_id, created, state.served_model)
     counted = False
     state.metrics.in_flight.inc()
