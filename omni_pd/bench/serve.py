@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
+from .capacity import check_kv_capacity
 from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
 from .xpyd_layouts import bench_cpus
 from .serve_target import (
@@ -355,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, scratch: Path) -> int:
     levels, num_requests, server_env = _checked_args(args)
     targets, baselines, target_cpus = _targets(args, scratch)
+    check_kv_capacity(targets, workload_from_args(args))
     runs = _Runs(model_used=args.model)
     for label, config in targets:
         if config is None:
