@@ -258,3 +258,11 @@ def test_a_workload_a_replica_cannot_hold_is_refused_naming_the_stage_and_key(tm
     message = str(refused.value)
     assert message.startswith("error: pd: stage 1's KV pool holds 8192 tokens")  # the decode leg
     assert "engine_args.kv_pool_blocks 512" in message and "needs at least 8400" in message
+
+
+@pytest.mark.parametrize("flag", ["--slo-ttft-ms", "--slo-ttfa-ms", "--slo-itl-ms"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_an_slo_of_zero_or_less_is_refused_by_name(flag, value):
+    with pytest.raises(SystemExit, match=f"error: {flag} must be a number of milliseconds above 0"):
+        _checked_args(_args(flag, value))
+    _checked_args(_args(flag, "250"))  # the control

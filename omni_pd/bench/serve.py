@@ -400,6 +400,13 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
         raise SystemExit("error: --num-requests must be >= 1, --warmup >= 0")
     workload_from_args(args)  # refuse a bad length or a clash of length flags now
     _check_text_only(args)
+    for flag, value in (
+        ("--slo-ttft-ms", args.slo_ttft_ms),
+        ("--slo-ttfa-ms", args.slo_ttfa_ms),
+        ("--slo-itl-ms", args.slo_itl_ms),
+    ):
+        if value is not None and not value > 0:  # NaN too
+            raise SystemExit(f"error: {flag} must be a number of milliseconds above 0, got {value}")
     if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"
