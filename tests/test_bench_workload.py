@@ -243,3 +243,26 @@ def test_the_first_token_is_timed_at_its_chunk_even_when_its_text_is_held_back()
     assert record.ttft_s is not None and record.ttft_s < record.e2e_s
     contents[:] = ["ab", "c"]  # control: no held-back chunks, two token events
     assert len(asyncio.run(stream_one(Held(), "m", "hi", 2, text_only=True)).itl_s) == 1
+
+
+def test_a_workload_a_replica_cannot_hold_is_refused_naming_the_stage_and_key(tmp_path):
+    from omni_pd.bench.capacity import check_kv_capacity
+
+    colocated, pd = TEXT_ONLY_CONFIGS  # the P/D legs hold 512 blocks of 16 tokens: 8192
+    targets = [("colocated", colocated), ("pd", pd), ("remote", None)]
+    check_kv_capacity(targets, workload_from_args(_args("--prompt-tokens", "uniform:512:4096")))
+    with pytest.raises(SystemExit) as refused:
+        check_kv_capacity(
+            targets, workload_from_args(_args("--prompt-tokens", "8000", "--output-tokens", "uniform:8:400"))
+        )
+    message = str(refused.value)
+    assert message.startswith("error: pd: stage 1's KV pool holds 8192 tokens")  # the decode leg
+    assert "engine_args.kv_pool_blocks 512" in message and "needs at least 8400" in message
+
+
+@pytest.mark.parametrize("flag", ["--slo-ttft-ms", "--slo-ttfa-ms", "--slo-itl-ms"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_an_slo_of_zero_or_less_is_refused_by_name(flag, value):
+    with pytest.raises(SystemExit, match=f"error: {flag} must be a number of milliseconds above 0"):
+        _checked_args(_args(flag, value))
+    _checked_args(_args(flag, "250"))  # the control

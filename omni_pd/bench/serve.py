@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import STAGE_CONFIGS_DIR
+from .capacity import check_kv_capacity
 from .serve_configs import parse_server_env, resolve_config, unique_labels, xpyd_targets
 from .xpyd_layouts import bench_cpus
 from .serve_target import (
@@ -355,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, scratch: Path) -> int:
     levels, num_requests, server_env = _checked_args(args)
     targets, baselines, target_cpus = _targets(args, scratch)
+    check_kv_capacity(targets, workload_from_args(args))
     runs = _Runs(model_used=args.model)
     for label, config in targets:
         if config is None:
@@ -398,6 +400,13 @@ def _checked_args(args: argparse.Namespace) -> tuple[list[int], int | None, dict
         raise SystemExit("error: --num-requests must be >= 1, --warmup >= 0")
     workload_from_args(args)  # refuse a bad length or a clash of length flags now
     _check_text_only(args)
+    for flag, value in (
+        ("--slo-ttft-ms", args.slo_ttft_ms),
+        ("--slo-ttfa-ms", args.slo_ttfa_ms),
+        ("--slo-itl-ms", args.slo_itl_ms),
+    ):
+        if value is not None and not value > 0:  # NaN too
+            raise SystemExit(f"error: {flag} must be a number of milliseconds above 0, got {value}")
     if args.audio_turns is not None and not (args.multi_turn and 0 < args.audio_turns <= 30):
         raise SystemExit(
             "error: --audio-turns needs --multi-turn and a clip length in seconds above 0 and at most 30"

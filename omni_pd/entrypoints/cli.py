@@ -254,6 +254,12 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..planning.cli import run
+
+    return run(args)
+
+
 def _cmd_vllm_shim(args: argparse.Namespace) -> int:
     from . import vllm_omni_shim as shim
 
@@ -397,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_roofline_arguments(bench_roofline)
     bench_roofline.set_defaults(func=_cmd_bench_roofline)
+
+    from ..planning.cli import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser(
+        "plan",
+        help="predict each layout's goodput (P/D, colocated replicas) from measured step costs, "
+        "a workload and SLOs, and recommend one",
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
 
     shim = sub.add_parser(
         "vllm-shim",
