@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "orchestrator": 5,
     "entrypoints": 6,
     "bench": 6,
+    "plan": 6,  # omni-pd plan: a tool beside bench (it reads bench's records and its roofline)
     "__init__": 6,  # omni_pd itself: the public names (Omni, SamplingParams), a facade on top
 }
 # The layers that know no model (issue 25): no model package imported, no model's name in code.

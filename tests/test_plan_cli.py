@@ -186,8 +186,8 @@ def test_profile_model_plans_from_what_the_roofline_bench_measures(tmp_path, mon
     """The wiring of --profile-model, with the roofline's bench replaced by rows from the
     recorded profile (the real one: test_profile_model_on_the_tiny_checkpoint)."""
     from omni_pd.bench.roofline import Row
-    from omni_pd.planning import profile_run
-    from omni_pd.planning.profile import read_profile
+    from omni_pd.plan import profile_run
+    from omni_pd.plan.profile import read_profile
 
     recorded = {t: read_profile(DATA / f"plan_roofline_tiny_t{t}.json") for t in (1, 2)}
     asked = []
@@ -235,8 +235,8 @@ def test_profile_model_plans_from_what_the_roofline_bench_measures(tmp_path, mon
 def test_profile_model_on_the_tiny_checkpoint(tmp_path):
     """The real short profile on the embedded tiny model (about 10 s: loading the model)."""
     from omni_pd.models.qwen3_omni.factory import save_tiny_model
-    from omni_pd.planning.costs import fit_costs
-    from omni_pd.planning.profile_run import profile_model
+    from omni_pd.plan.costs import fit_costs
+    from omni_pd.plan.profile_run import profile_model
 
     checkpoint = save_tiny_model(tmp_path / "tiny", seed=0)
     [profile] = profile_model(str(checkpoint), [1])

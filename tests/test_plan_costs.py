@@ -1,4 +1,4 @@
-"""The planner's step-cost fit (planning/costs.py) and profile reader: a synthetic affine model is
+"""The planner's step-cost fit (plan/costs.py) and profile reader: a synthetic affine model is
 recovered exactly, coefficients stay >= 0, a profile without the rows the forms need is refused
 naming the roofline flags, and the recorded tiny-model profiles read and fit."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_pd.planning.costs import fit_costs, fit_nonnegative
-from omni_pd.planning.errors import PlanError
-from omni_pd.planning.profile import Profile, StepRow, read_profile
+from omni_pd.plan.costs import fit_costs, fit_nonnegative
+from omni_pd.plan.errors import PlanError
+from omni_pd.plan.profile import Profile, StepRow, read_profile
 
 DATA = Path(__file__).parent / "data"
 PRE = (40.0, 3.2, 0.0015)  # a, b per token, c per attention pair

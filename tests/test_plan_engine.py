@@ -1,4 +1,4 @@
-"""The planner's engine (planning/engine_sim.py) against the engine core's own `Scheduler`, step
+"""The planner's engine (plan/engine_sim.py) against the engine core's own `Scheduler`, step
 by step on the same random traces: the same decodes, prompt chunks, admissions and preemptions
 in every step, colocated and on a P/D decode leg (remote KV), with a KV pool small enough to
 preempt. A negative control: a budget that differs by one token is seen."""
@@ -13,8 +13,8 @@ from omni_pd.engines.core.kv_manager import KVManager
 from omni_pd.engines.core.request import EngineRequest, Phase
 from omni_pd.engines.core.scheduler import Scheduler
 from omni_pd.kv.layout import BlockLayout
-from omni_pd.planning.costs import Fit, StepCosts
-from omni_pd.planning.engine_sim import SimEngine, SimRequest
+from omni_pd.plan.costs import Fit, StepCosts
+from omni_pd.plan.engine_sim import SimEngine, SimRequest
 from omni_pd.sampling import SamplingParams
 
 BLOCK = 16

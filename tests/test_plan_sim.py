@@ -1,4 +1,4 @@
-"""The planner's simulation (planning/simulate.py) on synthetic costs, checked by hand: a request
+"""The planner's simulation (plan/simulate.py) on synthetic costs, checked by hand: a request
 alone has TTFT = its prefill and TPOT = the decode step (colocated) or that plus the handoff's
 hop and copy spread over its tokens (P/D); chunks cost what the form says; a rate past capacity
 saturates; the P/D prefill queue matches DistServe's M/D/1 formula; and colocated and P/D order
@@ -10,12 +10,12 @@ import statistics
 
 import pytest
 
-from omni_pd.planning.costs import Fit, StepCosts
-from omni_pd.planning.layouts import parse_layout
-from omni_pd.planning.planner import Config, PlanInputs, predict, recommend
-from omni_pd.planning.simulate import EngineArgs, Handoff, simulate
-from omni_pd.planning.slo import SloPair, summarize
-from omni_pd.planning.workload import Lengths, Workload, arrivals
+from omni_pd.plan.costs import Fit, StepCosts
+from omni_pd.plan.layouts import parse_layout
+from omni_pd.plan.planner import Config, PlanInputs, predict, recommend
+from omni_pd.plan.simulate import EngineArgs, Handoff, simulate
+from omni_pd.plan.slo import SloPair, summarize
+from omni_pd.plan.workload import Lengths, Workload, arrivals
 
 
 def _costs(prefill=(100.0, 2.0, 0.0), decode=(50.0, 5.0, 0.0)) -> StepCosts:

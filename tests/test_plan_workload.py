@@ -1,4 +1,4 @@
-"""The planner's workload (planning/workload.py) draws what `bench serve` draws: `N` and
+"""The planner's workload (plan/workload.py) draws what `bench serve` draws: `N` and
 `uniform:LO:HI` parse, anything else is refused naming the flag; the seeded lengths are the bench
 workload module's own (where it is present), with the chat template's tokens added; the arrivals
 are the bench's Poisson process."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from omni_pd.bench.load import poisson_arrivals
-from omni_pd.planning.errors import PlanError
-from omni_pd.planning.workload import Lengths, Workload, arrivals, parse_lengths
+from omni_pd.plan.errors import PlanError
+from omni_pd.plan.workload import Lengths, Workload, arrivals, parse_lengths
 
 
 def test_lengths_parse_as_the_bench_writes_them():

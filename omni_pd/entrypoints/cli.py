@@ -255,7 +255,7 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..planning.cli import run
+    from ..plan.cli import run
 
     return run(args)
 
@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_roofline_arguments(bench_roofline)
     bench_roofline.set_defaults(func=_cmd_bench_roofline)
 
-    from ..planning.cli import add_arguments as add_plan_arguments
+    from ..plan.cli import add_arguments as add_plan_arguments
 
     plan = sub.add_parser(
         "plan",

@@ -1,7 +1,5 @@
-"""Planning. `pd.py`: the P/D pair of a pipeline and each request's two legs' sampling
-parameters (pure: no I/O, never mutates its inputs). The rest is `omni-pd plan`: step costs
-fitted to a profile, a simulator of the engine's step rule per layout, goodput under SLOs, and
-predicted against measured (it reads files and may run a profile)."""
+"""Pure P/D planning: no I/O, no processes, never mutates its inputs (`omni-pd plan`, which
+predicts layouts' goodput, is `omni_pd/plan/`)."""
 
 from omni_pd.planning.pd import (
     REQUIRED_PREFILL_OUTPUT_KEYS,

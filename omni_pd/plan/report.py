@@ -142,3 +142,12 @@ def plan_json(
             for r in recs
         },
     }
+
+
+def write_json(path: str, body: dict) -> None:
+    """The plan (or the comparison) as JSON (no NaN: a strict reader takes it)."""
+    import json
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")

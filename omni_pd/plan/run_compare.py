@@ -48,7 +48,7 @@ def run_compare(
     compared = compare(measured, handoff_of(args, costs.base), threads, costs, args.step_overhead_ms)
     say(format_compare(compared, sorted(set(skipped))))
     if args.json_path:
-        from .cli import write_json
+        from .report import write_json
 
         body = {
             "rows": [

@@ -10,7 +10,7 @@ from typing import Callable
 
 from .costs import StepCosts, fit_costs
 from .errors import PlanError
-from .layouts import Layout, parse_layouts, threads_per_worker
+from .layouts import Layout, threads_per_worker
 from .profile import Profile, read_profile
 from .simulate import EngineArgs, Handoff, kv_bytes_per_token
 from .workload import Workload, parse_lengths
@@ -168,29 +168,6 @@ def cpus_of(args: argparse.Namespace) -> int:
 
 def worker_threads(cpus: int) -> Callable[[Layout], int]:
     return lambda layout: threads_per_worker(layout, cpus)
-
-
-def run_checked(args: argparse.Namespace) -> int:
-    check_numbers(args)
-    layouts = parse_layouts(args.layouts)
-    cpus = cpus_of(args)
-    threads = worker_threads(cpus)
-    for layout in layouts:
-        threads(layout)  # more workers than cores: refused before any profile runs
-    workload = workload_of(args)
-    budgets = budgets_of(args)
-    engine = EngineArgs(args.max_num_seqs, args.max_num_batched_tokens, args.kv_blocks, args.block_size)
-    check_fits(workload, engine)
-    if args.compare:
-        from .run_compare import run_compare
-
-        return run_compare(args, cost_table(args, layouts, cpus), engine, workload, threads)
-    from .run_predict import run_predict, slo_pairs
-
-    rates = rates_of(args.request_rate)
-    slo_pairs(args, None, workload)  # a bad SLO refused before any profile runs
-    costs = cost_table(args, layouts, cpus)
-    return run_predict(args, costs, engine, workload, layouts, budgets, rates, threads, cpus)
 
 
 def say(line: str) -> None:

@@ -12,9 +12,7 @@ SLOs: slo.py; what it assumes: report.ASSUMPTIONS and docs/planner.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from .errors import PlanError
 
@@ -208,8 +206,6 @@ def _output_arguments(out: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .run_plan import run_checked
-
     try:
         return run_checked(args)
     except PlanError as exc:
@@ -217,6 +213,37 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def write_json(path: str, body: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(body, indent=2, allow_nan=False) + "\n")
+def run_checked(args: argparse.Namespace) -> int:
+    """Every input checked before any profile runs, then the plan or the comparison. (Imported
+    here: `omni-pd`'s parser adds this command's flags on every start.)"""
+    from .layouts import parse_layouts
+    from .run_compare import run_compare
+    from .run_plan import (
+        budgets_of,
+        check_fits,
+        check_numbers,
+        cost_table,
+        cpus_of,
+        rates_of,
+        worker_threads,
+        workload_of,
+    )
+    from .run_predict import run_predict, slo_pairs
+    from .simulate import EngineArgs
+
+    check_numbers(args)
+    layouts = parse_layouts(args.layouts)
+    cpus = cpus_of(args)
+    threads = worker_threads(cpus)
+    for layout in layouts:
+        threads(layout)  # more workers than cores: refused before any profile runs
+    workload = workload_of(args)
+    budgets = budgets_of(args)
+    engine = EngineArgs(args.max_num_seqs, args.max_num_batched_tokens, args.kv_blocks, args.block_size)
+    check_fits(workload, engine)
+    if args.compare:
+        return run_compare(args, cost_table(args, layouts, cpus), engine, workload, threads)
+    rates = rates_of(args.request_rate)
+    slo_pairs(args, None, workload)  # a bad SLO refused before any profile runs
+    costs = cost_table(args, layouts, cpus)
+    return run_predict(args, costs, engine, workload, layouts, budgets, rates, threads, cpus)

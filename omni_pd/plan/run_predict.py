@@ -70,7 +70,7 @@ def run_predict(
     for line in ASSUMPTIONS:
         say(f"  - {line}")
     if args.json_path:
-        from .cli import write_json
+        from .report import write_json
 
         meta = {
             "command": shlex.join(["omni-pd", *sys.argv[1:]]),
