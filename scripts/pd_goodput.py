@@ -49,23 +49,29 @@ def uniform(spec: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def step_costs(args: argparse.Namespace, scratch: Path) -> dict:
+def step_costs(
+    args: argparse.Namespace,
+    scratch: Path,
+    core: str = "0",
+    stages: list[str] | None = None,
+    out: Path | None = None,
+) -> dict:
     """Prefill of the median prompt and a decode step at batch 8 (median context), one thread
-    pinned to core 0."""
+    pinned to `core` (the stages asked for; the other's figure is None)."""
     prompt, output = (statistics.median(range(a, b + 1)) for a, b in map(uniform, (args.prompt, args.output)))
     prompt, context = int(prompt), int(prompt + output / 2)
-    out = scratch / "roofline.json"
+    out = out or scratch / "roofline.json"
     subprocess.run(
-        ["taskset", "-c", "0", OMNI_PD, "bench", "roofline", args.model,
-         "--stages", "thinker_prefill,thinker_decode", "--prefill-tokens", str(prompt),
+        ["taskset", "-c", core, OMNI_PD, "bench", "roofline", args.model,
+         "--stages", ",".join(stages or ["thinker_prefill", "thinker_decode"]), "--prefill-tokens", str(prompt),
          "--prefill-batches", "1", "--batches", "8", "--contexts", str(context),
          "--repeats", "2", "--json", str(out)],
         check=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     rows = json.loads(out.read_text())["results"]
-    prefill = next(r for r in rows if r["stage"] == "thinker_prefill")["step_ms"]
-    decode = next(r for r in rows if r["stage"] == "thinker_decode" and r["batch"] == 8)["step_ms"]
+    prefill = next((r["step_ms"] for r in rows if r["stage"] == "thinker_prefill"), None)
+    decode = next((r["step_ms"] for r in rows if r["stage"] == "thinker_decode" and r["batch"] == 8), None)
     return {"median_prompt": prompt, "context": context, "prefill_ms": prefill, "decode_b8_ms": decode}
 
 
@@ -168,6 +174,41 @@ PLAN_ROOFLINE = [
 ]  # fmt: skip
 
 
+def _roofline_ms(args: argparse.Namespace, core: str, stages: list[str], out: Path) -> dict[str, float]:
+    """Prefill of the median prompt and decode at batch 8 (median context), one thread on `core`."""
+    costs = step_costs(args, out.parent, core=core, stages=stages, out=out)
+    return {"prefill": costs["prefill_ms"], "decode": costs["decode_b8_ms"]}
+
+
+def contention(args: argparse.Namespace, scratch: Path) -> dict:
+    """How much slower each pass runs on core 1 while core 0 runs the other role's pass (P/D's
+    neighbours; they share the memory bus): each pass timed quiet, then beside a neighbour."""
+    quiet = _roofline_ms(args, "1", ["thinker_prefill", "thinker_decode"], scratch / "quiet.json")
+    busy = {}
+    for role, neighbour in (("decode", "thinker_prefill"), ("prefill", "thinker_decode")):
+        load = subprocess.Popen(
+            ["taskset", "-c", "0", OMNI_PD, "bench", "roofline", args.model, "--stages", neighbour,
+             "--prefill-tokens", "1024", "--prefill-batches", "1", "--batches", "8", "--contexts", "656",
+             "--repeats", "400"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert load.stdout is not None
+        for line in load.stdout:  # its bandwidth probe done: it is computing from here on
+            if line.startswith("host:"):
+                break
+        try:
+            busy[role] = _roofline_ms(args, "1", [f"thinker_{role}"], scratch / f"busy-{role}.json")[role]
+        finally:
+            load.kill()
+            load.wait()
+    return {
+        "quiet_ms": quiet,
+        "beside_neighbour_ms": busy,
+        "slowdown": {role: max(busy[role] / quiet[role], 1.0) for role in busy},
+    }
+
+
 def _plan_label(label: str, budgets: dict[str, int]) -> str:
     """A driver label as `omni-pd plan --compare` reads it (the chunk budget as an @key=value)."""
     if label.startswith("colocated-2x_b"):
@@ -218,6 +259,15 @@ def plan(result: dict, args: argparse.Namespace, scratch: Path) -> dict:
     subprocess.run(
         [OMNI_PD, "plan", *common, "--compare", ",".join(compare), "--json", str(compared)], check=True
     )
+    shared = contention(args, scratch)
+    corun = f"{shared['slowdown']['prefill']:.3f},{shared['slowdown']['decode']:.3f}"
+    print(f"contention {shared}", file=sys.stderr)
+    compared_corun = scratch / "compare-corun.json"
+    subprocess.run(
+        [OMNI_PD, "plan", *common, "--corun-slowdown", corun, "--compare", ",".join(compare),
+         "--json", str(compared_corun)],
+        check=True,
+    )  # fmt: skip
     predicted = scratch / "plan.json"
     subprocess.run(
         [OMNI_PD, "plan", *common, "--prompt-tokens", args.prompt, "--output-tokens", args.output,
@@ -231,6 +281,8 @@ def plan(result: dict, args: argparse.Namespace, scratch: Path) -> dict:
     return {
         "profiles": {Path(p).stem: json.loads(Path(p).read_text()) for p in profiles},
         "compare": json.loads(compared.read_text()),
+        "contention": shared,
+        "compare_corun": json.loads(compared_corun.read_text()),
         "prediction": json.loads(predicted.read_text()),
     }
 

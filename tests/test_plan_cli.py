@@ -73,6 +73,8 @@ BAD = [
     (["--request-rate", "0"], "--request-rate"),
     (["--request-rate", "5", "--kv-blocks", "10"], "--kv-blocks"),
     (["--request-rate", "5", "--num-requests", "0"], "--num-requests"),
+    (["--request-rate", "5", "--corun-slowdown", "0.5,1"], "--corun-slowdown"),
+    (["--request-rate", "5", "--corun-slowdown", "2"], "--corun-slowdown"),
 ]
 
 

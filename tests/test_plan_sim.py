@@ -13,7 +13,7 @@ import pytest
 from omni_pd.plan.costs import Fit, StepCosts
 from omni_pd.plan.layouts import parse_layout
 from omni_pd.plan.planner import Config, PlanInputs, predict, recommend
-from omni_pd.plan.simulate import EngineArgs, Handoff, simulate
+from omni_pd.plan.simulate import Contention, EngineArgs, Handoff, simulate
 from omni_pd.plan.slo import SloPair, summarize
 from omni_pd.plan.workload import Lengths, Workload, arrivals
 
@@ -135,3 +135,29 @@ def test_every_simulated_request_is_summarised_as_the_bench_does():
     assert row["goodput_req_per_s"] == pytest.approx(8 / run.wall_s)
     strict = summarize(run, SloPair("x", 1.0, 1_000.0))  # no prefill is that fast
     assert strict["goodput_req_per_s"] == 0.0
+
+
+def _pd_tpot_ms(contention: Contention, layout: str = "1P1D") -> float:
+    """Two requests 0.5 s apart: the second's prefill runs while the first decodes."""
+    run = simulate(
+        parse_layout(layout),
+        _costs(),
+        EngineArgs(),
+        HANDOFF,
+        [(500, 41), (500, 41)],
+        [0.0, 0.5],
+        contention=contention,
+    )
+    first = run.records[0]
+    return (first.e2e_s - first.ttft_s) / 40 * 1e3
+
+
+def test_contention_slows_the_steps_that_run_beside_another_worker_only():
+    quiet = _pd_tpot_ms(Contention())
+    contended = _pd_tpot_ms(Contention(prefill=1.5, decode=2.0))
+    # The first request decodes 40 steps of 55 ms; the second's 1,100 ms prefill overlaps some
+    # of them, each of which then costs 110 ms: slower, but less than every step doubled.
+    assert quiet < contended < 2 * quiet
+    # One worker has no neighbour: the same factors change nothing.
+    alone = _pd_tpot_ms(Contention(), "colocated-1x")
+    assert _pd_tpot_ms(Contention(prefill=1.5, decode=2.0), "colocated-1x") == pytest.approx(alone)

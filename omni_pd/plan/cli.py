@@ -175,6 +175,14 @@ def _layout_arguments(lay: argparse._ArgumentGroup) -> None:
         help="added to every engine step (default 0)",
     )
     lay.add_argument(
+        "--corun-slowdown",
+        metavar="PREFILL,DECODE",
+        default="1,1",
+        help="how much slower a prefill pass and a decode pass run while another worker on the "
+        "host computes (each >= 1; default 1,1: no interference). Measure it: a pinned `bench "
+        "roofline` with the other core busy, against the same run on a quiet host (docs/planner.md)",
+    )
+    lay.add_argument(
         "--kv-bytes-per-token",
         metavar="BYTES",
         type=float,

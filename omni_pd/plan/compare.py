@@ -25,7 +25,7 @@ from typing import Callable
 from .errors import PlanError
 from .layouts import Layout, parse_layout
 from .planner import Config
-from .simulate import EngineArgs, Handoff, simulate
+from .simulate import Contention, EngineArgs, Handoff, simulate
 from .slo import SloPair, summarize
 from .workload import Workload, arrivals, parse_lengths
 
@@ -169,12 +169,15 @@ def compare(
     cpus: Callable[[Layout], int],
     costs_for: Callable,
     overhead_ms: float,
+    contention: Contention = Contention(),
 ) -> list[Compared]:
     out = []
     for m in measured:
         config = Config(m.layout, m.engine.max_num_batched_tokens, cpus(m.layout))
         times = arrivals(m.rate, len(m.pairs), m.seed)
-        run = simulate(m.layout, costs_for(config.threads), m.engine, handoff, m.pairs, times, overhead_ms)
+        run = simulate(
+            m.layout, costs_for(config.threads), m.engine, handoff, m.pairs, times, overhead_ms, contention
+        )
         out.append(Compared(m, summarize(run, m.slo)))
     return out
 

@@ -219,19 +219,27 @@ class SimEngine:
 
     # ---- one step's cost and end ------------------------------------------------------------
     def duration_ms(
-        self, step: Step, transfer_ms: Callable[[SimRequest], float], overhead_ms: float
+        self,
+        step: Step,
+        transfer_ms: Callable[[SimRequest], float],
+        overhead_ms: float,
+        prefill_factor: float = 1.0,
+        decode_factor: float = 1.0,
     ) -> float:
-        """The KV copies of the requests it admits, one prefill pass, one decode pass."""
+        """The KV copies of the requests it admits, one prefill pass, one decode pass (each
+        pass's cost times its factor: a neighbour's contention)."""
         ms = overhead_ms + sum(transfer_ms(r) for r in step.fetched)
         if step.chunks:
             tokens = sum(end - start for _, start, end in step.chunks)
             self.stats.max_prefill_tokens = max(self.stats.max_prefill_tokens, tokens)
             low = self.stats.min_prefill_tokens
             self.stats.min_prefill_tokens = tokens if low is None else min(low, tokens)
-            ms += self.costs.prefill_ms([(end - start, start) for _, start, end in step.chunks])
+            ms += prefill_factor * self.costs.prefill_ms(
+                [(end - start, start) for _, start, end in step.chunks]
+            )
         if step.decode:
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(step.decode))
-            ms += self.costs.decode_ms(len(step.decode), sum(r.position for r in step.decode))
+            ms += decode_factor * self.costs.decode_ms(len(step.decode), sum(r.position for r in step.decode))
         self.stats.steps += 1
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.kv_blocks - self.free)
         return ms

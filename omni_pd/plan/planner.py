@@ -8,7 +8,7 @@ from typing import Callable
 
 from .costs import StepCosts
 from .layouts import Layout
-from .simulate import EngineArgs, Handoff, SimRun, simulate
+from .simulate import Contention, EngineArgs, Handoff, SimRun, simulate
 from .slo import SloPair, summarize
 from .workload import Workload, arrivals
 
@@ -39,6 +39,7 @@ class PlanInputs:
     slos: list[SloPair]
     costs_for: Callable[[int], StepCosts]  # a worker's costs by its threads
     overhead_ms: float = 0.0
+    contention: Contention = Contention()
 
 
 @dataclass
@@ -92,7 +93,16 @@ def predict(configs: list[Config], inputs: PlanInputs) -> list[Prediction]:
         engine = replace(inputs.engine, max_num_batched_tokens=config.budget)
         for rate in inputs.rates:
             times = arrivals(rate, inputs.num_requests, inputs.workload.seed)
-            run = simulate(config.layout, costs, engine, inputs.handoff, pairs, times, inputs.overhead_ms)
+            run = simulate(
+                config.layout,
+                costs,
+                engine,
+                inputs.handoff,
+                pairs,
+                times,
+                inputs.overhead_ms,
+                inputs.contention,
+            )
             notes = _range_notes(run, costs)
             out.extend(Prediction(config, rate, slo.name, summarize(run, slo), notes) for slo in inputs.slos)
     return out

@@ -12,8 +12,9 @@ ASSUMPTIONS = (
     "each step runs its prompt chunks as one prefill pass, then its decodes as one decode pass, "
     "one after the other (no overlap between the two passes, nor between steps)",
     "a pass costs what the affine fit of the profile says, also outside the profiled rows",
-    "a worker on N cores runs at the N-thread profile's costs, unaffected by its neighbours "
-    "(shared memory bandwidth and caches between workers are not modelled)",
+    "a worker on N cores runs at the N-thread profile's costs; a step that starts while another "
+    "worker computes runs --corun-slowdown times slower (default 1,1: no interference, which "
+    "two workers sharing a memory bus do not have)",
     "every request generates exactly its drawn output length (the bench's --ignore-eos)",
     "no prefix-cache hits (the bench's prompts share no prefix); the orchestrator, HTTP and "
     "detokenizing add nothing but --hop-ms between the P/D legs and --step-overhead-ms per step",

@@ -9,7 +9,7 @@ from typing import Callable
 from .compare import compare, format_compare, read_bench, winners
 from .errors import PlanError
 from .layouts import Layout
-from .run_plan import CostTable, handoff_of, say
+from .run_plan import CostTable, contention_of, handoff_of, say
 from .simulate import EngineArgs
 from .workload import Workload
 
@@ -45,7 +45,9 @@ def run_compare(
         threads(m.layout)  # more workers than --cpus: refused
         if not m.pairs:
             raise PlanError(f"--compare {m.source}: row {m.label} has no num_requests and no requests listed")
-    compared = compare(measured, handoff_of(args, costs.base), threads, costs, args.step_overhead_ms)
+    compared = compare(
+        measured, handoff_of(args, costs.base), threads, costs, args.step_overhead_ms, contention_of(args)
+    )
     say(format_compare(compared, sorted(set(skipped))))
     if args.json_path:
         from .report import write_json

@@ -12,7 +12,7 @@ from .costs import StepCosts, fit_costs
 from .errors import PlanError
 from .layouts import Layout, threads_per_worker
 from .profile import Profile, read_profile
-from .simulate import EngineArgs, Handoff, kv_bytes_per_token
+from .simulate import Contention, EngineArgs, Handoff, kv_bytes_per_token
 from .workload import Workload, parse_lengths
 
 
@@ -83,6 +83,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     _positive(args.template_tokens, "--template-tokens", 0, ">= 0")
     _positive(args.hop_ms, "--hop-ms", 0, ">= 0")
     _positive(args.step_overhead_ms, "--step-overhead-ms", 0, ">= 0")
+    contention_of(args)
     if args.thread_speedup is not None and args.thread_speedup <= 0:
         raise PlanError(f"--thread-speedup must be > 0, got {args.thread_speedup}")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
@@ -151,6 +152,22 @@ def cost_table(args: argparse.Namespace, layouts: list[Layout], cpus: int) -> Co
             )
         table[key] = fit_costs(profile)
     return CostTable(table, profiles[0].gpu, args.thread_speedup)
+
+
+def contention_of(args: argparse.Namespace) -> Contention:
+    """--corun-slowdown PREFILL,DECODE, each >= 1."""
+    parts = args.corun_slowdown.split(",")
+    try:
+        prefill, decode = (float(x) for x in parts)
+    except ValueError:
+        raise PlanError(
+            f"--corun-slowdown takes two numbers >= 1, PREFILL,DECODE (e.g. 1.2,1.6); got {args.corun_slowdown!r}"
+        ) from None
+    if not (prefill >= 1 and decode >= 1):
+        raise PlanError(
+            f"--corun-slowdown factors must be >= 1 (1: no interference); got {args.corun_slowdown!r}"
+        )
+    return Contention(prefill, decode)
 
 
 def handoff_of(args: argparse.Namespace, costs: StepCosts) -> Handoff:

@@ -13,7 +13,7 @@ from .errors import PlanError
 from .layouts import Layout
 from .planner import PlanInputs, configs_for, predict, recommend
 from .report import ASSUMPTIONS, describe_costs, format_slo_table, plan_json
-from .run_plan import CostTable, handoff_of, say
+from .run_plan import CostTable, contention_of, handoff_of, say
 from .simulate import EngineArgs
 from .slo import SloPair, absolute_pairs, multiple_pairs, parse_multiples
 from .workload import Workload
@@ -52,6 +52,7 @@ def run_predict(
         slos,
         costs,
         args.step_overhead_ms,
+        contention_of(args),
     )
     for c in used.values():
         for line in describe_costs(c):

@@ -68,6 +68,16 @@ def kv_bytes_per_token(costs: StepCosts) -> float:
     return 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES.get(costs.dtype, 4) * costs.layers
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How much slower a pass runs while another worker on the host is mid-step (they share the
+    memory bus and caches): measured with `bench roofline` pinned to one core while another
+    pinned roofline keeps the other core busy (docs/planner.md). 1.0: no interference."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+
+
 @dataclass
 class SimRun:
     """Each request's record (as the bench keeps them), the wall time from the first arrival to
@@ -110,8 +120,10 @@ class Simulation:
         args: EngineArgs,
         handoff: Handoff,
         overhead_ms: float = 0.0,
+        contention: Contention = Contention(),
     ):
         self.layout, self.handoff, self.overhead_ms = layout, handoff, overhead_ms
+        self.contention = contention
 
         def engines(role: str, count: int) -> list[SimEngine]:
             return [
@@ -137,6 +149,9 @@ class Simulation:
         self._seq = itertools.count()
         self._where: dict[int, tuple[int, int | None]] = {}  # request -> (decode k, prefill k)
         self._prefill_of: dict[int, SimEngine] = {}
+
+    def _pools(self) -> list[_Pool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
 
     def _at(self, when: float, action: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action))
@@ -184,7 +199,12 @@ class Simulation:
             step = engine.schedule()
             if step.empty:
                 return  # waiting on blocks another engine holds: a release kicks it again
-            ms = engine.duration_ms(step, lambda r: self.handoff.copy_ms(r.prompt), self.overhead_ms)
+            # A step that starts while another worker computes runs at the contended costs.
+            shared = any(e.busy for p in self._pools() for e in p.engines if e is not engine)
+            factors = (self.contention.prefill, self.contention.decode) if shared else (1.0, 1.0)
+            ms = engine.duration_ms(
+                step, lambda r: self.handoff.copy_ms(r.prompt), self.overhead_ms, *factors
+            )
             engine.busy = True
             self._at(now + ms / 1e3, functools.partial(self._step_end, engine, step))
 
@@ -219,8 +239,9 @@ def simulate(
     pairs: list[tuple[int, int]],
     arrivals: list[float],
     overhead_ms: float = 0.0,
+    contention: Contention = Contention(),
 ) -> SimRun:
     """Requests of (prompt positions, output tokens) `pairs` arriving at `arrivals` (s) through
-    `layout`, every worker stepping at `costs`."""
+    `layout`, every worker stepping at `costs` (times `contention` while another computes)."""
     requests = [SimRequest(i, p, o, t) for i, ((p, o), t) in enumerate(zip(pairs, arrivals))]
-    return Simulation(layout, costs, args, handoff, overhead_ms).run(requests)
+    return Simulation(layout, costs, args, handoff, overhead_ms, contention).run(requests)
