@@ -214,3 +214,29 @@ def test_prefix_blocks_shared_by_reservations_count_once(pair):
     assert pushes.debug_state_counts() == {"push_reservations": 0, "push_fenced_blocks": 5}
     assert pushes.abandon("a", "test", writer_gone=True) and pushes.abandon("b", "test", writer_gone=True)
     assert sorted(freed) == [1, 2, 3, 4, 7, 7] and pushes.blocks_held == 0  # each reference freed
+
+
+def test_push_under_a_step_budget_smaller_than_its_prompts_equals_colocated(
+    runner, colocated, tiny_tokenizer
+):
+    """Chunked prefill and push together: a pushed prompt longer than the prefill leg's budget
+    takes a step of its own and prefills in its push chunks; the decode leg's budget is small
+    too. Outputs equal colocated (the push test above has the negative control)."""
+
+    def small(stage):
+        return stage.model_copy(
+            update={"engine_args": stage.engine_args.model_copy(update={"max_num_batched_tokens": 16})}
+        )
+
+    prefill = PrefillEngine(small(pd_stage(0, 16, kv_push_chunk_tokens=CHUNK)), ThinkerRunner(runner))
+    decode = DecodeEngine(small(pd_stage(1, 16, transfer_mode="push")), ThinkerRunner(runner))
+    try:
+        assert max(len(p.prompt_token_ids) for p in prompts(tiny_tokenizer)) > 16
+        for i, prompt in enumerate(prompts(tiny_tokenizer)):
+            out = pushed(prefill, decode, f"s{i}", prompt, params(i))
+            assert out.error is None and same_output(out.output, colocated[i]), TEXTS[i]
+        assert prefill.batch_stats()["max_step_tokens"] > 16  # each prompt whole, in its push chunks
+        assert_clean(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
