@@ -31,19 +31,31 @@ class Lengths:
     def draw(self, rng: random.Random) -> int:
         return rng.randint(self.lo, self.hi)
 
+    @property
+    def median(self) -> float:
+        return (self.lo + self.hi) / 2
 
-def parse_lengths(text: str, flag: str, minimum: int = 1) -> Lengths:
-    """`N` or `uniform:LO:HI`, every length at least `minimum`; anything else refused with one
-    line naming `flag` and the accepted forms."""
-    parts = text.strip().split(":")
+
+def read_lengths(text: str, minimum: int = 1) -> Lengths | None:
+    """`N` or `uniform:LO:HI`, every length at least `minimum`; None for anything else (the
+    caller names its flag: `parse_lengths` here, `omni-pd plan`'s own error)."""
+    parts = str(text).strip().split(":")
     numbers = parts[1:] if parts[0] == "uniform" and len(parts) == 3 else parts if len(parts) == 1 else None
     try:
         values = [int(v) for v in numbers] if numbers is not None else None
     except ValueError:
         values = None
     if values is None or values[0] > values[-1] or values[0] < minimum:
-        raise SystemExit(f"error: {flag} takes {FORMS}, each at least {minimum}; got {text!r}")
+        return None
     return Lengths(values[0], values[-1])
+
+
+def parse_lengths(text: str, flag: str, minimum: int = 1) -> Lengths:
+    """`read_lengths`, or refused with one line naming `flag` and the accepted forms."""
+    lengths = read_lengths(text, minimum)
+    if lengths is None:
+        raise SystemExit(f"error: {flag} takes {FORMS}, each at least {minimum}; got {text!r}")
+    return lengths
 
 
 @dataclass(frozen=True)
