@@ -69,6 +69,7 @@ def test_entry_point_and_patches_in_every_worker(pd):
             "offline_drain": "applied",
             "cpu_device_index": "applied",
             "consumer_peer_watch": "applied",
+            "decode_resume": "applied",
         }, (stage_id, status)
 
 

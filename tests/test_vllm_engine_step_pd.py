@@ -57,6 +57,16 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
                         if o.finished:
                             finals[o.request_id] = (o.error, o.output)
                 result = (finals, deltas, batch)
+            elif cmd == "run_steps":  # step until idle, counting the steps that gave tokens
+                finals, deltas, steps = {}, {}, 0
+                while engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    steps += any(o.new_token_ids for o in outputs)
+                    for o in outputs:
+                        deltas.setdefault(o.request_id, []).extend(o.new_token_ids)
+                        if o.finished:
+                            finals[o.request_id] = (o.error, o.output)
+                result = (finals, deltas, steps)
             elif cmd == "run_until":  # step until one request finishes, no further
                 finals = {}
                 while args[0] not in finals:
@@ -216,6 +226,49 @@ def test_abort_right_after_a_prefill_finishes(legs):
     assert err is None, err
     assert out.token_ids == want.token_ids and out.num_cached_prompt_tokens == len(ids)
     assert time.monotonic() - began < 10, "the decode leg waited for its KV"
+    assert wait_until(lambda: prefill.call("held") == 0)
+    for leg in (prefill, decode):
+        counts = leg.call("control", "debug_state_counts", {})
+        assert all(v == 0 for v in counts.values()), counts
+
+
+@pytest.mark.parametrize(
+    "params",
+    [GREEDY, SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)],
+    ids=["greedy", "seeded"],
+)
+def test_the_decode_leg_starts_from_the_prefills_first_token(legs, params):
+    """No wasted step (issue 48, item 2): the decode leg's prompt is the prompt plus the prefill's
+    first token, so vLLM's first step samples the second token: one step fewer than a leg that
+    recomputes the last prompt position (the control: the same handoff without `first_token`),
+    same tokens and deltas. Seeded sampling keeps vLLM's way (the first token's draw from the
+    request's generator must happen), and still equals colocated."""
+    prefill, decode = legs["prefill"], legs["decode"]
+    ids = PROMPTS["b"]
+    prefill.call("add", "ref", TokenPrompt(list(ids)), params, False)
+    finals, _, _ = prefill.call("run")
+    want = finals["ref"][1].token_ids
+    steps = {}
+    for name in ("resumed", "recomputed"):
+        transfer = f"xfer-first-{name}-{params.temperature}"
+        prefill.call(
+            "add", name, TokenPrompt(list(ids)), build_prefill_sampling_params(params, transfer), False
+        )
+        finals, _, _ = prefill.call("run")
+        kv = dict(finals[name][1].kv_transfer_params)
+        assert kv["first_token"] == want[0]
+        if name == "recomputed":
+            del kv["first_token"]
+        decode.call(
+            "add", name, TokenPrompt(list(ids)), build_decode_sampling_params(params, kv, transfer), True
+        )
+        finals, deltas, steps[name] = decode.call("run_steps")
+        err, out = finals[name]
+        assert err is None, err
+        assert out.token_ids == want and deltas[name] == want, name
+        assert out.num_cached_prompt_tokens == len(ids)
+    assert steps["recomputed"] == params.max_tokens
+    assert steps["resumed"] == (params.max_tokens - 1 if params.temperature == 0 else params.max_tokens)
     assert wait_until(lambda: prefill.call("held") == 0)
     for leg in (prefill, decode):
         counts = leg.call("control", "debug_state_counts", {})

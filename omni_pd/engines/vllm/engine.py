@@ -61,6 +61,7 @@ from ...kv.vllm.handoff import (
     check_vllm_consumer,
 )
 from .hooks import LegRole, VllmModelHooks
+from .resume import FIRST_TOKEN_KEY, eos_token_ids, resume_from
 from ...kv.vllm.producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
 from .rows import RequestRows, check_vllm_version
@@ -146,6 +147,11 @@ class _RequestState:
     rows_streamed: int = 0  # position up to which rows left in chunks
     chunks_sent: int = 0
     multimodal: bool = False  # the prompt has multimodal inputs
+    # A decode leg that starts from the prefill's first token (resume.py): that token, put in
+    # front of vLLM's output; `lead` is what the first delta still has to carry.
+    resumed: list[int] = field(default_factory=list)
+    lead: list[int] = field(default_factory=list)
+    detokenize: bool = True
 
 
 class VllmEngine(StageEngine):
@@ -180,6 +186,7 @@ class VllmEngine(StageEngine):
         if self.hooks.records_rows:
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
+        self._eos_ids = eos_token_ids(self.engine)
         self._read_kv_description(name, args.tensor_parallel_size)
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
@@ -281,8 +288,15 @@ class VllmEngine(StageEngine):
         kv_wait_s = self._kv_wait_s(request_id, kv_in) if loads_remote else 0.0
         # LLMEngine.add_request takes the drain lock itself (patches/offline_drain.py).
         # The hooks build a vLLM TokensPrompt (a TypedDict) as a plain dict.
-        vllm_prompt = cast("TokensPrompt", self.hooks.vllm_prompt(prompt))
-        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params))
+        plain = self.hooks.vllm_prompt(prompt)
+        resume = resume_from(kv_in, params, len(token_ids), self._eos_ids) if loads_remote else None
+        if resume is not None:
+            plain, params_in = resume.vllm_prompt(plain), resume.params(params)
+        else:
+            params_in = params
+        vllm_prompt = cast("TokensPrompt", plain)
+        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params_in))
+        first = [resume.first_token] if resume is not None else []
         role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"))
         self._requests[request_id] = _RequestState(
             request_id=request_id,
@@ -298,6 +312,9 @@ class VllmEngine(StageEngine):
             role=role,
             chunks=bool(stream and chunks),
             multimodal=prompt.has_multimodal_inputs(),
+            resumed=first,
+            lead=list(first),
+            detokenize=params.detokenize,
         )
 
     def _check_hf_producer(self, described: Any) -> None:
@@ -400,9 +417,11 @@ class VllmEngine(StageEngine):
                 continue
             completion = out.outputs[0] if out.outputs else None
             new = list(completion.token_ids[state.seen :]) if completion is not None else []
+            state.seen += len(new)
+            if new and state.lead:
+                new, state.lead = [*state.lead, *new], []
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
-            state.seen += len(new)
             if new or out.finished:
                 state.kv_deadline = None  # the KV is in (or the leg is over): no more KV wait
             record = StepOutput(request_id=state.request_id, new_token_ids=new if state.stream else [])
@@ -493,7 +512,7 @@ class VllmEngine(StageEngine):
         if not final.outputs:
             raise RuntimeError(f"stage {self.stage_id}: request {request_id} finished without a completion")
         completion = final.outputs[0]
-        expanded = len(final.prompt_token_ids or ())
+        expanded = len(final.prompt_token_ids or ()) - len(state.resumed)
         if expanded and expanded != len(state.prompt_token_ids):
             # vLLM expands multimodal placeholders itself: its count must be the prompt builder's,
             # or every position after the first placeholder is misplaced.
@@ -521,17 +540,27 @@ class VllmEngine(StageEngine):
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
+        token_ids = [*state.resumed, *completion.token_ids]
         text = TextOutput(
             request_id=request_id,
             prompt_token_ids=state.prompt_token_ids,
-            token_ids=list(completion.token_ids),
-            text=completion.text or "",
+            token_ids=token_ids,
+            text=self._text(state, token_ids, completion.text),
             finish_reason=completion.finish_reason,
             kv_transfer_params=self._kv_out(state, final, completion),
             num_cached_prompt_tokens=cached if state.loads_remote else 0,
             metrics=metrics,
         )
         return self.hooks.output(text, state.rows, state.role)
+
+    def _text(self, state: "_RequestState", token_ids: list[int], vllm_text: str | None) -> str:
+        """vLLM's text, or for a leg that started from the prefill's first token (which vLLM saw
+        as prompt), the whole answer decoded as vLLM decodes an output (special tokens skipped)."""
+        if not state.resumed:
+            return vllm_text or ""
+        if not state.detokenize:
+            return ""
+        return self._live().get_tokenizer().decode(token_ids, skip_special_tokens=True)
 
     def _kv_out(self, state: "_RequestState", final, completion) -> dict[str, Any] | None:
         """The request's kv_transfer_params out; a prefill leg's carry, besides vLLM's keys, what
@@ -541,9 +570,11 @@ class VllmEngine(StageEngine):
         if not final.kv_transfer_params:
             return None
         out = dict(final.kv_transfer_params)
+        if not state.role.decodes and completion.token_ids:
+            # Any decode leg starts from it (a vLLM one too: resume.py).
+            out[FIRST_TOKEN_KEY] = int(completion.token_ids[0])
         if not state.role.decodes and self.producer_info is not None and completion.token_ids:
             out.update(
-                first_token=int(completion.token_ids[0]),
                 kv_cacheable=not state.multimodal,
                 **self.hooks.handoff_state(state.prompt_token_ids),
             )

@@ -6,13 +6,14 @@ engine refuses to run a P/D stage whose fixes were refused."""
 from __future__ import annotations
 
 from ._guard import PatchResult, results, vllm_version
-from . import consumer_peer_watch, cpu_device_index, offline_drain, prefill_kv_params
+from . import consumer_peer_watch, cpu_device_index, decode_resume, offline_drain, prefill_kv_params
 
 ALL_PATCHES = (
     prefill_kv_params.PATCH,
     offline_drain.PATCH,
     cpu_device_index.PATCH,
     consumer_peer_watch.PATCH,
+    decode_resume.PATCH,
 )
 
 
