@@ -293,3 +293,25 @@ def test_a_killed_prefill_worker_is_answered_by_the_fallback(vllm_omni, vllm_pd)
 
     again = wait_for(handed_off, 60, "a request served by the restarted prefill worker")
     assert differences(vllm_omni, want, vllm_pd, again) == []
+
+
+ROW_FIELDS = ("prompt_embeds", "prompt_hidden", "output_embeds", "output_hidden")
+
+
+@pytest.mark.parametrize("which", ["vllm_omni", "vllm_pd"])
+def test_a_text_only_request_records_no_rows(request, which):
+    """Issue 48, item 5: nothing reads a text-only request's thinker rows, so the vLLM thinker
+    (each P/D leg too) records none and its output carries none; its tokens and text are those
+    of the same request with speech (the control, whose outputs carry the rows)."""
+    omni = request.getfixturevalue(which)
+    with_speech = omni.generate([PROMPTS[1]], use_tqdm=False)[0]
+    text_only = asyncio.run_coroutine_threadsafe(
+        omni.engine.generate(PROMPTS[1], modalities=["text"]), omni._loop
+    ).result(120)
+    assert text_only.token_ids == with_speech.token_ids and text_only.text == with_speech.text
+    legs = [0, 1] if which == "vllm_pd" else [0]
+    for leg in legs:
+        assert all(getattr(text_only.stage_outputs[leg], f) is None for f in ROW_FIELDS), leg
+    # The prompt's rows (the prefill leg's, in P/D) and the output's (the decode leg's).
+    rows = {(leg, f): getattr(with_speech.stage_outputs[leg], f) for leg in legs for f in ROW_FIELDS}
+    assert sum(r is not None for r in rows.values()) == len(ROW_FIELDS)

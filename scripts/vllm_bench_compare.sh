@@ -5,6 +5,8 @@
 # Each server starts in turn on a free port, `vllm bench serve --backend openai-chat` runs at each
 # concurrency with the same seed, prompt and output lengths, the server stops, and a table of the
 # medians and p99s read from vLLM's --save-result JSON is printed (and written as markdown).
+# With REPEATS=N the whole sequence of servers runs N times in turn (alternating, so a host that
+# gets busier part-way hurts every server alike) and each cell is the median over the repeats.
 #
 #   scripts/vllm_bench_compare.sh [OUT_DIR]
 #
@@ -14,6 +16,7 @@
 #   CONCURRENCY  levels [1 4]          NUM_PROMPTS  requests per level [32]
 #   INPUT_LEN    prompt tokens [256]   OUTPUT_LEN   output tokens (--ignore-eos) [32]
 #   SEED         the random dataset's seed [0]   PORT  [8311]   VENV  [.venv]
+#   REPEATS      runs of the whole sequence [1]
 #
 # Bare vLLM serves the checkpoint that omni-pd's vLLM thinker stage loads (the embedded tiny model
 # written with the stages' seed 42; its architecture, Qwen3OmniMoeForConditionalGeneration, is
@@ -34,6 +37,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-32}
 INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-32}
 SEED=${SEED:-0}
+REPEATS=${REPEATS:-1}
 PORT=${PORT:-8311}
 NAME=tiny-qwen3-omni
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -64,7 +68,7 @@ wait_ready() {  # /health answers 200 (omni-pd: every stage up; vLLM: the engine
     exit 1
 }
 
-bench() {  # LABEL
+bench() {  # LABEL (the repeat's number is $REP)
     for c in $CONCURRENCY; do
         "$VENV/bin/vllm" bench serve --backend openai-chat --base-url "http://127.0.0.1:$PORT" \
             --endpoint /v1/chat/completions --model "$NAME" --tokenizer "$CKPT" \
@@ -72,55 +76,74 @@ bench() {  # LABEL
             --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" --seed "$SEED" --ignore-eos \
             --temperature 0 --extra-body '{"modalities": ["text"]}' \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
-            --save-result --result-dir "$OUT" --result-filename "$1.c$c.json" --label "$1" \
-            >"$OUT/$1.c$c.log" 2>&1 || { echo "bench failed: $OUT/$1.c$c.log" >&2; tail -20 "$OUT/$1.c$c.log" >&2; exit 1; }
-        echo "  $1 concurrency $c done"
+            --save-result --result-dir "$OUT" --result-filename "$1.c$c.r$REP.json" --label "$1" \
+            >"$OUT/$1.c$c.r$REP.log" 2>&1 || { echo "bench failed: $OUT/$1.c$c.r$REP.log" >&2; tail -20 "$OUT/$1.c$c.r$REP.log" >&2; exit 1; }
+        echo "  $1 concurrency $c done (repeat $REP)"
     done
 }
 
-# 1. Bare vLLM, the thinker stage's engine arguments (qwen3_omni_tiny_vllm.yaml, stage 0).
-echo "bare vLLM: vllm serve $CKPT"
-"$VENV/bin/vllm" serve "$CKPT" --served-model-name "$NAME" --host 127.0.0.1 --port "$PORT" \
-    --dtype float32 --block-size 32 --max-model-len 4096 --enforce-eager --seed 42 \
-    --max-num-seqs 64 >"$OUT/server.vllm.log" 2>&1 &
-SERVER=$!
-wait_ready "$OUT/server.vllm.log"
-bench vllm
-stop_server
-
-# 2. omni-pd, each stage file.
-for cfg in $CONFIGS; do
-    label=omni-pd:$(basename "$cfg" .yaml)
-    echo "omni-pd serve --stage-configs-path $cfg"
-    "$VENV/bin/omni-pd" serve "$NAME" --stage-configs-path "$cfg" --host 127.0.0.1 --port "$PORT" \
-        --served-model-name "$NAME" --no-demo-page >"$OUT/server.$label.log" 2>&1 &
+for REP in $(seq "$REPEATS"); do
+    # 1. Bare vLLM, the thinker stage's engine arguments (qwen3_omni_tiny_vllm.yaml, stage 0).
+    echo "bare vLLM: vllm serve $CKPT (repeat $REP of $REPEATS)"
+    "$VENV/bin/vllm" serve "$CKPT" --served-model-name "$NAME" --host 127.0.0.1 --port "$PORT" \
+        --dtype float32 --block-size 32 --max-model-len 4096 --enforce-eager --seed 42 \
+        --max-num-seqs 64 >"$OUT/server.vllm.r$REP.log" 2>&1 &
     SERVER=$!
-    wait_ready "$OUT/server.$label.log"
-    bench "$label"
+    wait_ready "$OUT/server.vllm.r$REP.log"
+    bench vllm
     stop_server
+
+    # 2. omni-pd, each stage file.
+    for cfg in $CONFIGS; do
+        label=omni-pd:$(basename "$cfg" .yaml)
+        echo "omni-pd serve --stage-configs-path $cfg (repeat $REP of $REPEATS)"
+        "$VENV/bin/omni-pd" serve "$NAME" --stage-configs-path "$cfg" --host 127.0.0.1 --port "$PORT" \
+            --served-model-name "$NAME" --no-demo-page >"$OUT/server.$label.r$REP.log" 2>&1 &
+        SERVER=$!
+        wait_ready "$OUT/server.$label.r$REP.log"
+        bench "$label"
+        stop_server
+    done
 done
 
 "$VENV/bin/python" - "$OUT" "$CONCURRENCY" <<'EOF'
-import json, os, sys
+import glob, json, os, statistics, sys
 out, levels = sys.argv[1], sys.argv[2].split()
 files = sorted(f for f in os.listdir(out) if f.endswith(".json"))
 labels = list(dict.fromkeys(f.rsplit(".c", 1)[0] for f in files))
 labels.sort(key=lambda l: l != "vllm")
-head = ("| server | conc. | n | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 "
+head = ("| server | conc. | repeats | n | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | E2E p50 "
         "| req/s | out tok/s | failed |")
 rows = [head, "|" + " --- |" * (head.count("|") - 1)]
+medians = {}
+keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
+        "median_e2el_ms", "request_throughput", "output_throughput")
 for c in levels:
     for label in labels:
-        path = os.path.join(out, f"{label}.c{c}.json")
-        if not os.path.exists(path):
+        runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, f"{glob.escape(label)}.c{c}.r*.json")))]
+        if not runs:
             continue
-        d = json.load(open(path))
+        m = {k: statistics.median(r[k] for r in runs) for k in keys}  # each cell: over the repeats
+        medians[(c, label)] = m
         rows.append(
-            f"| {label} | {c} | {d['completed']} | {d['median_ttft_ms']:.1f} | {d['p99_ttft_ms']:.1f} "
-            f"| {d['median_itl_ms']:.2f} | {d['p99_itl_ms']:.2f} | {d['median_tpot_ms']:.2f} "
-            f"| {d['median_e2el_ms']:.1f} | {d['request_throughput']:.2f} | {d['output_throughput']:.1f} "
-            f"| {d['failed']} |"
+            f"| {label} | {c} | {len(runs)} | {runs[0]['completed']} | {m['median_ttft_ms']:.1f} | {m['p99_ttft_ms']:.1f} "
+            f"| {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_tpot_ms']:.2f} "
+            f"| {m['median_e2el_ms']:.1f} | {m['request_throughput']:.2f} | {m['output_throughput']:.1f} "
+            f"| {sum(r['failed'] for r in runs)} |"
         )
+# Against bare vLLM in the same run (issue 48's targets: TTFT and ITL p50 within 1.10x, ITL p99
+# within 1.5x, req/s at least 0.95x).
+rows += ["", "| server | conc. | TTFT p50 / vLLM | ITL p50 / vLLM | ITL p99 / vLLM | req/s / vLLM |",
+         "| --- | --- | --- | --- | --- | --- |"]
+for (c, label), m in medians.items():
+    base = medians.get((c, "vllm"))
+    if base is None or label == "vllm":
+        continue
+    rows.append(
+        f"| {label} | {c} | {m['median_ttft_ms'] / base['median_ttft_ms']:.2f}x "
+        f"| {m['median_itl_ms'] / base['median_itl_ms']:.2f}x | {m['p99_itl_ms'] / base['p99_itl_ms']:.2f}x "
+        f"| {m['request_throughput'] / base['request_throughput']:.2f}x |"
+    )
 table = "\n".join(rows)
 print(table)
 open(os.path.join(out, "table.md"), "w").write(table + "\n")

@@ -142,3 +142,29 @@ def test_deadline_aborts_in_vllm(engine):
     assert "took over" in finals["late"].error
     assert finals["on-time"].error is None
     assert_idle(engine)  # vLLM forgot the expired request too
+
+
+def test_only_stop_strings_make_vllm_detokenize(engine):
+    """Issue 48, item 5: the orchestrator streams its own text deltas, so vLLM detokenizes only a
+    request with stop strings (it searches its text for them); any other request's text is its
+    tokens decoded once at the end, as the hf engine decodes them. The control: a stop string
+    that never occurs turns vLLM's detokenizer on, and its text is the same but for a trailing
+    half character, which vLLM drops and the hf engine keeps as U+FFFD. A stop string from the
+    middle of the answer still ends it there."""
+    from omni_pd.engines.vllm.engine import to_vllm_sampling_params
+
+    assert to_vllm_sampling_params(GREEDY).detokenize is False
+    never_stops = dataclasses.replace(GREEDY, stop=("\x00never\x00",))
+    assert to_vllm_sampling_params(never_stops).detokenize is True
+    ids = TokenPrompt(list(PROMPTS["a"]))
+    plain = engine.generate("detok-plain", ids, GREEDY)
+    assert len(plain.text) >= 4, plain.text
+    assert plain.text == engine.engine.get_tokenizer().decode(plain.token_ids, skip_special_tokens=True)
+    by_vllm = engine.generate("detok-vllm", ids, never_stops)
+    assert by_vllm.token_ids == plain.token_ids and by_vllm.text == plain.text.rstrip("\ufffd")
+    middle = len(plain.text) // 2
+    cut = plain.text[middle : middle + 2]
+    stopped = engine.generate("detok-stop", ids, dataclasses.replace(GREEDY, stop=(cut,)))
+    assert stopped.finish_reason == "stop" and cut not in stopped.text
+    assert plain.text.startswith(stopped.text) and len(stopped.text) <= middle
+    assert_idle(engine)

@@ -43,6 +43,22 @@ def test_sampling_params_list_overrides_stage_defaults(omni):
     assert len(short.token_ids) == 3 and short.finish_reason == "length"
 
 
+def test_a_text_only_request_carries_no_rows_and_the_same_answer(omni):
+    """Issue 48, item 5: nothing reads a text-only request's thinker rows, so its output carries
+    none; the control, the same request with speech, carries the prompt's and output's rows, and
+    the tokens and text are the same."""
+    params = [SamplingParams(temperature=0, max_tokens=8), None, None]
+    with_speech = omni.generate("Rows or not.", params)[0]
+    text_only = omni._call(omni.engine.generate("Rows or not.", params, modalities=("text",)))
+    assert text_only.token_ids == with_speech.token_ids and text_only.text == with_speech.text
+    fields = ("prompt_embeds", "prompt_hidden", "output_embeds", "output_hidden")
+    assert all(getattr(text_only.stage_outputs[0], f) is None for f in fields)
+    full = with_speech.stage_outputs[0]
+    assert full.prompt_embeds.shape[0] == len(full.prompt_token_ids)
+    assert full.output_embeds.shape[0] == len(full.token_ids) - 1
+    assert all(v == 0 for v in omni.debug_state_counts().values())
+
+
 def test_audio_input_changes_the_prompt(omni):
     tone = (0.1 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     msg = [

@@ -11,12 +11,20 @@ import torch
 
 from omni_pd.engines.vllm.hooks import VllmModelHooks
 from omni_pd.engines.vllm.engine import _with_model_kwargs
-from omni_pd.engines.vllm.rows import EXTENSION, RequestRows, RowSink, check_vllm_version
+from omni_pd.engines.vllm.rows import EXTENSION, ROWS_ARG, RequestRows, RowSink, check_vllm_version
 
 
-def _runner(req_ids, bounds, computed):
+def _runner(req_ids, bounds, computed, extra_args=None):
+    """vLLM's model runner as the sink reads it: the pass's batch, and each request's sampling
+    params (their extra_args)."""
     batch = SimpleNamespace(req_ids=req_ids, num_computed_tokens_cpu=np.array(computed))
-    return SimpleNamespace(input_batch=batch, query_start_loc=SimpleNamespace(np=np.array(bounds)))
+    requests = {
+        r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=(extra_args or {}).get(r)))
+        for r in req_ids
+    }
+    return SimpleNamespace(
+        input_batch=batch, query_start_loc=SimpleNamespace(np=np.array(bounds)), requests=requests
+    )
 
 
 def test_a_pass_is_split_by_request_and_placed_by_position():
@@ -28,6 +36,15 @@ def test_a_pass_is_split_by_request_and_placed_by_position():
     assert [start for start, _ in taken["a-1"]] == [0] and [s for s, _ in taken["b-2"]] == [7]
     assert torch.equal(taken["a-1"][0][1][0], rows[:3]) and torch.equal(taken["b-2"][0][1][1], -rows[3:])
     assert sink.take() == {}  # taken once
+
+
+def test_a_request_whose_rows_nobody_reads_records_none():
+    """A text-only request (extra_args omni_pd_rows False) records nothing; the other request
+    of the same pass keeps its rows (the control)."""
+    runner = _runner(["a-1", "b-2"], [0, 3, 4], [0, 7], {"a-1": {ROWS_ARG: False}})
+    sink = RowSink(runner)
+    sink.record(torch.arange(8.0).reshape(4, 2))
+    assert list(sink.take()) == ["b-2"]
 
 
 def test_a_pass_with_fewer_rows_than_tokens_is_an_error():

@@ -33,7 +33,9 @@ class CountingEngine(StageEngine):
         self.gate = threading.Event()  # step() waits for it: lets a test queue requests first
         self.gate.set()
 
-    def add_request(self, request_id, prompt, params, stream=False, chunks=False, chunk_sizes=None):
+    def add_request(
+        self, request_id, prompt, params, stream=False, chunks=False, chunk_sizes=None, rows=True
+    ):
         if prompt == "bad":
             raise ValueError("prompt 'bad' is refused")
         self.requests[request_id] = {"prompt": prompt, "params": params, "stream": stream, "tokens": []}

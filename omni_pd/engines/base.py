@@ -94,6 +94,7 @@ class StageEngine(ABC):
         stream: bool = False,
         chunks: bool = False,
         chunk_sizes: tuple[int, int] | None = None,
+        rows: bool = True,
     ) -> None:
         """Queue a request built for this stage. Raises ValueError, with a message naming what to
         change, for a request this engine can never run. `stream` asks for token deltas (a text
@@ -101,7 +102,9 @@ class StageEngine(ABC):
         stage for its chunks too (a downstream stage is fed while it runs). `chunk_sizes`
         (first, later): the output units a chunk should gather before it leaves, because the
         downstream stage takes them that way (the talker's frames, in code2wav's chunks); an
-        engine whose chunks are one token each (a thinker feeding a talker) has none to gather."""
+        engine whose chunks are one token each (a thinker feeding a talker) has none to gather.
+        `rows` False: no later stage reads the request's per-token rows (a text-only request),
+        so the engine need not record them and its output carries none."""
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
         """More input for a request whose prompt said more would follow (streaming between

@@ -301,6 +301,7 @@ class AsyncOmni:
             request_id=request_id or self.new_request_id(),
             prompt=prepared.prompt if prepared else self.pipeline.normalize_prompt(prompt),
             params=params,
+            text_rows="audio" in wanted,  # stages_for: text alone walks no stage after it
         )
         if state.request_id in self._requests:
             raise ValueError(f"request id {state.request_id} is already in flight")

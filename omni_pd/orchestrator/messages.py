@@ -48,6 +48,9 @@ class AddRequest:
     # Output units (talker frames) per ChunkOutput, first and later: what the downstream stage
     # decodes per step. None: one ChunkOutput per step.
     chunk_sizes: tuple[int, int] | None = None
+    # False: no later stage reads the request's per-token rows (a text-only request): the engine
+    # records none and its output carries none.
+    rows: bool = True
 
 
 @dataclass

@@ -295,7 +295,7 @@ class PDHandoff:
         state.push_target = None  # the decode leg takes (or frees) its reservation now
         try:
             output = await self.router.route(state, decode_id).generate(
-                state.request_id, prompt, params, remaining, on_tokens, on_chunk
+                state.request_id, prompt, params, remaining, on_tokens, on_chunk, rows=state.text_rows
             )
         except StageError as exc:
             kind = getattr(exc, "kind", "")

@@ -29,6 +29,9 @@ class RequestState:
     active_stages: set[int] = field(default_factory=set)  # stages working on it now, for aborts
     aborted: bool = False
     silent: bool = False  # the text stage's answer has nothing to speak: no audio stage runs
+    # False: text only, no stage after the text stage reads its per-token rows (its legs too),
+    # so its worker records none.
+    text_rows: bool = True
     # When each stage started and ended, and when each audio chunk was handed on, in ms since
     # `started`: the request's timeline, reported in its metrics.
     stage_spans: dict[int, list[float]] = field(default_factory=dict)

@@ -578,12 +578,13 @@ class StageClient:
         on_tokens: Callable[[list[int]], None] | None = None,
         on_chunk: Callable[[Any], None] | None = None,
         chunk_sizes: tuple[int, int] | None = None,
+        rows: bool = True,
     ) -> "_Waiter":
         """Send a request now (on the event loop's thread) and register who waits for it:
         anything sent for it afterwards (`append`, `abort`) reaches the worker after it. Await
         `result()` for its output. `on_tokens` gets streamed token deltas and `on_chunk` streamed
-        chunks, on the event loop; an exception from either fails the request. `chunk_sizes`:
-        see `StageEngine.add_request`."""
+        chunks, on the event loop; an exception from either fails the request. `chunk_sizes`
+        and `rows`: see `StageEngine.add_request`."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, loop.create_future(), on_tokens, on_chunk)
         with self._lock:
@@ -599,6 +600,7 @@ class StageClient:
                         stream=on_tokens is not None or on_chunk is not None,
                         chunks=on_chunk is not None,
                         chunk_sizes=chunk_sizes,
+                        rows=rows,
                     )
                 )
             except BaseException:
@@ -638,9 +640,10 @@ class StageClient:
         timeout_s: float,
         on_tokens: Callable[[list[int]], None] | None = None,
         on_chunk: Callable[[Any], None] | None = None,
+        rows: bool = True,
     ) -> Any:
         """`submit` then `result`."""
-        waiter = self.submit(request_id, prompt, params, on_tokens, on_chunk)
+        waiter = self.submit(request_id, prompt, params, on_tokens, on_chunk, rows=rows)
         return await self.result(request_id, waiter, timeout_s)
 
     def append(self, request_id: str, data: Any, final: bool) -> None:

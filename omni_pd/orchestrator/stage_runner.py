@@ -141,8 +141,15 @@ class StageRunner:
         if on_text is not None and stage_id == self.text_stage_id:
             on_tokens = self.text_stream(state, params, on_text)
         remaining = self.time_left(state, deadline, stage_id)
+        text_leg = stage_id == self.text_stage_id or (pair is not None and stage_id == pair.prefill_stage_id)
         return await self.router.route(state, stage_id).generate(
-            state.request_id, prompt, params, remaining, on_tokens, on_chunk
+            state.request_id,
+            prompt,
+            params,
+            remaining,
+            on_tokens,
+            on_chunk,
+            rows=state.text_rows or not text_leg,
         )
 
     def time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:

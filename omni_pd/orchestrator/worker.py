@@ -180,6 +180,7 @@ class _Loop:
                     message.stream,
                     message.chunks,
                     message.chunk_sizes,
+                    rows=message.rows,
                 )
             except Exception as exc:
                 log.debug("request %s refused:\n%s", message.request_id, traceback.format_exc())

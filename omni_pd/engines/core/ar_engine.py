@@ -106,6 +106,7 @@ class ArEngine(StageEngine):
         stream: bool = False,
         chunks: bool = False,
         chunk_sizes: tuple[int, int] | None = None,
+        rows: bool = True,
     ) -> None:
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
@@ -115,7 +116,7 @@ class ArEngine(StageEngine):
                 f"chunk, later chunks), got {chunk_sizes!r}"
             )
         request = self.new_request(request_id, prompt, params)
-        request.stream, request.chunks = stream or chunks, chunks
+        request.stream, request.chunks, request.rows = stream or chunks, chunks, rows
         request.chunk_sizes = (chunk_sizes[0], chunk_sizes[1]) if chunk_sizes is not None else None
         if request.prompt_len == 0:
             raise ValueError(f"request {request_id}: the prompt has no tokens")

@@ -126,6 +126,7 @@ class ChunkedEngine(StageEngine):
         stream: bool = False,
         chunks: bool = False,
         chunk_sizes: tuple[int, int] | None = None,
+        rows: bool = True,
     ) -> None:
         if request_id in self._utterances:
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")

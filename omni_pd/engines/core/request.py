@@ -53,6 +53,7 @@ class EngineRequest:
     token_ids: list[int] | None
     stream: bool = False  # send new output as it comes (text deltas and/or chunks)
     chunks: bool = False  # send chunks for a stage that runs alongside, not only text deltas
+    rows: bool = True  # False: no later stage reads its per-token rows (a text-only request)
     chunk_sizes: tuple[int, int] | None = None  # units per chunk (first, later), or every step's
     arrived: float = field(default_factory=time.perf_counter)
     admitted_at: float = 0.0  # perf_counter() when it was admitted

@@ -64,7 +64,7 @@ from .hooks import LegRole, VllmModelHooks
 from .resume import FIRST_TOKEN_KEY, eos_token_ids, resume_from
 from ...kv.vllm.producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
-from .rows import RequestRows, check_vllm_version
+from .rows import ROWS_ARG, RequestRows, check_vllm_version
 
 if TYPE_CHECKING:  # vLLM is optional: imported where it runs
     from vllm.inputs import TokensPrompt
@@ -102,10 +102,15 @@ def resolve_vllm_model(name: str, seed: int | None) -> str:
     return registry.checkpoint_dir(name, seed if seed is not None else 0)
 
 
-def to_vllm_sampling_params(params: SamplingParams):
+def to_vllm_sampling_params(params: SamplingParams, rows: bool = True):
+    """`rows` False: the model records no rows for the request (rows.py)."""
     import vllm
 
-    extra = {"kv_transfer_params": dict(params.kv_transfer_params)} if params.kv_transfer_params else None
+    extra: dict[str, Any] = (
+        {"kv_transfer_params": dict(params.kv_transfer_params)} if params.kv_transfer_params else {}
+    )
+    if not rows:
+        extra[ROWS_ARG] = False
     return vllm.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -117,9 +122,16 @@ def to_vllm_sampling_params(params: SamplingParams):
         stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
-        detokenize=params.detokenize,
-        extra_args=extra,
+        # Only stop strings need vLLM's text (it searches it for them); any other request's
+        # text is decoded once at its end (VllmEngine._text): the orchestrator detokenizes the
+        # stream itself, so vLLM's per-step detokenizing would be work done twice.
+        detokenize=vllm_detokenizes(params),
+        extra_args=extra or None,
     )
+
+
+def vllm_detokenizes(params: SamplingParams) -> bool:
+    return params.detokenize and bool(params.stop)
 
 
 @dataclass
@@ -152,6 +164,8 @@ class _RequestState:
     resumed: list[int] = field(default_factory=list)
     lead: list[int] = field(default_factory=list)
     detokenize: bool = True
+    vllm_detokenizes: bool = False  # vLLM makes the text (to find stop strings in it)
+    unprinted: frozenset[int] = frozenset()  # ids left out of the text: EOS, stop token ids
 
 
 class VllmEngine(StageEngine):
@@ -265,6 +279,7 @@ class VllmEngine(StageEngine):
         stream: bool = False,
         chunks: bool = False,
         chunk_sizes: tuple[int, int] | None = None,
+        rows: bool = True,
     ) -> None:
         """`chunks`: the model's hooks build a chunk per step (a talker runs alongside); a
         model whose hooks build none streams tokens only, and a stage it feeds starts when it
@@ -295,9 +310,9 @@ class VllmEngine(StageEngine):
         else:
             params_in = params
         vllm_prompt = cast("TokensPrompt", plain)
-        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params_in))
+        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params_in, rows))
         first = [resume.first_token] if resume is not None else []
-        role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"))
+        role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"), rows=rows)
         self._requests[request_id] = _RequestState(
             request_id=request_id,
             vllm_id=vllm_id,
@@ -315,6 +330,8 @@ class VllmEngine(StageEngine):
             resumed=first,
             lead=list(first),
             detokenize=params.detokenize,
+            vllm_detokenizes=vllm_detokenizes(params_in),
+            unprinted=self._eos_ids | frozenset(params.stop_token_ids),
         )
 
     def _check_hf_producer(self, described: Any) -> None:
@@ -401,7 +418,7 @@ class VllmEngine(StageEngine):
         with _state(engine).lock:
             # A generation model's engine gives RequestOutputs (no pooling outputs).
             outputs = cast("list[RequestOutput]", engine.step() if engine.has_unfinished_requests() else [])
-            if self.hooks.records_rows:
+            if self.hooks.records_rows and any(s.role.rows for s in self._requests.values()):
                 self._take_rows()
             # Taken while vLLM still holds the request: a finished decode leg is gone from the
             # scheduler (see _external_tokens).
@@ -554,13 +571,16 @@ class VllmEngine(StageEngine):
         return self.hooks.output(text, state.rows, state.role)
 
     def _text(self, state: "_RequestState", token_ids: list[int], vllm_text: str | None) -> str:
-        """vLLM's text, or for a leg that started from the prefill's first token (which vLLM saw
-        as prompt), the whole answer decoded as vLLM decodes an output (special tokens skipped)."""
-        if not state.resumed:
+        """vLLM's text where it detokenized (stop strings: never a leg that started from the
+        prefill's first token), else the whole answer decoded once as the hf engine decodes it
+        (engines/core/text.py: EOS and stop token ids left out, special tokens skipped, a
+        trailing half character kept as U+FFFD, where vLLM's detokenizer drops it)."""
+        if state.vllm_detokenizes:
             return vllm_text or ""
         if not state.detokenize:
             return ""
-        return self._live().get_tokenizer().decode(token_ids, skip_special_tokens=True)
+        printed = [t for t in token_ids if t not in state.unprinted]
+        return self._live().get_tokenizer().decode(printed, skip_special_tokens=True)
 
     def _kv_out(self, state: "_RequestState", final, completion) -> dict[str, Any] | None:
         """The request's kv_transfer_params out; a prefill leg's carry, besides vLLM's keys, what

@@ -21,6 +21,7 @@ class LegRole:
 
     computes_prompt: bool  # False: a decode leg whose prompt KV comes from its prefill leg
     decodes: bool  # False: a prefill leg (one token, then its KV goes to the decode leg)
+    rows: bool = True  # False: no later stage reads the rows (a text-only request): none recorded
 
 
 class VllmModelHooks:

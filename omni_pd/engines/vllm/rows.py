@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 SINK_ATTRIBUTE = "omni_pd_row_sink"
+# In a request's SamplingParams.extra_args: False, no later stage reads its rows (a text-only
+# request), so the sink records none for it.
+ROWS_ARG = "omni_pd_rows"
 EXTENSION = "omni_pd.engines.vllm.rows.RowCaptureExtension"
 # The sink reads the V1 model runner's input batch, and the model classes that feed it build on
 # vLLM's EAGLE-3 auxiliary outputs: internals written against, and tested on, these releases.
@@ -67,11 +70,17 @@ class RowSink:
             )
         for i, request_id in enumerate(ids):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
-            if hi > lo:
+            if hi > lo and self._wanted(request_id):
                 start = int(batch.num_computed_tokens_cpu[i])
                 self._rows[request_id].append(
                     (start, tuple(t[lo:hi].detach().to("cpu", copy=True) for t in tensors))
                 )
+
+    def _wanted(self, request_id: str) -> bool:
+        state = self._runner.requests.get(request_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        return extra.get(ROWS_ARG, True) is not False
 
     def take(self) -> dict[str, list[tuple[int, tuple[torch.Tensor, ...]]]]:
         rows, self._rows = dict(self._rows), defaultdict(list)

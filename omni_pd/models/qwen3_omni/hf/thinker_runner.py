@@ -143,8 +143,9 @@ class ThinkerRunner(ArRunnerBase):
         rows = [DecodeRow(r.tokens[-1], r.position, r.model.rope_deltas) for r in requests]
         result = self.decoder.step(rows, attention)
         for b, request in enumerate(requests):
-            request.model.output_embeds.append(result.embeds[b].clone())
-            request.model.output_hidden.append(result.hidden[b].clone())
+            if request.rows:  # a text-only request's rows have no reader
+                request.model.output_embeds.append(result.embeds[b].clone())
+                request.model.output_hidden.append(result.hidden[b].clone())
         return DecodeResult(result.logits)
 
     def sample(
@@ -177,7 +178,8 @@ class ThinkerRunner(ArRunnerBase):
         # A prefill leg's output is the prompt's (its first token only); a decode leg's prompt
         # rows stay with its prefill leg.
         generated = not request.publishes
-        prompt_rows = request.prefills_here
+        prompt_rows = request.prefills_here and request.rows
+        output_rows = generated and request.rows
         return ThinkerOutput(
             request_id=request.request_id,
             prompt_token_ids=list(request.token_ids),
@@ -186,8 +188,8 @@ class ThinkerRunner(ArRunnerBase):
             finish_reason=reason,
             prompt_embeds=state.prompt_embeds if prompt_rows else None,
             prompt_hidden=state.prompt_hidden if prompt_rows else None,
-            output_embeds=self._rows(state.output_embeds) if generated else None,
-            output_hidden=self._rows(state.output_hidden) if generated else None,
+            output_embeds=self._rows(state.output_embeds) if output_rows else None,
+            output_hidden=self._rows(state.output_hidden) if output_rows else None,
             output_start=request.prompt_len,
             metrics=dict(request.metrics),
         )

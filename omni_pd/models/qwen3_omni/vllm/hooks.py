@@ -139,9 +139,9 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
             },
             output_start=prompt_len,
         )
-        if role.computes_prompt:
+        if role.computes_prompt and role.rows:
             out.prompt_embeds, out.prompt_hidden = self._prompt_rows(text.request_id, rows, prompt_len)
-        if role.decodes:
+        if role.decodes and role.rows:
             # Every generated token but the last was fed back.
             fed = max(len(text.token_ids) - 1, 0)
             out.output_embeds, out.output_hidden = self._output_rows(
