@@ -215,6 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes or None,
         max_queued_requests=args.max_queued_requests,
         demo_page=not args.no_demo_page,
+        stream_audio_form=args.stream_audio_form,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -358,6 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait while the stages serve as many as they admit "
         "(the smallest max_num_seqs x num_replicas of the stages); past them a "
         "request gets a 429 at once, with Retry-After (default: 4 x that capacity; 0: none wait)",
+    )
+    serve.add_argument(
+        "--stream-audio-form",
+        choices=("openai", "vllm-omni"),
+        default="openai",
+        help="how a streamed chat completion sends audio: openai (delta.audio with base64 "
+        "pcm16 and its transcript; OpenAI's SDK reads it) or vllm-omni (delta.content with a "
+        "base64 16-bit WAV per chunk and the choice's audio_metadata, as vllm-omni's server "
+        "sends it; its benchmark client reads it). Every chunk carries vllm-omni's top-level "
+        "`modality` either way (default: openai)",
     )
     serve.add_argument(
         "--no-demo-page",

@@ -25,6 +25,7 @@ from ...orchestrator.async_omni import AsyncOmni
 from ...orchestrator.heap import freeze_startup_heap
 from .admission import DEFAULT_QUEUE_FACTOR, AdmissionControl
 from .chat import add_chat_route
+from .chat_stream import AUDIO_FORMS
 from .demo import add_demo_routes
 from .errors import add_error_handlers
 from .middleware import RequestGuard
@@ -45,13 +46,19 @@ def create_app(
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     max_queued_requests: int | None = None,
     demo_page: bool = True,
+    stream_audio_form: str = "openai",
 ) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
     default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
-    demo page at /demo/ (demo.py)."""
+    demo page at /demo/ (demo.py). `stream_audio_form`: how streamed chat sends audio
+    (chat_stream.AUDIO_FORMS: OpenAI's, or vllm-omni's)."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
-    state = ServerState(served_model)
+    if stream_audio_form not in AUDIO_FORMS:
+        raise ValueError(
+            f"--stream-audio-form must be one of {', '.join(AUDIO_FORMS)}, got {stream_audio_form!r}"
+        )
+    state = ServerState(served_model, stream_audio_form)
     app = FastAPI(
         title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests, on_startup_failure)
     )

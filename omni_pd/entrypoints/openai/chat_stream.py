@@ -1,5 +1,12 @@
 """A streamed chat completion: OpenAI's SSE chunks, text and audio interleaved as the stages
-produce them."""
+produce them.
+
+Every chunk carries a top-level `modality` ("text" or "audio"), as vllm-omni's server sends it:
+vllm-omni's streaming clients (its `vllm bench serve --omni --backend openai-chat-omni`) sort
+chunks by it, and OpenAI's clients ignore a key they do not know. Audio goes in one of two forms
+(`omni-pd serve --stream-audio-form`): OpenAI's (`delta.audio` with base64 pcm16, the default),
+or vllm-omni's (`delta.content` with a base64 16-bit WAV per chunk and the choice's
+`audio_metadata`)."""
 
 from __future__ import annotations
 
@@ -9,11 +16,14 @@ from typing import Any, AsyncIterator, Iterator
 
 from ...orchestrator.async_omni import AsyncOmni, AudioDelta, Finished, PreparedPrompt, TextDelta
 from ...orchestrator.outputs import OmniRequestOutput
-from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, usage
+from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, pcm16_wav_base64, usage
 from .errors import as_api_error
 from .protocol import APIError
 from .server_state import ServerState
 from .translate import TranslatedRequest
+
+
+AUDIO_FORMS = ("openai", "vllm-omni")  # how streamed audio is sent (the module docstring)
 
 
 def _sse(payload: dict) -> str:
@@ -22,22 +32,29 @@ def _sse(payload: dict) -> str:
 
 class _ChunkStream:
     """One streamed completion's SSE chunks in OpenAI's shape: the role on the first chunk, its
-    audio pieces under one id, each with the text since the previous piece as its transcript."""
+    audio pieces under one id, each with the text since the previous piece as its transcript
+    (in vllm-omni's audio form: each piece a WAV in `delta.content`, no transcript)."""
 
-    def __init__(self, completion_id: str, created: int, model: str) -> None:
+    def __init__(self, completion_id: str, created: int, model: str, audio_form: str = "openai") -> None:
+        if audio_form not in AUDIO_FORMS:
+            raise ValueError(f"the stream's audio form must be one of {AUDIO_FORMS}, got {audio_form!r}")
         self.completion_id, self.created, self.model = completion_id, created, model
+        self.audio_form = audio_form
         self.role_sent = False
         self.audio_id = f"audio-{secrets.token_hex(8)}"
         self.untranscribed, self.audio_sent = "", False
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+    def _chunk(
+        self, delta: dict, finish_reason: str | None = None, modality: str = "text", **choice: Any
+    ) -> str:
         return _sse(
             {
                 "id": self.completion_id,
                 "object": "chat.completion.chunk",
                 "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
+                "modality": modality,
             }
         )
 
@@ -52,19 +69,29 @@ class _ChunkStream:
         return self._chunk(self._with_role({"content": text}))
 
     def audio(self, delta: AudioDelta, pcm16_gain: float) -> str:
+        if self.audio_form == "vllm-omni":
+            self.audio_sent = True
+            metadata = {
+                "format": "wav",
+                "sample_rate_hz": int(delta.sample_rate),
+                "frame_count": int(delta.audio.numel()),
+                "channels": 1,
+            }
+            wav = pcm16_wav_base64(delta.audio, delta.sample_rate, pcm16_gain)
+            return self._chunk(self._with_role({"content": wav}), modality="audio", audio_metadata=metadata)
         data = pcm16_base64(delta.audio, delta.sample_rate, pcm16_gain)
         audio = {"id": self.audio_id, "data": data, "transcript": self.untranscribed}
         self.untranscribed, self.audio_sent = "", True
-        return self._chunk(self._with_role({"audio": audio}))
+        return self._chunk(self._with_role({"audio": audio}), modality="audio")
 
     def finished(self, output: OmniRequestOutput, include_usage: bool) -> Iterator[str]:
         """The last chunks: the audio's end (with the text it has not transcribed), the finish
         reason, and the usage when asked for."""
-        if self.audio_sent:
+        if self.audio_sent and self.audio_form == "openai":
             last: dict[str, Any] = {"id": self.audio_id, "expires_at": self.created + AUDIO_EXPIRES_S}
             if self.untranscribed:
                 last["transcript"] = self.untranscribed
-            yield self._chunk({"audio": last})
+            yield self._chunk({"audio": last}, modality="audio")
         # An answer with nothing to send still opens with the role.
         yield self._chunk(
             self._with_role({"content": ""}) if not self.role_sent else {}, output.finish_reason
@@ -78,6 +105,7 @@ class _ChunkStream:
                     "model": self.model,
                     "choices": [],
                     "usage": usage(output),
+                    "modality": "text",
                 }
             )
 
@@ -101,7 +129,7 @@ async def stream_chat(
     text back: half a UTF-8 character, a possible stop string) and carries `role`, as vLLM's
     does; after that each step's tokens send a chunk. Clients time the first token from the
     first chunk (vLLM's `bench serve`); no chunk leaves before the prompt has run."""
-    chunks = _ChunkStream(completion_id, created, state.served_model)
+    chunks = _ChunkStream(completion_id, created, state.served_model, state.stream_audio_form)
     counted = False
     state.metrics.in_flight.inc()
     events = omni.stream(prepared, params, request_id=completion_id, modalities=request.modalities)

@@ -7,7 +7,9 @@ import base64
 import io
 from typing import Any
 
-from ...audio_io import pcm16_bytes, write_wav
+import soundfile
+
+from ...audio_io import pcm16_bytes, to_pcm16, write_wav
 
 AUDIO_EXPIRES_S = 3600  # `expires_at`: OpenAI's audio ids expire; omni-pd keeps no audio at all
 
@@ -20,6 +22,14 @@ def wav_base64(audio, sample_rate: int) -> str:
 
 def pcm16_base64(audio, sample_rate: int, gain: float) -> str:
     return base64.b64encode(pcm16_bytes(audio, sample_rate, gain)).decode()
+
+
+def pcm16_wav_base64(audio, sample_rate: int, gain: float) -> str:
+    """A 16-bit PCM WAV of `to_pcm16`'s samples: what vllm-omni streams per audio chunk (its
+    clients read it with Python's `wave`, which takes integer PCM only)."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, to_pcm16(audio, gain).numpy(), sample_rate, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def usage(output) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from .realtime.session import RealtimeSession
 class ServerState:
     """What the app holds: the orchestrator once it is up, and its metrics."""
 
-    def __init__(self, served_model: str) -> None:
+    def __init__(self, served_model: str, stream_audio_form: str = "openai") -> None:
         self.served_model = served_model
+        self.stream_audio_form = stream_audio_form  # chat_stream.AUDIO_FORMS
         self.omni: AsyncOmni | None = None
         self.startup_error: str | None = None
         self.pcm16_gain = 1.0  # set from the stage config once the stages are up
