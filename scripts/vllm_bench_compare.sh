@@ -17,6 +17,9 @@
 #   INPUT_LEN    prompt tokens [256]   OUTPUT_LEN   output tokens (--ignore-eos) [32]
 #   SEED         the random dataset's seed [0]   PORT  [8311]   VENV  [.venv]
 #   REPEATS      runs of the whole sequence [1]
+#   PEER_PD      1: also vLLM's own P/D, the row `vllm-pd` (two `vllm serve` with the
+#                MooncakeConnector, kv_producer / kv_consumer, behind scripts/vllm_pd_proxy.py,
+#                which does what vLLM's disaggregated-serving examples do) [0]
 #
 # Bare vLLM serves the checkpoint that omni-pd's vLLM thinker stage loads (the embedded tiny model
 # written with the stages' seed 42; its architecture, Qwen3OmniMoeForConditionalGeneration, is
@@ -38,6 +41,7 @@ INPUT_LEN=${INPUT_LEN:-256}
 OUTPUT_LEN=${OUTPUT_LEN:-32}
 SEED=${SEED:-0}
 REPEATS=${REPEATS:-1}
+PEER_PD=${PEER_PD:-0}
 PORT=${PORT:-8311}
 NAME=tiny-qwen3-omni
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -48,20 +52,24 @@ echo "checkpoint: $CKPT"
 echo "out: $OUT"
 
 SERVER=""
-stop_server() {
-    if [ -n "$SERVER" ] && kill -0 "$SERVER" 2>/dev/null; then
-        kill "$SERVER" 2>/dev/null || true
-        for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done
-        kill -9 "$SERVER" 2>/dev/null || true
-    fi
+stop_server() {  # every process in $SERVER
+    for pid in $SERVER; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in $SERVER; do
+        for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        kill -9 "$pid" 2>/dev/null || true
+    done
     SERVER=""
 }
 trap stop_server EXIT
 
-wait_ready() {  # /health answers 200 (omni-pd: every stage up; vLLM: the engine up)
+wait_ready() {  # LOG [PORT]: /health answers 200 (omni-pd: every stage up; vLLM: the engine up)
     for _ in $(seq 600); do
-        kill -0 "$SERVER" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
-        curl -sf -o /dev/null "http://127.0.0.1:$PORT/health" && return 0
+        for pid in $SERVER; do
+            kill -0 "$pid" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
+        done
+        curl -sf -o /dev/null "http://127.0.0.1:${2:-$PORT}/health" && return 0
         sleep 1
     done
     echo "server not ready after 600 s; log: $1" >&2
@@ -92,6 +100,27 @@ for REP in $(seq "$REPEATS"); do
     wait_ready "$OUT/server.vllm.r$REP.log"
     bench vllm
     stop_server
+
+    # 1b. vLLM's own P/D: producer and consumer, each the stage's engine arguments, behind the proxy.
+    if [ "$PEER_PD" = "1" ]; then
+        echo "vLLM P/D: two vllm serve (MooncakeConnector) behind scripts/vllm_pd_proxy.py (repeat $REP of $REPEATS)"
+        for role in producer consumer; do
+            port=$((PORT + 1)); [ "$role" = consumer ] && port=$((PORT + 2))
+            VLLM_MOONCAKE_BOOTSTRAP_PORT=$((PORT + 3)) "$VENV/bin/vllm" serve "$CKPT" --served-model-name "$NAME" \
+                --host 127.0.0.1 --port "$port" --dtype float32 --block-size 32 --max-model-len 4096 \
+                --enforce-eager --seed 42 --max-num-seqs 64 \
+                --kv-transfer-config "{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_$role\",\"kv_connector_extra_config\":{\"mooncake_protocol\":\"tcp\"}}" \
+                >"$OUT/server.vllm-pd-$role.r$REP.log" 2>&1 &
+            SERVER="$SERVER $!"
+            wait_ready "$OUT/server.vllm-pd-$role.r$REP.log" "$port"
+        done
+        "$VENV/bin/python" scripts/vllm_pd_proxy.py --prefill "http://127.0.0.1:$((PORT + 1))" \
+            --decode "http://127.0.0.1:$((PORT + 2))" --port "$PORT" >"$OUT/server.vllm-pd-proxy.r$REP.log" 2>&1 &
+        SERVER="$SERVER $!"
+        wait_ready "$OUT/server.vllm-pd-proxy.r$REP.log"
+        bench vllm-pd
+        stop_server
+    fi
 
     # 2. omni-pd, each stage file.
     for cfg in $CONFIGS; do
