@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from omni_pd.orchestrator.async_omni import AudioDelta
+from omni_pd.orchestrator.async_omni import AudioDelta, TextDelta
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.orchestrator.stage_client import StageError
 from omni_pd.paths import STAGE_CONFIGS_DIR
@@ -80,6 +80,26 @@ def test_client_gone_mid_stream_stops_every_stage(small_decode_pool):
     # frames on an idle machine; the margin is for a loaded one).
     assert omni.control(talker, "batch_stats")["decode_rows"] - rows_before < max_frames * 3 // 4
     assert omni.generate("ok")[0].audio.numel() > 0
+
+
+def test_client_gone_after_the_first_token_frees_both_legs(small_decode_pool):
+    """Issue 48, bad input: the client goes as soon as the first chunk (the prefill leg's token)
+    has left, while the KV handoff runs. The decode leg is aborted (or never starts), the prefill
+    leg's KV lease is released, and neither side holds anything; the pair serves the next
+    request."""
+    omni = small_decode_pool
+
+    async def first_then_gone():
+        events = omni.engine.stream("Hi there", modalities=["text"])
+        try:
+            return await events.__anext__()
+        finally:
+            await events.aclose()
+
+    first = asyncio.run_coroutine_threadsafe(first_then_gone(), omni._loop).result(120)
+    assert isinstance(first, TextDelta)
+    _clean(omni)
+    assert omni.generate("ok")[0].token_ids
 
 
 def test_stage_failing_mid_stream_ends_the_stream_with_its_name(small_decode_pool):
