@@ -255,6 +255,39 @@ def test_the_first_chunk_arrives_with_the_first_token(server):
     assert _first_chunk_problems(first.model_dump(), first_chunk_s, first_token_s) == []
 
 
+def _token_chunks(chunks) -> list[str]:
+    """The contents of a stream's chunks that carry a step's tokens: every chunk with a
+    `content` key, "" included (a step whose text the server holds back), up to the finish."""
+    return [
+        c.choices[0].delta.content
+        for c in chunks
+        if c.choices and c.choices[0].delta.content is not None and c.choices[0].finish_reason is None
+    ]
+
+
+def test_a_held_back_first_token_still_opens_the_stream(server):
+    """Issue 48, item 1: the first chunk leaves with the first token even when its text is held
+    back, here because a stop string begins with it (it may still become the stop), and after it
+    every step with a token sends a chunk: as many token chunks as tokens, the first one empty
+    with the role, adding up to the answer. The control: the old rule (a chunk only for new
+    text) sends one chunk fewer, and its first chunk comes with the second token."""
+    first = _chat(server, "Hold the first one back.", max_tokens=1, temperature=0).choices[0].message.content
+    stop = [(first or "") + "\x00never"]  # starts with the first token's text; never completes
+    whole = _chat(server, "Hold the first one back.", max_tokens=8, temperature=0, stop=stop)
+    chunks = list(
+        _chat(server, "Hold the first one back.", max_tokens=8, temperature=0, stop=stop, stream=True)
+    )
+    tokens = whole.usage.completion_tokens
+    contents = _token_chunks(chunks)
+    assert chunks[0].choices[0].delta.role == "assistant" and contents[0] == ""
+    assert "".join(contents) == whole.choices[0].message.content, contents
+    # A chunk per token step; one more at the end when text was held back to the last (half a
+    # character, which the answer's text keeps as U+FFFD).
+    assert tokens <= len(contents) <= tokens + 1, (contents, tokens)
+    old_rule = [c for c in contents if c]  # the control
+    assert len(old_rule) < tokens
+
+
 def test_the_first_chunk_check_catches_an_early_empty_chunk():
     """Negative control for the check above: the role-only chunk sent before the prompt ran."""
     early = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
