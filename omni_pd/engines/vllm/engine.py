@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ... import registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
+from ..core.text import TextStops
 from ..types import TextOutput, TokenPrompt
 from ...kv.errors import KVIncompatibleError
 from ...kv.vllm.handoff import (
@@ -160,12 +161,9 @@ class _RequestState:
     chunks_sent: int = 0
     multimodal: bool = False  # the prompt has multimodal inputs
     # A decode leg that starts from the prefill's first token (resume.py): that token, put in
-    # front of vLLM's output; `lead` is what the first delta still has to carry.
+    # front of vLLM's output (and of its first delta).
     resumed: list[int] = field(default_factory=list)
-    lead: list[int] = field(default_factory=list)
-    detokenize: bool = True
-    vllm_detokenizes: bool = False  # vLLM makes the text (to find stop strings in it)
-    unprinted: frozenset[int] = frozenset()  # ids left out of the text: EOS, stop token ids
+    params: SamplingParams = field(default_factory=SamplingParams)  # the caller's, for the text
 
 
 class VllmEngine(StageEngine):
@@ -201,6 +199,7 @@ class VllmEngine(StageEngine):
             self.engine.collective_rpc("omni_pd_attach_rows")
         self.startup_s = time.perf_counter() - began
         self._eos_ids = eos_token_ids(self.engine)
+        self._stops: TextStops | None = None  # _text's decoder
         self._read_kv_description(name, args.tensor_parallel_size)
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
@@ -328,10 +327,7 @@ class VllmEngine(StageEngine):
             chunks=bool(stream and chunks),
             multimodal=prompt.has_multimodal_inputs(),
             resumed=first,
-            lead=list(first),
-            detokenize=params.detokenize,
-            vllm_detokenizes=vllm_detokenizes(params_in),
-            unprinted=self._eos_ids | frozenset(params.stop_token_ids),
+            params=params,
         )
 
     def _check_hf_producer(self, described: Any) -> None:
@@ -433,10 +429,9 @@ class VllmEngine(StageEngine):
             if state is None:
                 continue
             completion = out.outputs[0] if out.outputs else None
-            new = list(completion.token_ids[state.seen :]) if completion is not None else []
-            state.seen += len(new)
-            if new and state.lead:
-                new, state.lead = [*state.lead, *new], []
+            fresh = list(completion.token_ids[state.seen :]) if completion is not None else []
+            new = [*state.resumed, *fresh] if fresh and state.seen == 0 else fresh
+            state.seen += len(fresh)
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
             if new or out.finished:
@@ -572,15 +567,16 @@ class VllmEngine(StageEngine):
 
     def _text(self, state: "_RequestState", token_ids: list[int], vllm_text: str | None) -> str:
         """vLLM's text where it detokenized (stop strings: never a leg that started from the
-        prefill's first token), else the whole answer decoded once as the hf engine decodes it
-        (engines/core/text.py: EOS and stop token ids left out, special tokens skipped, a
+        prefill's first token), else the whole answer decoded once by the hf engine's own
+        `TextStops.detokenize` (EOS and stop token ids left out, special tokens skipped, a
         trailing half character kept as U+FFFD, where vLLM's detokenizer drops it)."""
-        if state.vllm_detokenizes:
+        if vllm_detokenizes(state.params):
             return vllm_text or ""
-        if not state.detokenize:
+        if not state.params.detokenize:
             return ""
-        printed = [t for t in token_ids if t not in state.unprinted]
-        return self._live().get_tokenizer().decode(printed, skip_special_tokens=True)
+        if self._stops is None:  # the tokenizer, only once a request needs its text
+            self._stops = TextStops(self._live().get_tokenizer(), self._eos_ids)
+        return self._stops.detokenize(token_ids, state.params)
 
     def _kv_out(self, state: "_RequestState", final, completion) -> dict[str, Any] | None:
         """The request's kv_transfer_params out; a prefill leg's carry, besides vLLM's keys, what
