@@ -31,7 +31,7 @@ API_KEY = "sk-omni-pd-test"  # the module's server requires it (OMNI_PD_API_KEY)
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(api_key=API_KEY)
+    srv = Server(lambda port: omni_pd_serve_command(port) + ["--trace-hops"], api_key=API_KEY)
     try:
         yield srv
     finally:
@@ -286,6 +286,100 @@ def test_a_held_back_first_token_still_opens_the_stream(server):
     assert tokens <= len(contents) <= tokens + 1, (contents, tokens)
     old_rule = [c for c in contents if c]  # the control
     assert len(old_rule) < tokens
+
+
+# Hops that happen one after the other, across processes (issue 48 item 9): each (where, hop)
+# at or after the one before it, on the host's one clock. P/D: prefill on stage 0, decode on 1.
+PD_PATH = [
+    ("client", "sent"),
+    ("api server", "request in"),
+    ("orchestrator", "arrived"),
+    ("stage 0 (thinker)", "sent"),
+    ("stage 0 (thinker)", "added"),
+    ("stage 0 (thinker)", "prefill started"),
+    ("stage 0 (thinker)", "kv published"),
+    ("stage 0 (thinker)", "result out"),
+    ("stage 0 (thinker)", "result in"),
+    ("orchestrator", "text out"),
+    ("api server", "first chunk out"),
+    ("client", "first chunk in"),
+]
+DECODE_PATH = [
+    ("stage 0 (thinker)", "result in"),
+    ("stage 1 (thinker)", "sent"),
+    ("stage 1 (thinker)", "added"),
+    ("stage 1 (thinker)", "kv read started"),
+    ("stage 1 (thinker)", "kv landed"),
+    ("stage 1 (thinker)", "token 2"),
+    ("stage 1 (thinker)", "result out"),
+    ("stage 1 (thinker)", "result in"),
+    ("api server", "last chunk out"),
+    ("client", "last chunk in"),
+]
+
+
+def _out_of_order(rows: list[dict], path: list[tuple[str, str]]) -> list[str]:
+    """Why `rows` (a timeline's hops) do not follow `path`: a hop missing, or one stamped
+    before the hop ahead of it. [] when they do."""
+    at = {(r["where"], r["hop"]): r["at_ms"] for r in rows}
+    missing = [f"no {where!r} {hop!r}" for where, hop in path if (where, hop) not in at]
+    if missing:
+        return missing
+    return [
+        f"{a} at {at[a]:.3f} ms, after {b} at {at[b]:.3f} ms" for a, b in zip(path, path[1:]) if at[a] > at[b]
+    ]
+
+
+def test_a_traced_answer_carries_its_hops_in_the_order_they_happened(server):
+    """`omni-pd serve --trace-hops`: the stream's last chunk carries the request's timeline,
+    joined from the API server, the orchestrator and both P/D workers; put beside the client's
+    own stamps (the same host's CLOCK_MONOTONIC), every hop of the request's path comes after
+    the one before it, across four processes. The non-streamed answer carries it too."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Trace this one."}],
+        "modalities": ["text"],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    first_in = last_in = None
+    timeline = None
+    with httpx.stream(
+        "POST", f"{server.base}/v1/chat/completions", json=body, headers=server.headers, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                first_in = first_in or time.perf_counter()
+                last_in = time.perf_counter()
+                timeline = json.loads(line[len("data: ") :]).get("omni_pd_timeline", timeline)
+    assert timeline is not None and first_in is not None
+    offset = (timeline["origin"] - sent) * 1e3
+    rows = [{"where": r["where"], "hop": r["hop"], "at_ms": r["at_ms"] + offset} for r in timeline["hops"]]
+    rows += [
+        {"where": "client", "hop": hop, "at_ms": (at - sent) * 1e3}
+        for hop, at in (("sent", sent), ("first chunk in", first_in), ("last chunk in", last_in))
+    ]
+    assert _out_of_order(rows, PD_PATH) == [], rows
+    assert _out_of_order(rows, DECODE_PATH) == [], rows
+    whole = httpx.post(
+        f"{server.base}/v1/chat/completions",
+        json={**body, "stream": False},
+        headers=server.headers,
+        timeout=120,
+    ).json()
+    assert _out_of_order(whole["omni_pd_timeline"]["hops"], PD_PATH[1:9] + DECODE_PATH[1:8]) == []
+
+
+def test_the_hop_order_check_sees_a_missing_hop_and_one_out_of_order():
+    """Negative control for the check above."""
+    rows = [{"where": w, "hop": h, "at_ms": float(i)} for i, (w, h) in enumerate(PD_PATH)]
+    assert _out_of_order(rows, PD_PATH) == []
+    swapped = [dict(r) for r in rows]
+    swapped[4]["at_ms"], swapped[5]["at_ms"] = swapped[5]["at_ms"], swapped[4]["at_ms"]
+    assert len(_out_of_order(swapped, PD_PATH)) == 1
+    assert _out_of_order(rows[:-1], PD_PATH) == ["no 'client' 'first chunk in'"]
 
 
 def test_the_first_chunk_check_catches_an_early_empty_chunk():

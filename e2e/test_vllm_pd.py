@@ -70,6 +70,7 @@ def test_entry_point_and_patches_in_every_worker(pd):
             "cpu_device_index": "applied",
             "consumer_peer_watch": "applied",
             "decode_resume": "applied",
+            "recv_wake": "applied",
         }, (stage_id, status)
 
 

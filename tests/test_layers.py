@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "sampling": 0,
     "audio_io": 0,
     "paths": 0,
+    "hops": 0,  # per-request hop stamps every process records (one clock per host)
     "faults": 0,  # the test-only fault hook registry production code consults
     "config": 1,
     "kv": 1,

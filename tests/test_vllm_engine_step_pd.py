@@ -34,6 +34,45 @@ PROMPTS = TOKEN_PROMPTS
 REPLY_TIMEOUT_S = 120
 
 
+def _paced(engine):
+    """engine.step(), then the wait the worker loop would make before the next one (a decode
+    leg waiting for its KV waits on its wake fd, or a millisecond)."""
+    outputs = engine.step()
+    delay = engine.step_delay_s()
+    if delay:
+        engine.wait_for_io(delay)
+    return outputs
+
+
+def _run_woken(engine, patched: bool):
+    """Step a decode leg until idle as the worker does, with every wait for KV timed against
+    its wake fd: (finals, waits for KV, waits the fd ended). Unpatched (the control), the
+    connector's receives signal nothing, and each wait runs out its short window."""
+    import select
+
+    from omni_pd.engines.vllm.engine import KV_WAIT_S
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
+
+    names = ("process_pulling_result", "_handle_failed_recv")
+    patched_methods = {n: getattr(mc.MooncakeConnectorWorker, n) for n in names}
+    if not patched:
+        for name, method in patched_methods.items():
+            setattr(mc.MooncakeConnectorWorker, name, method.__wrapped__)
+    finals, waits, woken = {}, 0, 0
+    try:
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: (o.error, o.output) for o in engine.step() if o.finished})
+            if engine.step_delay_s() >= KV_WAIT_S:  # every request waits for its KV
+                waits += 1
+                ready, _, _ = select.select([engine.wake_fd()], [], [], 30.0 if patched else 0.5)
+                woken += bool(ready)
+                engine.wait_for_io(0)  # resets the fd
+    finally:
+        for name, method in patched_methods.items():
+            setattr(mc.MooncakeConnectorWorker, name, method)
+    return finals, waits, woken
+
+
 def _serve(config_path: str, stage_index: int, conn) -> None:
     """A minimal stage worker: one engine, commands over a pipe, steps only inside "run"."""
     from omni_pd.config import load_pipeline_config
@@ -50,7 +89,7 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
             elif cmd == "run":  # step until idle, as the worker loop does
                 finals, deltas, batch = {}, {}, 0
                 while engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    outputs = _paced(engine)
                     batch = max(batch, sum(1 for o in outputs if o.new_token_ids))
                     for o in outputs:
                         deltas.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -60,7 +99,7 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
             elif cmd == "run_steps":  # step until idle, counting the steps that gave tokens
                 finals, deltas, steps = {}, {}, 0
                 while engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    outputs = _paced(engine)
                     steps += any(o.new_token_ids for o in outputs)
                     for o in outputs:
                         deltas.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -71,8 +110,10 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
                 finals = {}
                 while args[0] not in finals:
                     assert engine.has_unfinished_requests(), f"{args[0]} never finished"
-                    finals.update({o.request_id: (o.error, o.output) for o in engine.step() if o.finished})
+                    finals.update({o.request_id: (o.error, o.output) for o in _paced(engine) if o.finished})
                 result = finals
+            elif cmd == "run_woken":
+                result = _run_woken(engine, *args)
             elif cmd == "abort":
                 result = engine.abort_request(args[0])
             elif cmd == "held":  # finished requests whose KV vLLM still holds for sending
@@ -273,3 +314,27 @@ def test_the_decode_leg_starts_from_the_prefills_first_token(legs, params):
     for leg in (prefill, decode):
         counts = leg.call("control", "debug_state_counts", {})
         assert all(v == 0 for v in counts.values()), counts
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["woken", "control-unpatched"])
+def test_a_decode_leg_waiting_for_its_kv_is_woken_when_it_lands(legs, patched):
+    """Event-driven waits (issue 48, item 3): while every request a decode leg holds waits for
+    its KV, the engine asks the worker to wait (step_delay_s at KV_WAIT_S, not a spin), and the
+    connector's receive wakes that wait through the engine's eventfd (recv_wake): every wait
+    ends by the fd, within its 30 s timeout. The control unpatches the connector in the decode
+    process: the same handoff finishes, but no wait sees the fd (each times out at 0.5 s, far
+    past a same-host receive)."""
+    prefill, decode = legs["prefill"], legs["decode"]
+    ids = PROMPTS["c"]
+    transfer = f"xfer-wake-{patched}"
+    prefill.call("add", "p", TokenPrompt(list(ids)), build_prefill_sampling_params(GREEDY, transfer), False)
+    finals, _, _ = prefill.call("run")
+    kv = finals["p"][1].kv_transfer_params
+    decode.call("add", "w", TokenPrompt(list(ids)), build_decode_sampling_params(GREEDY, kv, transfer), False)
+    finals, waits, woken = decode.call("run_woken", patched)
+    err, out = finals["w"]
+    assert err is None, err
+    assert out.num_cached_prompt_tokens == len(ids)
+    assert waits >= 1, "the decode leg never waited for its KV"
+    assert woken == (waits if patched else 0), (waits, woken)
+    assert wait_until(lambda: prefill.call("held") == 0)

@@ -4,8 +4,10 @@ worker."""
 
 import asyncio
 import multiprocessing as mp
+import os
 import pickle
 import threading
+import time
 
 import pytest
 
@@ -101,6 +103,15 @@ def _receive_until(conn, done, timeout_s=10.0):
     received = []
     while not done(received):
         assert conn.poll(timeout_s), f"no message within {timeout_s} s; got {received}"
+        message = msg.loads(conn.recv_bytes())
+        received.extend(message.messages if isinstance(message, msg.StepMessages) else [message])
+    return received
+
+
+def _messages_for(conn, seconds):
+    """Every message (heartbeats included) that arrives within `seconds`."""
+    received, end = [], time.monotonic() + seconds
+    while conn.poll(max(end - time.monotonic(), 0)):
         message = msg.loads(conn.recv_bytes())
         received.extend(message.messages if isinstance(message, msg.StepMessages) else [message])
     return received
@@ -309,3 +320,58 @@ def test_tensors_cross_the_pipe_as_their_values():
         assert got.dtype == sent.dtype and torch.equal(got, sent)
     row = msg.dumps(msg.ChunkOutput("r", base[-1:]))
     assert len(row) < 1024 < base[-1:].numel() * 4 + 1024 < len(pickle.dumps(base[-1:]))
+
+
+class IOWaitingEngine(CountingEngine):
+    """A CountingEngine whose requests first wait for an I/O that the test ends (`land`): until
+    then every step runs nothing and asks the worker to wait a minute before the next.
+    `wakes`: whether it offers a wake fd that `land` signals."""
+
+    def __init__(self, wakes: bool):
+        super().__init__()
+        self.landed = threading.Event()
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK) if wakes else None
+        self.idle_steps = 0
+
+    def land(self):
+        self.landed.set()
+        if self.fd is not None:
+            os.eventfd_write(self.fd, 1)
+
+    def step(self):
+        if not self.landed.is_set():
+            self.idle_steps += 1
+            return []
+        return super().step()
+
+    def step_delay_s(self):
+        return 60.0 if self.requests and not self.landed.is_set() else 0.0
+
+    def wake_fd(self):
+        return self.fd
+
+
+@pytest.mark.parametrize("wakes", [True, False], ids=["woken", "control-polling"])
+def test_a_worker_waiting_on_io_steps_when_its_wake_fd_fires(wakes):
+    """The worker loop waits on the engine's wake fd beside its pipe: an engine whose requests
+    wait on I/O (step_delay_s a minute) is stepped as soon as the I/O ends, and the answer comes
+    back at once, after one idle step. The control (no wake fd, the engine only polls): the same
+    I/O ends, but the worker sleeps on in its wait, and no answer comes within 2 s."""
+    engine = IOWaitingEngine(wakes)
+    ours, theirs = mp.Pipe(duplex=True)
+    thread = threading.Thread(target=serve, args=(engine, theirs, lambda: True), daemon=True)
+    thread.start()
+    try:
+        _send(ours, msg.AddRequest("a", "a", PARAMS))
+        assert _finals(_messages_for(ours, 0.5)) == {}  # waiting: nothing to answer yet
+        engine.land()
+        if wakes:
+            finals = _finals(_receive_until(ours, lambda got: "a" in _finals(got), timeout_s=20.0))
+            assert finals["a"].output == [1, 2, 3]
+            assert engine.idle_steps == 1
+        else:
+            assert _finals(_messages_for(ours, 2.0)) == {}
+    finally:
+        _send(ours, msg.Shutdown())  # a message ends the control's wait too
+        thread.join(10)
+    assert not thread.is_alive()

@@ -11,9 +11,11 @@ one final record (or error) per finished request. The worker calls `step()` whil
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.connection import wait as wait_any
+from typing import Any, Sequence
 
 from .. import faults
 from ..config.cpus import format_cpulist
@@ -132,6 +134,26 @@ class StageEngine(ABC):
         """How long the worker may wait for messages before the next step: above 0 when every
         request waits on I/O (a KV read), so the loop does not spin a core meanwhile."""
         return 0.0
+
+    def wake_fd(self) -> int | None:
+        """A non-blocking eventfd the engine signals when I/O its requests wait on ends (a KV
+        receive), so a worker waits on it instead of polling; None: it polls (step_delay_s)."""
+        return None
+
+    def wait_for_io(self, timeout_s: float, conns: Sequence[Any] = ()) -> list[Any]:
+        """Wait up to `timeout_s` for a message on one of `conns` (multiprocessing connections)
+        or for the engine's I/O to end (its wake fd, reset here): the conns with a message."""
+        waker = self.wake_fd()
+        if waker is None and not conns:
+            time.sleep(timeout_s)  # nothing to wait on but the clock
+            return []
+        ready = wait_any([*conns, *([waker] if waker is not None else [])], timeout_s)
+        if waker is not None and waker in ready:
+            try:
+                os.eventfd_read(waker)
+            except BlockingIOError:  # reset by another reader in between
+                pass
+        return [c for c in ready if c is not waker]
 
     # Engine calls the orchestrator may make outside the request path, by name.
     control_calls: frozenset[str] = frozenset(

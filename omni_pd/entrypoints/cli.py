@@ -216,6 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         demo_page=not args.no_demo_page,
         stream_audio_form=args.stream_audio_form,
+        trace_hops=args.trace_hops,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -369,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         "base64 16-bit WAV per chunk and the choice's audio_metadata, as vllm-omni's server "
         "sends it; its benchmark client reads it). Every chunk carries vllm-omni's top-level "
         "`modality` either way (default: openai)",
+    )
+    serve.add_argument(
+        "--trace-hops",
+        action="store_true",
+        help="each chat answer carries its request's timeline as a top-level omni_pd_timeline "
+        "(in a stream: on the chunk with the finish reason): when it passed the API server, the "
+        "orchestrator, each stage worker and the KV transfer, in ms since the server took it "
+        "(one host's CLOCK_MONOTONIC; scripts/hop_timeline.py prints it)",
     )
     serve.add_argument(
         "--no-demo-page",

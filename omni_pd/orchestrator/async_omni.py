@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 import torch
 
-from .. import registry
+from .. import hops, registry
 from ..engines.types import AudioOutput, TextOutput, TokenPrompt
 from ..planning import expand_sampling_params, find_pd_pair
 from ..planning.pd import HandoffPolicy, PDPair
@@ -384,6 +384,7 @@ class AsyncOmni:
             # serves every other request meanwhile.
             # build_prompt gives a TokenPrompt; the registry types it Any, as it imports no layer above it.
             text_prompt = cast(TokenPrompt, await asyncio.to_thread(self.pipeline.build_prompt, state.prompt))
+            state.hop("orchestrator", "prompt built")
         self._check_multimodal(text_prompt)
         prompt_len = state.prompt_len = len(text_prompt.prompt_token_ids)
         max_tokens = state.params[self.text_stage_id].max_tokens
@@ -413,6 +414,23 @@ class AsyncOmni:
         return self._finish(state)
 
     # ---- the P/D handoff ---------------------------------------------------------------------
+
+    def _hops(self, state: RequestState) -> list[tuple[str, str, float]]:
+        """The orchestrator's hop stamps and each stage worker's (from its output's metrics),
+        except a Ray worker's: it may run on another node, on another clock."""
+        found = [(where, hop, at) for (where, hop), at in state.hops.items()]
+        found.append(("orchestrator", "arrived", state.started))
+        for stage_id, output in state.outputs.items():
+            metrics = getattr(output, "metrics", None)
+            assignment = state.replicas.get(stage_id)
+            if (
+                not isinstance(metrics, dict)
+                or assignment is None
+                or self.stages[stage_id].engine_args.distributed_executor_backend == "ray"
+            ):
+                continue
+            found.extend((assignment.client.name, hop, at) for hop, at in hops.stamps(metrics).items())
+        return found
 
     def _stage_name(self, stage_id: int) -> str:
         stage = self.stages[stage_id]
@@ -470,6 +488,9 @@ class AsyncOmni:
                 for k, span in state.stage_spans.items()
             },
             "audio_chunks_ms": list(state.audio_chunk_ms),
+            # Where the request was when (hops.py): stamps since it arrived, by process.
+            "origin": state.started,
+            "hops": hops.timeline(state.started, self._hops(state)),
         }
         return OmniRequestOutput(
             request_id=state.request_id,

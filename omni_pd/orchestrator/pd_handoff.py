@@ -59,6 +59,18 @@ class StageCalls(Protocol):
 
     def time_left(self, state: RequestState, deadline: float, stage_id: int) -> float: ...
 
+    async def generate(
+        self,
+        state: RequestState,
+        stage_id: int,
+        prompt: Any,
+        params: SamplingParams,
+        remaining: float,
+        on_tokens: Callable[[list[int]], None] | None,
+        on_chunk: Callable[[Any], None] | None,
+        rows: bool,
+    ) -> Any: ...
+
 
 class PDHandoff:
     """The P/D pair's legs and their state: each link's breaker, the failed handoffs and
@@ -294,8 +306,8 @@ class PDHandoff:
         remaining = self.runner.time_left(state, deadline, decode_id)
         state.push_target = None  # the decode leg takes (or frees) its reservation now
         try:
-            output = await self.router.route(state, decode_id).generate(
-                state.request_id, prompt, params, remaining, on_tokens, on_chunk, rows=state.text_rows
+            output = await self.runner.generate(
+                state, decode_id, prompt, params, remaining, on_tokens, on_chunk, rows=state.text_rows
             )
         except StageError as exc:
             kind = getattr(exc, "kind", "")

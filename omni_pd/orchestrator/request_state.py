@@ -44,6 +44,11 @@ class RequestState:
     # The replica of each stage the request was routed to (`replicas.Assignment`); each counts
     # as its replica's load until released, at the stage's end or, at the latest, the request's.
     replicas: dict[int, Any] = field(default_factory=dict)
+    # Hop stamps (hops.py): (where, hop) -> perf_counter, the first pass of each only.
+    hops: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def hop(self, where: str, hop: str) -> None:
+        self.hops.setdefault((where, hop), time.perf_counter())
 
     def release_replicas(self) -> None:
         for assignment in self.replicas.values():

@@ -142,8 +142,9 @@ class StageRunner:
             on_tokens = self.text_stream(state, params, on_text)
         remaining = self.time_left(state, deadline, stage_id)
         text_leg = stage_id == self.text_stage_id or (pair is not None and stage_id == pair.prefill_stage_id)
-        return await self.router.route(state, stage_id).generate(
-            state.request_id,
+        return await self.generate(
+            state,
+            stage_id,
             prompt,
             params,
             remaining,
@@ -151,6 +152,35 @@ class StageRunner:
             on_chunk,
             rows=state.text_rows or not text_leg,
         )
+
+    async def generate(
+        self,
+        state: RequestState,
+        stage_id: int,
+        prompt: Any,
+        params: SamplingParams,
+        remaining: float,
+        on_tokens: Callable[[list[int]], None] | None,
+        on_chunk: Callable[[Any], None] | None,
+        rows: bool,
+    ) -> Any:
+        """The request on its replica of `stage_id`, its hops stamped: sent, its first tokens
+        back, its result back."""
+        client = self.router.route(state, stage_id)
+        where = client.name
+        if on_tokens is not None:
+            stream = on_tokens
+
+            def on_tokens(token_ids: list[int]) -> None:
+                state.hop(where, "tokens in")
+                stream(token_ids)
+
+        state.hop(where, "sent")
+        output = await client.generate(
+            state.request_id, prompt, params, remaining, on_tokens, on_chunk, rows=rows
+        )
+        state.hop(where, "result in")
+        return output
 
     def time_left(self, state: RequestState, deadline: float, stage_id: int) -> float:
         remaining = deadline - time.monotonic()
@@ -174,6 +204,7 @@ class StageRunner:
                 # Every step with new tokens sends, as vLLM does: "" while the text is held
                 # back, so a client times the first token when it exists.
                 on_text(detok.add(token_ids))
+                state.hop("orchestrator", "text out")
 
             state.text_stream = stream
             return stream

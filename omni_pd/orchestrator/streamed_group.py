@@ -79,7 +79,9 @@ class StreamedGroup:
             return False
         state = self.state
         state.stage_started(sid)
-        self.waiters[sid] = self.router.route(state, sid).submit(
+        client = self.router.route(state, sid)
+        state.hop(client.name, "sent")
+        self.waiters[sid] = client.submit(
             state.request_id,
             prompt,
             state.params[sid],

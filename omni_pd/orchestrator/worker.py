@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import hops
 from ..engines.base import StepOutput
 from ..engines.device import to_device
 from . import messages as msg
@@ -229,6 +230,8 @@ class _Loop:
             if out.chunk is not None:
                 messages.append(msg.ChunkOutput(out.request_id, out.chunk))
             if out.finished:
+                if isinstance(getattr(out.output, "metrics", None), dict):
+                    hops.stamp(out.output.metrics, "result out")
                 messages.append(msg.GenerateResult(out.request_id, out.output))
         if len(messages) == 1:
             self.send(messages[0])
@@ -254,7 +257,8 @@ def serve(engine, conn, alive: Callable[[], bool]) -> None:
                 time.sleep(wait_s)
                 wait_s = 0
             try:
-                if conn.poll(wait_s):
+                # A wait also ends when the engine's I/O does (its wake fd: a KV receive ended).
+                if conn.poll(0) if wait_s == 0 else engine.wait_for_io(wait_s, [conn]):
                     while True:  # everything that is waiting, then one step
                         loop.handle(msg.loads(conn.recv_bytes()))
                         if loop.stopping or not conn.poll(0):

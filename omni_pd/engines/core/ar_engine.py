@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ... import hops
 from ...sampling import SamplingParams
 from ..base import BatchStats, StageEngine, StepOutput
 from .attention import SequenceSlot, StepAttention
@@ -116,6 +117,7 @@ class ArEngine(StageEngine):
                 f"chunk, later chunks), got {chunk_sizes!r}"
             )
         request = self.new_request(request_id, prompt, params)
+        hops.stamp(request.metrics, "added")
         request.stream, request.chunks, request.rows = stream or chunks, chunks, rows
         request.chunk_sizes = (chunk_sizes[0], chunk_sizes[1]) if chunk_sizes is not None else None
         if request.prompt_len == 0:
@@ -409,6 +411,8 @@ class ArEngine(StageEngine):
     def compute_prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         """One batched prefill pass of the runner over `items`, through this step's attention
         (each prompt's blocks, cached prefix and new positions): each result with its KV."""
+        for item in items:
+            hops.stamp(item.request.metrics, "prefill started")
         attention = prefill_attention(self.runner, self.kv.cache, items)
         results = self.runner.prefill(items, attention)
         for index, result in enumerate(results):
@@ -437,6 +441,7 @@ class ArEngine(StageEngine):
         if request.batchable:
             [result] = self.compute_prefill([PrefillItem(request, request.cached_len)])
             return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
+        hops.stamp(request.metrics, "prefill started")
         result = self.runner.prefill_alone(request)
         return self._take_first_token(request, result, (time.perf_counter() - began) * 1e3)
 
@@ -499,6 +504,8 @@ class ArEngine(StageEngine):
                 "(its computation is not batch-invariant)"
             )
         request.tokens.append(token)
+        if index < 2:
+            hops.stamp(request.metrics, f"token {index + 1}")
         return None
 
     def _delta(self, request: EngineRequest) -> StepOutput | None:
@@ -510,10 +517,12 @@ class ArEngine(StageEngine):
         new, chunk = self._stream_out(request, False)
         if not new and chunk is None:
             return None
+        hops.stamp(request.metrics, "first delta out")
         return StepOutput(request.request_id, new_token_ids=new, chunk=chunk)
 
     def _finish(self, request: EngineRequest, reason: str) -> StepOutput:
         request.metrics["e2e_ms"] = request.elapsed_ms()
+        hops.stamp(request.metrics, "finished")
         output = self._output(request, reason)
         self._drop(request)
         new, chunk = self._stream_out(request, True) if request.stream else ([], None)

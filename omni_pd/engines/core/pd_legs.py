@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from ... import faults
+from ... import faults, hops
 from ...kv import KVDescriptor, KVReceiver, KVSender
 from ...kv.transport import open_transport
 from ...kv.fingerprint import FINGERPRINT_KEY, PeerFingerprints, kv_fingerprint
@@ -207,8 +207,10 @@ class PrefillEngine(ArEngine):
             request.prompt_len,
             transfer_id,
         )
+        hops.stamp(request.metrics, "kv published")
         self.runner.prefilled(request, pre)
         request.tokens.append(pre.first_token)
+        hops.stamp(request.metrics, "token 1")
         request.metrics.update(first_token_ms=request.elapsed_ms(), prefill_ms=pre.prefill_ms)
         output = self._output(request, "length")  # the prompt's (request.publishes)
         output.kv_transfer_params = out_params
@@ -503,12 +505,14 @@ class DecodeEngine(ArEngine):
         """The request waits for its KV (from a peer engine or a vLLM producer)."""
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
+        hops.stamp(request.metrics, "kv read started", self._last_fetch_start)
         self.scheduler.fetching.append(request.request_id)
 
     def _leave_fetching(self, request: EngineRequest) -> None:
         """Its KV arrived: it runs."""
         self.scheduler.fetching.remove(request.request_id)
         request.phase = Phase.RUNNING
+        hops.stamp(request.metrics, "kv landed")
 
     def _start_vllm(self, request: EngineRequest) -> list[StepOutput]:
         """Ask the vLLM producer for the prompt's blocks this engine lacks (the last ones)."""

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ... import registry
+from ... import hops, registry
 from ...sampling import SamplingParams
 from ..base import StageEngine, StepOutput
 from ..core.text import TextStops
@@ -62,6 +62,7 @@ from ...kv.vllm.handoff import (
     check_vllm_consumer,
 )
 from .hooks import LegRole, VllmModelHooks
+from .patches import recv_wake
 from .resume import FIRST_TOKEN_KEY, eos_token_ids, resume_from
 from ...kv.vllm.producer_info import log_producer_info, producer_info
 from .rows import EXTENSION as ROWS_EXTENSION
@@ -82,7 +83,10 @@ ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 CONSUMER_WAIT_MARGIN_S = 10.0
-IDLE_STEP_SLEEP_S = 0.001
+IDLE_STEP_SLEEP_S = 0.001  # a step that ran nothing: the worker waits this long before the next
+# Every request waits for its KV and the connector wakes the worker when a receive ends
+# (patches/recv_wake.py): the longest wait between steps, for the deadlines checked per step.
+KV_WAIT_S = 0.05
 
 
 class KVTransferFailed(RuntimeError):
@@ -164,6 +168,7 @@ class _RequestState:
     # front of vLLM's output (and of its first delta).
     resumed: list[int] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)  # the caller's, for the text
+    stamps: dict[str, float] = field(default_factory=dict)  # its hops (hops.py)
 
 
 class VllmEngine(StageEngine):
@@ -201,6 +206,16 @@ class VllmEngine(StageEngine):
         self._eos_ids = eos_token_ids(self.engine)
         self._stops: TextStops | None = None  # _text's decoder
         self._read_kv_description(name, args.tensor_parallel_size)
+        self._idle = False  # the last step ran nothing while requests were held
+        # A consumer whose connector worker is in this process (TP 1) wakes on its receives.
+        self._waker = (
+            recv_wake.open_waker()
+            if self.kv_connector == "MooncakeConnector"
+            and self.kv_role in ("kv_consumer", "kv_both")
+            and args.tensor_parallel_size == 1
+            and recv_wake.PATCH.apply().ok
+            else None
+        )
         log.info(
             "stage %d: vLLM engine for %s up in %.1f s (kv_role %s, bootstrap port %s)",
             self.stage_id,
@@ -328,6 +343,7 @@ class VllmEngine(StageEngine):
             multimodal=prompt.has_multimodal_inputs(),
             resumed=first,
             params=params,
+            stamps={hops.PREFIX + "added": began},
         )
 
     def _check_hf_producer(self, described: Any) -> None:
@@ -434,6 +450,8 @@ class VllmEngine(StageEngine):
             state.seen += len(fresh)
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
+            for index in range(1, min(len(state.resumed) + state.seen if state.seen else 0, 2) + 1):
+                hops.stamp(state.stamps, f"token{index}", now)
             if new or out.finished:
                 state.kv_deadline = None  # the KV is in (or the leg is over): no more KV wait
             record = StepOutput(request_id=state.request_id, new_token_ids=new if state.stream else [])
@@ -473,11 +491,34 @@ class VllmEngine(StageEngine):
             results.append(StepOutput.failed(state.request_id, self._expired_error(state)))
         if expired:
             self._hand_over_to_drain()
-        if not outputs and self._requests:
-            # Nothing ran (a decode leg waits for its KV): yield the core instead of spinning
-            # the worker's loop, which steps again at once while requests are held.
-            time.sleep(IDLE_STEP_SLEEP_S)
+        # Nothing ran (a decode leg waits for its KV): the worker waits (step_delay_s) rather
+        # than step again at once.
+        self._idle = not outputs and bool(self._requests)
         return results
+
+    def step_delay_s(self) -> float:
+        if not self._idle:
+            return 0.0
+        return KV_WAIT_S if self._waker is not None and self._all_await_kv() else IDLE_STEP_SLEEP_S
+
+    def wake_fd(self) -> int | None:
+        return self._waker
+
+    def _all_await_kv(self) -> bool:
+        """Every request held waits for a KV receive that has not ended: only the connector's
+        wake (or a deadline) gives the next step something to do."""
+        from vllm.v1.request import RequestStatus
+
+        from .patches.offline_drain import _inproc_scheduler, _state
+
+        scheduler = _inproc_scheduler(self.engine)
+        if scheduler is None:
+            return False
+        with _state(self.engine).lock:
+            if scheduler.finished_recving_kv_req_ids or scheduler.failed_recving_kv_req_ids:
+                return False
+            held = [scheduler.requests.get(s.vllm_id) for s in self._requests.values()]
+            return all(r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in held)
 
     def _take_rows(self) -> None:
         """The rows the model recorded in this step, onto their requests (by vLLM's id)."""
@@ -549,7 +590,7 @@ class VllmEngine(StageEngine):
                 f"stage {self.stage_id}: request {request_id} ended with "
                 f"finish_reason {completion.finish_reason!r}"
             )
-        metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3}
+        metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3, **state.stamps}
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
         token_ids = [*state.resumed, *completion.token_ids]
@@ -678,6 +719,9 @@ class VllmEngine(StageEngine):
             return
         self.engine = None
         self._requests.clear()
+        waker, self._waker = getattr(self, "_waker", None), None
+        if waker is not None:
+            recv_wake.close_waker(waker)
         from .patches.offline_drain import stop_draining
 
         stop_draining(engine)

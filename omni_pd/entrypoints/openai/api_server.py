@@ -47,18 +47,20 @@ def create_app(
     max_queued_requests: int | None = None,
     demo_page: bool = True,
     stream_audio_form: str = "openai",
+    trace_hops: bool = False,
 ) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
     default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
     demo page at /demo/ (demo.py). `stream_audio_form`: how streamed chat sends audio
-    (chat_stream.AUDIO_FORMS: OpenAI's, or vllm-omni's)."""
+    (chat_stream.AUDIO_FORMS: OpenAI's, or vllm-omni's). `trace_hops`: each chat answer carries
+    its request's timeline (hop_trace.py)."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     if stream_audio_form not in AUDIO_FORMS:
         raise ValueError(
             f"--stream-audio-form must be one of {', '.join(AUDIO_FORMS)}, got {stream_audio_form!r}"
         )
-    state = ServerState(served_model, stream_audio_form)
+    state = ServerState(served_model, stream_audio_form, trace_hops)
     app = FastAPI(
         title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests, on_startup_failure)
     )

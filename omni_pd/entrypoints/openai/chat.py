@@ -17,6 +17,8 @@ from .admission import Slot
 from .chat_stream import stream_chat
 from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, usage, wav_base64
 from .errors import as_api_error
+from .hop_trace import KEY as TRACE_KEY
+from .hop_trace import HopTrace
 from .prepare import prepare_checked
 from .protocol import CHAT_PATH, ChatCompletionRequest
 from .server_state import ServerState
@@ -32,11 +34,12 @@ async def _until_disconnected(http_request: Request) -> None:
 def add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+        trace = HopTrace(time.perf_counter()) if state.trace_hops else None
         omni = state.ready_omni()
         slot = await state.admit()  # before any work: an overloaded server refuses at once
         response = None
         try:
-            response = await _serve_chat(state, omni, body, http_request, slot)
+            response = await _serve_chat(state, omni, body, http_request, slot, trace)
             return response
         finally:
             if not isinstance(response, StreamingResponse):  # a stream releases it as it ends
@@ -55,7 +58,12 @@ def _stage_params(omni: AsyncOmni, request: TranslatedRequest) -> list:
 
 
 async def _serve_chat(
-    state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest, http_request: Request, slot: Slot
+    state: ServerState,
+    omni: AsyncOmni,
+    body: ChatCompletionRequest,
+    http_request: Request,
+    slot: Slot,
+    trace: HopTrace | None,
 ):
     request, prepared = await prepare_checked(state, omni, body)
     params = _stage_params(omni, request)
@@ -71,6 +79,7 @@ async def _serve_chat(
             completion_id,
             created,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            trace=trace,
         )
         # The stream keeps the request's slot until it ends, or is collected unstarted when
         # the client leaves before its first byte.
@@ -82,7 +91,11 @@ async def _serve_chat(
         return Response(status_code=499)  # nobody is there to read it
     state.metrics.requests.labels(outcome="success").inc()
     state.metrics.observe(output.metrics)
-    return _completion(state, request, output, completion_id, created)
+    answer = _completion(state, request, output, completion_id, created)
+    if trace is not None:
+        trace.hop("answer out")
+        answer[TRACE_KEY] = trace.timeline(output.metrics)
+    return answer
 
 
 async def _generate_unless_gone(

@@ -18,6 +18,8 @@ from ...orchestrator.async_omni import AsyncOmni, AudioDelta, Finished, Prepared
 from ...orchestrator.outputs import OmniRequestOutput
 from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, pcm16_wav_base64, usage
 from .errors import as_api_error
+from .hop_trace import KEY as TRACE_KEY
+from .hop_trace import HopTrace
 from .protocol import APIError
 from .server_state import ServerState
 from .translate import TranslatedRequest
@@ -45,7 +47,12 @@ class _ChunkStream:
         self.untranscribed, self.audio_sent = "", False
 
     def _chunk(
-        self, delta: dict, finish_reason: str | None = None, modality: str = "text", **choice: Any
+        self,
+        delta: dict,
+        finish_reason: str | None = None,
+        modality: str = "text",
+        top: dict[str, Any] | None = None,
+        **choice: Any,
     ) -> str:
         return _sse(
             {
@@ -55,6 +62,7 @@ class _ChunkStream:
                 "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
                 "modality": modality,
+                **(top or {}),
             }
         )
 
@@ -84,17 +92,23 @@ class _ChunkStream:
         self.untranscribed, self.audio_sent = "", True
         return self._chunk(self._with_role({"audio": audio}), modality="audio")
 
-    def finished(self, output: OmniRequestOutput, include_usage: bool) -> Iterator[str]:
+    def finished(
+        self, output: OmniRequestOutput, include_usage: bool, trace: HopTrace | None = None
+    ) -> Iterator[str]:
         """The last chunks: the audio's end (with the text it has not transcribed), the finish
-        reason, and the usage when asked for."""
+        reason (with the request's timeline when traced), and the usage when asked for."""
         if self.audio_sent and self.audio_form == "openai":
             last: dict[str, Any] = {"id": self.audio_id, "expires_at": self.created + AUDIO_EXPIRES_S}
             if self.untranscribed:
                 last["transcript"] = self.untranscribed
             yield self._chunk({"audio": last}, modality="audio")
         # An answer with nothing to send still opens with the role.
+        top: dict[str, Any] = {}
+        if trace is not None:
+            trace.hop("last chunk out")
+            top[TRACE_KEY] = trace.timeline(output.metrics)
         yield self._chunk(
-            self._with_role({"content": ""}) if not self.role_sent else {}, output.finish_reason
+            self._with_role({"content": ""}) if not self.role_sent else {}, output.finish_reason, top=top
         )
         if include_usage:
             yield _sse(
@@ -119,6 +133,7 @@ async def stream_chat(
     completion_id: str,
     created: int,
     include_usage: bool,
+    trace: HopTrace | None = None,
 ) -> AsyncIterator[str]:
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
@@ -140,12 +155,15 @@ async def stream_chat(
         # cost a tenth of the server process's CPU under load.)
         async for event in events:
             if isinstance(event, TextDelta):
-                yield chunks.text(event.text)
+                chunk = chunks.text(event.text)
+                if trace is not None:
+                    trace.hop("first chunk out")
+                yield chunk
             elif isinstance(event, AudioDelta) and event.audio.numel():
                 yield chunks.audio(event, state.pcm16_gain)
             elif isinstance(event, Finished):
                 output = event.output
-                for line in chunks.finished(output, include_usage):
+                for line in chunks.finished(output, include_usage, trace):
                     yield line
                 state.metrics.requests.labels(outcome="success").inc()
                 counted = True

@@ -13,9 +13,12 @@ from .realtime.session import RealtimeSession
 class ServerState:
     """What the app holds: the orchestrator once it is up, and its metrics."""
 
-    def __init__(self, served_model: str, stream_audio_form: str = "openai") -> None:
+    def __init__(
+        self, served_model: str, stream_audio_form: str = "openai", trace_hops: bool = False
+    ) -> None:
         self.served_model = served_model
         self.stream_audio_form = stream_audio_form  # chat_stream.AUDIO_FORMS
+        self.trace_hops = trace_hops  # answers carry their request's timeline (hop_trace.py)
         self.omni: AsyncOmni | None = None
         self.startup_error: str | None = None
         self.pcm16_gain = 1.0  # set from the stage config once the stages are up

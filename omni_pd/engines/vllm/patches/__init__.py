@@ -6,7 +6,14 @@ engine refuses to run a P/D stage whose fixes were refused."""
 from __future__ import annotations
 
 from ._guard import PatchResult, results, vllm_version
-from . import consumer_peer_watch, cpu_device_index, decode_resume, offline_drain, prefill_kv_params
+from . import (
+    consumer_peer_watch,
+    cpu_device_index,
+    decode_resume,
+    offline_drain,
+    prefill_kv_params,
+    recv_wake,
+)
 
 ALL_PATCHES = (
     prefill_kv_params.PATCH,
@@ -14,6 +21,7 @@ ALL_PATCHES = (
     cpu_device_index.PATCH,
     consumer_peer_watch.PATCH,
     decode_resume.PATCH,
+    recv_wake.PATCH,
 )
 
 
