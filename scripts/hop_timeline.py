@@ -163,6 +163,25 @@ def summarize(runs: list[dict]) -> list[dict]:
     ]
 
 
+def ttft_agreement(runs: list[dict]) -> dict:
+    """Medians of the client's TTFT (sent to first chunk in), the server's (its TTFT metric:
+    arrival to first chunk out) and of their difference per request, in ms."""
+    client, server, gap = [], [], []
+    for run in runs:
+        at = {(w, h): ms for w, h, ms in run["rows"]}
+        c = at[("client", "first chunk in")] - at[("client", "sent")]
+        s = at[("api server", "first chunk out")] - at[("api server", "request in")]
+        client.append(c)
+        server.append(s)
+        gap.append(c - s)
+    med = statistics.median
+    return {
+        "client_ms": round(med(client), 3),
+        "server_ms": round(med(server), 3),
+        "gap_ms": round(med(gap), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,11 +199,16 @@ def main() -> None:
     for config in args.configs:
         runs = run_config(config, args, tokenizer, out)
         table = summarize(runs)
-        result["configs"][config] = {"table": table, "runs": runs}
+        agreement = ttft_agreement(runs)
+        result["configs"][config] = {"table": table, "ttft": agreement, "runs": runs}
         print(f"\n{config}: medians of {len(runs)} requests, ms since the client sent\n")
         print("| where | hop | at ms | step ms |\n| --- | --- | --- | --- |")
         for row in table:
             print(f"| {row['where']} | {row['hop']} | {row['at_ms']:.2f} | {row['step_ms']:.2f} |")
+        print(
+            f"\nTTFT medians: client {agreement['client_ms']:.2f} ms, server metric "
+            f"{agreement['server_ms']:.2f} ms, client - server {agreement['gap_ms']:.2f} ms"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"\nservers' logs: {out}")

@@ -87,13 +87,18 @@ def _stage_args(data: dict, **engine_args) -> None:
         stage["engine_args"].update(load_format="auto", kv_pool_blocks=KV_POOL_BLOCKS, **engine_args)
 
 
-def configs(budgets: list[int], scratch: Path) -> list[tuple[str, Path]]:
-    """(label, config) of each layout, all on cores 0-1."""
+def configs(budgets: list[int], scratch: Path, pd_window_s: float = 600.0) -> list[tuple[str, Path]]:
+    """(label, config) of each layout, all on cores 0-1. `pd_window_s`: 1P1D's KV miss window
+    (its handoff deadline a minute past it). At the 5 s default a prompt that queues longer than 5 s at the prefill
+    core falls back to a local prefill on the decode core (kv_fallback), which stalls every
+    decode there for seconds: a deployment expecting such queues sets the window past them."""
     made: list[tuple[str, dict]] = []
     pd = yaml.safe_load(THINKER_PD.read_text())
     _stage_args(pd)
     for stage, cpus in zip(pd["stage_args"], ("0", "1")):
         stage.setdefault("runtime", {})["cpus"] = cpus
+        extra = stage["engine_args"]["kv_transfer_config"].setdefault("kv_connector_extra_config", {})
+        extra.update(kv_miss_window_s=pd_window_s, kv_handoff_deadline_s=pd_window_s + 60)  # must be above
     made.append(("1P1D", pd))
     for budget in budgets:
         colocated = yaml.safe_load(THINKER.read_text())
@@ -329,6 +334,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=12, help="requests per rate")
     parser.add_argument("--budgets", default="128,512,2048", help="colocated chunk budgets swept")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pd-window",
+        type=float,
+        default=600.0,
+        help="1P1D's kv_miss_window_s (kv_handoff_deadline_s 60 s more)",
+    )
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot", required=True)
     parser.add_argument("--plan", action="store_true", help="then predict it with omni-pd plan (step 5)")
@@ -345,7 +356,7 @@ def main() -> int:
         costs = step_costs(args, scratch)
         slos = slo_pairs(costs)
         print(f"step costs {costs}\nSLO pairs {slos}", file=sys.stderr)
-        targets = configs([int(b) for b in args.budgets.split(",")], scratch)
+        targets = configs([int(b) for b in args.budgets.split(",")], scratch, args.pd_window)
         serve = bench(args, targets, slos, scratch)
         for label, path in targets:  # the JSON keeps each layout's config itself
             serve["configs"][label] = str(path)

@@ -61,3 +61,17 @@ def test_only_a_traced_stream_ends_with_the_timeline():
     assert [("omni_pd_timeline" in c) for c in traced] == [True, False]  # the finish chunk, not usage
     assert [r["hop"] for r in traced[0]["omni_pd_timeline"]["hops"]] == ["request in", "last chunk out"]
     assert not any("omni_pd_timeline" in c for c in last_chunks(None))
+    assert not any("omni_pd_timeline" in c for c in last_chunks(HopTrace(1.0, publish=False)))
+
+
+def test_the_servers_ttft_counts_from_the_requests_arrival():
+    """Streamed: arrival to the first chunk's send. Not streamed: arrival to the orchestrator's
+    first token (its ttft_ms counts from when the orchestrator took the request, 3 ms after the
+    arrival here); the control is the orchestrator's own figure, 3 ms short."""
+    metrics = {"ttft_ms": 10.0, "timeline": {"origin": 100.003, "hops": []}}
+    whole = HopTrace(100.0, publish=False)
+    assert round(whole.ttft_ms(metrics), 6) == 13.0 != metrics["ttft_ms"]
+    streamed = HopTrace(100.0, publish=False)
+    streamed.stamps["first chunk out"] = 100.0145
+    assert round(streamed.ttft_ms(metrics), 6) == 14.5
+    assert HopTrace(100.0).ttft_ms({"ttft_ms": None}) is None  # no first token (an empty answer)

@@ -467,6 +467,7 @@ class DecodeEngine(ArEngine):
         # The prompt's blocks go to the receiver for the read and come back with the result;
         # the request keeps the blocks its output will fill.
         prompt_blocks = self.receiver.dest_blocks(descriptor)
+        hops.stamp(request.metrics, "kv read started")
         self.receiver.start(
             descriptor,
             self._wait_s(request.request_id, kv_params),
@@ -505,7 +506,7 @@ class DecodeEngine(ArEngine):
         """The request waits for its KV (from a peer engine or a vLLM producer)."""
         request.phase = Phase.FETCHING
         self._last_fetch_start = time.perf_counter()
-        hops.stamp(request.metrics, "kv read started", self._last_fetch_start)
+        hops.stamp(request.metrics, "kv read started", self._last_fetch_start)  # unless stamped before
         self.scheduler.fetching.append(request.request_id)
 
     def _leave_fetching(self, request: EngineRequest) -> None:

@@ -437,6 +437,8 @@ class VllmEngine(StageEngine):
             for held in self._requests.values():
                 if held.loads_remote and not held.remote_tokens:
                     held.remote_tokens = self._external_tokens(held.vllm_id)
+                if held.loads_remote and hops.PREFIX + "kv landed" not in held.stamps:
+                    self._stamp_kv_wait(held)
             vllm_unfinished = engine.get_num_unfinished_requests()
         now = time.perf_counter()
         results: list[StepOutput] = []
@@ -451,7 +453,7 @@ class VllmEngine(StageEngine):
             if new and state.first_token_ms is None:
                 state.first_token_ms = (now - state.began) * 1e3
             for index in range(1, min(len(state.resumed) + state.seen if state.seen else 0, 2) + 1):
-                hops.stamp(state.stamps, f"token{index}", now)
+                hops.stamp(state.stamps, f"token {index}", now)
             if new or out.finished:
                 state.kv_deadline = None  # the KV is in (or the leg is over): no more KV wait
             record = StepOutput(request_id=state.request_id, new_token_ids=new if state.stream else [])
@@ -656,6 +658,24 @@ class VllmEngine(StageEngine):
         from .patches import results
 
         return {name: r.status for name, r in results().items()}
+
+    def _stamp_kv_wait(self, state: "_RequestState") -> None:
+        """A decode leg's KV hops, as its scheduler saw them after a step: its receive started
+        (the request waits for remote KV) and ended (it no longer does)."""
+        from vllm.v1.request import RequestStatus
+
+        from .patches.offline_drain import _inproc_scheduler
+
+        scheduler = _inproc_scheduler(self.engine)
+        request = scheduler.requests.get(state.vllm_id) if scheduler is not None else None
+        if request is None:
+            return
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            hops.stamp(state.stamps, "kv read started")
+            if state.vllm_id in scheduler.finished_recving_kv_req_ids:  # scheduled next step
+                hops.stamp(state.stamps, "kv landed")
+        elif hops.PREFIX + "kv read started" in state.stamps:
+            hops.stamp(state.stamps, "kv landed")
 
     def _external_tokens(self, vllm_id: str) -> int:
         """Prompt tokens the scheduler plans to load over the KV connector for a request (set when

@@ -18,7 +18,7 @@ from .chat_stream import stream_chat
 from .completion_parts import AUDIO_EXPIRES_S, pcm16_base64, usage, wav_base64
 from .errors import as_api_error
 from .hop_trace import KEY as TRACE_KEY
-from .hop_trace import HopTrace
+from .hop_trace import HopTrace, arrival
 from .prepare import prepare_checked
 from .protocol import CHAT_PATH, ChatCompletionRequest
 from .server_state import ServerState
@@ -34,7 +34,7 @@ async def _until_disconnected(http_request: Request) -> None:
 def add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post(CHAT_PATH)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
-        trace = HopTrace(time.perf_counter()) if state.trace_hops else None
+        trace = HopTrace(arrival(http_request.state), publish=state.trace_hops)
         omni = state.ready_omni()
         slot = await state.admit()  # before any work: an overloaded server refuses at once
         response = None
@@ -63,9 +63,10 @@ async def _serve_chat(
     body: ChatCompletionRequest,
     http_request: Request,
     slot: Slot,
-    trace: HopTrace | None,
+    trace: HopTrace,
 ):
     request, prepared = await prepare_checked(state, omni, body)
+    trace.hop("prompt prepared")  # translated, chat template applied, tokenized
     params = _stage_params(omni, request)
     completion_id = f"chatcmpl-{secrets.token_hex(12)}"
     created = int(time.time())
@@ -90,9 +91,9 @@ async def _serve_chat(
     if output is None:
         return Response(status_code=499)  # nobody is there to read it
     state.metrics.requests.labels(outcome="success").inc()
-    state.metrics.observe(output.metrics)
+    state.metrics.observe(output.metrics, ttft_ms=trace.ttft_ms(output.metrics))
     answer = _completion(state, request, output, completion_id, created)
-    if trace is not None:
+    if trace.publish:
         trace.hop("answer out")
         answer[TRACE_KEY] = trace.timeline(output.metrics)
     return answer

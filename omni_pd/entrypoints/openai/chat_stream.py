@@ -104,7 +104,7 @@ class _ChunkStream:
             yield self._chunk({"audio": last}, modality="audio")
         # An answer with nothing to send still opens with the role.
         top: dict[str, Any] = {}
-        if trace is not None:
+        if trace is not None and trace.publish:
             trace.hop("last chunk out")
             top[TRACE_KEY] = trace.timeline(output.metrics)
         yield self._chunk(
@@ -157,7 +157,7 @@ async def stream_chat(
             if isinstance(event, TextDelta):
                 chunk = chunks.text(event.text)
                 if trace is not None:
-                    trace.hop("first chunk out")
+                    trace.hop("first chunk out")  # the server's TTFT ends here
                 yield chunk
             elif isinstance(event, AudioDelta) and event.audio.numel():
                 yield chunks.audio(event, state.pcm16_gain)
@@ -167,7 +167,9 @@ async def stream_chat(
                     yield line
                 state.metrics.requests.labels(outcome="success").inc()
                 counted = True
-                state.metrics.observe(output.metrics)
+                state.metrics.observe(
+                    output.metrics, ttft_ms=trace.ttft_ms(output.metrics) if trace is not None else None
+                )
         yield "data: [DONE]\n\n"
     except Exception as exc:  # headers are sent: report in-band, as vLLM does
         counted = True

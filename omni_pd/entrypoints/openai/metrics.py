@@ -27,7 +27,8 @@ class ServerMetrics:
         )
         self.ttft = Histogram(
             "omni_pd_time_to_first_token_seconds",
-            "Time to the first text token",
+            "Time to the first text token, from the request's arrival at the server to its first "
+            "chunk's send (streamed chat) or to the first token (otherwise)",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -208,9 +209,12 @@ class ServerMetrics:
         self.kv_usage.labels(**labels).set(load["used_kv_blocks"] / max(load["kv_blocks"], 1))
         self._advance(f"preempt:{key}", self.preemptions.labels(**labels), load["preemptions"])
 
-    def observe(self, metrics: dict) -> None:
-        if metrics.get("ttft_ms") is not None:
-            self.ttft.observe(metrics["ttft_ms"] / 1e3)
+    def observe(self, metrics: dict, ttft_ms: float | None = None) -> None:
+        """A finished request's metrics; `ttft_ms`: its TTFT as the server timed it from the
+        request's arrival (hop_trace.HopTrace.ttft_ms), else the orchestrator's."""
+        ttft_ms = ttft_ms if ttft_ms is not None else metrics.get("ttft_ms")
+        if ttft_ms is not None:
+            self.ttft.observe(ttft_ms / 1e3)
         self.e2e.observe(metrics["e2e_ms"] / 1e3)
         timeline = metrics.get("timeline") or {}
         spans = timeline.get("stages", {})

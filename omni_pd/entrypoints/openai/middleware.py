@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
+from .hop_trace import SCOPE_KEY
 from .protocol import APIError
 from .realtime import subprotocols
 
@@ -55,6 +57,8 @@ class RequestGuard:
             return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # The request's arrival, before its body is read: the server's TTFT counts from here.
+        scope.setdefault("state", {})[SCOPE_KEY] = time.perf_counter()
         headers = Headers(scope=scope)
         if (
             self.api_key
