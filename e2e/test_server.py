@@ -363,9 +363,11 @@ def test_a_traced_answer_carries_its_hops_in_the_order_they_happened(server):
     ]
     assert _out_of_order(rows, PD_PATH) == [], rows
     assert _out_of_order(rows, DECODE_PATH) == [], rows
+    # Another prompt: the decode leg's prefix cache would hold this one's blocks (no KV read).
+    other = [{"role": "user", "content": "Trace this other one, whole."}]
     whole = httpx.post(
         f"{server.base}/v1/chat/completions",
-        json={**body, "stream": False},
+        json={**body, "messages": other, "stream": False},
         headers=server.headers,
         timeout=120,
     ).json()
