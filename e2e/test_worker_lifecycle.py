@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -48,7 +49,8 @@ def test_close_and_exceptions_leave_no_worker():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, threading
+    import faulthandler, signal, sys, threading
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
     from omni_pd.orchestrator.omni import Omni
     omni = Omni(stage_configs_path=sys.argv[1])
     print(" ".join(map(str, omni.worker_pids)), flush=True)
@@ -59,10 +61,11 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
 def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
+    stderr = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "-c", SCRIPT, str(TINY)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         start_new_session=True,
     )
@@ -71,7 +74,15 @@ def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
         assert len(pids) == 3 and all(_alive(p) for p in pids)
         if how == "sigint":  # Ctrl-C: the whole process group gets SIGINT
             os.killpg(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=30) != 0
+            try:
+                assert proc.wait(timeout=30) != 0
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack into its stderr
+                time.sleep(1)  # for faulthandler to write (a diagnostic on the way to failing)
+                stderr.seek(0)
+                raise AssertionError(
+                    f"the orchestrator did not exit within 30 s of SIGINT:\n{stderr.read()[-6000:]}"
+                )
         else:  # no cleanup code runs in the orchestrator at all
             proc.kill()
             proc.wait(timeout=10)
@@ -79,6 +90,7 @@ def test_interrupted_or_killed_orchestrator_leaves_no_worker(how):
     finally:
         if proc.poll() is None:
             proc.kill()
+        stderr.close()
 
 
 def _port_open(session: str) -> bool:
