@@ -8,7 +8,7 @@ turn) or add up to its poll interval to every handoff.
 
 Patched: after the connector records a receive's end (`process_pulling_result`,
 `_handle_failed_recv`), it also signals every waker registered in this process (an eventfd,
-`open_waker`). omni-pd's vLLM engine registers one and the stage worker's loop waits on it beside
+`open_waker`; the worker resets it, `StageEngine.wait_for_io`). omni-pd's vLLM engine registers one and the stage worker's loop waits on it beside
 its pipe (`multiprocessing.connection.wait`), so it steps when the KV lands. A wake that is not
 for its requests costs one step. Without the patch (or a waker) the engine polls as before.
 """
@@ -38,15 +38,6 @@ def close_waker(fd: int) -> None:
     with _wakers_lock:
         _wakers.discard(fd)
     os.close(fd)
-
-
-def drain(fd: int) -> bool:
-    """Reset the waker; whether it had been signalled."""
-    try:
-        os.eventfd_read(fd)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def signal_all() -> None:
