@@ -176,6 +176,23 @@ def test_compare_reports_each_rows_error_and_whether_the_winner_agrees(tmp_path,
     )
     compared = json.loads(out.read_text())
     assert len(compared["rows"]) == 4 and all(abs(r["rel_err"]) < 1e-9 for r in compared["rows"])
+    assert len(compared["best"]) == 2 and all(abs(b["rel_err"]) < 1e-9 for b in compared["best"])
+    # Each side picks its own best rate: measured goodput that peaks at the other rate is
+    # compared at that rate, and its error is the ratio of the two peaks.
+    peak = {
+        label: max(
+            (p for p in plan["predictions"] if p["config"] == label), key=lambda p: p["goodput_req_per_s"]
+        )
+        for label in labels
+    }
+    _bench_json(
+        bench, plan, labels,
+        lambda p: 2 * peak[p["config"]]["goodput_req_per_s"] if p is not peak[p["config"]] else 0.5 * p["goodput_req_per_s"],
+    )  # fmt: skip
+    assert main([*BASE, "--compare", str(bench), "--json", str(out)]) == 0
+    for b in json.loads(out.read_text())["best"]:
+        assert b["measured_rate"] != b["predicted_rate"] and abs(b["rel_err"] + 0.5) < 1e-9, b
+    capsys.readouterr()
     # Negative control: measured figures that crown the other layout are seen.
     [verdict] = compared["winners"].values()
     _bench_json(bench, plan, labels, lambda p: 100.0 if labels[p["config"]] != verdict["measured"] else 1.0)

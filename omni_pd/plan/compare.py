@@ -182,18 +182,55 @@ def compare(
     return out
 
 
+@dataclass
+class Best:
+    """One config under one SLO pair (one bench file): its goodput at its best rate, measured
+    and predicted, each rate chosen on its own side (how item 5 of the experiment reads a
+    layout's goodput; a single rate's goodput swings with the few requests near an SLO)."""
+
+    source: str
+    label: str
+    measured: float
+    measured_rate: float
+    predicted: float
+    predicted_rate: float
+
+    @property
+    def rel_err(self) -> float | None:
+        return self.predicted / self.measured - 1.0 if self.measured > 0 else None
+
+
+def bests(rows: list[Compared]) -> list[Best]:
+    out = []
+    for source in dict.fromkeys(r.measured.source for r in rows):
+        mine = [r for r in rows if r.measured.source == source]
+        for label in dict.fromkeys(r.measured.label for r in mine):
+            own = [r for r in mine if r.measured.label == label]
+            m = max(own, key=lambda r: r.measured.goodput or 0.0)
+            p = max(own, key=lambda r: r.predicted_goodput)
+            out.append(
+                Best(
+                    source,
+                    label,
+                    m.measured.goodput or 0.0,
+                    m.measured.rate,
+                    p.predicted_goodput,
+                    p.measured.rate,
+                )
+            )
+    return out
+
+
 def winners(rows: list[Compared]) -> dict[str, tuple[str, str]]:
     """Per bench file (one SLO pair): (measured winner, predicted winner), each the label with
     the most goodput at its best rate."""
     out = {}
     for source in dict.fromkeys(r.measured.source for r in rows):
-        mine = [r for r in rows if r.measured.source == source]
-        labels = dict.fromkeys(r.measured.label for r in mine)
-
-        def best(value: Callable[[Compared], float]) -> str:
-            return max(labels, key=lambda label: max(value(r) for r in mine if r.measured.label == label))
-
-        out[source] = (best(lambda r: r.measured.goodput or 0.0), best(lambda r: r.predicted_goodput))
+        mine = [b for b in bests(rows) if b.source == source]
+        out[source] = (
+            max(mine, key=lambda b: b.measured).label,
+            max(mine, key=lambda b: b.predicted).label,
+        )
     return out
 
 
@@ -211,6 +248,17 @@ def format_compare(rows: list[Compared], skipped: list[str]) -> str:
     errs = [abs(r.rel_err) for r in rows if r.rel_err is not None]
     if errs:
         lines.append(f"largest error {max(errs):.0%} over {len(errs)} rows with measured goodput > 0")
+    best = bests(rows)
+    lines.append("at each config's best rate (measured rate / predicted rate):")
+    for b in best:
+        err = b.rel_err
+        lines.append(
+            f"{b.label:{width}s}  {f'{b.measured_rate:g}/{b.predicted_rate:g}':>9s}  {b.measured:10.3f}  "
+            f"{b.predicted:11.3f}  {'-' if err is None else f'{err:+6.0%}':>6s}   ({Path(b.source).stem})"
+        )
+    best_errs = [abs(b.rel_err) for b in best if b.rel_err is not None]
+    if best_errs:
+        lines.append(f"largest error at the best rates {max(best_errs):.0%} over {len(best_errs)} configs")
     for source, (actual, guess) in winners(rows).items():
         verdict = "agrees" if actual == guess else "DISAGREES"
         lines.append(f"{Path(source).name}: measured winner {actual}, predicted {guess}: {verdict}")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Callable
 
-from .compare import compare, format_compare, read_bench, winners
+from .compare import bests, compare, format_compare, read_bench, winners
 from .errors import PlanError
 from .layouts import Layout
 from .run_plan import CostTable, contention_of, handoff_of, say
@@ -66,6 +66,18 @@ def run_compare(
                     "rel_err": c.rel_err,
                 }
                 for c in compared
+            ],
+            "best": [
+                {
+                    "source": b.source,
+                    "config": b.label,
+                    "measured_goodput_req_per_s": b.measured,
+                    "measured_rate": b.measured_rate,
+                    "predicted_goodput_req_per_s": b.predicted,
+                    "predicted_rate": b.predicted_rate,
+                    "rel_err": b.rel_err,
+                }
+                for b in bests(compared)
             ],
             "winners": {k: {"measured": a, "predicted": b} for k, (a, b) in winners(compared).items()},
             "skipped": sorted(set(skipped)),
