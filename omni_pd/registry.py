@@ -100,6 +100,9 @@ class ModelSpec:
     # (An embedded model's name, weights seed) -> a checkpoint directory written for engines that
     # load from disk; the seed is the one hf stages build the same model's dummy weights with.
     materialize: Callable[[str, int], str] | None = None
+    # (directory, weights seed) -> the embedded tiny model written there as a checkpoint
+    # (`omni-pd make-tiny-model DIR --model NAME`).
+    write_tiny_checkpoint: Callable[[str, int], Any] | None = None
     # An embedded model's name -> the config.json it would be written with (read by config
     # checks that need a shape, e.g. the KV head count, without writing a checkpoint).
     config_dict: Callable[[str], dict[str, Any]] | None = None

@@ -173,6 +173,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from ..models.qwen3_omni.factory import save_tiny_model
 
+    if args.model != "qwen3_omni":
+        return _make_other_tiny_model(args)
     if args.size == "real":
         return _make_real_model(args)
     if args.layers is not None:
@@ -469,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
+        "--model",
+        default="qwen3_omni",
+        metavar="NAME",
+        help="which model's tiny checkpoint: qwen3_omni (default) or qwen2_5_omni",
+    )
+    tiny.add_argument(
         "--size",
         choices=("tiny", "medium", "real"),
         default="tiny",
@@ -492,6 +500,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
+
+
+def _make_other_tiny_model(args: argparse.Namespace) -> int:
+    """Another registered model's embedded tiny checkpoint (its package writes it)."""
+    from .. import registry
+
+    spec = registry.specs().get(args.model)
+    writers = sorted(name for name, s in registry.specs().items() if s.write_tiny_checkpoint)
+    if spec is None or spec.write_tiny_checkpoint is None:
+        print(
+            f"error: --model {args.model!r} has no tiny checkpoint to write; choose qwen3_omni or one of {writers}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.size != "tiny" or args.layers is not None or args.max_shard_size is not None:
+        print(
+            "error: --size, --layers and --max-shard-size write Qwen3-Omni's larger models; "
+            f"--model {args.model} writes its tiny model only (drop them)",
+            file=sys.stderr,
+        )
+        return 2
+    out = spec.write_tiny_checkpoint(args.directory, args.seed)
+    print(f"wrote the tiny {args.model} checkpoint (config, tokenizer, safetensors and voices) to {out}")
+    return 0
 
 
 def _make_real_model(args: argparse.Namespace) -> int:

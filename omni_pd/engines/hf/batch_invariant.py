@@ -285,17 +285,34 @@ def projections(
     attn, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (q_norm, rotary), k (k_norm, rotary), v of rows `x` ([rows, hidden]), each
-    [1, heads, rows, head_dim], as transformers' attention computes them."""
+    [1, heads, rows, head_dim], as transformers' attention computes them. An attention without
+    q/k norms has its projections rotated as they are."""
     rows = x.shape[0]
 
     def heads(module: torch.nn.Linear) -> torch.Tensor:
         return linear_module(module, x).view(rows, -1, head_dim)
 
-    q = attn.q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
-    k = attn.k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
+    q_norm = getattr(attn, "q_norm", None) or (lambda t: t)
+    k_norm = getattr(attn, "k_norm", None) or (lambda t: t)
+    q = q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
+    k = k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
     v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
     q, k = rotary(q, k, cos, sin)
     return q, k, v
+
+
+def decoder_layer(
+    layer, h: torch.Tensor, cos, sin, index: int, attention, head_dim: int, kernels: str
+) -> torch.Tensor:
+    """One pre-norm decoder layer, as transformers' layers compute it, over a step's rows `h`
+    ([rows, hidden]): norm, q/k/v with rotary, the step's `attention(index, q, k, v, scale)`
+    (the engine's, which knows each row's sequence and cache), the output projection, then the
+    norm and MLP, each with its residual."""
+    attn = layer.self_attn
+    q, k, v = projections(attn, layer.input_layernorm(h), head_dim, cos, sin)
+    out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
+    h = h + linear_module(attn.o_proj, out)
+    return h + mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
 
 
 KEY_CHUNK = 64  # keys per step of the prompt attention's running softmax

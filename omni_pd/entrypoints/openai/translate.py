@@ -265,7 +265,7 @@ def translate(
         for i, m in enumerate(request.messages)
     ]
     audio = request.audio
-    prompt = {"messages": messages, "speaker": audio.voice if audio else "ethan"}
+    prompt = {"messages": messages, "speaker": audio.voice if audio else None}  # None: the model's default
     return TranslatedRequest(
         prompt=prompt,
         thinker_params=thinker_defaults.replace(**changes),

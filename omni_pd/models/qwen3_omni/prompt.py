@@ -1,23 +1,20 @@
-"""Turn a user's prompt (chat messages, plain text or token ids) into a `ThinkerPrompt`.
-
-Audio parts go through `WhisperFeatureExtractor`; each audio's single `<|audio_pad|>` from the
-chat template is expanded to the number of positions the audio encoder produces for it, as
-Qwen3-Omni's processor does.
+"""Turn a user's prompt (chat messages, plain text or token ids) into a Qwen3-Omni `ThinkerPrompt`
+(models/omni_prompt.py does the work): each audio's single `<|audio_pad|>` from the chat template
+is expanded to the number of positions the Qwen3-Omni audio encoder produces for it, as its
+processor does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-from transformers import WhisperFeatureExtractor
-
-from omni_pd.audio_io import decode_audio
+from omni_pd.models.omni_prompt import AUDIO_SAMPLE_RATE, AudioPromptBuilder, OmniPrompt
+from omni_pd.models.omni_prompt import normalize_prompt as _normalize
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
-AUDIO_SAMPLE_RATE = 16_000
+__all__ = ["AUDIO_SAMPLE_RATE", "OmniPrompt", "PromptBuilder", "audio_token_count", "normalize_prompt"]
+
+DEFAULT_VOICE = "ethan"
 
 
 def audio_token_count(feature_frames: int, n_window: int = 50) -> int:
@@ -28,122 +25,18 @@ def audio_token_count(feature_frames: int, n_window: int = 50) -> int:
     return ((lengths - 1) // 2 + 1 - 1) // 2 + 1 + (feature_frames // chunk) * 13
 
 
-@dataclass
-class OmniPrompt:
-    """One request's input, in any of the forms `Omni.generate` accepts."""
-
-    messages: list[dict[str, Any]] | None = None
-    prompt_token_ids: list[int] | None = None
-    audios: list[np.ndarray] = field(default_factory=list)  # 16 kHz mono float32, in order
-    speaker: str = "ethan"
-
-
 def normalize_prompt(prompt: Any) -> OmniPrompt:
-    """Accept a str, a list of chat messages, a dict with `messages` / `prompt` /
-    `prompt_token_ids` (and optional `audios`, `speaker`), or an `OmniPrompt`."""
-    if isinstance(prompt, OmniPrompt):
-        return prompt
-    if isinstance(prompt, str):
-        return OmniPrompt(messages=[{"role": "user", "content": prompt}])
-    if isinstance(prompt, list):
-        return OmniPrompt(messages=prompt)
-    if isinstance(prompt, dict):
-        allowed = {"messages", "prompt", "prompt_token_ids", "audios", "speaker"}
-        unknown = set(prompt) - allowed
-        if unknown:
-            raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-        messages = prompt.get("messages")
-        if messages is None and "prompt" in prompt:
-            messages = [{"role": "user", "content": prompt["prompt"]}]
-        if messages is None and prompt.get("prompt_token_ids") is None:
-            raise ValueError("a prompt dict needs 'messages', 'prompt' or 'prompt_token_ids'")
-        return OmniPrompt(
-            messages=messages,
-            prompt_token_ids=prompt.get("prompt_token_ids"),
-            audios=list(prompt.get("audios", [])),
-            speaker=prompt.get("speaker", "ethan"),
-        )
-    raise TypeError(
-        f"unsupported prompt type {type(prompt).__name__}: pass a str, a list of chat "
-        "messages or a dict with 'messages' / 'prompt' / 'prompt_token_ids'"
-    )
+    return _normalize(prompt, DEFAULT_VOICE)
 
 
-class PromptBuilder:
+class PromptBuilder(AudioPromptBuilder):
     def __init__(self, tokenizer, thinker_config):
-        self.tokenizer = tokenizer
-        self.audio_token_id = thinker_config.audio_token_id
-        self.n_window = thinker_config.audio_config.n_window
-        self.features = WhisperFeatureExtractor(
-            feature_size=thinker_config.audio_config.num_mel_bins, sampling_rate=AUDIO_SAMPLE_RATE
+        n_window = thinker_config.audio_config.n_window
+        super().__init__(
+            tokenizer,
+            thinker_config.audio_token_id,
+            thinker_config.audio_config.num_mel_bins,
+            lambda frames: audio_token_count(frames, n_window),
+            ThinkerPrompt,
         )
-
-    def _audio_from_parts(self, messages: list[dict[str, Any]]) -> list[np.ndarray]:
-        found = []
-        for message in messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                for part in content:
-                    if part.get("type") == "input_audio":
-                        spec = part["input_audio"]
-                        found.append(decode_audio(spec["data"], spec.get("format"), AUDIO_SAMPLE_RATE))
-                    elif part.get("type") == "audio":
-                        if part.get("audio") is None:
-                            raise ValueError(
-                                "an audio part needs 'audio' (16 kHz mono float "
-                                "samples); or send {'type': 'input_audio', "
-                                "'input_audio': {'data': <base64 WAV>, 'format': 'wav'}}"
-                            )
-                        found.append(np.asarray(part["audio"], dtype=np.float32))
-        return found
-
-    def build(self, prompt: OmniPrompt) -> ThinkerPrompt:
-        if prompt.prompt_token_ids is not None:
-            if prompt.audios:
-                raise ValueError("audio needs chat messages, not raw prompt_token_ids")
-            return ThinkerPrompt(prompt_token_ids=list(prompt.prompt_token_ids))
-        if not prompt.messages:
-            raise ValueError("the prompt has no messages")
-        audios = prompt.audios or self._audio_from_parts(prompt.messages)
-        ids = list(
-            self.tokenizer.apply_chat_template(
-                prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-        placeholders = ids.count(self.audio_token_id)
-        if placeholders != len(audios):
-            raise ValueError(
-                f"the messages have {placeholders} audio part(s) but {len(audios)} audio input(s) were given"
-            )
-        if not audios:
-            return ThinkerPrompt(prompt_token_ids=ids)
-        features, mask = self._clip_features(audios)
-        counts = iter(audio_token_count(int(n), self.n_window) for n in mask.sum(-1))
-        expanded: list[int] = []
-        for token in ids:
-            expanded.extend([token] * next(counts) if token == self.audio_token_id else [token])
-        return ThinkerPrompt(prompt_token_ids=expanded, input_features=features, feature_attention_mask=mask)
-
-    def _clip_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each clip's mel features computed alone, then zero-padded to the longest: a clip's
-        frames do not depend on the other clips of the prompt (padded together, the STFT of a
-        shorter clip's last frames would see the padding), so a clip that comes back in a later
-        turn has the same features and the prefix cache can reuse its blocks."""
-        clips = [
-            self.features(
-                audio,
-                sampling_rate=AUDIO_SAMPLE_RATE,
-                return_attention_mask=True,
-                return_tensors="pt",
-                padding="longest",
-            )
-            for audio in audios
-        ]
-        frames = max(clip["input_features"].shape[-1] for clip in clips)
-        features = torch.zeros((len(clips), clips[0]["input_features"].shape[1], frames))
-        mask = torch.zeros((len(clips), frames), dtype=torch.long)
-        for i, clip in enumerate(clips):
-            n = clip["input_features"].shape[-1]
-            features[i, :, :n] = clip["input_features"][0].to(torch.float32)
-            mask[i, :n] = clip["attention_mask"][0].to(torch.long)
-        return features, mask
+        self.n_window = n_window

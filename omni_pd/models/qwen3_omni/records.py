@@ -8,18 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_pd.engines.types import TextOutput, TokenPrompt
+from omni_pd.engines.types import TextOutput
+from omni_pd.models.omni_prompt import AudioTokenPrompt
 
 
-@dataclass
-class ThinkerPrompt(TokenPrompt):
+class ThinkerPrompt(AudioTokenPrompt):
     """A tokenised prompt, with audio features when the prompt has audio parts."""
-
-    input_features: torch.Tensor | None = None  # [num_audios, num_mel_bins, frames]
-    feature_attention_mask: torch.Tensor | None = None  # [num_audios, frames]
-
-    def has_multimodal_inputs(self) -> bool:
-        return self.input_features is not None
 
 
 @dataclass

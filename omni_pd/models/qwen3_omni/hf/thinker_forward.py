@@ -104,11 +104,7 @@ class ThinkerForward:
         for n in lengths:
             bounds.append(bounds[-1] + n)
         for index, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
-            out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
-            h = h + bi.linear_module(attn.o_proj, out)
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
+            h = bi.decoder_layer(layer, h, cos, sin, index, attention, self.head_dim, self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
         if self.accept_hidden_layer == 0:

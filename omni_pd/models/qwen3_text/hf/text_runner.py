@@ -122,11 +122,7 @@ class Qwen3TextRunner(ArRunnerBase):
         """The decoder layers over the step's new rows `h` ([rows, hidden], in sequence order)."""
         cos, sin = rotary
         for index, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            q, k, v = bi.projections(attn, layer.input_layernorm(h), self.head_dim, cos, sin)
-            out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
-            h = h + bi.linear_module(attn.o_proj, out)
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
+            h = bi.decoder_layer(layer, h, cos, sin, index, attention, self.head_dim, self.kernels)
         return h
 
     def sample(

@@ -1,0 +1,97 @@
+"""A second omni model through the same core (issue 49): Qwen2.5-Omni's thinker on omni-pd's hf
+engines, colocated and P/D, served by `Omni` with the model named. What the package adds is its
+runner and records (omni_pd/models/qwen2_5_omni/); the engine, scheduler, KV plane and P/D legs
+are the ones Qwen3-Omni runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME
+from omni_pd.orchestrator.omni import Omni
+from omni_pd.paths import STAGE_CONFIGS_DIR
+from omni_pd.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.exactness]
+COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_thinker.yaml"
+PD = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_thinker_pd.yaml"
+PROMPTS = [
+    "Hi",
+    "Tell me about the sea.",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "Count to five.",
+]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=16),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7),
+]
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=COLOCATED) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def pd():
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=PD) as omni:
+        yield omni
+
+
+def _clean(omni) -> bool:
+    return all(v == 0 for v in omni.debug_state_counts().values())
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "sampled"])
+def test_pd_equals_colocated_alone_and_all_at_once(colocated, pd, params):
+    want = [colocated.generate([p], [params])[0] for p in PROMPTS]
+    assert len({tuple(o.token_ids) for o in want}) == len(PROMPTS)  # the prompts really differ
+    alone = [pd.generate([p], [params])[0] for p in PROMPTS]
+    together = pd.generate(PROMPTS, [params])
+    for w, a, t in zip(want, alone, together):
+        assert a.token_ids == w.token_ids and t.token_ids == w.token_ids and a.text == w.text
+        # The decode engine computed no prompt position: its KV came from the prefill engine.
+        assert a.metrics["num_cached_prompt_tokens"] == len(a.prompt_token_ids)
+        assert a.metrics["kv_bytes_transferred"] + a.metrics.get("kv_bytes_reused", 0) > 0
+    assert _clean(colocated) and _clean(pd)
+
+
+def test_negative_control_a_flipped_kv_byte_changes_the_answer(colocated, pd):
+    prompt, params = "A prompt no other test sends.", PARAMS[0]
+    want = colocated.generate([prompt], [params])[0]
+    pd.control(0, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
+    assert pd.generate([prompt], [params])[0].token_ids != want.token_ids
+    assert (
+        pd.generate([prompt + " Again."], [params])[0].token_ids
+        == colocated.generate([prompt + " Again."], [params])[0].token_ids
+    )
+
+
+def test_audio_prompts_are_refused_by_name(colocated):
+    import numpy as np
+
+    tone = (0.2 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
+    with pytest.raises(Exception, match="text prompts only"):
+        colocated.generate([[{"role": "user", "content": [{"type": "audio", "audio": tone}]}]])
+    assert _clean(colocated)
+
+
+def test_a_written_checkpoint_serves_the_same_answers(colocated, tmp_path):
+    """`make-tiny-model --model qwen2_5_omni` writes what the seeded build computes: served from
+    the directory (dummy weights off: the stage reads the safetensors), the answers are the
+    embedded model's."""
+    import yaml
+
+    from omni_pd.entrypoints.cli import main
+
+    directory = tmp_path / "ckpt"
+    assert main(["make-tiny-model", str(directory), "--model", "qwen2_5_omni", "--seed", "42"]) == 0
+    data = yaml.safe_load(COLOCATED.read_text())
+    data["stage_args"][0]["engine_args"]["load_format"] = "auto"
+    config = tmp_path / "from_checkpoint.yaml"
+    config.write_text(yaml.safe_dump(data))
+    with Omni(model=str(directory), stage_configs_path=config) as served:
+        for prompt in PROMPTS[:2]:
+            got = served.generate([prompt], [PARAMS[0]])[0]
+            assert got.token_ids == colocated.generate([prompt], [PARAMS[0]])[0].token_ids

@@ -1,0 +1,161 @@
+"""Build or load a Qwen2.5-Omni model, its tokenizer and its voices.
+
+`model` is the embedded name `tiny-qwen2.5-omni` or a checkpoint directory. A seeded build
+(`load_format: dummy`) gives the same bytes in every process. A checkpoint holds, besides the
+config and weights, `spk_dict.pt`: per voice the thinker token its speech starts from, the
+speaker embedding and the reference mel token2wav is conditioned on (transformers'
+`from_pretrained` refuses a checkpoint without it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
+from transformers import Qwen2_5OmniForConditionalGeneration
+
+from ..checkpoint_cache import cached_checkpoint, content_key
+from .tiny_config import (
+    DEFAULT_SEED,
+    REF_MEL_FRAMES,
+    SPEAKER_EMBEDDING,
+    TINY_MODEL_NAME,
+    VOICES,
+    tiny_config_dict,
+)
+from .tokenizer import build_tiny_tokenizer
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
+SPEAKERS_FILE = "spk_dict.pt"
+
+
+class _TalkerVocabFilter(logging.Filter):
+    # The talker config checks thinker-vocabulary ids (tts text tokens, multimodal markers)
+    # against its codec vocabulary: the real config trips it too.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "must be `None` or an integer within the vocabulary" not in record.getMessage()
+
+
+for _name in ("transformers", "transformers.configuration_utils"):
+    logging.getLogger(_name).addFilter(_TalkerVocabFilter())
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    directory: Path | None  # None: the embedded tiny model
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.directory is None
+
+
+def resolve_model(model: str) -> ModelSource:
+    if model == TINY_MODEL_NAME:
+        return ModelSource(model, None)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(model, path.resolve())
+    raise FileNotFoundError(
+        f"model {model!r} is neither the embedded {TINY_MODEL_NAME!r} nor a checkpoint directory "
+        "with a config.json (write one with `omni-pd make-tiny-model DIR --model qwen2_5_omni`)"
+    )
+
+
+def load_config(source: ModelSource) -> Qwen2_5OmniConfig:
+    if source.is_embedded:
+        return Qwen2_5OmniConfig(**tiny_config_dict())
+    return Qwen2_5OmniConfig.from_pretrained(str(source.directory))
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    if source.is_embedded:
+        return build_tiny_tokenizer()
+    return AutoTokenizer.from_pretrained(str(source.directory))
+
+
+def seeded_speakers(seed: int) -> dict[str, dict[str, Any]]:
+    """The tiny model's voices, as spk_dict.pt holds them: random conditioning from `seed`."""
+    generator = torch.Generator().manual_seed(seed * 7919 + 17)
+    return {
+        voice: {
+            "bos_token": bos,
+            "cond": torch.randn(1, SPEAKER_EMBEDDING, generator=generator),
+            "ref_mel": torch.randn(1, REF_MEL_FRAMES, 80, generator=generator),
+        }
+        for voice, bos in VOICES.items()
+    }
+
+
+def load_speakers(source: ModelSource, seed: int = DEFAULT_SEED) -> dict[str, dict[str, Any]]:
+    if source.is_embedded:
+        return seeded_speakers(seed)
+    path = source.directory / SPEAKERS_FILE  # type: ignore[operator]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {source.directory} has no {SPEAKERS_FILE} (the voices: each one's bos "
+            "token, speaker embedding and reference mel); copy it from the model's release"
+        )
+    return torch.load(path, weights_only=True)
+
+
+def build_dummy_model(
+    config: Qwen2_5OmniConfig, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
+) -> Qwen2_5OmniForConditionalGeneration:
+    """Seeded random weights (every parameter is initialised by transformers' init from the
+    seeded global generator); token2wav stays float32, as transformers runs it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5OmniForConditionalGeneration(config)
+    model.speaker_map = seeded_speakers(seed)
+    model = model.to(dtype).eval()
+    if model.has_talker:
+        model.token2wav.float()
+    return model
+
+
+def load_model(
+    model: str, load_format: str = "auto", seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
+) -> Qwen2_5OmniForConditionalGeneration:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
+    source = resolve_model(model)
+    if load_format == "dummy":
+        return build_dummy_model(load_config(source), seed, dtype)
+    if source.is_embedded:
+        raise ValueError(
+            f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format 'dummy', or "
+            "write a checkpoint with `omni-pd make-tiny-model DIR --model qwen2_5_omni`"
+        )
+    loaded = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(source.directory), dtype=dtype)
+    # safetensors can map tensors at misaligned addresses, which moves the last bit of some CPU
+    # kernels' results: fresh aligned copies keep outputs equal to a seeded build.
+    with torch.no_grad():
+        for param in loaded.parameters():
+            param.data = param.data.clone()
+    return loaded.eval()
+
+
+def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_SEED) -> Path:
+    """The embedded tiny model as a checkpoint: config, weights, tokenizer and voices."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_dummy_model(Qwen2_5OmniConfig(**tiny_config_dict()), seed)
+    model.save_pretrained(str(out), max_shard_size="1000GB")
+    torch.save(seeded_speakers(seed), out / SPEAKERS_FILE)
+    build_tiny_tokenizer().save_pretrained(str(out))
+    return out
+
+
+def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
+    """The embedded tiny model written once per machine in omni-pd's cache (for vLLM), with the
+    weights the hf stages build from the same seed."""
+    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 1})
+    return cached_checkpoint(TINY_MODEL_NAME, key, lambda d: save_tiny_model(d, seed))
