@@ -1,11 +1,13 @@
-"""A second omni model through the same core (issue 49): Qwen2.5-Omni's thinker on omni-pd's hf
-engines, colocated and P/D, served by `Omni` with the model named. What the package adds is its
-runner and records (omni_pd/models/qwen2_5_omni/); the engine, scheduler, KV plane and P/D legs
-are the ones Qwen3-Omni runs on."""
+"""A second omni model through the same core (issue 49): Qwen2.5-Omni on omni-pd's hf engines,
+thinker alone and the whole pipeline (thinker -> talker -> token2wav, speech streamed), colocated
+and P/D, served by `Omni` with the model named. What the package adds is its runners, records and
+processors (omni_pd/models/qwen2_5_omni/); the engines, scheduler, KV plane, P/D legs and the
+orchestrator's streaming are the ones Qwen3-Omni runs on."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME
 from omni_pd.orchestrator.omni import Omni
@@ -15,6 +17,8 @@ from omni_pd.sampling import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 COLOCATED = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_thinker.yaml"
 PD = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_thinker_pd.yaml"
+SPEECH = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny.yaml"
+SPEECH_PD = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_pd.yaml"
 PROMPTS = [
     "Hi",
     "Tell me about the sea.",
@@ -95,3 +99,47 @@ def test_a_written_checkpoint_serves_the_same_answers(colocated, tmp_path):
         for prompt in PROMPTS[:2]:
             got = served.generate([prompt], [PARAMS[0]])[0]
             assert got.token_ids == colocated.generate([prompt], [PARAMS[0]])[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def speech():
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=SPEECH) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def speech_pd():
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=SPEECH_PD) as omni:
+        yield omni
+
+
+def test_speech_pd_equals_colocated_text_and_audio_alone_and_all_at_once(speech, speech_pd):
+    want = [speech.generate([p])[0] for p in PROMPTS]
+    assert len({o.audio.numel() for o in want} | {o.text for o in want}) > 2  # the answers differ
+    for o in want:
+        assert o.audio.numel() > 0 and o.audio.numel() % 480 == 0  # 480 samples a code
+        assert 0.05 < float(o.audio.abs().max()) <= 1.0  # audible, in range
+    alone = [speech_pd.generate([p])[0] for p in PROMPTS]
+    together = speech_pd.generate(PROMPTS)
+    for w, a, t in zip(want, alone, together):
+        assert a.text == w.text and t.text == w.text
+        assert torch.equal(a.audio, w.audio) and torch.equal(t.audio, w.audio)
+    assert _clean(speech) and _clean(speech_pd)
+
+
+def test_negative_control_a_flipped_kv_byte_changes_the_speech(speech, speech_pd):
+    prompt = "Another prompt no other test sends."
+    want = speech.generate([prompt])[0]
+    speech_pd.control(0, "arm_fault", fault="kv_corruption", block_index=0, byte_offset=3)
+    got = speech_pd.generate([prompt])[0]
+    assert got.text != want.text or not torch.equal(got.audio, want.audio)
+    assert _clean(speech_pd)
+
+
+def test_each_voice_speaks_and_an_unknown_one_is_refused(speech):
+    chelsie = speech.generate([{"prompt": PROMPTS[1], "speaker": "Chelsie"}])[0]
+    ethan = speech.generate([{"prompt": PROMPTS[1], "speaker": "ethan"}])[0]
+    assert chelsie.text == ethan.text and not torch.equal(chelsie.audio, ethan.audio)
+    with pytest.raises(Exception, match="voice 'nobody'"):
+        speech.generate([{"prompt": PROMPTS[1], "speaker": "nobody"}])
+    assert _clean(speech)

@@ -4,7 +4,7 @@ alone or in any mixed batch, and depends on the request's seed and the draw's ke
 
 import torch
 
-from omni_pd.models.qwen3_omni.hf.talker_runner import RowSampling, sample_rows
+from omni_pd.models.codec_sampling import RowSampling, sample_rows
 
 
 def _row(temperature=1.0, top_k=0, top_p=1.0, seed=0, key=0, greedy=False):

@@ -7,8 +7,10 @@ more units arriving through `append_input`) is decoded chunk by chunk as its uni
 at a time. By default the runner carries every layer's state from chunk to chunk, so no unit is
 decoded twice; with `codec_left_context_frames` set, it re-runs that many units before each
 chunk instead (vllm-omni's way), exact when they cover the decoder's receptive field. Either way
-the chunks add up to the whole-utterance samples exactly. Each chunk's samples leave in the step
-that decoded them. One chunk per step, of the ready request with the fewest chunks out (oldest
+a runner whose streaming is exact (a causal codec decoder) makes chunks that add up to the
+whole-utterance samples; a runner that streams in a mode of its own (a windowed diffusion
+decoder) says so, and holds back what its look-ahead needs until `flush`. Each chunk's samples
+leave in the step that decoded them. One chunk per step, of the ready request with the fewest chunks out (oldest
 first among equals), so a new request's first chunk does not queue behind the later chunks of
 requests already playing; new requests and aborts are taken between chunks.
 
@@ -132,7 +134,7 @@ class ChunkedEngine(StageEngine):
             raise ValueError(f"request {request_id} is already in stage {self.stage_id}")
         units, final = self.runner.read_prompt(request_id, prompt)
         self._utterances[request_id] = Utterance(
-            request_id, units, final=final, stream=stream or chunks, carried=self.runner.new_stream()
+            request_id, units, final=final, stream=stream or chunks, carried=self.runner.new_stream(prompt)
         )
 
     def append_input(self, request_id: str, data: Any, final: bool) -> None:
@@ -167,6 +169,16 @@ class ChunkedEngine(StageEngine):
             return want
         return pending if u.final else None
 
+    def _flush(self, u: Utterance, piece: torch.Tensor | None) -> torch.Tensor | None:
+        """A streamed utterance's last units are in: the samples a decoder that looks ahead held
+        back (its `flush`; none for a decoder without one) join this step's chunk."""
+        flush = getattr(self.runner, "flush", None)
+        tail = flush(u.carried) if flush is not None else None
+        if tail is None or not tail.numel():
+            return piece
+        u.pieces.append(tail)
+        return tail if piece is None else torch.cat([piece, tail])
+
     def has_unfinished_requests(self) -> bool:
         """Whether a step has work: a request waiting for units is not work."""
         return any(self._next_chunk(u) is not None for u in self._utterances.values())
@@ -194,11 +206,13 @@ class ChunkedEngine(StageEngine):
                         u.carried, u.units[:, start:end], self.left_context_frames
                     )
                 else:
-                    piece = self.runner.decode_whole(u.request_id, u.units[:, :end])
+                    piece = self.runner.decode_whole(u.request_id, u.units[:, :end], u.carried)
                 u.pieces.append(piece)
                 u.decoded = end
                 if u.first_chunk_ms is None:
                     u.first_chunk_ms = (time.perf_counter() - u.began) * 1e3
+            if u.stream and u.final and u.decoded == u.received:
+                piece = self._flush(u, piece)
         except Exception as exc:  # noqa: BLE001 - one utterance at a time: fail just this one
             log.exception("%s failed for %s", self.name, u.request_id)
             del self._utterances[u.request_id]

@@ -226,16 +226,20 @@ class ChunkRunner(Protocol):
     def check_units(self, request_id: str, units: Any) -> torch.Tensor:
         """`units` as the decoder takes them ([groups, n]), or ValueError naming the shape."""
 
-    def new_stream(self) -> Any:
-        """The state carried from chunk to chunk of one request."""
+    def new_stream(self, prompt: Any) -> Any:
+        """The state carried from chunk to chunk of one request, and what the request is
+        conditioned on besides its units (`prompt`: e.g. a voice)."""
 
     def decode_chunk(self, state: Any, units: torch.Tensor, left_context: int | None) -> torch.Tensor:
         """Samples for `units` (the next chunk), continuing `state`."""
 
-    def decode_whole(self, request_id: str, units: torch.Tensor) -> torch.Tensor:
-        """Samples for a whole utterance at once."""
+    def decode_whole(self, request_id: str, units: torch.Tensor, state: Any) -> torch.Tensor:
+        """Samples for a whole utterance at once (`state`: its `new_stream`)."""
 
     def exact_left_context(self) -> int:
         """Frames of left context that keep re-decoded chunks exact (the receptive field)."""
+
+    # Optional: `flush(state) -> Tensor`, the samples a decoder that looks ahead held back,
+    # called once a streamed request's last units are in (after its last `decode_chunk`).
 
     def describe(self) -> dict[str, Any]: ...

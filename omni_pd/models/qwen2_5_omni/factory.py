@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,37 @@ def load_speakers(source: ModelSource, seed: int = DEFAULT_SEED) -> dict[str, di
     return torch.load(path, weights_only=True)
 
 
+VOCODER_GAIN = 0.7  # per layer: the tiny vocoder's speech peaks near 0.4 (measured)
+
+
+@torch.no_grad()
+def _audible_vocoder(model: Qwen2_5OmniForConditionalGeneration, seed: int) -> None:
+    """transformers' init (std 0.02) leaves the vocoder's stack of narrowing convolutions with an
+    output near 1e-8: silence. Each convolution is drawn again, seeded by its name, with a std of
+    gain / sqrt(fan-in), so the tiny model's speech is audible noise a demo can play."""
+    for name, module in model.token2wav.code2wav_bigvgan_model.named_modules():
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+            weight = module.weight
+            if isinstance(module, torch.nn.Conv1d):
+                fan_in = weight.shape[1] * weight.shape[2]
+            else:
+                fan_in = weight.shape[0] * weight.shape[2] / module.stride[0]
+            generator = torch.Generator().manual_seed(
+                (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+            )
+            weight.copy_(torch.randn(weight.shape, generator=generator) * VOCODER_GAIN / fan_in**0.5)
+
+
 def build_dummy_model(
     config: Qwen2_5OmniConfig, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
 ) -> Qwen2_5OmniForConditionalGeneration:
-    """Seeded random weights (every parameter is initialised by transformers' init from the
-    seeded global generator); token2wav stays float32, as transformers runs it."""
+    """Seeded random weights (transformers' init from the seeded global generator; the vocoder's
+    convolutions scaled to be heard); token2wav stays float32, as transformers runs it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5OmniForConditionalGeneration(config)
+    if model.has_talker:
+        _audible_vocoder(model, seed)
     model.speaker_map = seeded_speakers(seed)
     model = model.to(dtype).eval()
     if model.has_talker:

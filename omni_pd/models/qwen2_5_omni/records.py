@@ -66,6 +66,7 @@ class TalkerOutput:
     request_id: str
     codes: torch.Tensor  # [frames], int64: one codebook
     metrics: dict[str, float] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [steps, vocab]: each step's raw logits (a tracing runner's)
 
 
 @dataclass

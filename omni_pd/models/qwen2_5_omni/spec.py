@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_pd.registry import AUTOREGRESSIVE, CHUNKED, ModelPipeline, ModelSpec
+from omni_pd.registry import AUTOREGRESSIVE, CHUNKED, EngineArg, ModelPipeline, ModelSpec
 
 from .tiny_config import TINY_MODEL_NAME
 
@@ -40,6 +40,9 @@ def _config_dict(model: str) -> dict[str, Any]:
     return tiny_config_dict()
 
 
+_VLLM_OMNI = "vllm_omni.model_executor.stage_input_processors.qwen2_5_omni"
+_OURS = "omni_pd.models.qwen2_5_omni.stage_input_processors"
+
 SPEC = ModelSpec(
     name="qwen2_5_omni",
     model_types=("qwen2_5_omni",),
@@ -48,6 +51,24 @@ SPEC = ModelSpec(
     engine_builders={"hf": _build_hf_engine},
     # vllm-omni names the stages thinker, talker and code2wav (token2wav is its code2wav).
     hf_stages={"thinker": AUTOREGRESSIVE, "talker": AUTOREGRESSIVE, "code2wav": CHUNKED},
+    engine_args={
+        # token2wav's ODE steps (transformers' `num_steps`, default 10): fewer is faster and coarser.
+        "token2wav_num_steps": EngineArg(int, 10, "a Qwen2.5-Omni code2wav stage runs on engine: hf"),
+    },
+    # vllm-omni's names for this model's stage input processors (config/aliases.py), every
+    # flavour mapped to the one processor (omni-pd picks streaming itself).
+    processor_aliases={
+        f"{_VLLM_OMNI}.{name}": f"{_OURS}.{target}"
+        for name, target in (
+            ("thinker2talker", "thinker2talker"),
+            ("thinker2talker_token_only", "thinker2talker"),
+            ("thinker2talker_full_payload", "thinker2talker"),
+            ("talker2code2wav", "talker2code2wav"),
+            ("talker2code2wav_token_only", "talker2code2wav"),
+            ("talker2code2wav_full_payload", "talker2code2wav"),
+            ("talker2codewav", "talker2code2wav"),  # sic: its async-chunk stage file's spelling
+        )
+    },
     materialize=_materialize,
     write_tiny_checkpoint=_write_tiny_checkpoint,
     config_dict=_config_dict,

@@ -19,62 +19,14 @@ import logging
 import torch
 
 from ...engines.base import StageInputs
+from ..thinker_rows import StageInputError, merge_rows as _merge_rows, thinker_legs
 from .records import Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt, ThinkerChunk, ThinkerOutput
 
 log = logging.getLogger(__name__)
 
 
-class StageInputError(ValueError):
-    """Upstream outputs that cannot make a valid input for the next stage."""
-
-
-def _merge_rows(
-    request_id: str,
-    name: str,
-    prompt_rows: torch.Tensor,
-    output_rows: torch.Tensor,
-    output_start: int,
-    prompt_len: int,
-    expected: int,
-) -> torch.Tensor:
-    if prompt_rows.shape[0] < output_start:
-        raise StageInputError(
-            f"request {request_id}: the prompt {name} cover {prompt_rows.shape[0]} positions but the "
-            f"generated-token {name} start at position {output_start} (prompt length {prompt_len})"
-        )
-    if prompt_rows.shape[1:] != output_rows.shape[1:]:
-        raise StageInputError(
-            f"request {request_id}: prompt {name} have shape {tuple(prompt_rows.shape)} but "
-            f"generated-token {name} have {tuple(output_rows.shape)}"
-        )
-    # Rows the decode leg recomputed (a decode engine may re-run the last prompt position) replace
-    # the prefill leg's copy of the same positions.
-    merged = torch.cat([prompt_rows[:output_start], output_rows], dim=0)
-    if merged.shape[0] != expected:
-        raise StageInputError(
-            f"request {request_id}: merged {name} cover {merged.shape[0]} positions, expected "
-            f"{expected} (prompt {prompt_len} + generated tokens fed back); prompt rows "
-            f"{prompt_rows.shape[0]}, generated rows {output_rows.shape[0]} from position {output_start}"
-        )
-    return merged
-
-
 def thinker2talker(inputs: StageInputs) -> TalkerPrompt:
-    thinker_outputs = [o for o in inputs.upstream.values() if isinstance(o, ThinkerOutput)]
-    with_prompt = [o for o in thinker_outputs if o.prompt_embeds is not None]
-    with_output = [o for o in thinker_outputs if o.output_embeds is not None]
-    if len(with_prompt) != 1 or len(with_output) != 1:
-        raise StageInputError(
-            f"request {inputs.request_id}: stage {inputs.stage_id} needs exactly one thinker output "
-            f"with prompt embeddings and one with generated-token embeddings; got "
-            f"{len(with_prompt)} and {len(with_output)} from stages {sorted(inputs.upstream)}"
-        )
-    prompt_out, gen_out = with_prompt[0], with_output[0]
-    if prompt_out.prompt_token_ids != gen_out.prompt_token_ids:
-        raise StageInputError(
-            f"request {inputs.request_id}: the prefill leg saw a {len(prompt_out.prompt_token_ids)}-token "
-            f"prompt, the decode leg a {len(gen_out.prompt_token_ids)}-token one; they must be the same"
-        )
+    prompt_out, gen_out = thinker_legs(inputs, ThinkerOutput, "prompt_embeds", "output_embeds")
     prompt_len = len(gen_out.prompt_token_ids)
     # Every generated token but the last was fed back through the thinker.
     expected = prompt_len + max(len(gen_out.token_ids) - 1, 0)

@@ -64,7 +64,7 @@ class Code2WavRunner:
             )
         return units.to(torch.long)
 
-    def new_stream(self) -> Code2WavStream:
+    def new_stream(self, prompt: Code2WavPrompt | None = None) -> Code2WavStream:
         return Code2WavStream()
 
     def decode_chunk(
@@ -72,7 +72,9 @@ class Code2WavRunner:
     ) -> torch.Tensor:
         return self.runner.decode_chunk(state, units, left_context)
 
-    def decode_whole(self, request_id: str, units: torch.Tensor) -> torch.Tensor:
+    def decode_whole(
+        self, request_id: str, units: torch.Tensor, state: Code2WavStream | None = None
+    ) -> torch.Tensor:
         return self.runner.generate(Code2WavPrompt(request_id, units)).audio
 
     def exact_left_context(self) -> int:

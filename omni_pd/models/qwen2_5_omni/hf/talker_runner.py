@@ -1,0 +1,262 @@
+"""Qwen2.5-Omni's talker as the generic engines run it: an `ArRunner` (engines/core/runner.py).
+
+Semantics follow `Qwen2_5OmniForConditionalGeneration.generate` (transformers 5.19): the talker's
+prompt is, per thinker prompt position, the thinker's talker row (records.py), then the voice's
+bos token embedded by the thinker's table, then the row of the first generated token; the codec
+pad and bos embeddings are added to the last two. Each decode step feeds the previous code's codec
+embedding plus the next reply row: the rows of the thinker's later fed-back tokens, then the
+`tts_text_eod` embedding, then `tts_text_pad` for as long as it speaks. Every row goes through
+`thinker_to_talker_proj`, the decoder layers and the codec head. The repetition penalty counts the
+prompt's codec ids ([mask] * P, pad, bos) and the codes so far, bos is never sampled, codec pad
+or end stops it, and the codes are those before the stop.
+
+Many requests per step, each computed on the batch-invariant tiles with the engine's attention,
+so a request's codes do not depend on its batch; draws are keyed by the request's seed and step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from omni_pd.engines.core.attention import StepAttention
+from omni_pd.engines.core.request import EngineRequest
+from omni_pd.engines.core.runner import ArRunnerBase, DecodeResult, Prefilled, PrefillItem, RunnerIdentity
+from omni_pd.engines.hf import batch_invariant as bi
+from omni_pd.engines.hf.attention_native import native_builds
+from omni_pd.engines.hf.compute import HfCompute
+from omni_pd.kv import BlockLayout
+from omni_pd.kv.fingerprint import weights_digest
+from omni_pd.models.codec_sampling import RowSampling, process_code0_scores, sample_rows
+from omni_pd.sampling import SamplingParams
+
+from ..records import TalkerOutput, TalkerPrompt
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class TalkerState:
+    """What the talker keeps per request, beside the engine's record (whose `tokens` are the
+    codes sampled, the stop included)."""
+
+    inputs: torch.Tensor  # [P + 2, thinker hidden]: the prompt rows, before the projection
+    reply: torch.Tensor  # [R, thinker hidden]: one per decode step, the last repeated
+    logits: list[torch.Tensor] | None = None  # each step's raw logits, when the runner traces (tests)
+    codes_sent: int = 0  # codes already streamed to token2wav
+
+
+class Voices:
+    """The voices' bos tokens, matched case-insensitively (the server lower-cases them)."""
+
+    def __init__(self, speakers: dict[str, dict[str, Any]]):
+        self.bos = {name.lower(): int(spec["bos_token"]) for name, spec in speakers.items()}
+
+    def bos_token(self, voice: str | None) -> int:
+        key = (voice or "").lower()
+        if key not in self.bos:
+            raise ValueError(f"voice {voice!r} is not one of this model's voices: {sorted(self.bos)}")
+        return self.bos[key]
+
+
+class TalkerRunner(ArRunnerBase):
+    name = "talker"
+    emits_text = False  # codec codes: they leave as the talker's output, not as text
+    prefills_in_chunks = True
+
+    def __init__(
+        self,
+        talker: torch.nn.Module,
+        thinker_embedding: torch.nn.Module,
+        voices: Voices,
+        kernels: str = "native",
+        trace: bool = False,
+    ):
+        self.talker, self.model = talker, talker.model
+        self.trace = trace
+        self.thinker_embedding = thinker_embedding
+        self.voices = voices
+        bi.check_activations(talker)
+        config = talker.config
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.stops = (config.tts_codec_pad_token_id, config.tts_codec_end_token_id)
+        self.suppress_mask = torch.zeros(config.vocab_size, dtype=torch.bool)
+        self.suppress_mask[config.tts_codec_start_token_id] = True
+        self.compute = HfCompute(kernels)
+        self.kernels = self.compute.name
+
+    @property
+    def device(self) -> str:
+        return str(next(self.talker.parameters()).device)
+
+    def kv_layout(self, block_size: int) -> BlockLayout:
+        dtype = _DTYPE_NAMES[next(self.talker.parameters()).dtype]
+        return BlockLayout.default_for(
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.head_dim,
+            dtype,
+            block_size=block_size,
+        )
+
+    def identity(self) -> RunnerIdentity:
+        named = list(self.talker.named_parameters()) + [
+            (f"thinker_embedding.{n}", p) for n, p in self.thinker_embedding.named_parameters()
+        ]
+        return RunnerIdentity(
+            self.config.name_or_path or "qwen2_5_omni talker",
+            weights_digest(named),
+            self.device,
+            native_builds(self.kernels),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"takes_multimodal_prompts": False}
+
+    # ---- the request ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _embed_text(self, ids: list[int]) -> torch.Tensor:
+        return self.thinker_embedding(torch.tensor(ids, dtype=torch.long))
+
+    @torch.no_grad()
+    def _embed_codes(self, ids: list[int]) -> torch.Tensor:
+        return self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+
+    def new_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams) -> EngineRequest:
+        if not prompt.final:
+            raise ValueError(
+                f"request {request_id}: the Qwen2.5-Omni talker starts from the thinker's whole output"
+            )
+        bos = self.voices.bos_token(prompt.speaker)  # ValueError naming the voices
+        length = len(prompt.prompt_token_ids)
+        fed = len(prompt.output_token_ids) - 1  # the last generated token is never fed back
+        if fed < 1:
+            raise ValueError(
+                f"request {request_id}: the talker needs at least two thinker tokens (it starts "
+                f"from the row of the first one fed back); the thinker gave {len(prompt.output_token_ids)}"
+            )
+        if prompt.rows.shape[0] != length + fed:
+            raise ValueError(
+                f"request {request_id}: the thinker rows cover {prompt.rows.shape[0]} positions, "
+                f"expected {length + fed} (prompt {length} + fed-back tokens {fed})"
+            )
+        config = self.config
+        special = self._embed_text([bos, config.tts_text_end_token_id, config.tts_text_pad_token_id])
+        rows = prompt.rows.to(special.dtype)
+        inputs = torch.cat([rows[:length], special[:1], rows[length : length + 1]])
+        codec = self._embed_codes([config.tts_codec_pad_token_id, config.tts_codec_start_token_id])
+        inputs[-2] += codec[0]
+        inputs[-1] += codec[1]
+        reply = torch.cat([rows[length + 1 :], special[1:]])
+        codec_prompt = [config.tts_codec_mask_token_id] * length + [
+            config.tts_codec_pad_token_id,
+            config.tts_codec_start_token_id,
+        ]
+        state = TalkerState(
+            inputs=inputs.contiguous(), reply=reply.contiguous(), logits=[] if self.trace else None
+        )
+        return EngineRequest(
+            request_id, prompt, params, prompt_len=length + 2, token_ids=codec_prompt, model=state
+        )
+
+    # ---- compute -------------------------------------------------------------------------------
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+        """Rows in the thinker's space -> the codec head's logits ([rows, vocab])."""
+        h = bi.linear_module(self.talker.thinker_to_talker_proj, x)
+        # Text positions: the three rotary sections share one position.
+        cos, sin = self.model.rotary_emb(h.unsqueeze(0), positions.view(1, -1))
+        for index, layer in enumerate(self.model.layers):
+            h = bi.decoder_layer(layer, h, cos, sin, index, attention, self.head_dim, self.kernels)
+        return bi.linear_module(self.talker.codec_head, self.model.norm(h)).float()
+
+    @torch.no_grad()
+    def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
+        spans = [(i.start, i.end if i.end is not None else i.request.prompt_len) for i in items]
+        x = torch.cat([i.request.model.inputs[a:b] for i, (a, b) in zip(items, spans)])
+        positions = torch.cat([torch.arange(a, b) for a, b in spans])
+        logits = self._forward(x, positions, attention)
+        last = torch.tensor([b - a for a, b in spans]).cumsum(0) - 1
+        return [Prefilled(logits[int(j)]) for j in last]
+
+    def prefill_alone(self, request: EngineRequest) -> Prefilled:
+        raise RuntimeError("every talker prompt is batchable")
+
+    @torch.no_grad()
+    def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
+        codes = self._embed_codes([r.tokens[-1] for r in requests])
+        reply = torch.stack(
+            [r.model.reply[min(len(r.tokens) - 1, r.model.reply.shape[0] - 1)] for r in requests]
+        )
+        positions = torch.tensor([r.position for r in requests])
+        return DecodeResult(self._forward(codes + reply, positions, attention))
+
+    def sample(
+        self, requests: Sequence[EngineRequest], logits: torch.Tensor, first: bool
+    ) -> list[int | Exception]:
+        for request, row in zip(requests, logits):
+            if request.model.logits is not None:
+                request.model.logits.append(row.clone())
+        scores = process_code0_scores(
+            logits,
+            [list(r.token_ids) + list(r.tokens) for r in requests],
+            [r.params.repetition_penalty for r in requests],
+            self.suppress_mask,
+            [r.params.ignore_eos for r in requests],
+            self.stops[1],
+        )
+        for row, r in enumerate(requests):
+            if r.params.ignore_eos:
+                scores[row, self.stops[0]] = float("-inf")
+        specs = [
+            RowSampling(
+                r.params.greedy,
+                r.params.temperature,
+                max(r.params.top_k, 0),
+                r.params.top_p,
+                r.params.seed if r.params.seed is not None else 0,
+                len(r.tokens),
+            )
+            for r in requests
+        ]
+        return list(sample_rows(scores, specs))
+
+    # ---- results -------------------------------------------------------------------------------
+    def finish_reason(self, request: EngineRequest) -> str | None:
+        if request.tokens[-1] in self.stops:
+            return "stop"
+        if len(request.tokens) >= request.params.max_tokens:
+            return "length"
+        return None
+
+    def output(self, request: EngineRequest, reason: str) -> TalkerOutput:
+        codes = list(request.tokens)
+        if codes and codes[-1] in self.stops:
+            codes = codes[:-1]
+        traced = request.model.logits
+        return TalkerOutput(
+            request.request_id,
+            torch.tensor(codes, dtype=torch.long),
+            dict(request.metrics),
+            torch.stack(traced) if traced else None,
+        )
+
+    def chunk(self, request: EngineRequest, new_tokens: list[int], first: bool, finished: bool) -> Any:
+        """The codes to stream to token2wav now (the stop excluded): none until a whole chunk of
+        them is there (`chunk_sizes`, the downstream's), or the request is done."""
+        if not request.chunks:
+            return None
+        codes = list(request.tokens)
+        if codes and codes[-1] in self.stops:
+            codes = codes[:-1]
+        state = request.model
+        if request.chunk_sizes is not None and not finished:
+            due = request.chunk_sizes[0] if state.codes_sent == 0 else request.chunk_sizes[1]
+            if len(codes) - state.codes_sent < due:
+                return None
+        if len(codes) == state.codes_sent:
+            return None
+        new, state.codes_sent = codes[state.codes_sent :], len(codes)
+        return new
