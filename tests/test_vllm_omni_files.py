@@ -1,4 +1,5 @@
-"""vllm-omni's own Qwen3-Omni stage files load unchanged (issue 12, criterion 1).
+"""vllm-omni's own Qwen3-Omni stage files load unchanged (issue 12, criterion 1), and its
+Qwen2.5-Omni ones too (issue 49, criterion 2).
 
 The files are read from vllm-omni's published wheel (fetched once with `pip download --no-deps`
 into .cache/, never copied into the repository: tests/vllm_omni_wheels.py). 0.18.0 is the last
@@ -27,6 +28,13 @@ LEGACY_FILES = [
     "vllm_omni/platforms/rocm/stage_configs/qwen3_omni_moe.yaml",
     "vllm_omni/platforms/xpu/stage_configs/qwen3_omni_moe.yaml",
 ]
+QWEN2_5_FILES = [
+    "vllm_omni/model_executor/stage_configs/qwen2_5_omni.yaml",
+    "vllm_omni/model_executor/stage_configs/qwen2_5_omni_multiconnector.yaml",
+    "vllm_omni/platforms/npu/stage_configs/qwen2_5_omni.yaml",
+    "vllm_omni/platforms/rocm/stage_configs/qwen2_5_omni.yaml",
+    "vllm_omni/platforms/xpu/stage_configs/qwen2_5_omni.yaml",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def legacy_files(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("vllm_omni_legacy")
     with zipfile.ZipFile(vllm_omni_wheel(LEGACY_VERSION)) as wheel:
         files = {}
-        for name in LEGACY_FILES:
+        for name in LEGACY_FILES + QWEN2_5_FILES:
             path = out / name.replace("/", "__")
             path.write_bytes(wheel.read(name))
             files[name] = path
@@ -52,3 +60,20 @@ def test_legacy_qwen3_omni_file_validates(legacy_files, name):
         assert "streamed edges: 0 -> 1, 1 -> 2" in summary
     # Keys the hf engine does not use are named, with why, not silently dropped.
     assert "the hf engine does not use" in summary and "gpu_memory_utilization" in summary
+
+
+@pytest.mark.parametrize("name", QWEN2_5_FILES)
+def test_legacy_qwen2_5_omni_file_validates(legacy_files, name):
+    from omni_pd.config import load_pipeline_config
+
+    out, err = io.StringIO(), io.StringIO()
+    assert run_validate(str(legacy_files[name]), out=out, err=err) == 0, err.getvalue()
+    summary = out.getvalue()
+    assert "[0] thinker" in summary and "[1] talker" in summary and "[2] code2wav" in summary
+    assert "edges: 0 -> 1, 1 -> 2" in summary
+    # Its processors are Qwen2.5-Omni's own here, not Qwen3-Omni's.
+    talker = load_pipeline_config(legacy_files[name]).stage(1)
+    assert (
+        talker.custom_process_input_func
+        == "omni_pd.models.qwen2_5_omni.stage_input_processors.thinker2talker"
+    )
