@@ -68,16 +68,19 @@ def write_wav(target: str | Path | BinaryIO, audio: torch.Tensor, sample_rate: i
     return Path(target) if isinstance(target, str) else target
 
 
-def pcm16_gain(load_format: str) -> float:
+def pcm16_gain(load_format: str, dummy_gain: float | None = None) -> float:
     """The gain before 16-bit conversion for audio from a code2wav stage loaded with `load_format`:
-    dummy (random) weights are near silent, real weights produce full-scale audio."""
-    return DUMMY_WEIGHTS_PCM16_GAIN if load_format == "dummy" else 1.0
+    dummy (random) weights are near silent unless the model says otherwise (`dummy_gain`), real
+    weights produce full-scale audio."""
+    if load_format != "dummy":
+        return 1.0
+    return DUMMY_WEIGHTS_PCM16_GAIN if dummy_gain is None else dummy_gain
 
 
-def stage_config_pcm16_gain(stages: Iterable[Any]) -> float:
+def stage_config_pcm16_gain(stages: Iterable[Any], dummy_gain: float | None = None) -> float:
     """`pcm16_gain` of the stage that outputs the audio (`final_output_type: audio`), 1.0 with none."""
     audio = [s for s in stages if s.final_output and s.final_output_type == "audio"]
-    return pcm16_gain(audio[-1].engine_args.load_format) if audio else 1.0
+    return pcm16_gain(audio[-1].engine_args.load_format, dummy_gain) if audio else 1.0
 
 
 def to_pcm16(audio: torch.Tensor, gain: float = 1.0) -> torch.Tensor:

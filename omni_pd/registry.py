@@ -55,6 +55,10 @@ class ModelPipeline:
     # what a listener heard of an answer cut short (the Realtime API's barge-in and truncate).
     # None: the model cannot tell, and a cut answer keeps no text.
     speech_text: Callable[[str, float], str] | None = None
+    # The gain before 16-bit conversion when the audio stage runs dummy (seeded random) weights:
+    # None, audio_io's default (a tiny model whose random decoder is near silent); 1.0 for one
+    # whose tiny decoder is built to be heard.
+    dummy_weights_audio_gain: float | None = None
 
 
 # The kinds of hf stage a model may have, each run by one generic engine (engines/core): an

@@ -99,3 +99,11 @@ def test_a_wav_is_a_function_of_its_samples(tmp_path):
     plain = io.BytesIO()
     soundfile.write(plain, audio.numpy(), 24000, format="WAV", subtype="FLOAT")
     assert b"PEAK" in _riff_chunks(plain.getvalue())
+
+
+def test_a_model_whose_tiny_decoder_is_heard_sets_its_own_dummy_gain():
+    from omni_pd.audio_io import pcm16_gain
+
+    assert pcm16_gain("dummy") == DUMMY_WEIGHTS_PCM16_GAIN
+    assert pcm16_gain("dummy", 1.0) == 1.0  # Qwen2.5-Omni's tiny vocoder (models/qwen2_5_omni)
+    assert pcm16_gain("auto", 7.0) == 1.0  # real weights: full scale already

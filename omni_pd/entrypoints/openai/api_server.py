@@ -98,7 +98,9 @@ async def _start_stages(
         omni = await asyncio.to_thread(make_omni)
         freeze_startup_heap("server")  # before any request is served: it blocks the loop
         state.omni = omni  # no await until the gain is set: no request sees it unset
-        state.pcm16_gain = stage_config_pcm16_gain(omni.stages.values())
+        state.pcm16_gain = stage_config_pcm16_gain(
+            omni.stages.values(), omni.pipeline.dummy_weights_audio_gain
+        )
         state.metrics.name_stages(omni.health())
         state.admission = _admission_for(omni, max_queued_requests)
         log.info(

@@ -31,6 +31,7 @@ def qwen2_5_omni_pipeline(model: str) -> ModelPipeline:
         normalize_prompt=normalize_prompt,
         build_prompt=PromptBuilder(tokenizer, config.thinker_config).build,
         speaks=speaks,
+        dummy_weights_audio_gain=1.0,  # its tiny vocoder is scaled to be heard (factory.py)
     )
 
 
