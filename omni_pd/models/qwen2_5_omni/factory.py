@@ -178,8 +178,49 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_SEED) -> P
     return out
 
 
+def save_tiny_processor(directory: str | os.PathLike) -> None:
+    """The multimodal processor files vLLM builds its Qwen2.5-Omni input processing from (the
+    tokenizer with its audio / image / video tokens named, a Whisper feature extractor, Qwen2-VL's
+    image and video processors), into a directory `save_tiny_model` wrote. Needs torchvision, as
+    the vLLM extra installs it."""
+    from transformers import (
+        Qwen2_5OmniProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    from omni_pd.models.omni_prompt import AUDIO_SAMPLE_RATE
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(directory),
+        extra_special_tokens={
+            "image_token": "<|IMAGE|>",
+            "audio_token": "<|AUDIO|>",
+            "video_token": "<|VIDEO|>",
+            "vision_bos_token": "<|vision_bos|>",
+            "vision_eos_token": "<|vision_eos|>",
+            "audio_bos_token": "<|audio_bos|>",
+            "audio_eos_token": "<|audio_eos|>",
+        },
+    )
+    mel_bins = tiny_config_dict()["thinker_config"]["audio_config"]["num_mel_bins"]
+    Qwen2_5OmniProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        video_processor=Qwen2VLVideoProcessor(),
+        feature_extractor=WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=AUDIO_SAMPLE_RATE),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    ).save_pretrained(str(directory))
+
+
 def ensure_tiny_checkpoint(seed: int = DEFAULT_SEED) -> Path:
-    """The embedded tiny model written once per machine in omni-pd's cache (for vLLM), with the
-    weights the hf stages build from the same seed."""
-    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 1})
-    return cached_checkpoint(TINY_MODEL_NAME, key, lambda d: save_tiny_model(d, seed))
+    """The embedded tiny model written once per machine in omni-pd's cache (for vLLM: with the
+    processor files), with the weights the hf stages build from the same seed."""
+
+    def write(directory: Path) -> None:
+        save_tiny_model(directory, seed)
+        save_tiny_processor(directory)
+
+    key = content_key({"config": tiny_config_dict(), "seed": seed, "v": 2})
+    return cached_checkpoint(TINY_MODEL_NAME, key, write)

