@@ -8,6 +8,7 @@ model intends (the codec pad and bos embeddings added to the last two rows). tra
 `Qwen2_5OmniForConditionalGeneration.generate` drops an all-ones mask before the talker's forward,
 so it skips that setup; the negative control shows the two differ."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -24,8 +25,10 @@ from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.models.qwen2_5_omni import factory
 from omni_pd.models.qwen2_5_omni.hf.talker_runner import TalkerRunner, Voices
 from omni_pd.models.qwen2_5_omni.hf.thinker_runner import ThinkerRunner
+from omni_pd.models.omni_prompt import OmniPrompt
 from omni_pd.models.qwen2_5_omni.pipeline import thinker_eos_ids
-from omni_pd.models.qwen2_5_omni.records import TalkerPrompt, ThinkerPrompt
+from omni_pd.models.qwen2_5_omni.prompt import PromptBuilder
+from omni_pd.models.qwen2_5_omni.records import TalkerPrompt
 from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME, VOICES
 from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.sampling import SamplingParams
@@ -48,14 +51,21 @@ def talker_prompts(model):
     tokenizer = factory.load_tokenizer(factory.resolve_model(TINY_MODEL_NAME))
     stage = load_pipeline_config(CONFIG).stage(0)
     thinker = ar_engine(stage, ThinkerRunner(model.thinker, tokenizer, thinker_eos_ids(tokenizer)))
+    builder = PromptBuilder(tokenizer, model.config.thinker_config)
+    tone = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
+    audio = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is it?"}, {"type": "audio", "audio": tone}],
+        }
+    ]
+    messages = [[{"role": "user", "content": text}] for text in TEXTS] + [audio]  # the last: an audio prompt
     prompts = []
-    for i, text in enumerate(TEXTS):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        out = thinker.generate(f"t{i}", ThinkerPrompt(ids), SamplingParams(temperature=0, max_tokens=10))
+    for i, message in enumerate(messages):
+        prompt = builder.build(OmniPrompt(messages=message))
+        out = thinker.generate(f"t{i}", prompt, SamplingParams(temperature=0, max_tokens=10))
         rows = torch.cat([out.prompt_rows, out.output_rows])
-        prompts.append(TalkerPrompt(f"k{i}", ids, out.token_ids, rows, speaker="chelsie"))
+        prompts.append(TalkerPrompt(f"k{i}", prompt.prompt_token_ids, out.token_ids, rows, speaker="chelsie"))
     return prompts
 
 

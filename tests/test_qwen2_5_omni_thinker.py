@@ -2,6 +2,7 @@
 `generate` on the same weights, the talker's input rows are what transformers' `generate` feeds
 its talker, and a request's bits do not depend on its batch."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,9 @@ from omni_pd.engines.core.build import ar_engine
 from omni_pd.engines.hf import batch_invariant as bi
 from omni_pd.models.qwen2_5_omni import factory
 from omni_pd.models.qwen2_5_omni.hf.thinker_runner import ThinkerRunner
+from omni_pd.models.omni_prompt import OmniPrompt
 from omni_pd.models.qwen2_5_omni.pipeline import thinker_eos_ids
+from omni_pd.models.qwen2_5_omni.prompt import PromptBuilder
 from omni_pd.models.qwen2_5_omni.records import ThinkerPrompt
 from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME
 from omni_pd.paths import STAGE_CONFIGS_DIR
@@ -153,11 +156,62 @@ def test_the_tiny_model_is_seeded_and_round_trips_through_a_checkpoint(model, tm
         factory.load_speakers(factory.resolve_model(str(directory)))
 
 
-def test_audio_prompts_are_refused_by_name(model, tokenizer):
+TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
+
+
+def _audio_prompt(model, tokenizer, text="What is this sound?", audio=TONE):
+    builder = PromptBuilder(tokenizer, model.config.thinker_config)
+    content = [{"type": "text", "text": text}, {"type": "audio", "audio": audio}]
+    return builder.build(OmniPrompt(messages=[{"role": "user", "content": content}]))
+
+
+def test_audio_prompts_are_transformers_and_batch_invariant(model, tokenizer):
+    """An audio prompt: transformers' greedy tokens, and its talker rows with the embedding zeroed
+    at the audio placeholders (as transformers' generate masks them); alone = beside others."""
+    prompt = _audio_prompt(model, tokenizer)
+    ids = prompt.prompt_token_ids
     engine = _engine(model, tokenizer)
-    prompt = ThinkerPrompt(
-        [1, 2, 3], input_features=torch.zeros(1, 128, 10), feature_attention_mask=torch.ones(1, 10)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ours = engine.generate("a", prompt, params)
+    with torch.no_grad():
+        out = model.thinker.generate(
+            torch.tensor([ids]),
+            input_features=prompt.input_features,
+            feature_attention_mask=prompt.feature_attention_mask,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    assert out.sequences[0, len(ids) :].tolist() == ours.token_ids
+    steps = out.hidden_states
+    embeds = steps[0][0][0].clone()
+    embeds[torch.tensor(ids) == model.config.thinker_config.audio_token_index] = 0
+    rows = torch.cat([steps[0][-1][0] + embeds] + [s[-1][0, -1:] + s[0][0, -1:] for s in steps[1:]])
+    assert torch.allclose(torch.cat([ours.prompt_rows, ours.output_rows]), rows, atol=1e-5, rtol=1e-4)
+    # Negative control: another clip is another answer's rows.
+    other = engine.generate("b", _audio_prompt(model, tokenizer, audio=TONE[::-1].copy()), params)
+    assert not torch.equal(other.prompt_rows, ours.prompt_rows)
+    # Beside text prompts in one batch, the same bits.
+    prompts = [prompt] + _prompts(tokenizer)[:3]
+    together = _together(engine, prompts, [params] * len(prompts))
+    assert _same(together[0], ours)
+
+
+def test_malformed_multimodal_prompts_are_refused_by_name(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    prompt = _audio_prompt(model, tokenizer)
+    audio = model.config.thinker_config.audio_token_index
+    short = ThinkerPrompt(
+        [t for i, t in enumerate(prompt.prompt_token_ids) if t != audio or i % 2],
+        input_features=prompt.input_features,
+        feature_attention_mask=prompt.feature_attention_mask,
     )
-    with pytest.raises(ValueError, match="text prompts only"):
-        engine.generate("a", prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.generate("a", short, SamplingParams(max_tokens=2))
+    image = ThinkerPrompt([1, 2, model.config.thinker_config.image_token_index, 3])
+    with pytest.raises(ValueError, match="without images or video"):
+        engine.generate("i", image, SamplingParams(max_tokens=2))
     assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import xxhash
 from transformers import WhisperFeatureExtractor
 
 from omni_pd.audio_io import decode_audio
@@ -165,3 +166,46 @@ class AudioPromptBuilder:
             features[i, :, :n] = clip["input_features"][0].to(torch.float32)
             mask[i, :n] = clip["attention_mask"][0].to(torch.long)
         return features, mask
+
+
+@dataclass(frozen=True)
+class AudioClip:
+    """One audio input of a prompt: its placeholder positions and what it is."""
+
+    index: int  # its row of input_features
+    start: int  # its first placeholder position in the prompt
+    length: int  # its placeholder positions (what the audio encoder emits for it)
+    key: bytes  # xxh3-128 of the mel features the encoder reads: the prefix cache's extra key
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def audio_clips(prompt: Any, audio_token_id: int, token_count: Callable[[int], int]) -> list[AudioClip]:
+    """The prompt's (an `AudioTokenPrompt`) audio inputs in order, each placed on its run of
+    placeholder positions (the i-th input takes the next `token_count(frames)` placeholders, as
+    the processor expanded them)."""
+    if prompt.input_features is None:
+        return []
+    placeholders = [i for i, t in enumerate(prompt.prompt_token_ids) if t == audio_token_id]
+    clips, taken = [], 0
+    for index, frames in enumerate(prompt.feature_attention_mask.sum(-1).tolist()):
+        length = token_count(int(frames))
+        span = placeholders[taken : taken + length]
+        if len(span) != length or span[-1] - span[0] != length - 1:
+            raise ValueError(
+                f"audio input {index} needs {length} consecutive placeholder "
+                f"positions; the prompt has {len(placeholders)} placeholders in all"
+            )
+        features = np.ascontiguousarray(prompt.input_features[index, :, : int(frames)].cpu().numpy())
+        digest = xxhash.xxh3_128(np.asarray(features.shape, dtype="<i8").tobytes())
+        digest.update(features.astype("<f4", copy=False).tobytes())
+        clips.append(AudioClip(index, span[0], length, digest.digest()))
+        taken += length
+    if taken != len(placeholders):
+        raise ValueError(
+            f"the prompt has {len(placeholders)} audio placeholders, its "
+            f"{len(clips)} audio input(s) fill {taken}"
+        )
+    return clips

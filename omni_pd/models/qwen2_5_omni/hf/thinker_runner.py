@@ -1,9 +1,10 @@
 """The Qwen2.5-Omni thinker as the generic engines run it: an `ArRunner` (engines/core/runner.py).
 
-What is the thinker's own: the talker's input row of every position (prompt and fed-back output
-tokens: thinker_forward.py says what it is), which travels beside the KV to a decode leg and in
-the thinker's records (`ThinkerOutput`, `ThinkerChunk`). The engine does the rest.
-Not yet taken: prompts with audio, images or video (refused by name when they arrive).
+What is the thinker's own: prompts with audio (each clip encoded alone by the audio tower, its
+rows at its placeholders; its features' hash names the blocks it covers), and the talker's input
+row of every position (prompt and fed-back output tokens: thinker_forward.py says what it is),
+which travels beside the KV to a decode leg and in the thinker's records (`ThinkerOutput`,
+`ThinkerChunk`). The engine does the rest. Images and video are refused by name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.sampling import SamplingParams
 
+from omni_pd.models.omni_prompt import AudioClip, audio_clips
+
+from ..prompt import audio_token_count
 from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from .thinker_forward import ThinkerForward
 
@@ -34,6 +38,7 @@ ROW = "talker_input"
 class ThinkerState:
     """What the thinker keeps per request, beside the engine's record."""
 
+    clips: list[AudioClip] = field(default_factory=list)  # the prompt's audio inputs
     prompt_rows: torch.Tensor | None = None
     output_rows: list[torch.Tensor] = field(default_factory=list)
     rows_streamed: int = 0  # output rows already sent in chunks
@@ -56,6 +61,9 @@ class ThinkerRunner(ArRunnerBase):
         self.row_widths = {ROW: self.width}
         self.row_dtype = next(thinker.parameters()).dtype
         self.vocab_size = text.vocab_size
+        config = thinker.config
+        self.audio_token_id = config.audio_token_index
+        self.vision_ids = frozenset((config.image_token_index, config.video_token_index))
 
     @property
     def device(self) -> str:
@@ -81,34 +89,69 @@ class ThinkerRunner(ArRunnerBase):
         )
 
     def describe(self) -> dict[str, Any]:
-        return {"takes_multimodal_prompts": False}
+        return {"takes_multimodal_prompts": True}
 
     def new_request(self, request_id: str, prompt: ThinkerPrompt, params: SamplingParams) -> EngineRequest:
-        if prompt.has_multimodal_inputs():
-            raise ValueError(
-                f"request {request_id}: omni-pd's Qwen2.5-Omni thinker takes text prompts only so "
-                "far; send the request without audio"
-            )
         ids = [int(t) for t in prompt.prompt_token_ids]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(
                 f"request {request_id}: a prompt token id is outside the vocabulary of {self.vocab_size} ids"
             )
+        if not self.vision_ids.isdisjoint(ids):
+            raise ValueError(
+                f"request {request_id}: omni-pd's Qwen2.5-Omni thinker takes text and audio; send the "
+                "request without images or video"
+            )
         request = EngineRequest(request_id, prompt, params, prompt_len=len(ids), token_ids=ids)
-        request.model = ThinkerState()
+        # Audio inputs are placed and hashed now: a malformed prompt fails here, alone.
+        clips = audio_clips(prompt, self.audio_token_id, audio_token_count)
+        request.multimodal_spans = [(c.start, c.end, c.key) for c in clips]
+        request.model = ThinkerState(clips=clips)
         return request
+
+    @torch.no_grad()
+    def _inputs(
+        self, request: EngineRequest, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a prompt with audio, positions start .. end's layer 0 (each clip that reaches them
+        encoded alone, its rows at its placeholders, as transformers' forward merges them) and
+        their talker embeddings (zero at the placeholders, as transformers' generate masks them);
+        None for text, whose rows the embedding table gives."""
+        clips = request.model.clips
+        if not clips:
+            return None
+        prompt = request.prompt
+        layer0 = self.thinker.model.embed_tokens(torch.tensor(request.token_ids[start:end], dtype=torch.long))
+        talker = layer0.clone()
+        for clip in clips:
+            lo, hi = max(clip.start, start), min(clip.end, end)
+            if lo >= hi:
+                continue
+            i = clip.index
+            encoded = self.thinker.get_audio_features(
+                prompt.input_features[i : i + 1], prompt.feature_attention_mask[i : i + 1], return_dict=True
+            ).last_hidden_state.to(layer0.dtype)
+            if encoded.shape[0] != clip.length:
+                raise ValueError(
+                    f"request {request.request_id}: audio input {i}: the encoder gave {encoded.shape[0]} "
+                    f"rows for {clip.length} placeholders"
+                )
+            layer0[lo - start : hi - start] = encoded[lo - clip.start : hi - clip.start]
+            talker[lo - start : hi - start] = 0
+        return layer0, talker
 
     # ---- compute -------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:
+        ends = [i.end if i.end is not None else i.request.prompt_len for i in items]
         return self.forward.prefill(
-            [i.request.token_ids[: i.end] for i in items],
+            [i.request.token_ids[:end] for i, end in zip(items, ends)],
             attention,
             [i.start for i in items],
-            [None] * len(items),
+            [self._inputs(i.request, i.start, end) for i, end in zip(items, ends)],
         )
 
     def prefill_alone(self, request: EngineRequest) -> Prefilled:
-        raise RuntimeError("every text prompt of the Qwen2.5-Omni thinker is batchable")
+        raise RuntimeError("every prompt of the Qwen2.5-Omni thinker (text, audio) is batchable")
 
     def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
         result = self.forward.step(

@@ -11,14 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import xxhash
 from transformers import DynamicCache
 
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.core.text import TextStops
 from omni_pd.engines.sampler import sample_next_token
+from omni_pd.models.omni_prompt import AudioClip, audio_clips
 from omni_pd.models.qwen3_omni.prompt import audio_token_count
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
@@ -44,49 +43,6 @@ class ThinkerDecode:
     decode_ms: float
 
 
-@dataclass(frozen=True)
-class AudioClip:
-    """One audio input of a prompt: its placeholder positions and what it is."""
-
-    index: int  # its row of input_features
-    start: int  # its first placeholder position in the prompt
-    length: int  # its placeholder positions (what the audio encoder emits for it)
-    key: bytes  # xxh3-128 of the mel features the encoder reads: the prefix cache's extra key
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-def audio_clips(prompt: ThinkerPrompt, audio_token_id: int, n_window: int) -> list[AudioClip]:
-    """The prompt's audio inputs in order, each placed on its run of placeholder positions
-    (the i-th input takes the next `audio_token_count` placeholders, as the processor expanded
-    them)."""
-    if prompt.input_features is None:
-        return []
-    placeholders = [i for i, t in enumerate(prompt.prompt_token_ids) if t == audio_token_id]
-    clips, taken = [], 0
-    for index, frames in enumerate(prompt.feature_attention_mask.sum(-1).tolist()):
-        length = audio_token_count(int(frames), n_window)
-        span = placeholders[taken : taken + length]
-        if len(span) != length or span[-1] - span[0] != length - 1:
-            raise ValueError(
-                f"audio input {index} needs {length} consecutive placeholder "
-                f"positions; the prompt has {len(placeholders)} placeholders in all"
-            )
-        features = np.ascontiguousarray(prompt.input_features[index, :, : int(frames)].cpu().numpy())
-        digest = xxhash.xxh3_128(np.asarray(features.shape, dtype="<i8").tobytes())
-        digest.update(features.astype("<f4", copy=False).tobytes())
-        clips.append(AudioClip(index, span[0], length, digest.digest()))
-        taken += length
-    if taken != len(placeholders):
-        raise ValueError(
-            f"the prompt has {len(placeholders)} audio placeholders, its "
-            f"{len(clips)} audio input(s) fill {taken}"
-        )
-    return clips
-
-
 class ThinkerModel:
     def __init__(
         self, thinker: torch.nn.Module, tokenizer, accept_hidden_layer: int, eos_token_ids: set[int]
@@ -100,7 +56,8 @@ class ThinkerModel:
 
     def audio_clips(self, prompt: ThinkerPrompt) -> list[AudioClip]:
         config = self.thinker.config
-        return audio_clips(prompt, config.audio_token_id, config.audio_config.n_window)
+        n_window = config.audio_config.n_window
+        return audio_clips(prompt, config.audio_token_id, lambda frames: audio_token_count(frames, n_window))
 
     @torch.no_grad()
     def layer0_rows(self, prompt: ThinkerPrompt, clips: list[AudioClip], start: int) -> torch.Tensor:
