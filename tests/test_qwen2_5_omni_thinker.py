@@ -215,3 +215,37 @@ def test_malformed_multimodal_prompts_are_refused_by_name(model, tokenizer):
     with pytest.raises(ValueError, match="without images or video"):
         engine.generate("i", image, SamplingParams(max_tokens=2))
     assert engine.debug_state_counts() == {"thinker.requests": 0, "thinker.kv_blocks_in_use": 0}
+
+
+def _turns(model, tokenizer):
+    """A conversation of three turns, the first with audio: each turn's prompt starts with the
+    previous one's."""
+    builder = PromptBuilder(tokenizer, model.config.thinker_config)
+    history = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hear this."}, {"type": "audio", "audio": TONE}],
+        }
+    ]
+    prompts = []
+    for reply in ("a tone", "it is high", "goodbye"):
+        prompts.append(builder.build(OmniPrompt(messages=list(history))))
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then? " * 6}]
+    return prompts
+
+
+def test_turns_over_cached_blocks_equal_uncached_bit_for_bit(model, tokenizer):
+    prompts, params = _turns(model, tokenizer), SamplingParams(temperature=0, max_tokens=6)
+    uncached = _engine(model, tokenizer, enable_prefix_caching=False)
+    want = [uncached.generate(f"u{i}", p, params) for i, p in enumerate(prompts)]
+    cached = _engine(model, tokenizer)
+    got = [cached.generate(f"c{i}", p, params) for i, p in enumerate(prompts)]
+    hits = [o.metrics["prefix_cached_tokens"] for o in got]
+    assert hits[0] == 0 and all(h >= 3 * 16 for h in hits[1:]), hits  # the history (audio too) came cached
+    assert all(_same(a, b) for a, b in zip(want, got))
+    # Negative control: a byte of a cached block flipped before the next turn reuses it is noticed.
+    engine = _engine(model, tokenizer)
+    engine.generate("n0", prompts[0], params)
+    engine.kv.cache.data[:, 0, 0, 0, 0, 0] += 1.0  # every block, the cached ones among them
+    flipped = engine.generate("n1", prompts[1], params)
+    assert flipped.metrics["prefix_cached_tokens"] > 0 and not _same(want[1], flipped)
