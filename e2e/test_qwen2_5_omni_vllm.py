@@ -2,8 +2,8 @@
 (stage_configs/ci/qwen2_5_omni_tiny_vllm.yaml), and with the thinker split into a vLLM prefill
 and decode engine over vLLM's MooncakeConnector (qwen2_5_omni_tiny_vllm_pd.yaml), issue 49:
 - vLLM's Qwen2.5-Omni thinker, with omni-pd's recording subclass, runs the hf stages' weights
-  and on these prompts gives the hf pipeline's tokens (its rows are close, not equal: other
-  kernels);
+  and on these prompts (text, and text with audio) gives the hf pipeline's tokens (its rows are
+  close, not equal: other kernels);
 - vLLM P/D equals vLLM colocated, byte for byte: tokens, the talker's merged rows, codec codes,
   audio; a prefill of another prompt under the same transfer is noticed (the negative control).
 
@@ -18,6 +18,7 @@ from vllm_required import require_vllm
 
 require_vllm()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from omni_pd import SamplingParams  # noqa: E402
@@ -31,10 +32,17 @@ pytestmark = pytest.mark.slow
 VLLM = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_vllm.yaml"
 VLLM_PD = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_vllm_pd.yaml"
 HF = STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny.yaml"
+TONE = (0.2 * np.sin(np.arange(24000) / 16000 * 2 * np.pi * 330)).astype(np.float32)
 PROMPTS = [
     "Hi",
     "Please describe, in a few sentences, how tides are made by the moon.",
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this sound?"}, {"type": "audio", "audio": TONE}],
+        }
+    ],
 ]
 
 
@@ -57,28 +65,39 @@ def vllm_pd():
 
 
 @pytest.fixture(scope="module")
-def hf_omni():
-    with _omni(HF) as omni:
-        yield omni
+def hf_thinker():
+    """The hf thinker engine on the stage's weights, in this process (the reference)."""
+    from omni_pd.config import load_pipeline_config
+    from omni_pd.engines.core.build import ar_engine
+    from omni_pd.models.qwen2_5_omni import factory
+    from omni_pd.models.qwen2_5_omni.hf.thinker_runner import ThinkerRunner
+    from omni_pd.models.qwen2_5_omni.pipeline import thinker_eos_ids
+
+    stage = load_pipeline_config(HF).stage(0)
+    source = factory.resolve_model(TINY_MODEL_NAME)
+    model = factory.build_dummy_model(factory.load_config(source), seed=stage.engine_args.seed)
+    tokenizer = factory.load_tokenizer(source)
+    return ar_engine(stage, ThinkerRunner(model.thinker, tokenizer, thinker_eos_ids(tokenizer)))
 
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     yield
-    for name in ("vllm_omni", "hf_omni", "vllm_pd"):
+    for name in ("vllm_omni", "vllm_pd"):
         if name in request.fixturenames:
             counts = request.getfixturevalue(name).debug_state_counts()
             assert {k: v for k, v in counts.items() if v} == {}
 
 
-def test_the_vllm_thinker_gives_the_hf_pipelines_tokens_and_close_rows(vllm_omni, hf_omni):
-    got = vllm_omni.generate(PROMPTS, use_tqdm=False)
-    want = hf_omni.generate(PROMPTS, use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids and g.audio.numel() > 0
-        mine, theirs = (o.stage_outputs[0] for o in (g, w))
-        assert torch.allclose(mine.prompt_rows, theirs.prompt_rows, atol=1e-4, rtol=1e-3)
-        assert torch.allclose(mine.output_rows, theirs.output_rows, atol=1e-4, rtol=1e-3)
+def test_the_vllm_thinker_gives_the_hf_thinkers_tokens_and_close_rows(vllm_omni, hf_thinker):
+    pipeline = vllm_omni.engine.pipeline
+    params = SamplingParams(temperature=0.0, max_tokens=24, seed=42)  # the stage file's
+    for i, (got, prompt) in enumerate(zip(vllm_omni.generate(PROMPTS, use_tqdm=False), PROMPTS)):
+        want = hf_thinker.generate(f"hf{i}", pipeline.build_prompt(pipeline.normalize_prompt(prompt)), params)
+        assert got.token_ids == want.token_ids and got.audio.numel() > 0
+        mine = got.stage_outputs[0]
+        assert torch.allclose(mine.prompt_rows, want.prompt_rows, atol=1e-4, rtol=1e-3)
+        assert torch.allclose(mine.output_rows, want.output_rows, atol=1e-4, rtol=1e-3)
 
 
 def test_pd_equals_colocated_byte_for_byte(vllm_omni, vllm_pd):

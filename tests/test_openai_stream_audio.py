@@ -58,7 +58,7 @@ class ScriptedOmni:
         self.script = script
         self.stages = {0: _stage(0, "text"), 1: _stage(1, "audio")}
         self.config = SimpleNamespace(stages=list(self.stages.values()))
-        self.pipeline = SimpleNamespace(voices=("ethan",))
+        self.pipeline = SimpleNamespace(voices=("ethan",), dummy_weights_audio_gain=None)
         self.clients = {0: None, 1: None}
 
     def output(self) -> OmniRequestOutput:

@@ -15,7 +15,8 @@ from omni_pd.models.qwen2_5_omni.records import Token2WavPrompt
 from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME
 from omni_pd.sampling import SamplingParams
 
-pytestmark = pytest.mark.exactness
+# Not in the older-ISA rerun: windowed = streamed holds by construction (the same calls on the
+# same shapes), and the comparison with transformers runs the same modules either way.
 STEPS = 4  # ODE steps: fewer than the default 10, the same code path
 
 

@@ -36,9 +36,10 @@ def _write_tiny_checkpoint(directory: str, seed: int) -> Any:
 
 
 def _vllm_hooks(model: str) -> Any:
+    from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen2_5OmniThinkerHooks
 
-    return Qwen2_5OmniThinkerHooks()
+    return Qwen2_5OmniThinkerHooks(load_config(resolve_model(model)).thinker_config.audio_token_index)
 
 
 def _config_dict(model: str) -> dict[str, Any]:

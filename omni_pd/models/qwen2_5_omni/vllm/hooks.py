@@ -1,7 +1,9 @@
 """Qwen2.5-Omni's thinker on the generic vLLM engine: the recorded rows turned into the same
 `ThinkerOutput` / `ThinkerChunk` records the hf thinker produces (one talker row per position:
 the last hidden state plus the token's embedding), so the talker and the P/D merge cannot tell
-the engines apart. Prompts are text: audio, images and video are refused by name.
+the engines apart. Prompts are text, or text with audio (the prompt builder's features, handed
+to vLLM as precomputed items); images and video are refused by name. At an audio placeholder the
+talker row is the hidden state alone (transformers' generate zeroes the embedding there).
 
 Each leg reports the rows it owns, as Qwen3-Omni's hooks do: the leg that computes the prompt
 its rows, the leg that decodes the generated tokens' rows from the end of the prompt on.
@@ -17,30 +19,66 @@ from omni_pd.engines.types import TextOutput, TokenPrompt
 from omni_pd.engines.vllm.hooks import LegRole, VllmModelHooks
 from omni_pd.engines.vllm.rows import RequestRows
 
-from ..records import ThinkerChunk, ThinkerOutput
+from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from .thinker import CAPTURE_KEY
+
+
+# Audio inputs one prompt may hold (vLLM profiles its memory for that many at start).
+MAX_AUDIOS_PER_PROMPT = 4
 
 
 class Qwen2_5OmniThinkerHooks(VllmModelHooks):
     records_rows = True  # by RowRecordingThinker, registered for the checkpoint's architecture
+    takes_multimodal_prompts = True  # audio; images and video are not built by the prompt builder
+
+    def __init__(self, audio_token_id: int):
+        self.audio_token_id = audio_token_id
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
             # A prompt position served from vLLM's prefix cache is never computed: no rows.
             "enable_prefix_caching": False,
-            "limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0},
+            "limit_mm_per_prompt": {"audio": MAX_AUDIOS_PER_PROMPT, "image": 0, "video": 0},
+            "enable_mm_embeds": True,  # audio comes as the prompt builder's features
             "additional_config": {CAPTURE_KEY: True},
         }
 
     def check_prompt(self, stage_id: int, prompt: TokenPrompt) -> None:
-        if prompt.has_multimodal_inputs():
+        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
+            return
+        if prompt.input_features.shape[0] > MAX_AUDIOS_PER_PROMPT:
             raise ValueError(
-                f"stage {stage_id}: omni-pd's vLLM Qwen2.5-Omni thinker takes text prompts only so "
-                "far; send the request without audio"
+                f"stage {stage_id}: the prompt has {prompt.input_features.shape[0]} audio inputs; the vLLM "
+                f"thinker takes at most {MAX_AUDIOS_PER_PROMPT} per prompt"
             )
 
-    @staticmethod
-    def _rows(request_id: str, rows: RequestRows, lo: int, hi: int) -> torch.Tensor:
+    def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
+        """The prompt builder's token ids and audio features as vLLM takes them: the features as
+        precomputed items, each audio's run of `<|AUDIO|>` placeholders folded back to one (vLLM
+        expands it again from the features' lengths)."""
+        ids = list(prompt.prompt_token_ids)
+        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
+            return {"prompt_token_ids": ids}
+        lengths = prompt.feature_attention_mask.sum(-1)
+        features = torch.cat([prompt.input_features[i, :, : int(n)] for i, n in enumerate(lengths)], dim=1)
+        audio = self.audio_token_id
+        folded = [t for i, t in enumerate(ids) if t != audio or i == 0 or ids[i - 1] != audio]
+        return {
+            "prompt_token_ids": folded,
+            "multi_modal_data": {
+                "audio": {
+                    "input_audio_features": features,
+                    "audio_feature_lengths": lengths.to(torch.long),
+                    "feature_attention_mask": prompt.feature_attention_mask,
+                }
+            },
+        }
+
+    def _rows(
+        self, request_id: str, rows: RequestRows, lo: int, hi: int, ids: list[int] | None = None
+    ) -> torch.Tensor:
+        """Positions lo .. hi's talker rows; `ids` (the prompt's, from lo): zero the embedding at
+        its audio placeholders."""
         if hi <= lo:
             width = next(iter(rows.rows.values()))[0].shape[-1] if len(rows) else 0
             return torch.zeros((0, width))
@@ -51,6 +89,10 @@ class Qwen2_5OmniThinkerHooks(VllmModelHooks):
                 f"request {request_id}: the vLLM thinker recorded no rows for positions {missing[:8]} of {lo}..{hi - 1}"
             )
         embeds, hidden = span
+        if ids is not None:
+            audio = torch.tensor(ids[: hi - lo]) == self.audio_token_id
+            if bool(audio.any()):
+                embeds = embeds.masked_fill(audio.unsqueeze(1), 0.0)
         return hidden + embeds  # the sum transformers' generate feeds its talker
 
     def output(self, text: TextOutput, rows: RequestRows, role: LegRole) -> ThinkerOutput:
@@ -67,7 +109,7 @@ class Qwen2_5OmniThinkerHooks(VllmModelHooks):
         )
         out = ThinkerOutput(**{f: getattr(text, f) for f in fields}, output_start=prompt_len)
         if role.computes_prompt and role.rows:
-            out.prompt_rows = self._rows(text.request_id, rows, 0, prompt_len)
+            out.prompt_rows = self._rows(text.request_id, rows, 0, prompt_len, list(text.prompt_token_ids))
         if role.decodes and role.rows:
             fed = max(len(text.token_ids) - 1, 0)  # every generated token but the last was fed back
             out.output_rows = self._rows(text.request_id, rows, prompt_len, prompt_len + fed)
@@ -93,5 +135,5 @@ class Qwen2_5OmniThinkerHooks(VllmModelHooks):
             prompt_token_ids=list(prompt_token_ids) if first else None,
         )
         if first and role.computes_prompt:
-            chunk.prompt_rows = self._rows("", rows, 0, prompt_len)
+            chunk.prompt_rows = self._rows("", rows, 0, prompt_len, list(prompt_token_ids))
         return chunk, end
