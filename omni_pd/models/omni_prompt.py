@@ -209,3 +209,27 @@ def audio_clips(prompt: Any, audio_token_id: int, token_count: Callable[[int], i
             f"{len(clips)} audio input(s) fill {taken}"
         )
     return clips
+
+
+def vllm_audio_prompt(prompt: Any, audio_token_id: int) -> dict[str, Any]:
+    """An omni thinker's prompt (an `AudioTokenPrompt`) as vLLM's Qwen omni thinkers take it: the
+    token ids, and for audio the builder's features as precomputed items (vLLM runs its own audio
+    tower on exactly these) with each clip's run of placeholders folded back to one, which vLLM
+    expands again from the features' lengths (its rows come back on the builder's positions, or
+    the hooks find them missing)."""
+    ids = list(prompt.prompt_token_ids)
+    if getattr(prompt, "input_features", None) is None:
+        return {"prompt_token_ids": ids}
+    lengths = prompt.feature_attention_mask.sum(-1)
+    features = torch.cat([prompt.input_features[i, :, : int(n)] for i, n in enumerate(lengths)], dim=1)
+    folded = [t for i, t in enumerate(ids) if t != audio_token_id or i == 0 or ids[i - 1] != audio_token_id]
+    return {
+        "prompt_token_ids": folded,
+        "multi_modal_data": {
+            "audio": {
+                "input_audio_features": features,
+                "audio_feature_lengths": lengths.to(torch.long),
+                "feature_attention_mask": prompt.feature_attention_mask,
+            }
+        },
+    }

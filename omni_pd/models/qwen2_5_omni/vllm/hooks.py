@@ -18,6 +18,7 @@ import torch
 from omni_pd.engines.types import TextOutput, TokenPrompt
 from omni_pd.engines.vllm.hooks import LegRole, VllmModelHooks
 from omni_pd.engines.vllm.rows import RequestRows
+from omni_pd.models.omni_prompt import vllm_audio_prompt
 
 from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from .thinker import CAPTURE_KEY
@@ -53,26 +54,7 @@ class Qwen2_5OmniThinkerHooks(VllmModelHooks):
             )
 
     def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
-        """The prompt builder's token ids and audio features as vLLM takes them: the features as
-        precomputed items, each audio's run of `<|AUDIO|>` placeholders folded back to one (vLLM
-        expands it again from the features' lengths)."""
-        ids = list(prompt.prompt_token_ids)
-        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
-            return {"prompt_token_ids": ids}
-        lengths = prompt.feature_attention_mask.sum(-1)
-        features = torch.cat([prompt.input_features[i, :, : int(n)] for i, n in enumerate(lengths)], dim=1)
-        audio = self.audio_token_id
-        folded = [t for i, t in enumerate(ids) if t != audio or i == 0 or ids[i - 1] != audio]
-        return {
-            "prompt_token_ids": folded,
-            "multi_modal_data": {
-                "audio": {
-                    "input_audio_features": features,
-                    "audio_feature_lengths": lengths.to(torch.long),
-                    "feature_attention_mask": prompt.feature_attention_mask,
-                }
-            },
-        }
+        return vllm_audio_prompt(prompt, self.audio_token_id)
 
     def _rows(
         self, request_id: str, rows: RequestRows, lo: int, hi: int, ids: list[int] | None = None

@@ -22,6 +22,7 @@ import torch
 from omni_pd.engines.types import TextOutput, TokenPrompt
 from omni_pd.engines.vllm.hooks import LegRole, VllmModelHooks
 from omni_pd.engines.vllm.rows import RequestRows
+from omni_pd.models.omni_prompt import vllm_audio_prompt
 
 from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
 from .thinker import CAPTURE_KEY, LAYER_KEY
@@ -61,30 +62,7 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
             )
 
     def vllm_prompt(self, prompt: TokenPrompt) -> dict[str, Any]:
-        """The prompt builder's token ids and audio features, as vLLM takes them: the features
-        as precomputed items (vLLM runs its own audio tower on exactly these), and each audio's
-        run of `<|audio_pad|>` placeholders folded back to one, which vLLM expands again from
-        the features' lengths (checked against the builder's count when the rows come back)."""
-        ids = list(prompt.prompt_token_ids)
-        if not isinstance(prompt, ThinkerPrompt) or prompt.input_features is None:
-            return {"prompt_token_ids": ids}
-        lengths = prompt.feature_attention_mask.sum(-1)
-        features = torch.cat([prompt.input_features[i, :, : int(n)] for i, n in enumerate(lengths)], dim=1)
-        folded = [
-            t
-            for i, t in enumerate(ids)
-            if t != self.audio_token_id or i == 0 or ids[i - 1] != self.audio_token_id
-        ]
-        return {
-            "prompt_token_ids": folded,
-            "multi_modal_data": {
-                "audio": {
-                    "input_audio_features": features,
-                    "audio_feature_lengths": lengths.to(torch.long),
-                    "feature_attention_mask": prompt.feature_attention_mask,
-                }
-            },
-        }
+        return vllm_audio_prompt(prompt, self.audio_token_id)
 
     def handoff_state(self, prompt_token_ids: list[int]) -> dict[str, int]:
         """The hf thinker's `rope_deltas` (its M-RoPE offset past the prompt): 0 for the prompts
