@@ -7,6 +7,7 @@ Shared by the omni models' talkers (Qwen3-Omni's code0, Qwen2.5-Omni's code)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -19,11 +20,12 @@ def process_code0_scores(
     penalties: list[float],
     suppress_mask: torch.Tensor,
     no_eos: list[bool],
-    eos: int,
+    eos: int | Sequence[int],
 ) -> torch.Tensor:
     """transformers' logits processors for the talker, for a batch of rows ([B, vocab]): the
     repetition penalty of each row over its generated ids (the prompt is embeddings only, so
-    only they count), then suppress_tokens, and the codec EOS for the rows in `no_eos`.
+    only they count), then suppress_tokens, and the codec EOS (one id or several) for the rows in
+    `no_eos`.
     Elementwise per (row, id), so a row's scores do not depend on the others; one gather and
     one scatter for the whole batch."""
     scores = logits.float()
@@ -42,7 +44,8 @@ def process_code0_scores(
         scores = scores.index_put(where, torch.where(picked < 0, picked * penalty, picked / penalty))
     scores = scores.masked_fill(suppress_mask, float("-inf"))
     if any(no_eos):
-        scores[torch.tensor(no_eos), eos] = float("-inf")
+        for eos_id in [eos] if isinstance(eos, int) else eos:
+            scores[torch.tensor(no_eos), eos_id] = float("-inf")
     return scores
 
 

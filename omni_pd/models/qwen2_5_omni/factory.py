@@ -95,6 +95,16 @@ def seeded_speakers(seed: int) -> dict[str, dict[str, Any]]:
     }
 
 
+def find_voice(speakers: dict[str, dict[str, Any]], voice: str | None) -> dict[str, Any]:
+    """A voice's entry of spk_dict.pt, matched case-insensitively (the server lower-cases voices);
+    ValueError naming the voices."""
+    by_name = {name.lower(): spec for name, spec in speakers.items()}
+    spec = by_name.get((voice or "").lower())
+    if spec is None:
+        raise ValueError(f"voice {voice!r} is not one of this model's voices: {sorted(by_name)}")
+    return spec
+
+
 def load_speakers(source: ModelSource, seed: int = DEFAULT_SEED) -> dict[str, dict[str, Any]]:
     if source.is_embedded:
         return seeded_speakers(seed)

@@ -32,6 +32,7 @@ from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.models.codec_sampling import RowSampling, process_code0_scores, sample_rows
 from omni_pd.sampling import SamplingParams
 
+from ..factory import find_voice
 from ..records import TalkerOutput, TalkerPrompt
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -44,21 +45,21 @@ class TalkerState:
 
     inputs: torch.Tensor  # [P + 2, thinker hidden]: the prompt rows, before the projection
     reply: torch.Tensor  # [R, thinker hidden]: one per decode step, the last repeated
+    # The prompt's distinct codec ids (mask, pad, bos): what the repetition penalty counts of
+    # the prompt (it applies once per id, so each is listed once, not P times a step).
+    prompt_codes: tuple[int, ...] = ()
     logits: list[torch.Tensor] | None = None  # each step's raw logits, when the runner traces (tests)
     codes_sent: int = 0  # codes already streamed to token2wav
 
 
 class Voices:
-    """The voices' bos tokens, matched case-insensitively (the server lower-cases them)."""
+    """The voices' bos tokens (spk_dict.pt's), found as `factory.find_voice` finds a voice."""
 
     def __init__(self, speakers: dict[str, dict[str, Any]]):
-        self.bos = {name.lower(): int(spec["bos_token"]) for name, spec in speakers.items()}
+        self.speakers = speakers
 
     def bos_token(self, voice: str | None) -> int:
-        key = (voice or "").lower()
-        if key not in self.bos:
-            raise ValueError(f"voice {voice!r} is not one of this model's voices: {sorted(self.bos)}")
-        return self.bos[key]
+        return int(find_voice(self.speakers, voice)["bos_token"])
 
 
 class TalkerRunner(ArRunnerBase):
@@ -156,7 +157,10 @@ class TalkerRunner(ArRunnerBase):
             config.tts_codec_start_token_id,
         ]
         state = TalkerState(
-            inputs=inputs.contiguous(), reply=reply.contiguous(), logits=[] if self.trace else None
+            inputs=inputs.contiguous(),
+            reply=reply.contiguous(),
+            prompt_codes=tuple(sorted(set(codec_prompt))),
+            logits=[] if self.trace else None,
         )
         return EngineRequest(
             request_id, prompt, params, prompt_len=length + 2, token_ids=codec_prompt, model=state
@@ -201,15 +205,12 @@ class TalkerRunner(ArRunnerBase):
                 request.model.logits.append(row.clone())
         scores = process_code0_scores(
             logits,
-            [list(r.token_ids) + list(r.tokens) for r in requests],
+            [list(r.model.prompt_codes) + list(r.tokens) for r in requests],
             [r.params.repetition_penalty for r in requests],
             self.suppress_mask,
             [r.params.ignore_eos for r in requests],
-            self.stops[1],
+            self.stops,  # ignore_eos: neither codec pad nor end is sampled
         )
-        for row, r in enumerate(requests):
-            if r.params.ignore_eos:
-                scores[row, self.stops[0]] = float("-inf")
         specs = [
             RowSampling(
                 r.params.greedy,

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
+from ..factory import find_voice
+
 WINDOW = 72  # mel frames a window emits (3 DiT blocks)
 PAST = 48  # mel frames of context before a window (2 blocks)
 FUTURE = 24  # mel frames of context after it (1 block)
@@ -155,8 +157,5 @@ class Token2Wav:
 
 def conditioning(speakers: dict[str, Any], voice: str | None) -> Conditioning:
     """A voice's conditioning (spk_dict.pt's `cond` and `ref_mel`), matched case-insensitively."""
-    by_name = {name.lower(): spec for name, spec in speakers.items()}
-    spec = by_name.get((voice or "").lower())
-    if spec is None:
-        raise ValueError(f"voice {voice!r} is not one of this model's voices: {sorted(by_name)}")
+    spec = find_voice(speakers, voice)
     return Conditioning(spec["cond"].float().view(1, -1), spec["ref_mel"].float())
