@@ -233,3 +233,18 @@ def vllm_audio_prompt(prompt: Any, audio_token_id: int) -> dict[str, Any]:
             }
         },
     }
+
+
+def encode_clip(thinker: Any, prompt: Any, clip: AudioClip, dtype: torch.dtype) -> torch.Tensor:
+    """One audio input encoded alone by `thinker`'s audio tower (transformers'
+    `get_audio_features`), [clip.length, hidden]: its rows do not depend on the prompt's other
+    inputs. ValueError if the encoder's row count is not the placeholders' count."""
+    i = clip.index
+    encoded = thinker.get_audio_features(
+        prompt.input_features[i : i + 1], prompt.feature_attention_mask[i : i + 1], return_dict=True
+    ).last_hidden_state.to(dtype)
+    if encoded.shape[0] != clip.length:
+        raise ValueError(
+            f"audio input {i}: the encoder gave {encoded.shape[0]} rows for {clip.length} placeholders"
+        )
+    return encoded

@@ -24,7 +24,7 @@ from omni_pd.kv import BlockLayout
 from omni_pd.kv.fingerprint import weights_digest
 from omni_pd.sampling import SamplingParams
 
-from omni_pd.models.omni_prompt import AudioClip, audio_clips
+from omni_pd.models.omni_prompt import AudioClip, audio_clips, encode_clip
 
 from ..prompt import audio_token_count
 from ..records import ThinkerChunk, ThinkerOutput, ThinkerPrompt
@@ -127,15 +127,10 @@ class ThinkerRunner(ArRunnerBase):
             lo, hi = max(clip.start, start), min(clip.end, end)
             if lo >= hi:
                 continue
-            i = clip.index
-            encoded = self.thinker.get_audio_features(
-                prompt.input_features[i : i + 1], prompt.feature_attention_mask[i : i + 1], return_dict=True
-            ).last_hidden_state.to(layer0.dtype)
-            if encoded.shape[0] != clip.length:
-                raise ValueError(
-                    f"request {request.request_id}: audio input {i}: the encoder gave {encoded.shape[0]} "
-                    f"rows for {clip.length} placeholders"
-                )
+            try:
+                encoded = encode_clip(self.thinker, prompt, clip, layer0.dtype)
+            except ValueError as exc:
+                raise ValueError(f"request {request.request_id}: {exc}") from None
             layer0[lo - start : hi - start] = encoded[lo - clip.start : hi - clip.start]
             talker[lo - start : hi - start] = 0
         return layer0, talker

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from omni_pd.sampling import SamplingParams
 from omni_pd.engines.core.text import TextStops
 from omni_pd.engines.sampler import sample_next_token
-from omni_pd.models.omni_prompt import AudioClip, audio_clips
+from omni_pd.models.omni_prompt import AudioClip, audio_clips, encode_clip
 from omni_pd.models.qwen3_omni.prompt import audio_token_count
 from omni_pd.models.qwen3_omni.records import ThinkerPrompt
 
@@ -70,15 +70,7 @@ class ThinkerModel:
         for clip in clips:
             if clip.end <= start:
                 continue
-            i = clip.index
-            encoded = self.thinker.get_audio_features(
-                prompt.input_features[i : i + 1], prompt.feature_attention_mask[i : i + 1], return_dict=True
-            ).last_hidden_state.to(rows.dtype)
-            if encoded.shape[0] != clip.length:
-                raise ValueError(
-                    f"audio input {i}: the encoder gave {encoded.shape[0]} rows for "
-                    f"{clip.length} placeholders"
-                )
+            encoded = encode_clip(self.thinker, prompt, clip, rows.dtype)
             skip = max(0, start - clip.start)
             rows[clip.start + skip - start : clip.end - start] = encoded[skip:]
         return rows
