@@ -72,27 +72,36 @@ def test_prompt_attention_rows_do_not_depend_on_the_call():
     """`attend_rows`: a row's bits are the same whether its prompt is computed whole, from a
     cached prefix on (any start), or as the prefix of a longer prompt; and they are attention
     (to float tolerance against torch's). Negative control: torch's fused attention is not."""
-    import torch.nn.functional as F
+    q, k, v = check_attention_rows("cpu")
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
+    shorter = F.scaled_dot_product_attention(
+        q[:, :, :231], k[:, :, :231], v[:, :, :231], is_causal=True, scale=0.2, enable_gqa=True
+    )
+    assert not torch.equal(shorter, fused[:, :, :231])
 
+
+def check_attention_rows(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of the test above on `device` (tests/test_gpu.py runs it on cuda:0, as a stage
+    worker does: that device torch's default)."""
     gen = torch.Generator().manual_seed(3)
     n = 300
-    q = torch.randn(1, 4, n, 32, generator=gen)
-    k = torch.randn(1, 2, n, 32, generator=gen)
-    v = torch.randn(1, 2, n, 32, generator=gen)
+    q, k, v = (torch.randn(1, h, n, 32, generator=gen, device="cpu").to(device) for h in (4, 2, 2))
+    with torch.device(device):
+        _attention_rows(q, k, v, n)
+    return q, k, v
+
+
+def _attention_rows(q, k, v, n) -> None:
     longest = bi.attend_rows(q, k, v, 0.2, 0)
-    for length in (1, 17, 64, 65, 231):
+    for length in (1, 17, 64, 65, 231, n):
         whole = bi.attend_rows(q[:, :, :length], k[:, :, :length], v[:, :, :length], 0.2, 0)
         assert torch.equal(whole, longest[:length]), length
-        for start in (c for c in (3, 16, 64, 200) if c < length):
+        for start in (c for c in (3, 16, 64, 200, 288) if c < length):
             rest = bi.attend_rows(q[:, :, start:length], k[:, :, :length], v[:, :, :length], 0.2, start)
             assert torch.equal(rest, whole[start:]), (length, start)
     fused = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
     fused = fused[0].transpose(0, 1).reshape(n, -1)
     assert torch.allclose(fused, longest, atol=1e-5)
-    shorter = F.scaled_dot_product_attention(
-        q[:, :, :231], k[:, :, :231], v[:, :, :231], is_causal=True, scale=0.2, enable_gqa=True
-    )
-    assert not torch.equal(shorter[0].transpose(0, 1).reshape(231, -1), fused[:231])
 
 
 # -- elementwise ops: an element's bits must not depend on where it sits in its tensor ---------

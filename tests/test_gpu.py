@@ -156,3 +156,60 @@ def test_a_request_decodes_to_the_same_bits_alone_and_in_a_batch_on_the_gpu(gpu_
     while engine.has_unfinished_requests():
         outs = [o for o in engine.step() if o.finished]
     assert not _same(solo[0], outs[0].output)
+
+
+def test_norms_give_a_row_the_same_bits_at_any_row_count_on_the_gpu(tiny_model):
+    """`bi.norm`: a row's RMSNorm bits do not depend on how many rows share the call, on the GPU
+    too, at the tiny and the real widths (hidden 2048, head 128). Negative control: the plain
+    module at the real hidden width, whose CUDA reduction changes shape with few rows."""
+    from omni_pd.engines.hf import batch_invariant as bi
+
+    norm_cls = type(tiny_model.thinker.model.norm)
+    gen = torch.Generator().manual_seed(4)
+    plain_moves = False
+    for width in (tiny_model.thinker.config.text_config.hidden_size, 128, 2048):
+        norm = norm_cls(width, eps=1e-6).to(GPU)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width, generator=gen, device="cpu"))
+            rows = (torch.randn(200, width, generator=gen, device="cpu") * 3).to(GPU)
+            whole = norm(rows)
+            for count in list(range(1, 80)) + [127, 199]:
+                assert torch.equal(bi.norm(norm, rows[:count]), whole[:count]), (width, count)
+                plain_moves |= width == 2048 and not torch.equal(norm(rows[:count]), whole[:count])
+    assert plain_moves
+
+
+def test_chunked_and_cached_prefills_equal_the_whole_prompt_on_the_gpu(gpu_runner, tiny_tokenizer):
+    """Chunked prefill beside running decodes, and a prefill over cached blocks, give the rows,
+    tokens and KV of the whole prompt's prefill on cuda:0 (tests/test_chunked_prefill.py on the
+    GPU). What the first GPU run found broken: a prompt over cached blocks computes its last few
+    rows alone, and the norms' bits moved with the row count."""
+    from test_chunked_prefill import BUDGET, LONG, _params, _prompts, _run, _same, _thinker
+
+    def engine(**args):
+        return _thinker(gpu_runner, attention_kernels="torch", **args)
+
+    prompts, params = _prompts(tiny_tokenizer), _params(len(LONG))
+    whole, whole_kv, _ = _run(engine(enable_prefix_caching=False), prompts, params)
+    chunked_engine = engine(max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+    assert chunked_engine.kv.cache.pool.device.type == "cuda"
+    chunked, chunked_kv, _ = _run(chunked_engine, prompts, params, stagger=3)
+    assert chunked_engine.batch_stats()["partial_chunks"] > 0
+    for i in range(len(prompts)):
+        assert _same(whole[i], chunked[i]), LONG[i]
+        assert torch.equal(whole_kv[i], chunked_kv[i]), LONG[i]
+    first, second = _prompts(tiny_tokenizer, [LONG[0], LONG[0] + " and then the storm came"])
+    want, want_kv, _ = _run(engine(enable_prefix_caching=False), [second], params[1:2])
+    cached = engine()
+    _run(cached, [first], params[:1])
+    got, got_kv, _ = _run(cached, [second], params[1:2])
+    assert got[0].metrics["prefix_cached_tokens"] > 0
+    assert _same(want[0], got[0]) and torch.equal(want_kv[0], got_kv[0])
+
+
+def test_prompt_attention_rows_do_not_depend_on_the_call_on_the_gpu():
+    """`attend_rows` on cuda:0: a row's bits the same whole, from any cached start, or as the
+    prefix of a longer prompt (tests/test_batch_invariant.py's check, run on the GPU)."""
+    from test_batch_invariant import check_attention_rows
+
+    check_attention_rows(GPU)

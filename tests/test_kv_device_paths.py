@@ -76,6 +76,24 @@ def test_wsum64_does_not_depend_on_where_the_bytes_lie():
     assert kind_for("cpu") == "xxh3" and kind_for("cuda:0") == "wsum64"
 
 
+def test_wsum64_of_host_bytes_holds_when_another_device_is_torchs_default(monkeypatch):
+    """A stage worker on a GPU makes that GPU torch's default device (engines/device.py); a host
+    pool's checksums must still be computed on the host. The meta device stands in for the GPU
+    here: a tensor made without a device would land there and meet the host's weights. (The
+    first GPU run found this: "indices should be either on cpu or on the same device".)"""
+    from omni_pd.kv import checksum as checksum_module
+
+    data = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    want = wsum64(data)
+    monkeypatch.setattr(checksum_module, "_weights", {})  # the weights are made anew
+    torch.set_default_device("meta")
+    try:
+        got = wsum64(data)
+    finally:
+        torch.set_default_device(None)
+    assert got == want
+
+
 def test_a_descriptor_names_its_checksum_kind_and_the_receiver_uses_it(transports):
     sender = KVSender("prefill-kind", LAYOUT, 16, transports[0], lease_timeout_s=30.0)
     receiver = KVReceiver(LAYOUT, 16, transports[1])

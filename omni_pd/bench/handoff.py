@@ -186,6 +186,7 @@ class _Pair:
             state["sums"] = self.cache.write(state["source"], 0, kv, checksums=True)
 
         def publish() -> None:
+            state["published"] = True
             state["n"] += 1
             state["tid"] = f"bench-{tokens}-{state['n']}"
             state["descriptor"] = sender.publish_blocks(
@@ -208,6 +209,7 @@ class _Pair:
         def release() -> None:
             """The decode side's ack frees the leased blocks; the next run prefills anew."""
             sender.release(state["tid"])
+            state["published"] = False
             prefill()
 
         prefill()
@@ -230,6 +232,8 @@ class _Pair:
             fetch_ms = _median_ms(fetch, repeats)
             release()
         finally:
+            if state.get("published"):  # a failed run: the lease goes first, then the blocks
+                sender.release(state["tid"])
             self.cache.release(state["source"])
             receiver.pool.free(dest)
         return {

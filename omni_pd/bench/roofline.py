@@ -191,7 +191,12 @@ def _moe_split(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _flops(fn: Callable[[], Any]) -> int:
-    with FlopCounterMode(display=False) as counter:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # Counted on torch's math attention (its products are the attention's FLOPs): the counters of
+    # the fused kernels do not take every layout (a bf16 GQA decode on an H100 raised). Only the
+    # count runs so; the timed runs keep the kernels torch picks.
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())
 
@@ -220,12 +225,18 @@ class Bench:
         """(median ms of `step`, the distinct experts its MoE layers read, summed over layers,
         its FLOPs), the last two from one more run, counted."""
         ms = self._time(step)
-        with moe_calls() as calls:
+        with moe_calls() as calls, self._default_device():
             flops = _flops(step)
         return ms, sum(calls.experts), flops + calls.native_flops
 
     def _time(self, step: Callable[[], Any]) -> float:
-        return statistics.median(_runs_s(step, self.device, self.repeats)) * 1e3
+        with self._default_device():
+            return statistics.median(_runs_s(step, self.device, self.repeats)) * 1e3
+
+    def _default_device(self) -> contextlib.AbstractContextManager:
+        """Steps run as in a stage worker on this device: it is torch's default device there
+        (engines/device.py), so the step tensors the runners make land beside the weights."""
+        return self.device if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _cache(self, layout, batch: int, positions: int) -> PagedKVCache:
         """A cache that holds `batch` sequences of `positions` each, block-aligned."""
@@ -309,11 +320,15 @@ class Bench:
                 for b in range(batch):
                     g = torch.Generator().manual_seed(b)
                     state = TalkerState(
-                        prompt_embeds=torch.zeros(context, hidden, dtype=self.dtype),
-                        trailing=torch.randn(4096, hidden, generator=g).to(self.dtype),
-                        tts_pad=torch.zeros(hidden, dtype=self.dtype),
+                        prompt_embeds=torch.zeros(context, hidden, dtype=self.dtype, device=self.device),
+                        trailing=torch.randn(4096, hidden, generator=g, device="cpu")
+                        .to(self.dtype)
+                        .to(self.device),
+                        tts_pad=torch.zeros(hidden, dtype=self.dtype, device=self.device),
                     )
-                    state.hidden = torch.randn(hidden, generator=g).to(self.dtype).to(self.device)
+                    state.hidden = (
+                        torch.randn(hidden, generator=g, device="cpu").to(self.dtype).to(self.device)
+                    )
                     r = EngineRequest(
                         f"t{b}",
                         None,
@@ -351,18 +366,20 @@ class Bench:
         module = parts.require("code2wav")
         quantizers = parts.config.code2wav_config.num_quantizers
         codes = torch.randint(
-            0, 2048, (quantizers, 4 * CHUNK_FRAMES), generator=torch.Generator().manual_seed(0)
-        )
+            0, 2048, (quantizers, 4 * CHUNK_FRAMES), generator=torch.Generator().manual_seed(0), device="cpu"
+        ).to(self.device)
         torch_runner = Code2WavRunner(module, quantizers, "torch")
-        flops = _flops(
-            lambda: torch_runner.decode_chunk(torch_runner.new_stream(), codes[:, :CHUNK_FRAMES], None)
-        )
+        with self._default_device():
+            flops = _flops(
+                lambda: torch_runner.decode_chunk(torch_runner.new_stream(), codes[:, :CHUNK_FRAMES], None)
+            )
         # Both of code2wav's kernel sets where both run (the C kernels: float32 on the CPU).
         native = self.device.type == "cpu" and self.dtype == torch.float32
         for kernels in ("native", "torch") if native else ("torch",):
             runner = Code2WavRunner(module, quantizers, kernels)
-            state = runner.new_stream()
-            runner.decode_chunk(state, codes[:, :CHUNK_FRAMES], None)  # later chunks carry state
+            with self._default_device():
+                state = runner.new_stream()
+                runner.decode_chunk(state, codes[:, :CHUNK_FRAMES], None)  # later chunks carry state
             ms = self._time(
                 lambda: runner.decode_chunk(state, codes[:, CHUNK_FRAMES : 2 * CHUNK_FRAMES], None)
             )

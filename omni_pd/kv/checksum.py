@@ -48,7 +48,8 @@ def _weights_for(words: int, device: torch.device) -> torch.Tensor:
         base = _splitmix64(4096)
         # Beyond 4096 words the constants repeat with a position-dependent odd offset, which
         # keeps every weight odd and distinct modulo 2**64.
-        index = torch.arange(size, dtype=torch.int64)
+        # On the host, beside `base`: a stage worker on a GPU makes that GPU torch's default device.
+        index = torch.arange(size, dtype=torch.int64, device="cpu")
         have = (base[index % 4096] + 2 * (index // 4096)).to(device)
         _weights[device] = have
     return have[:words]

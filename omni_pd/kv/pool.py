@@ -66,6 +66,7 @@ class BlockPool:
         self.checksum_kind = kind_for(self.device)
         self.shm_path: str | None = None
         self._ipc_handle: str | None = None
+        self._ipc_view: torch.Tensor | None = None
         if self.device.type != "cpu":
             # One device allocation (the caching allocator aligns it to 512 bytes); shared or
             # not, a GPU pool is shared by CUDA IPC handle.
@@ -99,7 +100,10 @@ class BlockPool:
         if self._ipc_handle is None:
             from .transport.cuda_ipc import export_handle
 
-            self._ipc_handle = export_handle(self._blocks.view(-1))
+            # The exported tensor lives as long as the pool: in the exporting process the handle
+            # resolves to it (CUDA opens no handle in the process that made it).
+            self._ipc_view = self._blocks.view(-1)
+            self._ipc_handle = export_handle(self._ipc_view)
         return self._ipc_handle
 
     def memory(self) -> torch.Tensor:

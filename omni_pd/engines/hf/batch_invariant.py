@@ -75,6 +75,27 @@ def linear_module(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+# At least this many rows go into a row-wise norm. CUDA's reduction kernels choose their launch
+# shape from the number of rows: with few rows, more threads share each row's sum, which then adds
+# in another order, and a row's last bits move with the batch. From 16 rows on (32 with 1,024-
+# thread blocks) the shape, and with it each row's order, is fixed; 64 leaves a margin. The CPU's
+# norms are row-count invariant already (tests/test_batch_invariant.py); the padding costs them
+# microseconds, and the same code runs on both.
+NORM_MIN_ROWS = 64
+
+
+def norm(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A row-wise norm over the last dimension (transformers' RMSNorm, a q/k norm) with a row's
+    bits independent of how many rows share the call: fewer than `NORM_MIN_ROWS` rows are padded
+    with zero rows (which a norm maps to zeros; each row is normalised alone)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    count = rows.shape[0]
+    if count >= NORM_MIN_ROWS or not _enabled:
+        return module(x)
+    return module(F.pad(rows, (0, 0, 0, NORM_MIN_ROWS - count)))[:count].reshape(shape)
+
+
 # -- elementwise activations ------------------------------------------------------------------
 #
 # torch's CPU kernels for sigmoid and SiLU compute a contiguous tensor in vectors of 2 x the ISA's
@@ -292,10 +313,11 @@ def projections(
     def heads(module: torch.nn.Linear) -> torch.Tensor:
         return linear_module(module, x).view(rows, -1, head_dim)
 
-    q_norm = getattr(attn, "q_norm", None) or (lambda t: t)
-    k_norm = getattr(attn, "k_norm", None) or (lambda t: t)
-    q = q_norm(heads(attn.q_proj)).transpose(0, 1).unsqueeze(0)
-    k = k_norm(heads(attn.k_proj)).transpose(0, 1).unsqueeze(0)
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    q, k = heads(attn.q_proj), heads(attn.k_proj)
+    q = (q if q_norm is None else norm(q_norm, q)).transpose(0, 1).unsqueeze(0)
+    k = (k if k_norm is None else norm(k_norm, k)).transpose(0, 1).unsqueeze(0)
     v = heads(attn.v_proj).transpose(0, 1).unsqueeze(0)
     q, k = rotary(q, k, cos, sin)
     return q, k, v
@@ -309,13 +331,14 @@ def decoder_layer(
     (the engine's, which knows each row's sequence and cache), the output projection, then the
     norm and MLP, each with its residual."""
     attn = layer.self_attn
-    q, k, v = projections(attn, layer.input_layernorm(h), head_dim, cos, sin)
+    q, k, v = projections(attn, norm(layer.input_layernorm, h), head_dim, cos, sin)
     out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
     h = h + linear_module(attn.o_proj, out)
-    return h + mlp(layer.mlp, layer.post_attention_layernorm(h), kernels)
+    return h + mlp(layer.mlp, norm(layer.post_attention_layernorm, h), kernels)
 
 
 KEY_CHUNK = 64  # keys per step of the prompt attention's running softmax
+TILE_GROUP = 8  # query tiles per product: every product of a prompt's attention has this batch
 
 
 def attend_rows(
@@ -331,11 +354,15 @@ def attend_rows(
     whole prompt's prefill does, and the cached rows were computed by another, shorter or longer,
     prompt. torch's fused attention moves a row's last bits with all three.
 
-    How: the queries run on fixed tiles of `ROW_TILE` rows; the keys are taken `KEY_CHUNK` at a
-    time, in order from position 0, with a running (online) softmax per row, and every product
-    has the same shape whatever the call. A chunk entirely after a tile's rows is skipped; for a
-    row, a chunk after it is masked out entirely and changes nothing (a factor of exactly 1, a
-    sum plus exact zeros), so the rows of one tile need not agree on where they stop."""
+    How: the queries run on fixed tiles of `ROW_TILE` rows, `TILE_GROUP` tiles to a product (the
+    last group padded with zero tiles), so every product has the same shape and the same batch
+    count whatever the call: cuBLAS picks its kernel, and with it the order of a dot product's
+    sums, from the batch count too (the first GPU run saw a prompt over cached blocks, one tile,
+    differ from the whole prompt's 69). The keys are taken `KEY_CHUNK` at a time, in order from
+    position 0, with a running (online) softmax per row. A group entirely before a chunk's keys
+    is skipped; for a row, a chunk after it is masked out entirely and changes nothing (a factor
+    of exactly 1, a sum plus exact zeros), so the rows of one group need not agree on where they
+    stop."""
     heads, count, hd = q.shape[1], q.shape[2], q.shape[3]
     kv_heads, total = keys.shape[1], keys.shape[2]
     if total != start + count:
@@ -343,33 +370,36 @@ def attend_rows(
     k = keys[0].repeat_interleave(heads // kv_heads, dim=0)  # [heads, n, hd]
     v = values[0].repeat_interleave(heads // kv_heads, dim=0)
     tiles = -(-count // ROW_TILE)
-    rows = F.pad(q[0], (0, 0, 0, tiles * ROW_TILE - count)).view(heads, tiles, ROW_TILE, hd)
+    room = tiles + TILE_GROUP - 1  # a group that starts at the last tile still has its tiles
+    rows = F.pad(q[0], (0, 0, 0, room * ROW_TILE - count)).view(heads, room, ROW_TILE, hd)
     chunks = -(-total // KEY_CHUNK)
     padded = chunks * KEY_CHUNK - total
     k_t = F.pad(k, (0, 0, 0, padded)).transpose(1, 2).contiguous()  # [heads, hd, chunks * C]
     v = F.pad(v, (0, 0, 0, padded))
-    row_position = (start + torch.arange(tiles * ROW_TILE)).view(tiles, ROW_TILE, 1)
-    acc = torch.zeros((heads, tiles, ROW_TILE, hd), dtype=q.dtype)
-    top = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), dtype=q.dtype)
-    total_weight = torch.zeros((heads, tiles, ROW_TILE, 1), dtype=q.dtype)
+    row_position = (start + torch.arange(room * ROW_TILE)).view(room, ROW_TILE, 1)
+    acc = torch.zeros((heads, room, ROW_TILE, hd), dtype=q.dtype)
+    top = torch.full((heads, room, ROW_TILE, 1), float("-inf"), dtype=q.dtype)
+    total_weight = torch.zeros((heads, room, ROW_TILE, 1), dtype=q.dtype)
     for chunk in range(chunks):
         first_key = chunk * KEY_CHUNK
+        keys_here = slice(first_key, first_key + KEY_CHUNK)
+        key_position = first_key + torch.arange(KEY_CHUNK)
         # The first tile whose last row reaches this chunk: earlier tiles are done with keys.
         t0 = max(0, -(-(first_key - start - ROW_TILE + 1) // ROW_TILE))
-        keys_here = slice(first_key, first_key + KEY_CHUNK)
-        scores = torch.matmul(rows[:, t0:], k_t[:, None, :, keys_here]) * scale
-        key_position = first_key + torch.arange(KEY_CHUNK)
-        scores = scores.masked_fill(
-            (key_position > row_position[t0:]) | (key_position >= total), float("-inf")
-        )
-        old = top[:, t0:]
-        new = torch.maximum(old, scores.amax(dim=-1, keepdim=True))
-        factor = torch.exp(old - new)
-        weights = torch.exp(scores - new)
-        acc[:, t0:] = acc[:, t0:] * factor + torch.matmul(weights, v[:, None, keys_here])
-        total_weight[:, t0:] = total_weight[:, t0:] * factor + weights.sum(dim=-1, keepdim=True)
-        top[:, t0:] = new
-    out = (acc / total_weight).view(heads, tiles * ROW_TILE, hd)[:, :count]
+        for g in range(t0, tiles, TILE_GROUP):
+            group = slice(g, g + TILE_GROUP)
+            scores = torch.matmul(rows[:, group], k_t[:, None, :, keys_here]) * scale
+            scores = scores.masked_fill(
+                (key_position > row_position[group]) | (key_position >= total), float("-inf")
+            )
+            old = top[:, group]
+            new = torch.maximum(old, scores.amax(dim=-1, keepdim=True))
+            factor = torch.exp(old - new)
+            weights = torch.exp(scores - new)
+            acc[:, group] = acc[:, group] * factor + torch.matmul(weights, v[:, None, keys_here])
+            total_weight[:, group] = total_weight[:, group] * factor + weights.sum(dim=-1, keepdim=True)
+            top[:, group] = new
+    out = (acc[:, :tiles] / total_weight[:, :tiles]).reshape(heads, tiles * ROW_TILE, hd)[:, :count]
     return out.transpose(0, 1).reshape(count, -1)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import binascii
 
-import librosa
 import numpy as np
 
 from .events import PCM_RATE, RealtimeError
@@ -33,6 +32,8 @@ def pcm16_to_model_rate(pcm: bytes) -> np.ndarray:
     soxr resampler: the same samples in, the same samples out, so a clip resent in a later
     turn has the same features and its cached blocks are reused)."""
     samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    import librosa  # on first use: the server starts without loading it (it pulls in numba)
+
     return librosa.resample(samples, orig_sr=PCM_RATE, target_sr=MODEL_RATE).astype(np.float32)
 
 

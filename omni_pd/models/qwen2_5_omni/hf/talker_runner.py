@@ -174,7 +174,7 @@ class TalkerRunner(ArRunnerBase):
         cos, sin = self.model.rotary_emb(h.unsqueeze(0), positions.view(1, -1))
         for index, layer in enumerate(self.model.layers):
             h = bi.decoder_layer(layer, h, cos, sin, index, attention, self.head_dim, self.kernels)
-        return bi.linear_module(self.talker.codec_head, self.model.norm(h)).float()
+        return bi.linear_module(self.talker.codec_head, bi.norm(self.model.norm, h)).float()
 
     @torch.no_grad()
     def prefill(self, items: Sequence[PrefillItem], attention: StepAttention) -> list[Prefilled]:

@@ -48,7 +48,7 @@ class ThinkerForward:
         cos, sin = self.text.rotary_emb(h.unsqueeze(0), positions.view(1, -1))
         for index, layer in enumerate(self.text.layers):
             h = bi.decoder_layer(layer, h, cos, sin, index, attention, self.head_dim, self.kernels)
-        return self.text.norm(h)
+        return bi.norm(self.text.norm, h)
 
     @torch.no_grad()
     def prefill(

@@ -260,11 +260,11 @@ class ExactCode2Wav:
         cos, sin = model.rotary_emb(x.unsqueeze(0), positions)
         carried = []
         for index, layer in enumerate(model.layers[: self.config.num_hidden_layers]):
-            h = layer.input_layernorm(x)
+            h = bi.norm(layer.input_layernorm, x)
             attended, kv = self._attention(layer.self_attn, h, cos[0], sin[0], past[index] if past else None)
             carried.append(kv)
             x = x + layer.self_attn_layer_scale(attended)
-            h = layer.post_attention_layernorm(x)
+            h = bi.norm(layer.post_attention_layernorm, x)
             mlp = layer.mlp
             h = tiled_linear(
                 bi.activation(mlp.act_fn)(tiled_linear(h, mlp.gate_proj.weight))
@@ -272,7 +272,7 @@ class ExactCode2Wav:
                 mlp.down_proj.weight,
             )
             x = x + layer.mlp_layer_scale(h)
-        return model.norm(x), carried
+        return bi.norm(model.norm, x), carried
 
     def _attention(
         self,
@@ -393,7 +393,7 @@ class ExactCode2Wav:
 
     def _convnext(self, block, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         h = self._depthwise(block.dwconv, x, carry)
-        h = block.norm(h)
+        h = bi.norm(block.norm, h)
         h = tiled_linear(
             block.act(tiled_linear(h, block.pwconv1.weight, block.pwconv1.bias)),
             block.pwconv2.weight,

@@ -410,11 +410,11 @@ class TalkerRunner(ArRunnerBase):
         cos, sin = self.model.rotary_emb(x.unsqueeze(0), rope_positions)  # [1, rows, hd]
         for index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = bi.projections(attn, layer.input_layernorm(x), self.head_dim, cos, sin)
+            q, k, v = bi.projections(attn, bi.norm(layer.input_layernorm, x), self.head_dim, cos, sin)
             out = attention(index, *(t[0].transpose(0, 1) for t in (q, k, v)), attn.scaling)
             x = x + bi.linear_module(attn.o_proj, out)
-            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
-        return self.model.norm(x)
+            x = x + bi.mlp(layer.mlp, bi.norm(layer.post_attention_layernorm, x), self.kernels)
+        return bi.norm(self.model.norm, x)
 
     # -- the code predictor ---------------------------------------------------------------------
 
@@ -473,7 +473,7 @@ class TalkerRunner(ArRunnerBase):
         cos, sin = cp.rotary_emb(x.unsqueeze(0), positions)
         for layer, (keys, values) in zip(cp.layers, caches):
             attn = layer.self_attn
-            q, k, v = bi.projections(attn, layer.input_layernorm(x), self.cp_head_dim, cos, sin)
+            q, k, v = bi.projections(attn, bi.norm(layer.input_layernorm, x), self.cp_head_dim, cos, sin)
             # Every request has the same predictor length here, so one attention call serves
             # the batch: scaled_dot_product_attention computes each batch entry on its own
             # (tests/test_talker_batch.py holds batched == solo to the bit).
@@ -490,8 +490,8 @@ class TalkerRunner(ArRunnerBase):
                 enable_gqa=keys.shape[1] != q.shape[1],
             )  # [B, heads, width, hd]
             x = x + bi.linear_module(attn.o_proj, out.transpose(1, 2).reshape(batch * width, -1))
-            x = x + bi.mlp(layer.mlp, layer.post_attention_layernorm(x), self.kernels)
-        return cp.norm(x)
+            x = x + bi.mlp(layer.mlp, bi.norm(layer.post_attention_layernorm, x), self.kernels)
+        return bi.norm(cp.norm, x)
 
 
 def _per_request(t: torch.Tensor, batch: int, width: int) -> torch.Tensor:

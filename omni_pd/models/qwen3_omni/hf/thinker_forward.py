@@ -110,7 +110,7 @@ class ThinkerForward:
         if self.accept_hidden_layer == 0:
             accept = embeds
         last = torch.tensor([b - 1 for b in bounds[1:]])
-        logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h[last]))
+        logits = bi.linear_module(self.thinker.lm_head, bi.norm(self.text.norm, h[last]))
         # Per prompt: its last position's logits and the rows of the positions it computed (layer
         # 0 and the accept layer; their KV the engine takes from `attention`); a text or audio
         # prompt has no rotary offset.
@@ -135,13 +135,15 @@ class ThinkerForward:
         rope_positions = (positions + deltas).view(1, count, 1).expand(3, count, 1)
         cos, sin = self.text.rotary_emb(h.unsqueeze(1), rope_positions)  # [B, 1, head_dim]
         for index, layer in enumerate(self.text.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, index, attention)
-            h = h + bi.mlp(layer.mlp, layer.post_attention_layernorm(h), self.kernels)
+            h = h + self._attention(
+                layer.self_attn, bi.norm(layer.input_layernorm, h), cos, sin, index, attention
+            )
+            h = h + bi.mlp(layer.mlp, bi.norm(layer.post_attention_layernorm, h), self.kernels)
             if index + 1 == self.accept_hidden_layer:
                 accept = h
         if self.accept_hidden_layer == 0:
             accept = embeds
-        logits = bi.linear_module(self.thinker.lm_head, self.text.norm(h))
+        logits = bi.linear_module(self.thinker.lm_head, bi.norm(self.text.norm, h))
         return DecodeStepResult(logits=logits, embeds=embeds, hidden=accept)
 
     def _attention(
@@ -154,8 +156,8 @@ class ThinkerForward:
         attention: StepAttention,
     ) -> torch.Tensor:
         count, hd = x.shape[0], self.head_dim
-        q = attn.q_norm(bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
-        k = attn.k_norm(bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
+        q = bi.norm(attn.q_norm, bi.linear_module(attn.q_proj, x).view(count, -1, hd)).unsqueeze(2)
+        k = bi.norm(attn.k_norm, bi.linear_module(attn.k_proj, x).view(count, -1, hd)).unsqueeze(2)
         v = bi.linear_module(attn.v_proj, x).view(count, -1, hd)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, heads, 1, hd]
         out = attention(layer, q[:, :, 0], k[:, :, 0], v, attn.scaling)

@@ -104,7 +104,7 @@ class Qwen3TextRunner(ArRunnerBase):
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
         h = self._layers(h, self._rotary(h, positions), attention)
         last = torch.tensor(lengths).cumsum(0) - 1
-        logits = bi.linear_module(self.llm.lm_head, self.text.norm(h[last]))
+        logits = bi.linear_module(self.llm.lm_head, bi.norm(self.text.norm, h[last]))
         return [Prefilled(logits[i]) for i in range(len(items))]  # KV: the engine's, from `attention`
 
     def prefill_alone(self, request: EngineRequest) -> Prefilled:
@@ -114,7 +114,7 @@ class Qwen3TextRunner(ArRunnerBase):
     def decode(self, requests: Sequence[EngineRequest], attention: StepAttention) -> DecodeResult:
         h = self.text.embed_tokens(torch.tensor([r.tokens[-1] for r in requests]))
         h = self._layers(h, self._rotary(h, torch.tensor([r.position for r in requests])), attention)
-        return DecodeResult(bi.linear_module(self.llm.lm_head, self.text.norm(h)))
+        return DecodeResult(bi.linear_module(self.llm.lm_head, bi.norm(self.text.norm, h)))
 
     def _layers(
         self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention: StepAttention
