@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omni_pd.models.qwen3_omni.checkpoint import INDEX_FILE, SINGLE_FILE, read_shard_index
+from omni_pd.models.checkpoint import INDEX_FILE, SINGLE_FILE, read_shard_index
 from omni_pd.models.qwen3_omni.factory import load_stage, save_tiny_model, weights_fingerprint
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR

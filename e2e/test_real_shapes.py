@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from omni_pd.models.qwen3_omni.checkpoint import INDEX_FILE
+from omni_pd.models.checkpoint import INDEX_FILE
 from omni_pd.models.qwen3_omni import real_checkpoint
 from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR

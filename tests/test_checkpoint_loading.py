@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omni_pd.models.qwen3_omni.checkpoint import INDEX_FILE, CheckpointError, read_shard_index
+from omni_pd.models.checkpoint import INDEX_FILE, CheckpointError, read_shard_index
 from omni_pd.models.qwen3_omni.factory import load_stage, save_tiny_model, weights_fingerprint
 from omni_pd.models.qwen3_omni.stage_parts import PARTS, THINKER_EMBEDDING
 

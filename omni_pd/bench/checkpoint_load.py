@@ -132,7 +132,7 @@ def _cat_seconds(paths: list[Path]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.qwen3_omni.checkpoint import CheckpointError, read_shard_index
+    from ..models.checkpoint import CheckpointError, read_shard_index
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages):

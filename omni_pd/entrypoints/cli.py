@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # Imported here: most commands never load torch. A stage that cannot start (a broken
         # checkpoint, ...) says why in one line; the orchestrator's stack adds nothing to it.
-        from ..models.qwen3_omni.checkpoint import CheckpointError
+        from ..models.checkpoint import CheckpointError
         from ..orchestrator.stage_client import StageError
 
         if not isinstance(exc, (StageError, CheckpointError)):

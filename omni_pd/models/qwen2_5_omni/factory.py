@@ -20,7 +20,9 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
 from transformers import Qwen2_5OmniForConditionalGeneration
 
+from ..checkpoint import LoadReport, read_shard_index
 from ..checkpoint_cache import cached_checkpoint, content_key
+from .stage_parts import StageParts, load_stage_parts
 from .tiny_config import (
     DEFAULT_SEED,
     REF_MEL_FRAMES,
@@ -177,12 +179,38 @@ def load_model(
     return loaded.eval()
 
 
-def save_tiny_model(directory: str | os.PathLike, seed: int = DEFAULT_SEED) -> Path:
-    """The embedded tiny model as a checkpoint: config, weights, tokenizer and voices."""
+def load_stage(
+    model: str,
+    stage: str,
+    load_format: str = "auto",
+    seed: int = DEFAULT_SEED,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[StageParts, list[LoadReport]]:
+    """The modules `stage` runs. From a checkpoint directory: only that stage's part, read lean
+    (see stage_parts). `dummy`: the whole seeded model is built (tiny; its bytes depend on
+    building every part in order) and only the stage's part is kept (no reports)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
+    source = resolve_model(model)
+    if load_format == "dummy":
+        return StageParts.of(build_dummy_model(load_config(source), seed, dtype), stage), []
+    if source.is_embedded:
+        raise ValueError(
+            f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format 'dummy', or "
+            "write a checkpoint with `omni-pd make-tiny-model DIR --model qwen2_5_omni`"
+        )
+    return load_stage_parts(read_shard_index(source.directory), load_config(source), stage, dtype)
+
+
+def save_tiny_model(
+    directory: str | os.PathLike, seed: int = DEFAULT_SEED, max_shard_size: str = "1000GB"
+) -> Path:
+    """The embedded tiny model as a checkpoint: config, weights (one file, or shards of at most
+    `max_shard_size` with an index, as real checkpoints are), tokenizer and voices."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model = build_dummy_model(Qwen2_5OmniConfig(**tiny_config_dict()), seed)
-    model.save_pretrained(str(out), max_shard_size="1000GB")
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
     torch.save(seeded_speakers(seed), out / SPEAKERS_FILE)
     build_tiny_tokenizer().save_pretrained(str(out))
     return out

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3OmniMoeCon
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from ..checkpoint_cache import cached_checkpoint, content_key
-from .checkpoint import LoadReport, read_shard_index
+from ..checkpoint import LoadReport, read_shard_index
 from .stage_parts import StageParts, load_stage_parts
 from .medium_config import medium_config_dict
 from .tiny_config import TINY_MODEL_NAME, tiny_config_dict

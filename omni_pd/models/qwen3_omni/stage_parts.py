@@ -1,15 +1,11 @@
-"""The modules one hf stage runs, loaded lean from a checkpoint or cut from a whole model.
-
-A stage builds only its own sub-model from its sub-config, on the `meta` device (no memory,
-no initialisation), then fills it with its tensors from the checkpoint (`checkpoint.read_plan`):
+"""The modules one Qwen3-Omni hf stage runs, loaded lean from a checkpoint (models/lean_load.py)
+or cut from a whole model:
   thinker   `Qwen3OmniMoeThinkerForConditionalGeneration(thinker_config)` <- `thinker.*`
   talker    `Qwen3OmniMoeTalkerForConditionalGeneration(talker_config)`   <- `talker.*`, plus the
             thinker's token embedding (`thinker.model.embed_tokens.weight`) for the tts specials
   code2wav  `Qwen3OmniMoeCode2Wav(code2wav_config)`                       <- `code2wav.*`
-As transformers' `from_pretrained` does: MoE experts stored one per module (`experts.N.gate_proj`)
-are fused into the model's `gate_up_proj` / `down_proj`, tied weights absent from the checkpoint
-are tied, and non-persistent buffers (rotary `inv_freq`, position tables, code offsets) are
-recomputed by the model's own weight init, which skips every tensor that was loaded.
+MoE experts stored one per module (`experts.N.gate_proj`) are fused into the model's
+`gate_up_proj` / `down_proj`, as transformers' `from_pretrained` does.
 
 `load_format: dummy` still builds the whole seeded model (tiny; its bytes depend on building all
 parts in order) and keeps only the stage's part.
@@ -28,7 +24,8 @@ from transformers import (
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
 
-from .checkpoint import CheckpointError, LoadReport, Piece, ShardIndex, TensorPlan, read_plan
+from ..checkpoint import LoadReport, Piece, ShardIndex
+from ..lean_load import empty_module, load_embedding, load_module
 
 log = logging.getLogger(__name__)
 
@@ -84,32 +81,15 @@ class StageParts:
 def empty_part(config: Qwen3OmniMoeConfig, part: str, dtype: torch.dtype) -> torch.nn.Module:
     """The part's module on the meta device: shapes only, no memory, no initialisation."""
     cls, key = _CLASSES[part]
-    with torch.device("meta"):
-        return cls._from_config(getattr(config, key), dtype=dtype)
+    return empty_module(cls, getattr(config, key), dtype)
 
 
-def part_plan(module: torch.nn.Module, prefix: str, index: ShardIndex) -> tuple[TensorPlan, set[str]]:
-    """The checkpoint tensors filling `module` (named `prefix` + its state_dict keys), and the
-    tied keys the checkpoint leaves out (tied after loading, as transformers does)."""
-    plan, tied_absent = TensorPlan(), set()
-    tied = getattr(module, "all_tied_weights_keys", None) or {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        name = prefix + key
-        if key in tied and name not in index.weight_map:
-            tied_absent.add(key)
-            continue
-        fused = next((f for f in _FUSED_EXPERTS if key.endswith(f)), None)
-        if fused is not None and name not in index.weight_map:
-            pieces = _expert_pieces(name, fused, tensor.shape)
-        else:
-            pieces = [Piece(name)]
-        plan.add(key, tensor.shape, tensor.dtype, pieces)
-    return plan, tied_absent
-
-
-def _expert_pieces(name: str, fused: str, shape: torch.Size) -> list[Piece]:
+def _expert_pieces(name: str, key: str, shape: torch.Size) -> list[Piece] | None:
     # As transformers' qwen2_moe conversion: gate_up_proj[e] = cat(gate_proj[e], up_proj[e]) on
     # dim 0; down_proj[e] = experts.e.down_proj.
+    fused = next((f for f in _FUSED_EXPERTS if key.endswith(f)), None)
+    if fused is None:
+        return None
     stem = name[: -len(fused)] + "mlp.experts."
     experts = shape[0]
     if fused.endswith("gate_up_proj"):
@@ -128,46 +108,16 @@ def _expert_pieces(name: str, fused: str, shape: torch.Size) -> list[Piece]:
 def load_part(
     index: ShardIndex, config: Qwen3OmniMoeConfig, part: str, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, LoadReport]:
-    module = empty_part(config, part, dtype)
-    plan, tied_absent = part_plan(module, f"{part}.", index)
-    tensors, report = read_plan(index, plan, part)
-    module.load_state_dict(tensors, strict=False, assign=True)
-    for tensor in module.state_dict(keep_vars=True).values():
-        tensor._is_hf_initialized = True  # the weight init below must leave loaded tensors alone
-    if tied_absent:
-        module.tie_weights(missing_keys=tied_absent, recompute_mapping=False)
-    _materialise_buffers(module)
-    left = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    if left:
-        raise CheckpointError(
-            f"{index.source}: the {part} part has no values for {left[:5]}; the "
-            "checkpoint does not match its config.json"
-        )
-    return module.eval(), report
-
-
-@torch.no_grad()
-def _materialise_buffers(module: torch.nn.Module) -> None:
-    """Non-persistent buffers are not in checkpoints: allocate them and let the model's weight
-    init compute them (the only tensors it touches: every loaded one is marked initialised)."""
-    for owner in module.modules():
-        for name, buffer in list(owner._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                owner._buffers[name] = torch.empty_like(buffer, device="cpu")
-    module.initialize_weights()
+    return load_module(index, empty_part(config, part, dtype), f"{part}.", part, _expert_pieces)
 
 
 def load_thinker_embedding(
     index: ShardIndex, config: Qwen3OmniMoeConfig, dtype: torch.dtype
 ) -> tuple[torch.nn.Embedding, LoadReport]:
     text = config.thinker_config.text_config
-    with torch.device("meta"):
-        embedding = torch.nn.Embedding(text.vocab_size, text.hidden_size, dtype=dtype)
-    plan = TensorPlan()
-    plan.add("weight", embedding.weight.shape, dtype, [Piece(THINKER_EMBEDDING)])
-    tensors, report = read_plan(index, plan, "thinker embedding")
-    embedding.load_state_dict(tensors, assign=True)
-    return embedding.eval(), report
+    return load_embedding(
+        index, THINKER_EMBEDDING, text.vocab_size, text.hidden_size, dtype, "thinker embedding"
+    )
 
 
 def load_stage_parts(

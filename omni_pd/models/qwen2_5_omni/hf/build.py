@@ -10,7 +10,8 @@ from omni_pd.engines.base import StageEngine
 from omni_pd.engines.core.runner import ArRunner, ChunkRunner
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 
-from ..factory import load_model, load_speakers, load_tokenizer, resolve_model
+from ...lean_load import log_reports
+from ..factory import load_speakers, load_stage, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
 from ..tiny_config import DEFAULT_VOICE
 from .talker_runner import TalkerRunner, Voices
@@ -34,26 +35,28 @@ def build_hf_engine(stage_config, model_name: str) -> StageEngine:
 
 
 def make_runner(stage: HfStage) -> ArRunner | ChunkRunner:
-    """The stage's runner on the stage's device (token2wav in float32, as transformers runs it).
-    Every stage builds the whole tiny model; a real checkpoint's lean per-stage loading is not
-    written yet."""
+    """The stage's runner on the stage's device, from its part of the model only (the talker also
+    gets the thinker's token embedding; token2wav is float32, as transformers runs it): from a
+    checkpoint nothing else is read."""
     args = stage.config.engine_args
     seed = args.seed if args.seed is not None else 0
-    model = load_model(
+    parts, reports = load_stage(
         stage.model,
+        args.model_stage,
         load_format="dummy" if args.load_format == "dummy" else "auto",
         seed=seed,
         dtype=stage.dtype,
     )
+    log_reports(stage.config.stage_id, reports)
     source = resolve_model(stage.model)
     if args.model_stage == "thinker":
         tokenizer = load_tokenizer(source)
-        thinker = stage.place(model.thinker)
+        thinker = stage.place(parts.require("thinker"))
         return ThinkerRunner(thinker, tokenizer, thinker_eos_ids(tokenizer), stage.attention_kernels)
     speakers = load_speakers(source, seed)
     if args.model_stage == "talker":
-        talker = stage.place(model.talker)
-        embedding = stage.place(model.thinker.get_input_embeddings())
+        talker = stage.place(parts.require("talker"))
+        embedding = stage.place(parts.require("thinker_embedding"))
         return TalkerRunner(talker, embedding, Voices(speakers), stage.attention_kernels)
-    token2wav = Token2Wav(model.token2wav.float(), seed=seed, num_steps=args.token2wav_num_steps)
+    token2wav = Token2Wav(parts.require("token2wav").float(), seed=seed, num_steps=args.token2wav_num_steps)
     return Token2WavRunner(token2wav, speakers, DEFAULT_VOICE)

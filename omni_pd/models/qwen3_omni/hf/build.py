@@ -12,6 +12,7 @@ from omni_pd.engines.base import StageEngine
 from omni_pd.engines.core.runner import ArRunner, ChunkRunner
 from omni_pd.engines.device import kernels_for
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
+from ...lean_load import log_reports
 from ..stage_parts import StageParts
 from .code2wav_runner import Code2WavRunner
 from .talker_model import TalkerModel
@@ -55,17 +56,7 @@ def make_runner(stage: HfStage) -> ArRunner | ChunkRunner:
         seed=args.seed if args.seed is not None else 0,
         dtype=stage.dtype,
     )
-    for r in reports:
-        log.info(
-            "stage %d: loaded %s part, %d tensors, %.1f MiB from %d of %d shards in %.2f s",
-            stage.config.stage_id,
-            r.part,
-            r.tensors,
-            r.bytes / 2**20,
-            len(r.shards_read),
-            r.shards_total,
-            r.seconds,
-        )
+    log_reports(stage.config.stage_id, reports)
     return _runner(stage, StageParts.of(stage.place(model)))
 
 
