@@ -171,6 +171,29 @@ def test_negative_control_a_flipped_kv_byte_changes_the_speech(speech, speech_pd
     assert _clean(speech_pd)
 
 
+def test_a_talker_started_while_its_thinker_runs_speaks_the_whole_outputs_codes(speech, tmp_path):
+    """With `async_chunk` the talker opens at the thinker's second token and reads each reply row
+    as it comes (`thinker2talker_stream`); without it, it starts from the whole output. The same
+    thinker tokens, talker input rows and codes either way (token2wav's audio differs by design:
+    streamed, it speaks in windows). That the talker did start early is checked too, else the
+    equality would say nothing."""
+    whole_yaml = tmp_path / "whole.yaml"
+    text = SPEECH.read_text()
+    assert "async_chunk: true" in text
+    whole_yaml.write_text(text.replace("async_chunk: true", "async_chunk: false"))
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    streamed = speech.generate(prompts)
+    talker, thinker = _stage(speech, "talker"), _stage(speech, "thinker")
+    early = [
+        o.stage_outputs[talker].metrics["at.added"] < o.stage_outputs[thinker].metrics["at.finished"]
+        for o in streamed
+    ]
+    assert any(early), "the talker never started before its thinker finished"
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=whole_yaml, keep_stage_outputs=True) as whole:
+        for got, want in zip(streamed, whole.generate(prompts)):
+            assert differences(speech, got, whole, want) == ["audio bytes"]
+
+
 def test_each_voice_speaks_and_an_unknown_one_is_refused(speech):
     chelsie = speech.generate([{"prompt": PROMPTS[1], "speaker": "Chelsie"}])[0]
     ethan = speech.generate([{"prompt": PROMPTS[1], "speaker": "ethan"}])[0]

@@ -28,7 +28,7 @@ from omni_pd.models.qwen2_5_omni.hf.thinker_runner import ThinkerRunner
 from omni_pd.models.omni_prompt import OmniPrompt
 from omni_pd.models.qwen2_5_omni.pipeline import thinker_eos_ids
 from omni_pd.models.qwen2_5_omni.prompt import PromptBuilder
-from omni_pd.models.qwen2_5_omni.records import TalkerPrompt
+from omni_pd.models.qwen2_5_omni.records import TalkerInputDelta, TalkerPrompt
 from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME, VOICES
 from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.sampling import SamplingParams
@@ -177,6 +177,58 @@ def test_batched_requests_equal_their_solo_runs(model, talker_prompts):
         solo = [engine.generate("u" + p.request_id, p, q) for p, q in zip(talker_prompts, params)]
         together = _together(engine, talker_prompts, params)
     assert not all(same(a, b) for a, b in zip(solo, together))
+
+
+def _fed_while_the_thinker_runs(engine, prompts, params):
+    """Each request opened with its first fed-back token's row (as `thinker2talker_stream` opens
+    it) and given one more thinker token and row every other talker step, all in one engine."""
+    given = {}
+    for prompt, p in zip(prompts, params):
+        length = len(prompt.prompt_token_ids)
+        first = TalkerPrompt(
+            prompt.request_id, prompt.prompt_token_ids, prompt.output_token_ids[:2],
+            prompt.rows[: length + 1], prompt.speaker, final=False,
+        )  # fmt: skip
+        engine.add_request("f" + prompt.request_id, first, p)
+        given[prompt.request_id] = 2
+    outputs, step = {}, 0
+    while len(outputs) < len(prompts):  # a request waiting for its row is not work for the engine
+        assert step < 1000
+        for prompt in prompts:
+            n, length = given[prompt.request_id], len(prompt.prompt_token_ids)
+            if step % 2 == 0 and n < len(prompt.output_token_ids):
+                delta = TalkerInputDelta(
+                    [prompt.output_token_ids[n]], prompt.rows[length + n - 1 : length + n]
+                )
+                engine.append_input(
+                    "f" + prompt.request_id, delta, final=n + 1 == len(prompt.output_token_ids)
+                )
+                given[prompt.request_id] = n + 1
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                outputs[out.request_id] = out.output
+        step += 1
+    return [outputs["f" + p.request_id] for p in prompts]
+
+
+def test_a_talker_fed_while_its_thinker_runs_gives_the_whole_outputs_codes(model, talker_prompts):
+    """A talker started from the thinker's second token waits, step by step, for the reply row
+    it reads next: its codes and logits are those it computes from the whole output. Negative
+    control: a talker that does not wait reads the last row it has and speaks otherwise."""
+    params = [
+        GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=40, max_tokens=50, seed=i)
+        for i in range(len(talker_prompts))
+    ]
+    engine = _engine(model, trace=True)
+    whole = [engine.generate("w" + p.request_id, p, q) for p, q in zip(talker_prompts, params)]
+    fed = _fed_while_the_thinker_runs(engine, talker_prompts, params)
+    for a, b in zip(whole, fed):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.logits, b.logits)
+    assert engine.debug_state_counts() == {"talker.requests": 0, "talker.kv_blocks_in_use": 0}
+    engine.runner.ready = lambda request: True
+    hasty = _fed_while_the_thinker_runs(engine, talker_prompts, params)
+    assert not all(torch.equal(a.codes, b.codes) for a, b in zip(whole, hasty))
 
 
 def test_malformed_talker_input_is_refused_by_name(model, talker_prompts):

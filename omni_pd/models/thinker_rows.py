@@ -3,6 +3,7 @@ rows of the prompt positions and the decode leg's rows of the fed-back tokens, c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -63,3 +64,21 @@ def thinker_legs(inputs: Any, output_type: type, prompt_rows: str, output_rows: 
             f"prompt, the decode leg a {len(gen_out.prompt_token_ids)}-token one; they must be the same"
         )
     return prompt_out, gen_out
+
+
+def check_streamed(request_id: str, streamed: list[int], output: Any) -> None:
+    """A streaming processor's close: the tokens the thinker streamed must be its whole output."""
+    if streamed != list(output.token_ids):
+        raise StageInputError(
+            f"request {request_id}: the thinker streamed {len(streamed)} tokens but its output has "
+            f"{len(output.token_ids)}"
+        )
+
+
+def with_whole_output(inputs: Any, output: Any) -> Any:
+    """The request's StageInputs with the thinker's finished `output` as its source's: what a
+    streaming processor hands the whole-output processor when the thinker finished before the
+    next stage could start."""
+    upstream = dict(inputs.upstream)
+    upstream[max(inputs.source_stage_ids)] = output
+    return dataclasses.replace(inputs, upstream=upstream)

@@ -19,7 +19,13 @@ import logging
 import torch
 
 from ...engines.base import StageInputs
-from ..thinker_rows import StageInputError, merge_rows as _merge_rows, thinker_legs
+from ..thinker_rows import (
+    StageInputError,
+    check_streamed,
+    merge_rows as _merge_rows,
+    thinker_legs,
+    with_whole_output,
+)
 from .records import Code2WavPrompt, TalkerInputDelta, TalkerOutput, TalkerPrompt, ThinkerChunk, ThinkerOutput
 
 log = logging.getLogger(__name__)
@@ -246,28 +252,15 @@ class thinker2talker_stream:  # noqa: N801 - named after the processor it stream
 
     def close(self, output: ThinkerOutput) -> None:
         """The thinker finished: what it streamed must be its whole output."""
-        if self.output_start is not None and self.tokens != list(output.token_ids):
-            raise StageInputError(
-                f"request {self.inputs.request_id}: the thinker streamed "
-                f"{len(self.tokens)} tokens but its output has {len(output.token_ids)}"
-            )
+        if self.output_start is not None:
+            check_streamed(self.inputs.request_id, self.tokens, output)
         self.output = output
 
     def prompt(self) -> TalkerPrompt | None:
         if self.output is not None and not self.opened:
             # Done before the talker could start: the whole-output processor, as without streaming.
             self.opened = True
-            upstream = dict(self.inputs.upstream)
-            upstream[max(self.inputs.source_stage_ids)] = self.output
-            whole = StageInputs(
-                self.inputs.request_id,
-                self.inputs.stage_id,
-                self.inputs.source_stage_ids,
-                upstream,
-                self.inputs.model_config,
-                self.inputs.speaker,
-            )
-            return thinker2talker(whole)
+            return thinker2talker(with_whole_output(self.inputs, self.output))
         if self.prompt_ids is None or self.rows <= len(self.prompt_ids) or not self.tokens:
             return None  # the talker's prefill needs the first generated token's row
         self.opened = True

@@ -33,7 +33,7 @@ from omni_pd.models.codec_sampling import RowSampling, process_code0_scores, sam
 from omni_pd.sampling import SamplingParams
 
 from ..factory import find_voice
-from ..records import TalkerOutput, TalkerPrompt
+from ..records import TalkerInputDelta, TalkerOutput, TalkerPrompt
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -45,6 +45,11 @@ class TalkerState:
 
     inputs: torch.Tensor  # [P + 2, thinker hidden]: the prompt rows, before the projection
     reply: torch.Tensor  # [R, thinker hidden]: one per decode step, the last repeated
+    # The reply's last rows (`tts_text_eod`, `tts_text_pad`), appended once the thinker is done:
+    # a talker started while its thinker runs gets the reply rows as they come, and a decode
+    # step waits for its row (`ready`), so its codes are those of the whole output.
+    tail: torch.Tensor | None = None
+    thinker_tokens: int = 0  # the thinker's generated tokens so far
     # The prompt's distinct codec ids (mask, pad, bos): what the repetition penalty counts of
     # the prompt (it applies once per id, so each is listed once, not P times a step).
     prompt_codes: tuple[int, ...] = ()
@@ -127,10 +132,9 @@ class TalkerRunner(ArRunnerBase):
         return self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
 
     def new_request(self, request_id: str, prompt: TalkerPrompt, params: SamplingParams) -> EngineRequest:
-        if not prompt.final:
-            raise ValueError(
-                f"request {request_id}: the Qwen2.5-Omni talker starts from the thinker's whole output"
-            )
+        """A request from the thinker's whole output (`prompt.final`), or from its first part while
+        it runs: the prompt rows and the first fed-back token's row (later rows arrive through
+        `append_input`)."""
         bos = self.voices.bos_token(prompt.speaker)  # ValueError naming the voices
         length = len(prompt.prompt_token_ids)
         fed = len(prompt.output_token_ids) - 1  # the last generated token is never fed back
@@ -151,20 +155,58 @@ class TalkerRunner(ArRunnerBase):
         codec = self._embed_codes([config.tts_codec_pad_token_id, config.tts_codec_start_token_id])
         inputs[-2] += codec[0]
         inputs[-1] += codec[1]
-        reply = torch.cat([rows[length + 1 :], special[1:]])
         codec_prompt = [config.tts_codec_mask_token_id] * length + [
             config.tts_codec_pad_token_id,
             config.tts_codec_start_token_id,
         ]
         state = TalkerState(
             inputs=inputs.contiguous(),
-            reply=reply.contiguous(),
+            reply=rows[length + 1 :].contiguous(),
+            tail=special[1:].contiguous(),
+            thinker_tokens=len(prompt.output_token_ids),
             prompt_codes=tuple(sorted(set(codec_prompt))),
             logits=[] if self.trace else None,
         )
+        if prompt.final:
+            self._complete(state)
         return EngineRequest(
             request_id, prompt, params, prompt_len=length + 2, token_ids=codec_prompt, model=state
         )
+
+    @staticmethod
+    def _complete(state: TalkerState) -> None:
+        assert state.tail is not None
+        state.reply, state.tail = torch.cat([state.reply, state.tail]), None
+
+    def append_input(self, request: EngineRequest, data: TalkerInputDelta, final: bool) -> None:
+        """More of the thinker's output: the rows of the tokens it fed back since; with `final`,
+        the reply's closing rows, and a check that every fed-back token's row came."""
+        state = request.model
+        if state.tail is None:
+            raise ValueError(f"request {request.request_id}: thinker output arrived after the last of it")
+        if data.rows.shape[0]:
+            state.reply = torch.cat([state.reply, data.rows.to(state.reply.dtype)])
+        state.thinker_tokens += len(data.output_token_ids)
+        if final:
+            # Fed back: every generated token but the last; the first one's row is in the prompt.
+            expected = state.thinker_tokens - 2
+            if state.reply.shape[0] != expected:
+                raise ValueError(
+                    f"request {request.request_id}: the thinker streamed {state.reply.shape[0]} reply "
+                    f"rows for {state.thinker_tokens} tokens; expected {expected}"
+                )
+            self._complete(state)
+
+    def ready(self, request: EngineRequest) -> bool:
+        """Its next step's reply row is there (or the reply is complete)."""
+        state = request.model
+        return state.tail is None or len(request.tokens) - 1 < state.reply.shape[0]
+
+    def restart(self, request: EngineRequest) -> None:
+        """Computed again from its prompt: its inputs and reply rows stay; its traced logits go
+        (codes_sent: what token2wav already has)."""
+        if request.model.logits is not None:
+            request.model.logits = []
 
     # ---- compute -------------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, attention: StepAttention) -> torch.Tensor:
