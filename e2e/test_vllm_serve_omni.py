@@ -22,16 +22,21 @@ from omni_pd.paths import STAGE_CONFIGS_DIR  # noqa: E402
 pytestmark = pytest.mark.slow
 VLLM = Path(sys.executable).with_name("vllm")
 PD_CONFIG = STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_pd.yaml"
+# (model, its P/D stage file, one of its voices): Qwen3-Omni's, and Qwen2.5-Omni's (issue 49).
+MODELS = {
+    "qwen3_omni": (MODEL, PD_CONFIG, "ethan"),
+    "qwen2_5_omni": ("tiny-qwen2.5-omni", STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_pd.yaml", "chelsie"),
+}
 
 
-def _vllm_serve(port: int) -> list[str]:
+def _vllm_serve(port: int, model: str = MODEL, config: Path = PD_CONFIG) -> list[str]:
     return [
         str(VLLM),
         "serve",
-        MODEL,
+        model,
         "--omni",
         "--stage-configs-path",
-        str(PD_CONFIG),
+        str(config),
         "--port",
         str(port),
         "--served-model-name",
@@ -50,9 +55,11 @@ def test_without_the_shim_vllm_refuses_omni(tmp_path):
     assert "requires a valid instance of vllm-omni" in proc.stderr
 
 
-def test_vllm_serve_omni_runs_omni_pd_server(tmp_path):
+@pytest.mark.parametrize("which", list(MODELS))
+def test_vllm_serve_omni_runs_omni_pd_server(tmp_path, which):
+    model, config, voice = MODELS[which]
     shim.install(tmp_path)  # a private target on PYTHONPATH: the venv itself stays untouched
-    server = Server(_vllm_serve, env=_env_with(tmp_path))
+    server = Server(lambda port: _vllm_serve(port, model, config), env=_env_with(tmp_path))
     try:
         assert [m.id for m in server.client.models.list().data] == ["omni"]
         reply = server.client.chat.completions.create(
@@ -60,7 +67,7 @@ def test_vllm_serve_omni_runs_omni_pd_server(tmp_path):
             messages=[{"role": "user", "content": "Hello"}],
             max_tokens=4,
             modalities=["text", "audio"],
-            audio={"voice": "ethan", "format": "wav"},
+            audio={"voice": voice, "format": "wav"},
         )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].message.audio.data
         log = server.log_text()
