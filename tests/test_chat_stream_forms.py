@@ -101,3 +101,37 @@ def test_the_openai_form_is_unchanged_and_vllm_omnis_wave_reader_refuses_it():
 def test_an_unknown_form_is_refused_by_name():
     with pytest.raises(ValueError, match="audio form must be one of"):
         _ChunkStream("chatcmpl-x", 0, "m", "mp3")
+
+
+class _Replay:
+    """An `openai` client whose stream replays `payloads` as the client would parse them."""
+
+    def __init__(self, payloads: list[dict]):
+        from openai.types.chat import ChatCompletionChunk
+
+        self.chunks = [ChatCompletionChunk.model_validate(p) for p in payloads]
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    async def create(self, **kwargs):
+        async def stream():
+            for chunk in self.chunks:
+                yield chunk
+
+        return stream()
+
+
+@pytest.mark.parametrize("form", ["openai", "vllm-omni"])
+def test_omni_pds_bench_client_reads_both_forms_alike(form):
+    """`omni-pd bench serve`'s client measures either form the same way: the text without the
+    audio, the first audio, and the seconds of audio (for the RTF, as vllm-omni's client defines
+    it: the last audio chunk's time over them). The same answer read in both forms gives the same
+    figures; in vllm-omni's form a WAV in `delta.content` would otherwise be taken for text."""
+    import asyncio
+
+    from omni_pd.bench.load import stream_one
+
+    record = asyncio.run(stream_one(_Replay(_stream(form)), "m", "hi", 8))
+    assert record.ok and record.text == "Hello there"
+    assert record.ttft_s is not None and record.ttfa_s is not None and record.ttfa_s >= record.ttft_s
+    assert record.audio_s == pytest.approx(3000 / RATE)
+    assert record.rtf is not None and record.rtf > 0

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import random
 import time
+import wave
 from typing import Any, Awaitable, Callable, Sequence
 
 from .stats import RequestRecord
@@ -45,6 +49,33 @@ def delta_audio_data(delta: Any) -> str | None:
     return data or None
 
 
+# The OpenAI form's streamed audio: base64 pcm16, mono, 24 kHz (OpenAI's Realtime and chat rate).
+PCM16_RATE = 24_000
+
+
+def audio_seconds(data: str, wav: bool) -> float:
+    """The length of one streamed audio piece: base64 pcm16 at 24 kHz (OpenAI's form), or a
+    base64 WAV file (vllm-omni's form: its header gives rate, width and channels). A piece that
+    does not decode counts 0."""
+    try:
+        raw = base64.b64decode(data)
+    except (binascii.Error, ValueError):
+        return 0.0
+    if not wav:
+        return len(raw) / 2 / PCM16_RATE
+    try:
+        with wave.open(io.BytesIO(raw), "rb") as piece:
+            return piece.getnframes() / float(piece.getframerate())
+    except (wave.Error, EOFError):
+        return 0.0
+
+
+def _modality(chunk: Any) -> str | None:
+    """The chunk's top-level `modality` (vllm-omni's key; omni-pd sends it too), if any."""
+    extra = getattr(chunk, "model_extra", None) or {}
+    return extra.get("modality")
+
+
 def _output(text_only: bool) -> dict[str, Any]:
     """The request's output keys: text alone, or text and streamed speech."""
     if text_only:
@@ -58,15 +89,19 @@ async def stream_one(
     """One streaming request (`prompt`: a user message, or the whole list of messages). TTFT:
     first chunk with `delta.content` before the finish (content "" counts: the server sends one
     when a token exists whose text is held back, as vLLM's client counts it); TTFA: first chunk
-    with audio data; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
+    with audio data; RTF (vllm-omni's audio RTF): the last audio chunk's time over the seconds of
+    audio streamed; ITL: gaps between consecutive content chunks; e2e: until the stream ends;
     output tokens: `usage.completion_tokens` when sent, else the number of content chunks.
     A request that raises is an error (`ok` False); a server that fails a request mid-stream
     sends an error event, which the client raises. A stream that ends normally without audio is
     an answer with nothing to speak (the thinker's end token first, or, with random weights, the
     talker's codec end first): complete, with `no_speech`, and counted apart. `text_only`: the
-    request asks for text alone (`modalities: ["text"]`), and has no TTFA."""
+    request asks for text alone (`modalities: ["text"]`), and has no TTFA. Audio in vllm-omni's
+    form (`omni-pd serve --stream-audio-form vllm-omni`: a WAV in `delta.content` of a chunk whose
+    `modality` is "audio") is read as audio, not as text."""
     sent = time.perf_counter()
-    ttft = ttfa = None
+    ttft = ttfa = last_audio = None
+    audio_s = 0.0
     content_times: list[float] = []
     usage_tokens = cached_tokens = prompt_tokens = None
     finish_reason = None
@@ -97,14 +132,20 @@ async def stream_one(
             delta = chunk.choices[0].delta
             if delta is None:
                 continue
-            # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
-            if delta.content is not None and (delta.content or not chunk.choices[0].finish_reason):
-                pieces.append(delta.content)
-                content_times.append(now)
-                if ttft is None:
-                    ttft = now - sent
-            if ttfa is None and delta_audio_data(delta):
-                ttfa = now - sent
+            if _modality(chunk) == "audio" and delta.content:  # vllm-omni's form: a WAV piece
+                audio, wav = delta.content, True
+            else:
+                audio, wav = delta_audio_data(delta), False
+                # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
+                if delta.content is not None and (delta.content or not chunk.choices[0].finish_reason):
+                    pieces.append(delta.content)
+                    content_times.append(now)
+                    if ttft is None:
+                        ttft = now - sent
+            if audio:
+                ttfa = now - sent if ttfa is None else ttfa
+                last_audio = now
+                audio_s += audio_seconds(audio, wav)
         ended = time.perf_counter()
     except Exception as exc:  # counted, the level goes on
         return RequestRecord(
@@ -117,6 +158,8 @@ async def stream_one(
         no_speech=ttfa is None and not text_only,
         ttft_s=ttft,
         ttfa_s=ttfa,
+        rtf=(last_audio - sent) / audio_s if last_audio is not None and audio_s > 0 else None,
+        audio_s=audio_s,
         e2e_s=ended - sent,
         itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
         output_tokens=usage_tokens if usage_tokens is not None else len(content_times),

@@ -180,6 +180,7 @@ def format_table(results: list[dict]) -> str:
         ("itl p99", "itl_ms_p99", 2),
         ("e2e p50", "e2e_ms_p50", 1),
         ("e2e p99", "e2e_ms_p99", 1),
+        ("rtf p50", "rtf_p50", 3),
         ("req/s vs c1", "req_per_s_vs_c1", 2),
         ("e2e p50 vs c1", "e2e_p50_vs_c1", 2),
     ]

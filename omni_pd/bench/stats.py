@@ -38,6 +38,10 @@ class RequestRecord:
     rejected: bool = False  # turned away at once by admission control (HTTP 429)
     ttft_s: float | None = None
     ttfa_s: float | None = None
+    # The last audio chunk's time over the audio's seconds (vllm-omni's audio RTF: under 1, the
+    # speech arrived faster than it plays).
+    rtf: float | None = None
+    audio_s: float = 0.0  # seconds of audio streamed
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     output_tokens: int = 0
@@ -139,6 +143,9 @@ def summarize_level(
     for name in LATENCIES:
         row[f"{name}_ms_p50"], row[f"{name}_ms_p99"] = percentiles_ms(samples[name])
     row["tpot_ms_p50"], row["tpot_ms_p99"] = percentiles_ms(mean_tpot_s(r) for r in done)
+    rtf_p50, rtf_p99 = percentiles_ms(r.rtf for r in done if not r.no_speech)
+    row["rtf_p50"] = rtf_p50 / 1e3 if rtf_p50 is not None else None  # a ratio, not a time
+    row["rtf_p99"] = rtf_p99 / 1e3 if rtf_p99 is not None else None
     row["errors"] = len(records) - len(done)
     row["no_speech"] = sum(r.no_speech for r in done)
     row["rejected"] = sum(r.rejected for r in records)

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# vllm-omni's own benchmark client and omni-pd's, against one running omni-pd server, in one run
+# (issue 48, item 8): do they read the same TTFT, first audio (vllm-omni's "audio TTFP", omni-pd's
+# TTFA) and audio RTF?
+#
+# The server is `omni-pd serve` on the tiny Qwen3-Omni with `--stream-audio-form vllm-omni` (each
+# audio piece a WAV in `delta.content`, the form vllm-omni's client decodes; every chunk carries
+# `modality`). The two clients alternate, REPEATS times, each at CONCURRENCY with NUM_PROMPTS
+# requests of INPUT_LEN prompt tokens and OUTPUT_LEN output tokens (--ignore-eos), speech on:
+#   vllm-omni  `vllm bench serve --omni --backend openai-chat-omni` (vllm-omni VLLM_OMNI_VERSION,
+#              installed without its dependencies into OUT/vllm-omni, on that command's
+#              PYTHONPATH only: the venv never sees it)
+#   omni-pd    `omni-pd bench serve --base-url ...`
+# The table holds each figure's median over the repeats and the ratio vllm-omni / omni-pd.
+# Both define RTF as vllm-omni does: the last audio chunk's time after the request was sent, over
+# the seconds of audio received.
+#
+#   scripts/vllm_omni_bench_compare.sh [OUT_DIR]
+#
+# Environment (defaults in brackets): CONCURRENCY [1]  NUM_PROMPTS [16]  INPUT_LEN [64]
+#   OUTPUT_LEN [32]  REPEATS [3]  SEED [0]  PORT [8331]  VENV [.venv]  VLLM_OMNI_VERSION [0.30.0]
+#   CONFIG [stage_configs/ci/qwen3_omni_tiny.yaml]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+[ -x "$VENV/bin/vllm" ] || { echo "no $VENV/bin/vllm: OMNI_PD_VLLM=1 scripts/setup.sh, or VENV=DIR" >&2; exit 1; }
+OUT=${1:-$(mktemp -d /tmp/vllm_omni_bench_compare.XXXXXX)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+CONCURRENCY=${CONCURRENCY:-1}
+NUM_PROMPTS=${NUM_PROMPTS:-16}
+INPUT_LEN=${INPUT_LEN:-64}
+OUTPUT_LEN=${OUTPUT_LEN:-32}
+REPEATS=${REPEATS:-3}
+SEED=${SEED:-0}
+PORT=${PORT:-8331}
+VERSION=${VLLM_OMNI_VERSION:-0.30.0}
+CONFIG=${CONFIG:-stage_configs/ci/qwen3_omni_tiny.yaml}
+NAME=tiny-qwen3-omni
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_HOST_IP=127.0.0.1 TOKENIZERS_PARALLELISM=false
+
+CKPT=$("$VENV/bin/python" -c "from omni_pd import registry; print(registry.checkpoint_dir('$NAME', 42))" | tail -1)
+WHEEL=$("$VENV/bin/python" -c "import sys; sys.path.insert(0, 'tests'); from vllm_omni_wheels import vllm_omni_wheel; print(vllm_omni_wheel('$VERSION'))")
+"$VENV/bin/python" -m pip install -q --no-deps --disable-pip-version-check --target "$OUT/vllm-omni" "$WHEEL"
+echo "out: $OUT; vllm-omni $VERSION in $OUT/vllm-omni; tokenizer $CKPT"
+
+"$VENV/bin/omni-pd" serve "$NAME" --stage-configs-path "$CONFIG" --host 127.0.0.1 --port "$PORT" \
+    --served-model-name "$NAME" --stream-audio-form vllm-omni --no-demo-page >"$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+    kill -0 "$SERVER" 2>/dev/null || { echo "server exited; log: $OUT/server.log" >&2; tail -20 "$OUT/server.log" >&2; exit 1; }
+    curl -sf -o /dev/null "http://127.0.0.1:$PORT/health" && break
+    sleep 1
+done
+
+for REP in $(seq "$REPEATS"); do
+    echo "repeat $REP of $REPEATS: vllm-omni's client"
+    PYTHONPATH="$OUT/vllm-omni:$PYTHONPATH" "$VENV/bin/vllm" bench serve --omni --backend openai-chat-omni \
+        --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --model "$NAME" \
+        --tokenizer "$CKPT" --dataset-name random --random-input-len "$INPUT_LEN" \
+        --random-output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY" \
+        --seed "$SEED" --ignore-eos --percentile-metrics ttft,audio_ttfp,audio_rtf,e2el \
+        --metric-percentiles 50,99 --save-result --result-dir "$OUT" --result-filename "vllm-omni.r$REP.json" \
+        >"$OUT/vllm-omni.r$REP.log" 2>&1 || { echo "vllm-omni's client failed: $OUT/vllm-omni.r$REP.log" >&2; tail -30 "$OUT/vllm-omni.r$REP.log" >&2; exit 1; }
+    echo "repeat $REP of $REPEATS: omni-pd's client"
+    "$VENV/bin/omni-pd" bench serve --base-url "http://127.0.0.1:$PORT" --label omni-pd --model "$NAME" \
+        --concurrency "$CONCURRENCY" --num-requests "$NUM_PROMPTS" --prompt-tokens "$INPUT_LEN" \
+        --output-tokens "$OUTPUT_LEN" --ignore-eos --seed "$SEED" --json "$OUT/omni-pd.r$REP.json" \
+        >"$OUT/omni-pd.r$REP.log" 2>&1 || { echo "omni-pd's client failed: $OUT/omni-pd.r$REP.log" >&2; tail -30 "$OUT/omni-pd.r$REP.log" >&2; exit 1; }
+done
+
+"$VENV/bin/python" - "$OUT" "$REPEATS" <<'EOF'
+import json, statistics, sys
+out, repeats = sys.argv[1], int(sys.argv[2])
+rows = {"ttft p50 ms": [], "first audio p50 ms": [], "audio rtf p50": [], "e2e p50 ms": [], "requests": []}
+vo = {k: [] for k in rows}
+op = {k: [] for k in rows}
+for r in range(1, repeats + 1):
+    v = json.load(open(f"{out}/vllm-omni.r{r}.json"))
+    vo["ttft p50 ms"].append(v.get("median_ttft_ms"))
+    vo["first audio p50 ms"].append(v.get("median_audio_ttfp_ms"))
+    vo["audio rtf p50"].append(v.get("median_audio_rtf"))
+    vo["e2e p50 ms"].append(v.get("median_e2el_ms"))
+    vo["requests"].append(v.get("completed"))
+    o = json.load(open(f"{out}/omni-pd.r{r}.json"))
+    level = o["results"][0]
+    op["ttft p50 ms"].append(level.get("ttft_ms_p50"))
+    op["first audio p50 ms"].append(level.get("ttfa_ms_p50"))
+    op["audio rtf p50"].append(level.get("rtf_p50"))
+    op["e2e p50 ms"].append(level.get("e2e_ms_p50"))
+    op["requests"].append(level.get("completed"))
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+lines = ["| figure | vllm-omni's client | omni-pd's client | vllm-omni / omni-pd |", "| --- | ---: | ---: | ---: |"]
+summary = {}
+for key in rows:
+    a, b = med(vo[key]), med(op[key])
+    ratio = a / b if a is not None and b else None
+    summary[key] = {"vllm_omni": a, "omni_pd": b, "ratio": ratio, "vllm_omni_runs": vo[key], "omni_pd_runs": op[key]}
+    fmt = (lambda x: "-" if x is None else f"{x:.3f}" if key == "audio rtf p50" else f"{x:.1f}")
+    lines.append(f"| {key} | {fmt(a)} | {fmt(b)} | {'-' if ratio is None else f'{ratio:.3f}'} |")
+print("\n".join(lines))
+open(f"{out}/summary.md", "w").write("\n".join(lines) + "\n")
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+EOF
