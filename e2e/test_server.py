@@ -779,6 +779,28 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(server):
     )
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    """vLLM's `stream_options.continuous_usage_stats` (vllm-omni's benchmark client asks for it
+    and counts tokens from it): every chunk carries the usage so far, its completion tokens
+    never fall, the first chunk already counts the first token, and the last equals the usage
+    chunk's. Without the option, no chunk but the usage chunk carries usage."""
+    messages = [{"role": "user", "content": "Count the waves."}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        server.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, stream=True, stream_options=options
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks)
+    assert counts[0] >= 1 and counts == sorted(counts) and counts[-1] == 6
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    plain = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    assert [c.usage is not None for c in plain][-2:] == [False, True]
+
+
 def test_the_grafana_dashboard_queries_what_this_server_exports(server):
     """examples/grafana_dashboard.json against a live P/D server's /metrics, after the requests
     above: every metric name and label its queries use is exported (dashboard_check.py; its

@@ -10,6 +10,7 @@ import io
 import random
 import time
 import wave
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from .stats import RequestRecord
@@ -83,6 +84,76 @@ def _output(text_only: bool) -> dict[str, Any]:
     return {"modalities": ["text", "audio"], "audio": {"voice": VOICE, "format": "pcm16"}}
 
 
+@dataclass
+class _Reading:
+    """What one streamed answer showed so far, chunk by chunk (`stream_one` times it)."""
+
+    sent: float
+    ttft: float | None = None
+    ttfa: float | None = None
+    last_audio: float | None = None
+    audio_s: float = 0.0
+    content_times: list[float] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    usage_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+
+    def usage(self, usage: Any) -> None:
+        if usage is None or getattr(usage, "completion_tokens", None) is None:
+            return
+        self.usage_tokens = int(usage.completion_tokens)
+        if getattr(usage, "prompt_tokens", None) is not None:
+            self.prompt_tokens = int(usage.prompt_tokens)
+        details = getattr(usage, "prompt_tokens_details", None)
+        if getattr(details, "cached_tokens", None) is not None:
+            self.cached_tokens = int(details.cached_tokens)
+
+    def add(self, chunk: Any, now: float) -> None:
+        self.usage(getattr(chunk, "usage", None))
+        if not chunk.choices:
+            return
+        choice = chunk.choices[0]
+        self.finish_reason = choice.finish_reason or self.finish_reason
+        delta = choice.delta
+        if delta is None:
+            return
+        if _modality(chunk) == "audio" and delta.content:  # vllm-omni's form: a WAV piece
+            audio, wav = delta.content, True
+        else:
+            audio, wav = delta_audio_data(delta), False
+            # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
+            if delta.content is not None and (delta.content or not choice.finish_reason):
+                self.pieces.append(delta.content)
+                self.content_times.append(now)
+                if self.ttft is None:
+                    self.ttft = now - self.sent
+        if audio:
+            self.ttfa = now - self.sent if self.ttfa is None else self.ttfa
+            self.last_audio = now
+            self.audio_s += audio_seconds(audio, wav)
+
+    def record(self, ended: float, text_only: bool) -> RequestRecord:
+        times = self.content_times
+        return RequestRecord(
+            ok=True,
+            no_speech=self.ttfa is None and not text_only,
+            ttft_s=self.ttft,
+            ttfa_s=self.ttfa,
+            rtf=(self.last_audio - self.sent) / self.audio_s
+            if self.last_audio is not None and self.audio_s > 0
+            else None,
+            audio_s=self.audio_s,
+            e2e_s=ended - self.sent,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            output_tokens=self.usage_tokens if self.usage_tokens is not None else len(times),
+            text="".join(self.pieces),
+            cached_tokens=self.cached_tokens,
+            prompt_tokens=self.prompt_tokens,
+        )
+
+
 async def stream_one(
     client: Any, model: str, prompt: str | list[dict], max_tokens: int, text_only: bool = False
 ) -> RequestRecord:
@@ -99,13 +170,7 @@ async def stream_one(
     request asks for text alone (`modalities: ["text"]`), and has no TTFA. Audio in vllm-omni's
     form (`omni-pd serve --stream-audio-form vllm-omni`: a WAV in `delta.content` of a chunk whose
     `modality` is "audio") is read as audio, not as text."""
-    sent = time.perf_counter()
-    ttft = ttfa = last_audio = None
-    audio_s = 0.0
-    content_times: list[float] = []
-    usage_tokens = cached_tokens = prompt_tokens = None
-    finish_reason = None
-    pieces: list[str] = []
+    reading = _Reading(sent=time.perf_counter())
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
         stream = await client.chat.completions.create(
@@ -117,56 +182,15 @@ async def stream_one(
             stream_options={"include_usage": True},
         )
         async for chunk in stream:
-            now = time.perf_counter()
-            usage = getattr(chunk, "usage", None)
-            if usage is not None and getattr(usage, "completion_tokens", None) is not None:
-                usage_tokens = int(usage.completion_tokens)
-                if getattr(usage, "prompt_tokens", None) is not None:
-                    prompt_tokens = int(usage.prompt_tokens)
-                details = getattr(usage, "prompt_tokens_details", None)
-                if getattr(details, "cached_tokens", None) is not None:
-                    cached_tokens = int(details.cached_tokens)
-            if not chunk.choices:
-                continue
-            finish_reason = chunk.choices[0].finish_reason or finish_reason
-            delta = chunk.choices[0].delta
-            if delta is None:
-                continue
-            if _modality(chunk) == "audio" and delta.content:  # vllm-omni's form: a WAV piece
-                audio, wav = delta.content, True
-            else:
-                audio, wav = delta_audio_data(delta), False
-                # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
-                if delta.content is not None and (delta.content or not chunk.choices[0].finish_reason):
-                    pieces.append(delta.content)
-                    content_times.append(now)
-                    if ttft is None:
-                        ttft = now - sent
-            if audio:
-                ttfa = now - sent if ttfa is None else ttfa
-                last_audio = now
-                audio_s += audio_seconds(audio, wav)
+            reading.add(chunk, time.perf_counter())
         ended = time.perf_counter()
     except Exception as exc:  # counted, the level goes on
         return RequestRecord(
             ok=False, rejected=getattr(exc, "status_code", None) == 429, error=f"{type(exc).__name__}: {exc}"
         )
-    if finish_reason is None:
+    if reading.finish_reason is None:
         return RequestRecord(ok=False, error="the stream ended without a finish_reason")
-    return RequestRecord(
-        ok=True,
-        no_speech=ttfa is None and not text_only,
-        ttft_s=ttft,
-        ttfa_s=ttfa,
-        rtf=(last_audio - sent) / audio_s if last_audio is not None and audio_s > 0 else None,
-        audio_s=audio_s,
-        e2e_s=ended - sent,
-        itl_s=[b - a for a, b in zip(content_times, content_times[1:])],
-        output_tokens=usage_tokens if usage_tokens is not None else len(content_times),
-        text="".join(pieces),
-        cached_tokens=cached_tokens,
-        prompt_tokens=prompt_tokens,
-    )
+    return reading.record(ended, text_only)
 
 
 def nth(max_tokens: int | Sequence[int], index: int) -> int:

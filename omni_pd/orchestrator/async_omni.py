@@ -50,6 +50,7 @@ from .request_io import (
     RequestAborted,
     RequestTimeout,
     TextDelta,
+    TextSink,
 )
 from .request_state import RequestState
 from .routing import Router, stages_for, streamed_groups
@@ -287,7 +288,7 @@ class AsyncOmni:
         *,
         request_id: str | None = None,
         modalities: Sequence[str] = ("text", "audio"),
-        on_text: Callable[[str], None] | None = None,
+        on_text: TextSink | None = None,
         on_audio: Callable[[torch.Tensor, int], None] | None = None,
     ) -> OmniRequestOutput:
         if self.closed:
@@ -339,7 +340,7 @@ class AsyncOmni:
                 sampling_params_list,
                 request_id=request_id,
                 modalities=modalities,
-                on_text=lambda text: queue.put_nowait(TextDelta(text)),
+                on_text=lambda text, tokens: queue.put_nowait(TextDelta(text, tokens)),
                 on_audio=lambda audio, rate: queue.put_nowait(AudioDelta(audio, rate)),
             )
         )
@@ -374,7 +375,7 @@ class AsyncOmni:
         self,
         state: RequestState,
         stage_ids: list[int],
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_audio: Callable[[torch.Tensor, int], None] | None,
         text_prompt: TokenPrompt | None = None,
     ) -> OmniRequestOutput:

@@ -17,7 +17,7 @@ from ..planning import build_decode_sampling_params, build_prefill_sampling_para
 from ..planning.pd import HandoffPolicy, PDPair
 from ..sampling import SamplingParams
 from .breaker import CircuitBreaker
-from .request_io import HandoffFailed, RequestAborted
+from .request_io import HandoffFailed, RequestAborted, TextSink
 from .request_state import RequestState
 from .routing import Router
 from .stage_client import StageClient, StageError, StageTimeout
@@ -39,7 +39,7 @@ class StageCalls(Protocol):
         stage_id: int,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_chunk: Callable[[Any], None] | None = None,
     ) -> Any: ...
 
@@ -49,12 +49,12 @@ class StageCalls(Protocol):
         stage_id: int,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_chunk: Callable[[Any], None] | None = None,
     ) -> Any: ...
 
     def text_stream(
-        self, state: RequestState, params: SamplingParams, on_text: Callable[[str], None]
+        self, state: RequestState, params: SamplingParams, on_text: TextSink
     ) -> Callable[[list[int]], None]: ...
 
     def time_left(self, state: RequestState, deadline: float, stage_id: int) -> float: ...
@@ -112,7 +112,7 @@ class PDHandoff:
         state: RequestState,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None = None,
+        on_text: TextSink | None = None,
     ) -> None:
         """Run the prefill leg within the miss window, or decide that the decode leg computes the
         prompt itself (the breaker is open, the prefill worker is down or silent, or the leg
@@ -292,7 +292,7 @@ class PDHandoff:
         state: RequestState,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_chunk: Callable[[Any], None] | None,
     ) -> Any:
         """The decode leg with the prefill leg's KV. A failed handoff (a KV read that missed its

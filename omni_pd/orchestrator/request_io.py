@@ -5,7 +5,7 @@ end with. `omni_pd.orchestrator.async_omni` exports them too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable, Any
 
 import torch
 
@@ -50,7 +50,15 @@ class PreparedPrompt:
 
 @dataclass
 class TextDelta:
+    """Text that follows what was sent, and how many generated tokens it covers (0: text the
+    detokenizer held back until the end)."""
+
     text: str
+    tokens: int = 0
+
+
+# Where a text stage's deltas go: (text, generated tokens it covers).
+TextSink = Callable[[str, int], None]
 
 
 @dataclass

@@ -19,7 +19,7 @@ from ..sampling import SamplingParams
 from .breaker import CircuitBreaker
 from .detokenizer import IncrementalDetokenizer
 from .pd_handoff import PDHandoff
-from .request_io import RequestTimeout
+from .request_io import RequestTimeout, TextSink
 from .request_state import RequestState
 from .routing import Router
 from .streamed_group import StreamedGroup
@@ -57,7 +57,7 @@ class StageRunner:
         stage_id: int,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_chunk: Callable[[Any], None] | None = None,
     ) -> Any:
         began = time.perf_counter()
@@ -91,7 +91,7 @@ class StageRunner:
         group: list[int],
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_audio: Callable[[torch.Tensor, int], None] | None,
     ) -> None:
         """Run a group of stages at once. The first starts from its finished input; each later
@@ -122,7 +122,7 @@ class StageRunner:
         stage_id: int,
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_chunk: Callable[[Any], None] | None = None,
     ) -> Any:
         stage = self.stages[stage_id]
@@ -192,7 +192,7 @@ class StageRunner:
         return remaining
 
     def text_stream(
-        self, state: RequestState, params: SamplingParams, on_text: Callable[[str], None]
+        self, state: RequestState, params: SamplingParams, on_text: TextSink
     ) -> Callable[[list[int]], None]:
         """The token ids -> text deltas callback for a text stage's stream. One detokenizer per
         request: a stage that streams after the prefill leg's first token went out (the decode
@@ -203,7 +203,7 @@ class StageRunner:
             def stream(token_ids: list[int]) -> None:  # on the event loop
                 # Every step with new tokens sends, as vLLM does: "" while the text is held
                 # back, so a client times the first token when it exists.
-                on_text(detok.add(token_ids))
+                on_text(detok.add(token_ids), len(token_ids))
                 state.hop("orchestrator", "text out")
 
             state.text_stream = stream

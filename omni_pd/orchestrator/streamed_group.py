@@ -15,6 +15,7 @@ from .pd_handoff import PDHandoff, StageCalls
 from .request_state import RequestState
 from .routing import Router
 from .stage_client import StageError
+from .request_io import TextSink
 
 SILENT = object()  # a streamed group's stage that ended because the answer has nothing to speak
 
@@ -34,7 +35,7 @@ class StreamedGroup:
         feeders: dict[int, Any],
         text_prompt: TokenPrompt,
         deadline: float,
-        on_text: Callable[[str], None] | None,
+        on_text: TextSink | None,
         on_audio: Callable[[torch.Tensor, int], None] | None,
     ) -> None:
         self.runner, self.router, self.pd = runner, router, pd

@@ -81,6 +81,7 @@ async def _serve_chat(
             created,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             trace=trace,
+            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         )
         # The stream keeps the request's slot until it ends, or is collected unstarted when
         # the client leaves before its first byte.

@@ -37,11 +37,21 @@ class _ChunkStream:
     audio pieces under one id, each with the text since the previous piece as its transcript
     (in vllm-omni's audio form: each piece a WAV in `delta.content`, no transcript)."""
 
-    def __init__(self, completion_id: str, created: int, model: str, audio_form: str = "openai") -> None:
+    def __init__(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        audio_form: str = "openai",
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """`prompt_tokens`: given, every chunk carries the usage so far (vLLM's
+        `stream_options.continuous_usage_stats`)."""
         if audio_form not in AUDIO_FORMS:
             raise ValueError(f"the stream's audio form must be one of {AUDIO_FORMS}, got {audio_form!r}")
         self.completion_id, self.created, self.model = completion_id, created, model
         self.audio_form = audio_form
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.role_sent = False
         self.audio_id = f"audio-{secrets.token_hex(8)}"
         self.untranscribed, self.audio_sent = "", False
@@ -54,17 +64,22 @@ class _ChunkStream:
         top: dict[str, Any] | None = None,
         **choice: Any,
     ) -> str:
-        return _sse(
-            {
-                "id": self.completion_id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
-                "modality": modality,
-                **(top or {}),
+        payload = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **choice}],
+            "modality": modality,
+            **(top or {}),
+        }
+        if self.prompt_tokens is not None:
+            payload["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
             }
-        )
+        return _sse(payload)
 
     def _with_role(self, delta: dict) -> dict:
         if self.role_sent:
@@ -72,8 +87,10 @@ class _ChunkStream:
         self.role_sent = True
         return {"role": "assistant", **delta}
 
-    def text(self, text: str) -> str:
+    def text(self, text: str, tokens: int = 0) -> str:
+        """A text chunk: `text` and the generated tokens it covers."""
         self.untranscribed += text
+        self.completion_tokens += tokens
         return self._chunk(self._with_role({"content": text}))
 
     def audio(self, delta: AudioDelta, pcm16_gain: float) -> str:
@@ -134,17 +151,20 @@ async def stream_chat(
     created: int,
     include_usage: bool,
     trace: HopTrace | None = None,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """SSE chunks as OpenAI streams them: text as `delta.content`; each piece of audio as
     `delta.audio` {id, data: base64 pcm16, transcript: the text since the previous piece}; then
     a last `delta.audio` {id, expires_at} (with any text still untranscribed), so no piece of
-    audio waits to learn whether it is the last.
+    audio waits to learn whether it is the last. With `continuous_usage` (vLLM's
+    `stream_options.continuous_usage_stats`) every chunk carries the usage so far.
 
     The first chunk leaves with the first token (its content "" while the detokenizer holds the
     text back: half a UTF-8 character, a possible stop string) and carries `role`, as vLLM's
     does; after that each step's tokens send a chunk. Clients time the first token from the
     first chunk (vLLM's `bench serve`); no chunk leaves before the prompt has run."""
-    chunks = _ChunkStream(completion_id, created, state.served_model, state.stream_audio_form)
+    prompt_tokens = len(prepared.text_prompt.prompt_token_ids) if continuous_usage else None
+    chunks = _ChunkStream(completion_id, created, state.served_model, state.stream_audio_form, prompt_tokens)
     counted = False
     state.metrics.in_flight.inc()
     events = omni.stream(prepared, params, request_id=completion_id, modalities=request.modalities)
@@ -155,7 +175,7 @@ async def stream_chat(
         # cost a tenth of the server process's CPU under load.)
         async for event in events:
             if isinstance(event, TextDelta):
-                chunk = chunks.text(event.text)
+                chunk = chunks.text(event.text, event.tokens)
                 if trace is not None:
                     trace.hop("first chunk out")  # the server's TTFT ends here
                 yield chunk

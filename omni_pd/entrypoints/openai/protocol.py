@@ -60,6 +60,9 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (vllm-omni's benchmark client asks
+    # for it, and counts a chunk's tokens from it).
+    continuous_usage_stats: bool = False
 
 
 class ChatCompletionRequest(BaseModel):
