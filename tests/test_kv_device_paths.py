@@ -21,7 +21,7 @@ from omni_pd.kv import (
     MooncakeTransport,
 )
 from omni_pd.kv.transport import cuda_ipc  # noqa: E402
-from omni_pd.kv.checksum import checksum, kind_for, wsum64  # noqa: E402
+from omni_pd.kv.checksum import checksum, checksums, kind_for, wsum64  # noqa: E402
 from omni_pd.kv.pool import BlockPool  # noqa: E402
 
 LAYOUT = BlockLayout.default_for(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=16)
@@ -92,6 +92,22 @@ def test_wsum64_of_host_bytes_holds_when_another_device_is_torchs_default(monkey
     finally:
         torch.set_default_device(None)
     assert got == want
+
+
+def test_wsum64_of_many_blocks_at_once_is_each_blocks_own():
+    """`checksums` takes a GPU pool's blocks in one pass and one sync: each value is the block's
+    own wsum64, with full blocks, a shorter last one, a length that is no whole number of words
+    and a view that starts off an 8-byte boundary; one flipped byte moves that block's alone."""
+    gen = torch.Generator().manual_seed(9)
+    pool = torch.randint(0, 256, (8 * 512 + 3,), dtype=torch.uint8, generator=gen)
+    views = [pool[i * 512 : (i + 1) * 512] for i in range(6)] + [pool[3072:3372], pool[3373:3500]]
+    views.append(pool[3501 : 3501 + 512])  # 512 bytes, but off an 8-byte boundary
+    want = [wsum64(v) for v in views]
+    assert checksums(views, "wsum64") == want
+    assert checksums(views, "xxh3") == [checksum(v, "xxh3") for v in views]
+    views[2][100] ^= 1
+    got = checksums(views, "wsum64")
+    assert [i for i, (a, b) in enumerate(zip(got, want)) if a != b] == [2]
 
 
 def test_a_descriptor_names_its_checksum_kind_and_the_receiver_uses_it(transports):

@@ -29,7 +29,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 import torch
 
-from .checksum import checksum, kind_for
+from .checksum import checksum, checksums, kind_for
 from .errors import PoolExhausted
 from .layout import BlockLayout, pack_blocks, unpack_blocks
 
@@ -113,6 +113,10 @@ class BlockPool:
     def block_checksum(self, i: int, nbytes: int) -> str:
         """The checksum of block i's first `nbytes` bytes, of this pool's kind."""
         return checksum(self.block_view(i)[:nbytes], self.checksum_kind)
+
+    def block_checksums(self, ids: Sequence[int], nbytes: Sequence[int]) -> list[str]:
+        """`block_checksum` of each (block, length), a GPU pool's in one pass (see checksums)."""
+        return checksums([self.block_view(i)[:n] for i, n in zip(ids, nbytes)], self.checksum_kind)
 
     # -- bookkeeping -------------------------------------------------------------------------
     @property

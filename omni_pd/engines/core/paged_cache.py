@@ -83,6 +83,10 @@ class PagedKVCache:
         tokens = kv.shape[3]
         by_token = kv.permute(3, 0, 1, 2, 4)  # [tokens, layers, 2, kv_heads, head_dim]
         sums: list[str] = []
+        written: list[tuple[int, int]] = []  # (block, filled bytes)
+        # A host pool's checksum (xxh3) is taken as each block is written, while it is in cache;
+        # a GPU pool's (wsum64) for all blocks at once, in one pass and one sync.
+        at_once = self.pool.checksum_kind == "wsum64"
         done = 0
         while done < tokens:
             block, offset = divmod(start + done, self.block_size)
@@ -90,18 +94,23 @@ class PagedKVCache:
             self.data[blocks[block], offset : offset + count] = by_token[done : done + count]
             if checksums:
                 filled = (offset + count) * self.layout.bytes_per_token
-                sums.append(self.pool.block_checksum(blocks[block], filled))
+                if at_once:
+                    written.append((blocks[block], filled))
+                else:
+                    sums.append(self.pool.block_checksum(blocks[block], filled))
             done += count
+        if written:
+            sums = self.pool.block_checksums([b for b, _ in written], [n for _, n in written])
         return sums if checksums else None
 
     def checksums(self, blocks: list[int], length: int, first: int = 0) -> list[str]:
         """Each block's checksum over its filled bytes, for positions `0 .. length`, from block
         `first` on."""
-        sums = []
-        for index in range(first, self.blocks_for(length)):
-            filled = min(self.block_size, length - index * self.block_size) * self.layout.bytes_per_token
-            sums.append(self.pool.block_checksum(blocks[index], filled))
-        return sums
+        indices = range(first, self.blocks_for(length))
+        filled = [
+            min(self.block_size, length - i * self.block_size) * self.layout.bytes_per_token for i in indices
+        ]
+        return self.pool.block_checksums([blocks[i] for i in indices], filled)
 
     def read(self, blocks: list[int], length: int) -> torch.Tensor:
         """Positions `0 .. length` of a request as canonical KV `[layers, 2, kv_heads, length, hd]`."""

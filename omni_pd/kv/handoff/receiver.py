@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..checksum import checksum
+from ..checksum import checksums
 from ..errors import KVIntegrityError, KVMissError, KVTransferError
 from ..layout import BlockLayout, check_compatible, convert_blocks, unpack_blocks
 from ..pool import BlockPool
@@ -478,9 +478,10 @@ class KVReceiver:
 
     @staticmethod
     def _verify(descriptor: KVDescriptor, blocks: dict[int, torch.Tensor], lengths: list[int]) -> None:
-        for j, view in blocks.items():
+        order = list(blocks)
+        sums = checksums([blocks[j][: lengths[j]] for j in order], descriptor.checksum_kind)
+        for j, got in zip(order, sums):
             expected = descriptor.block_checksums[j]
-            got = checksum(view[: lengths[j]], descriptor.checksum_kind)
             if got != expected:
                 raise KVIntegrityError(
                     f"transfer {descriptor.transfer_id}: block {j} (remote block "

@@ -109,7 +109,7 @@ class KVSender:
         sums = (
             tuple(checksums)
             if checksums is not None
-            else tuple(self.pool.block_checksum(b, n) for b, n in zip(block_ids, lengths))
+            else tuple(self.pool.block_checksums(block_ids, lengths))
         )
         self._apply_fault(fault, transfer_id, block_ids, lengths, after_checksum=True)
         if self.landing is not self.pool:  # Mooncake reads the host copy: bring it up to date
