@@ -157,19 +157,26 @@ def build_dummy_model(
     return model
 
 
-def load_model(
-    model: str, load_format: str = "auto", seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
-) -> Qwen2_5OmniForConditionalGeneration:
+def _source(model: str, load_format: str) -> ModelSource:
+    """`model` resolved for `load_format`; a format it cannot load from is refused by name (the
+    embedded tiny model has no weight files to read)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
     source = resolve_model(model)
-    if load_format == "dummy":
-        return build_dummy_model(load_config(source), seed, dtype)
-    if source.is_embedded:
+    if load_format != "dummy" and source.is_embedded:
         raise ValueError(
             f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format 'dummy', or "
             "write a checkpoint with `omni-pd make-tiny-model DIR --model qwen2_5_omni`"
         )
+    return source
+
+
+def load_model(
+    model: str, load_format: str = "auto", seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32
+) -> Qwen2_5OmniForConditionalGeneration:
+    source = _source(model, load_format)
+    if load_format == "dummy":
+        return build_dummy_model(load_config(source), seed, dtype)
     loaded = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(source.directory), dtype=dtype)
     # safetensors can map tensors at misaligned addresses, which moves the last bit of some CPU
     # kernels' results: fresh aligned copies keep outputs equal to a seeded build.
@@ -189,16 +196,9 @@ def load_stage(
     """The modules `stage` runs. From a checkpoint directory: only that stage's part, read lean
     (see stage_parts). `dummy`: the whole seeded model is built (tiny; its bytes depend on
     building every part in order) and only the stage's part is kept (no reports)."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not supported; use one of {LOAD_FORMATS}")
-    source = resolve_model(model)
+    source = _source(model, load_format)
     if load_format == "dummy":
         return StageParts.of(build_dummy_model(load_config(source), seed, dtype), stage), []
-    if source.is_embedded:
-        raise ValueError(
-            f"the embedded {TINY_MODEL_NAME!r} has no weight files: use load_format 'dummy', or "
-            "write a checkpoint with `omni-pd make-tiny-model DIR --model qwen2_5_omni`"
-        )
     return load_stage_parts(read_shard_index(source.directory), load_config(source), stage, dtype)
 
 
