@@ -40,7 +40,7 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def omni_pd_serve_command(port: int) -> list[str]:
+def omni_pd_serve_command(port: int, model: str | None = None) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -48,7 +48,7 @@ def omni_pd_serve_command(port: int) -> list[str]:
         "--log-level",
         "INFO",
         "serve",
-        MODEL,
+        model or MODEL,
         "--port",
         str(port),
         "--enable-debug-endpoints",

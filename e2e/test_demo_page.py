@@ -1,6 +1,6 @@
 """The voice demo page in a real browser: headless Chromium (e2e/browser.py) whose fake
-microphone plays espeak-ng speech in a loop, against a live colocated server and a live P/D
-server, both with an API key.
+microphone plays espeak-ng speech in a loop, against live servers with an API key: the tiny
+Qwen3-Omni colocated and P/D, and the tiny Qwen2.5-Omni P/D.
 
 Per server: a wrong key is refused and the right one connects; hands-free, a spoken turn is
 answered (transcript shown, audio played, TTFA shown) and the next utterance of the loop barges
@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 import soundfile
 import websockets.sync.client
+import yaml
 from browser import Browser, require_browser
 from live_server import Server, omni_pd_serve_command, wait_for
 from speech import pcm16, speak
 
+from omni_pd.models.qwen2_5_omni.tiny_config import TINY_MODEL_NAME as QWEN2_5_OMNI
 from omni_pd.paths import STAGE_CONFIGS_DIR
 
 pytestmark = pytest.mark.slow
@@ -86,11 +88,36 @@ def _warm_up(server: Server, wav: Path) -> None:
             assert event["type"] != "error", event
 
 
-@pytest.fixture(scope="module", params=["colocated", "pd"])
-def server(request, microphone):
+# Each server: its model and stage file (None: omni-pd serve's default, the tiny Qwen3-Omni P/D).
+SERVERS = {
+    "colocated": (None, STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml"),
+    "pd": (None, None),
+    "qwen2_5_omni_pd": (QWEN2_5_OMNI, STAGE_CONFIGS_DIR / "ci" / "qwen2_5_omni_tiny_pd.yaml"),
+}
+# The tiny Qwen2.5-Omni's talker makes 50 codes a second and samples its end at random (its CI
+# stage file stops it at 64 codes, 1.3 s): the barge-in needs an answer that outlasts the
+# microphone loop's gap, so its talker is served at ignore_eos and 5 s of codes.
+QWEN2_5_OMNI_TALKER = {"max_tokens": 250, "ignore_eos": True}
+
+
+def _long_talker(stages: Path, folder: Path) -> Path:
+    config = yaml.safe_load(stages.read_text())
+    (talker,) = [s for s in config["stage_args"] if s["engine_args"]["model_stage"] == "talker"]
+    talker["default_sampling_params"].update(QWEN2_5_OMNI_TALKER)
+    path = folder / stages.name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
+def server(request, microphone, tmp_path_factory):
+    model, stages = SERVERS[request.param]
+    if model == QWEN2_5_OMNI:
+        stages = _long_talker(stages, tmp_path_factory.mktemp("stages"))
+
     def command(port):
-        extra = ["--stage-configs-path", str(STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny.yaml")]
-        return omni_pd_serve_command(port) + (extra if request.param == "colocated" else [])
+        argv = omni_pd_serve_command(port, model=model)
+        return argv + (["--stage-configs-path", str(stages)] if stages else [])
 
     srv = Server(command=command, api_key=API_KEY)
     srv.kind = request.param

@@ -15,6 +15,8 @@ from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.sampling import SamplingParams
 
+from test_prefix_caching import SYSTEM, _turns
+
 # The whole pipeline's P/D = colocated runs again under the older ISA (marked `exactness`); the
 # thinker-alone forms, which it covers, run once.
 pytestmark = pytest.mark.slow
@@ -201,3 +203,46 @@ def test_each_voice_speaks_and_an_unknown_one_is_refused(speech):
     with pytest.raises(Exception, match="voice 'nobody'"):
         speech.generate([{"prompt": PROMPTS[1], "speaker": "nobody"}])
     assert _clean(speech)
+
+
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory):
+    """The colocated pipeline with the thinker's prefix cache off: what caching must not change."""
+    import yaml
+
+    data = yaml.safe_load(SPEECH.read_text())
+    for stage in data["stage_args"]:
+        if stage["engine_args"]["model_stage"] == "thinker":
+            stage["engine_args"]["enable_prefix_caching"] = False
+    path = tmp_path_factory.mktemp("uncached") / SPEECH.name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with Omni(model=TINY_MODEL_NAME, stage_configs_path=path, keep_stage_outputs=True) as omni:
+        yield omni
+
+
+@pytest.mark.exactness
+def test_conversation_turns_over_the_prefix_cache_in_pd_equal_the_uncached_pipeline(uncached, speech_pd):
+    """Each turn resends the history: P/D (prefix cache on, the default) reuses the earlier turns'
+    blocks on the prefill side and moves only the blocks the decode side lacks, and still equals
+    the colocated pipeline without a cache in tokens, talker rows, codes and audio. The control:
+    another conversation's answer, over the same cached system prompt, differs."""
+    turns = _turns(3)  # the Qwen3-Omni suite's conversation
+    text = speech_pd.model_config.thinker_config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 4  # K and V, fp32
+    wants = [uncached.generate([m])[0] for m in turns]
+    for turn, (messages, want) in enumerate(zip(turns, wants)):
+        got = speech_pd.generate([messages])[0]
+        assert want.metrics["prefix_cached_tokens"] == 0
+        assert differences(uncached, want, speech_pd, got) == [], turn
+        if turn:
+            before = len(wants[turn - 1].prompt_token_ids)
+            assert got.metrics["prefix_cached_tokens"] >= before - 16
+            reused = got.metrics["kv_reused_tokens"]
+            assert reused >= before - 16
+            assert got.metrics["kv_bytes_transferred"] == (len(got.prompt_token_ids) - reused) * per_token
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Something else?"}]
+    got = speech_pd.generate([other])[0]
+    assert got.metrics["prefix_cached_tokens"] > 0  # the system prompt, shared
+    assert differences(uncached, wants[1], speech_pd, got) != []
+    assert _clean(speech_pd) and _clean(uncached)

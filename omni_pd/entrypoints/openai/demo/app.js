@@ -361,7 +361,13 @@ form.addEventListener('submit', (event) => {
 });
 inputs.disconnect.addEventListener('click', disconnect);
 inputs.talk.addEventListener('click', guarded(() => (demo.mode === 'vad' ? toggleMic() : null)));
-inputs.talk.addEventListener('pointerdown', guarded(() => (demo.mode === 'hold' ? press() : null)));
+inputs.talk.addEventListener('pointerdown', guarded((event) => {
+  if (demo.mode !== 'hold') return null;
+  // Captured, the hold lasts until the pointer is lifted even if the button moves from under it:
+  // a new turn scrolls the page, and a pointerleave would otherwise end the turn being spoken.
+  inputs.talk.setPointerCapture(event.pointerId);
+  return press();
+}));
 for (const kind of ['pointerup', 'pointercancel', 'pointerleave']) {
   inputs.talk.addEventListener(kind, guarded(() => (demo.mode === 'hold' ? release() : null)));
 }
