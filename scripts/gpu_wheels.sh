@@ -10,7 +10,7 @@ mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 pins() { grep -iE "^($1)==" requirements.lock; }
 wanted=(
-  $(pins 'pydantic|pydantic_core|annotated-types|typing-inspection|fastapi|starlette|annotated-doc|uvicorn|h11|openai|httpx2|httpcore2|truststore|anyio|idna|jiter|distro|sniffio|soundfile|cffi|pycparser|websockets|webrtcvad-wheels|soxr|transformers')
+  $(pins 'aiohttp|aiohappyeyeballs|aiosignal|attrs|frozenlist|multidict|propcache|yarl|pydantic|pydantic_core|annotated-types|typing-inspection|fastapi|starlette|annotated-doc|uvicorn|h11|openai|httpx2|httpcore2|truststore|anyio|idna|jiter|distro|sniffio|soundfile|cffi|pycparser|websockets|webrtcvad-wheels|soxr|transformers')
   mooncake-transfer-engine-cuda13==0.3.14
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -103,7 +103,10 @@ for REP in $(seq "$REPEATS"); do
         --result-filename "vllm-omni.r$REP.json" \
         >"$OUT/vllm-omni.r$REP.log" 2>&1 || { echo "vllm-omni's client failed: $OUT/vllm-omni.r$REP.log" >&2; tail -30 "$OUT/vllm-omni.r$REP.log" >&2; exit 1; }
     echo "repeat $REP of $REPEATS: omni-pd's client"
+    # --no-keep-alive: vllm-omni's client opens a connection per request (its aiohttp connector's
+    # force_close), so omni-pd's does too here.
     "$VENV/bin/omni-pd" bench serve --base-url "http://127.0.0.1:$PORT" --label omni-pd --model "$NAME" \
+        --no-keep-alive \
         --concurrency "$CONCURRENCY" --num-requests "$NUM_PROMPTS" --prompt-tokens "$INPUT_LEN" \
         --output-tokens "$OUTPUT_LEN" --seed "$SEED" --json "$OUT/omni-pd.r$REP.json" \
         >"$OUT/omni-pd.r$REP.log" 2>&1 || { echo "omni-pd's client failed: $OUT/omni-pd.r$REP.log" >&2; tail -30 "$OUT/omni-pd.r$REP.log" >&2; exit 1; }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from types import SimpleNamespace
+import time
 
 import pytest
 
@@ -132,27 +132,24 @@ def test_prompts_have_exactly_the_drawn_lengths_and_no_shared_prefix():
 
 
 class _Client:
-    """An openai client stand-in: records each create() call and streams `tokens` chunks."""
+    """A bench client stand-in: records each chat request's body and streams `max_tokens` chunks."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+        self.chat = self
 
-    async def create(self, **kwargs):
-        self.calls.append(kwargs)
-        n = kwargs["max_tokens"]
+    def chunks(self, body: dict) -> list[dict]:
+        n = body["max_tokens"]
+        chunks: list[dict] = [
+            {"choices": [{"delta": {"content": "x"}, "finish_reason": "length" if i == n - 1 else None}]}
+            for i in range(n)
+        ]
+        return chunks + [{"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": n + 10}}]
 
-        async def chunks():
-            for i in range(n):
-                delta = SimpleNamespace(content="x", audio=None, model_extra={})
-                reason = "length" if i == n - 1 else None
-                yield SimpleNamespace(
-                    usage=None, choices=[SimpleNamespace(delta=delta, finish_reason=reason)]
-                )
-            usage = SimpleNamespace(completion_tokens=n, prompt_tokens=n + 10, prompt_tokens_details=None)
-            yield SimpleNamespace(usage=usage, choices=[])
-
-        return chunks()
+    async def stream(self, body: dict):
+        self.calls.append(body)
+        for chunk in self.chunks(body):
+            yield time.perf_counter(), chunk
 
 
 def test_text_only_requests_ask_for_text_alone_and_have_no_ttfa():
@@ -225,17 +222,9 @@ def test_the_first_token_is_timed_at_its_chunk_even_when_its_text_is_held_back()
     contents = ["", "", "ab", "c"]
 
     class Held(_Client):
-        async def create(self, **kwargs):
-            async def chunks():
-                for text in contents:
-                    delta = SimpleNamespace(content=text, audio=None, model_extra={})
-                    yield SimpleNamespace(
-                        usage=None, choices=[SimpleNamespace(delta=delta, finish_reason=None)]
-                    )
-                end = SimpleNamespace(content="", audio=None, model_extra={})
-                yield SimpleNamespace(usage=None, choices=[SimpleNamespace(delta=end, finish_reason="stop")])
-
-            return chunks()
+        def chunks(self, body):
+            chunks = [{"choices": [{"delta": {"content": text}, "finish_reason": None}]} for text in contents]
+            return chunks + [{"choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]}]
 
     record = asyncio.run(stream_one(Held(), "m", "hi", 4, text_only=True))
     assert record.ok and record.text == "abc" and record.output_tokens == 4

@@ -104,20 +104,17 @@ def test_an_unknown_form_is_refused_by_name():
 
 
 class _Replay:
-    """An `openai` client whose stream replays `payloads` as the client would parse them."""
+    """A bench client whose chat stream replays `payloads`, each as it would arrive."""
 
     def __init__(self, payloads: list[dict]):
-        from openai.types.chat import ChatCompletionChunk
+        self.payloads = payloads
+        self.chat = self
 
-        self.chunks = [ChatCompletionChunk.model_validate(p) for p in payloads]
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+    async def stream(self, body: dict):
+        import time
 
-    async def create(self, **kwargs):
-        async def stream():
-            for chunk in self.chunks:
-                yield chunk
-
-        return stream()
+        for payload in self.payloads:
+            yield time.perf_counter(), payload
 
 
 @pytest.mark.parametrize("form", ["openai", "vllm-omni"])

@@ -1,5 +1,6 @@
-"""The load driver: streaming chat completions (text and audio) through the `openai` client,
-`concurrency` requests in flight until `n` are done, each timed from the moment it is sent."""
+"""The load driver: streaming chat completions (text and audio) through the bench's chat client
+(`chat_sse.BenchClient`), `concurrency` requests in flight until `n` are done, each timed from
+the moment it is sent."""
 
 from __future__ import annotations
 
@@ -35,21 +36,6 @@ PROMPTS = (
     "Recommend a book for a long flight.",
 )
 VOICE = "ethan"
-
-
-def delta_audio_data(delta: Any) -> str | None:
-    """The base64 audio of a streamed `choices[0].delta`, wherever the client put it: a typed
-    `delta.audio` (object or dict) or an extra field in `delta.model_extra`."""
-    audio = getattr(delta, "audio", None)
-    if audio is None:
-        extra = getattr(delta, "model_extra", None) or {}
-        audio = extra.get("audio")
-    if audio is None:
-        return None
-    data = audio.get("data") if isinstance(audio, dict) else getattr(audio, "data", None)
-    return data or None
-
-
 # The OpenAI form's streamed audio: base64 pcm16, mono, 24 kHz (OpenAI's Realtime and chat rate).
 PCM16_RATE = 24_000
 
@@ -69,12 +55,6 @@ def audio_seconds(data: str, wav: bool) -> float:
             return piece.getnframes() / float(piece.getframerate())
     except (wave.Error, EOFError):
         return 0.0
-
-
-def _modality(chunk: Any) -> str | None:
-    """The chunk's top-level `modality` (vllm-omni's key; omni-pd sends it too), if any."""
-    extra = getattr(chunk, "model_extra", None) or {}
-    return extra.get("modality")
 
 
 def _output(text_only: bool) -> dict[str, Any]:
@@ -100,32 +80,32 @@ class _Reading:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
 
-    def usage(self, usage: Any) -> None:
-        if usage is None or getattr(usage, "completion_tokens", None) is None:
+    def usage(self, usage: dict | None) -> None:
+        if not usage or usage.get("completion_tokens") is None:
             return
-        self.usage_tokens = int(usage.completion_tokens)
-        if getattr(usage, "prompt_tokens", None) is not None:
-            self.prompt_tokens = int(usage.prompt_tokens)
-        details = getattr(usage, "prompt_tokens_details", None)
-        if getattr(details, "cached_tokens", None) is not None:
-            self.cached_tokens = int(details.cached_tokens)
+        self.usage_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens") is not None:
+            self.prompt_tokens = int(usage["prompt_tokens"])
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            self.cached_tokens = int(cached)
 
-    def add(self, chunk: Any, now: float) -> None:
-        self.usage(getattr(chunk, "usage", None))
-        if not chunk.choices:
+    def add(self, chunk: dict, now: float) -> None:
+        """One streamed chunk (its JSON payload), arrived at `now`."""
+        self.usage(chunk.get("usage"))
+        if not chunk.get("choices"):
             return
-        choice = chunk.choices[0]
-        self.finish_reason = choice.finish_reason or self.finish_reason
-        delta = choice.delta
-        if delta is None:
-            return
-        if _modality(chunk) == "audio" and delta.content:  # vllm-omni's form: a WAV piece
-            audio, wav = delta.content, True
+        choice = chunk["choices"][0]
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta") or {}
+        content = delta.get("content")
+        if chunk.get("modality") == "audio" and content:  # vllm-omni's form: a WAV piece
+            audio, wav = content, True
         else:
-            audio, wav = delta_audio_data(delta), False
+            audio, wav = (delta.get("audio") or {}).get("data"), False
             # A finish chunk's "" (omni-pd opens an empty answer with it) is no token.
-            if delta.content is not None and (delta.content or not choice.finish_reason):
-                self.pieces.append(delta.content)
+            if content is not None and (content or not choice.get("finish_reason")):
+                self.pieces.append(content)
                 self.content_times.append(now)
                 if self.ttft is None:
                     self.ttft = now - self.sent
@@ -170,19 +150,19 @@ async def stream_one(
     request asks for text alone (`modalities: ["text"]`), and has no TTFA. Audio in vllm-omni's
     form (`omni-pd serve --stream-audio-form vllm-omni`: a WAV in `delta.content` of a chunk whose
     `modality` is "audio") is read as audio, not as text."""
-    reading = _Reading(sent=time.perf_counter())
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        **_output(text_only),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    reading = _Reading(sent=time.perf_counter())
     try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            **_output(text_only),
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        async for chunk in stream:
-            reading.add(chunk, time.perf_counter())
+        async for now, chunk in client.chat.stream(body):
+            reading.add(chunk, now)
         ended = time.perf_counter()
     except Exception as exc:  # counted, the level goes on
         return RequestRecord(

@@ -23,7 +23,7 @@ async def realtime_one(client: Any, model: str, prompt: str | list[dict], max_to
     ttft = ttfa = None
     pieces: list[str] = []
     try:
-        async with client.realtime.connect(model=model) as conn:
+        async with client.sdk.realtime.connect(model=model) as conn:
             await conn.session.update(
                 session={
                     "type": "realtime",

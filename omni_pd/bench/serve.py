@@ -294,6 +294,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "servers' --request-timeout (default 600)",
     )
     parser.add_argument(
+        "--no-keep-alive",
+        action="store_true",
+        help="open a new connection for each chat request, as vllm-omni's benchmark client does "
+        "(default: connections kept open between requests, as vLLM's client and the openai SDK keep them)",
+    )
+    parser.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,

@@ -144,17 +144,23 @@ async def bench_target(
     level, one per open-loop rate, and (--multi-turn) one per turn."""
     import openai
 
+    from .chat_sse import BenchClient, ChatStreamer
+
     # The servers it starts inherit OMNI_PD_API_KEY (and a --base-url server may need it too).
-    client = openai.AsyncOpenAI(
-        base_url=f"{base_url.rstrip('/')}/v1",
-        api_key=os.environ.get("OMNI_PD_API_KEY") or "unused",
-        max_retries=0,
-        timeout=args.request_timeout,
+    api_key = os.environ.get("OMNI_PD_API_KEY") or "unused"
+    client = BenchClient(
+        sdk=openai.AsyncOpenAI(
+            base_url=f"{base_url.rstrip('/')}/v1",
+            api_key=api_key,
+            max_retries=0,
+            timeout=args.request_timeout,
+        ),
+        chat=ChatStreamer(base_url, api_key, args.request_timeout, keep_alive=not args.no_keep_alive),
     )
     rows, open_rows, turn_rows = [], [], []
     try:
         if model is None:
-            listed = await client.models.list()
+            listed = await client.sdk.models.list()
             model = listed.data[0].id
         workload = workload_from_args(args)
         fresh = Requests(workload, args.model or model)
