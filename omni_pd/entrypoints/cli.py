@@ -219,6 +219,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         demo_page=not args.no_demo_page,
         stream_audio_form=args.stream_audio_form,
         trace_hops=args.trace_hops,
+        default_modalities=tuple(args.default_modalities.split(",")),
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -372,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
         "base64 16-bit WAV per chunk and the choice's audio_metadata, as vllm-omni's server "
         "sends it; its benchmark client reads it). Every chunk carries vllm-omni's top-level "
         "`modality` either way (default: openai)",
+    )
+    serve.add_argument(
+        "--default-modalities",
+        choices=("text", "text,audio"),
+        default="text",
+        help="what a chat request that names no `modalities` is answered with: text, as OpenAI "
+        "answers, or text,audio, as vllm-omni's server answers (its clients, such as its "
+        "benchmark client, send no `modalities`) (default: text)",
     )
     serve.add_argument(
         "--trace-hops",

@@ -33,6 +33,10 @@ from .protocol import DEFAULT_MAX_REQUEST_BYTES, REALTIME_PATH
 from .routes import add_debug_routes, add_info_routes, add_realtime_route
 from .server_state import ServerState
 
+# A chat request's modalities when it names none: OpenAI's default, or vllm-omni's server's (the
+# model's outputs; vllm-omni's clients send none).
+DEFAULT_MODALITIES = (("text",), ("text", "audio"))
+
 log = logging.getLogger(__name__)
 
 
@@ -48,19 +52,26 @@ def create_app(
     demo_page: bool = True,
     stream_audio_form: str = "openai",
     trace_hops: bool = False,
+    default_modalities: tuple[str, ...] = ("text",),
 ) -> FastAPI:
     """`max_queued_requests`: requests that may wait for the stages (admission.py); None: the
     default, DEFAULT_QUEUE_FACTOR x what the stages admit at once. `demo_page`: serve the voice
     demo page at /demo/ (demo.py). `stream_audio_form`: how streamed chat sends audio
     (chat_stream.AUDIO_FORMS: OpenAI's, or vllm-omni's). `trace_hops`: each chat answer carries
-    its request's timeline (hop_trace.py)."""
+    its request's timeline (hop_trace.py). `default_modalities`: what a chat request that names
+    no `modalities` gets: text, as OpenAI answers, or text and audio, as vllm-omni answers."""
     if max_queued_requests is not None and max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be 0 or more, got {max_queued_requests}")
     if stream_audio_form not in AUDIO_FORMS:
         raise ValueError(
             f"--stream-audio-form must be one of {', '.join(AUDIO_FORMS)}, got {stream_audio_form!r}"
         )
-    state = ServerState(served_model, stream_audio_form, trace_hops)
+    if default_modalities not in DEFAULT_MODALITIES:
+        raise ValueError(
+            f"--default-modalities must be one of {', '.join(map(','.join, DEFAULT_MODALITIES))}, "
+            f"got {','.join(default_modalities)!r}"
+        )
+    state = ServerState(served_model, stream_audio_form, trace_hops, default_modalities)
     app = FastAPI(
         title="omni-pd", lifespan=_lifespan(state, make_omni, max_queued_requests, on_startup_failure)
     )

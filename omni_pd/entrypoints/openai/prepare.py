@@ -79,6 +79,8 @@ async def prepare_checked(
     state: ServerState, omni: AsyncOmni, body: ChatCompletionRequest
 ) -> tuple[TranslatedRequest, PreparedPrompt]:
     """The request checked, translated and its prompt built; any refusal as an API error."""
+    if body.modalities is None and state.default_modalities != ("text",):
+        body = body.model_copy(update={"modalities": list(state.default_modalities)})
     try:
         if body.audio is not None and body.audio.voice.lower() not in omni.pipeline.voices:
             raise APIError(

@@ -14,10 +14,15 @@ class ServerState:
     """What the app holds: the orchestrator once it is up, and its metrics."""
 
     def __init__(
-        self, served_model: str, stream_audio_form: str = "openai", trace_hops: bool = False
+        self,
+        served_model: str,
+        stream_audio_form: str = "openai",
+        trace_hops: bool = False,
+        default_modalities: tuple[str, ...] = ("text",),
     ) -> None:
         self.served_model = served_model
         self.stream_audio_form = stream_audio_form  # chat_stream.AUDIO_FORMS
+        self.default_modalities = default_modalities  # a chat request's when it names none
         self.trace_hops = trace_hops  # answers carry their request's timeline (hop_trace.py)
         self.omni: AsyncOmni | None = None
         self.startup_error: str | None = None
