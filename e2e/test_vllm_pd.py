@@ -71,6 +71,7 @@ def test_entry_point_and_patches_in_every_worker(pd):
             "consumer_peer_watch": "applied",
             "decode_resume": "applied",
             "recv_wake": "applied",
+            "receiver_socket_reuse": "applied",
         }, (stage_id, status)
 
 

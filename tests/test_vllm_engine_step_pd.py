@@ -73,6 +73,42 @@ def _run_woken(engine, patched: bool):
     return finals, waits, woken
 
 
+_peers: list[bytes] = []
+
+
+def _record_peers() -> list[bytes]:
+    """The ZMQ identities (one per connection) of the pulls this prefill worker has answered
+    since the last call: MooncakeConnectorWorker.send_kv_to_decode recorded from the first."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
+
+    worker = mc.MooncakeConnectorWorker
+    if not getattr(worker.send_kv_to_decode, "records_peers", False):
+        original = worker.send_kv_to_decode
+
+        async def send_kv_to_decode(self, identity, sock, meta):
+            _peers.append(bytes(identity))
+            return await original(self, identity, sock, meta)
+
+        send_kv_to_decode.records_peers = True
+        worker.send_kv_to_decode = send_kv_to_decode
+    seen = list(_peers)
+    _peers.clear()
+    return seen
+
+
+def _keep_sockets(keep: bool) -> dict[str, int]:
+    """receiver_socket_reuse on (the pool) or off (vLLM's own make_zmq_socket, the control);
+    returns the pool's counts."""
+    from omni_pd.engines.vllm.patches import receiver_socket_reuse
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
+
+    pooled = mc.make_zmq_socket if getattr(mc.make_zmq_socket, "__omni_pd_patch__", False) else None
+    pooled = pooled or _keep_sockets.pooled  # type: ignore[attr-defined]
+    _keep_sockets.pooled = pooled  # type: ignore[attr-defined]
+    mc.make_zmq_socket = pooled if keep else pooled.__wrapped__
+    return receiver_socket_reuse.counts()
+
+
 def _serve(config_path: str, stage_index: int, conn) -> None:
     """A minimal stage worker: one engine, commands over a pipe, steps only inside "run"."""
     from omni_pd.config import load_pipeline_config
@@ -114,6 +150,10 @@ def _serve(config_path: str, stage_index: int, conn) -> None:
                 result = finals
             elif cmd == "run_woken":
                 result = _run_woken(engine, *args)
+            elif cmd == "peers":  # the decode connections this prefill worker answered, from now
+                result = _record_peers()
+            elif cmd == "keep_sockets":  # the decode side's pull sockets kept (True) or not
+                result = _keep_sockets(*args)
             elif cmd == "abort":
                 result = engine.abort_request(args[0])
             elif cmd == "held":  # finished requests whose KV vLLM still holds for sending
@@ -351,3 +391,43 @@ def test_a_decode_leg_waiting_for_its_kv_is_woken_when_it_lands(legs, patched):
             break
     assert waits >= 1, "the decode leg never waited for its KV (5 handoffs)"
     assert woken == (waits if patched else 0), (waits, woken)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "control-new-per-pull"])
+def test_pulls_in_turn_reuse_one_connection_to_the_prefill_worker(legs, keep):
+    """One connection per peer, not per pull (issue 48, item 4): four handoffs one after another
+    reach the prefill worker over one ZMQ connection (one DEALER identity), kept between pulls by
+    receiver_socket_reuse; each decode still equals colocated. The control runs vLLM's own
+    make_zmq_socket in the decode process: a new connection (identity) per pull."""
+    prefill, decode = legs["prefill"], legs["decode"]
+    ids = PROMPTS["a"]
+    prefill.call("add", "ref", TokenPrompt(list(ids)), GREEDY, False)
+    finals, _, _ = prefill.call("run")
+    want = finals["ref"][1].token_ids
+    before = decode.call("keep_sockets", keep)
+    prefill.call("peers")  # from here on
+    for turn in range(4):
+        transfer, name = f"xfer-conn-{keep}-{turn}", f"c{turn}"
+        prefill.call(
+            "add", name, TokenPrompt(list(ids)), build_prefill_sampling_params(GREEDY, transfer), False
+        )
+        finals, _, _ = prefill.call("run")
+        kv = finals[name][1].kv_transfer_params
+        decode.call(
+            "add", name, TokenPrompt(list(ids)), build_decode_sampling_params(GREEDY, kv, transfer), False
+        )
+        finals, _, _ = decode.call("run")
+        err, out = finals[name]
+        assert err is None and out.token_ids == want, (err, turn)
+        assert wait_until(lambda: prefill.call("held") == 0)
+    peers = prefill.call("peers")
+    after = decode.call("keep_sockets", True)
+    assert len(peers) == 4, peers
+    assert len(set(peers)) == (1 if keep else 4), peers
+    if keep:  # at most one new socket (none if an earlier test left one kept), three reuses
+        assert after["opened"] - before["opened"] <= 1 and after["reused"] - before["reused"] >= 3
+    else:
+        assert after == before
+    for leg in (prefill, decode):
+        counts = leg.call("control", "debug_state_counts", {})
+        assert all(v == 0 for v in counts.values()), counts

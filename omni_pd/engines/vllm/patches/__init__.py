@@ -12,6 +12,7 @@ from . import (
     decode_resume,
     offline_drain,
     prefill_kv_params,
+    receiver_socket_reuse,
     recv_wake,
 )
 
@@ -22,6 +23,7 @@ ALL_PATCHES = (
     consumer_peer_watch.PATCH,
     decode_resume.PATCH,
     recv_wake.PATCH,
+    receiver_socket_reuse.PATCH,
 )
 
 
