@@ -3,6 +3,7 @@ omni-pd's server once the opt-in shim is installed, and is vLLM's own error with
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -70,6 +71,19 @@ def test_vllm_serve_omni_runs_omni_pd_server(tmp_path, which):
             audio={"voice": voice, "format": "wav"},
         )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].message.audio.data
+        # As vllm-omni's server answers its own clients, which name no modalities: with speech,
+        # streamed as a WAV per chunk in delta.content, each chunk tagged with its modality.
+        chunks = [
+            c
+            for c in server.client.chat.completions.create(
+                model="omni", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, stream=True
+            )
+            if c.choices
+        ]
+        audio = [
+            c.choices[0].delta.content for c in chunks if (c.model_extra or {}).get("modality") == "audio"
+        ]
+        assert audio and all(base64.b64decode(a)[:4] == b"RIFF" for a in audio if a), audio[:1]
         log = server.log_text()
         assert "vllm --omni: handing over to omni-pd" in log
         assert "prefill/decode pair detected" in log

@@ -85,12 +85,14 @@ def test_translates_vllm_serve_arguments():
         "8091",
         "--served-model-name",
         "omni",
+        *shim.VLLM_OMNI_ANSWERS,
     ]
     assert shim.translate_vllm_argv(["serve", "--omni", "--model", "m"]) == [
         "--log-level",
         "INFO",
         "serve",
         "m",
+        *shim.VLLM_OMNI_ANSWERS,
     ]
     # vllm-omni 0.30's deploy schema passes through as omni-pd's --deploy-config.
     assert shim.translate_vllm_argv(["serve", "m", "--omni", "--deploy-config", "d.yaml"]) == [
@@ -100,6 +102,7 @@ def test_translates_vllm_serve_arguments():
         "m",
         "--deploy-config",
         "d.yaml",
+        *shim.VLLM_OMNI_ANSWERS,
     ]
 
 

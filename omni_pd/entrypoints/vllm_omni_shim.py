@@ -172,4 +172,9 @@ def translate_vllm_argv(argv: list[str]) -> list[str]:
             out += [flag, value]
     if known.served_model_name:
         out += ["--served-model-name", known.served_model_name[0]]
-    return out
+    # Answer as vllm-omni's server answers the clients written for it: speech unless a request
+    # names its modalities, and streamed audio in its form (a WAV per chunk in delta.content).
+    return out + VLLM_OMNI_ANSWERS
+
+
+VLLM_OMNI_ANSWERS = ["--default-modalities", "text,audio", "--stream-audio-form", "vllm-omni"]
