@@ -169,10 +169,13 @@ def differences(omni_a, a, omni_b, b) -> list[str]:
     return found
 
 
-def _per_token_kv_bytes(omni):
+def _per_token_kv_bytes(omni, dtype: str = DTYPE):
+    """K and V of every layer for one token, in `dtype` (the suite's, by default)."""
     text = omni.model_config.thinker_config.text_config
-    width = torch.tensor([], dtype=getattr(torch, DTYPE)).element_size()
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * width
+    width = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    # Qwen2.5-Omni's text config names no head_dim: it is hidden / heads there.
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * width
 
 
 CASES = ["short", "over_one_block", "block_aligned", "multi_turn", "long_1000", "audio"]

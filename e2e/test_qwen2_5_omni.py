@@ -15,6 +15,7 @@ from omni_pd.orchestrator.omni import Omni
 from omni_pd.paths import STAGE_CONFIGS_DIR
 from omni_pd.sampling import SamplingParams
 
+from test_pd_equivalence import _per_token_kv_bytes
 from test_prefix_caching import SYSTEM, _turns
 
 # The whole pipeline's P/D = colocated runs again under the older ISA (marked `exactness`); the
@@ -227,9 +228,7 @@ def test_conversation_turns_over_the_prefix_cache_in_pd_equal_the_uncached_pipel
     the colocated pipeline without a cache in tokens, talker rows, codes and audio. The control:
     another conversation's answer, over the same cached system prompt, differs."""
     turns = _turns(3)  # the Qwen3-Omni suite's conversation
-    text = speech_pd.model_config.thinker_config.text_config
-    head_dim = text.hidden_size // text.num_attention_heads
-    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 4  # K and V, fp32
+    per_token = _per_token_kv_bytes(speech_pd, "float32")  # the stage files' dtype
     wants = [uncached.generate([m])[0] for m in turns]
     for turn, (messages, want) in enumerate(zip(turns, wants)):
         got = speech_pd.generate([messages])[0]

@@ -96,16 +96,20 @@ def _record_peers() -> list[bytes]:
     return seen
 
 
+_pooled_make_socket = None  # receiver_socket_reuse's make_zmq_socket, once seen
+
+
 def _keep_sockets(keep: bool) -> dict[str, int]:
     """receiver_socket_reuse on (the pool) or off (vLLM's own make_zmq_socket, the control);
     returns the pool's counts."""
+    global _pooled_make_socket
     from omni_pd.engines.vllm.patches import receiver_socket_reuse
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
 
-    pooled = mc.make_zmq_socket if getattr(mc.make_zmq_socket, "__omni_pd_patch__", False) else None
-    pooled = pooled or _keep_sockets.pooled  # type: ignore[attr-defined]
-    _keep_sockets.pooled = pooled  # type: ignore[attr-defined]
-    mc.make_zmq_socket = pooled if keep else pooled.__wrapped__
+    if _pooled_make_socket is None:  # installed when the engine started
+        _pooled_make_socket = mc.make_zmq_socket
+        assert getattr(_pooled_make_socket, "__omni_pd_patch__", False), "receiver_socket_reuse is off"
+    mc.make_zmq_socket = _pooled_make_socket if keep else _pooled_make_socket.__wrapped__
     return receiver_socket_reuse.counts()
 
 
