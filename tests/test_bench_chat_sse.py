@@ -126,10 +126,9 @@ def test_an_error_event_mid_stream_fails_the_request_with_its_message():
     assert not record.ok and not record.rejected and "the talker died" in record.error
 
 
-@pytest.mark.parametrize("keep_alive", [True, False])
-def test_connections_are_kept_unless_asked_for_one_per_request(keep_alive):
-    """Kept, as vLLM's client and the openai SDK keep them; one per request (`--no-keep-alive`),
-    as vllm-omni's client opens them: the server sees one client port, or one per request."""
+def _client_ports(requests: int, pause_s: float = 0.0, **streamer) -> list[int]:
+    """The client port the server saw for each of `requests` streamed requests sent one after
+    another on one ChatStreamer(**streamer), `pause_s` idle after each."""
     ports: list[int] = []
     handler = _streaming(_wire(PAYLOADS))
 
@@ -139,13 +138,33 @@ def test_connections_are_kept_unless_asked_for_one_per_request(keep_alive):
 
     async def main():
         runner, base = await _serve(counting)
-        chat = ChatStreamer(base, "sk-test", timeout_s=30, keep_alive=keep_alive)
+        chat = ChatStreamer(base, "sk-test", timeout_s=30, **streamer)
         try:
-            for _ in range(3):
+            for _ in range(requests):
                 assert [p async for _, p in chat.stream({"stream": True})] == PAYLOADS
+                await asyncio.sleep(pause_s)  # the idle time under test, not a synchronisation
         finally:
             await chat.close()
             await runner.cleanup()
 
     asyncio.run(main())
+    return ports
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_connections_are_kept_unless_asked_for_one_per_request(keep_alive):
+    """Kept, as vLLM's client and the openai SDK keep them; one per request (`--no-keep-alive`),
+    as vllm-omni's client opens them: the server sees one client port, or one per request."""
+    ports = _client_ports(3, keep_alive=keep_alive)
     assert len(ports) == 3 and len(set(ports)) == (1 if keep_alive else 3)
+
+
+def test_a_connection_idle_past_the_clients_limit_is_not_reused():
+    """A kept connection idle longer than `idle_s` is dropped by the client: the next request
+    opens a new one (the server sees a second port), so no request is written to a connection
+    the server's own idle limit (uvicorn's 5 s) is closing. Control: within the limit it is
+    reused."""
+    ports = _client_ports(2, pause_s=0.3, idle_s=0.05)
+    assert len(ports) == 2 and ports[0] != ports[1]
+    ports = _client_ports(2, pause_s=0.3, idle_s=30)
+    assert len(ports) == 2 and ports[0] == ports[1]

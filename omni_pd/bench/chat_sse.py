@@ -46,19 +46,34 @@ class EventReader:
         return found
 
 
+# A kept connection idle this long is closed by the client, not reused. uvicorn (omni-pd's and
+# vLLM's server) closes one idle for 5 s; aiohttp's own default, 15 s, let a request go out on a
+# connection the server was closing at that moment ("Can not write request body").
+IDLE_CONNECTION_S = 3.0
+
+
 class ChatStreamer:
     """POSTs streamed chat completions to `base_url`/v1/chat/completions on one aiohttp session
     (opened on the first request, in the running event loop) and yields `(arrival, payload)` per
     event until `[DONE]`, `arrival` the perf_counter time of the read that completed the event.
     `timeout_s`: the most one request may take, start to end. `keep_alive` False: a new
     connection per request, as vllm-omni's benchmark client makes them (its connector's
-    `force_close`); vLLM's client and the openai SDK keep theirs."""
+    `force_close`); vLLM's client and the openai SDK keep theirs, each closed once idle for
+    `idle_s` (`IDLE_CONNECTION_S`)."""
 
-    def __init__(self, base_url: str, api_key: str, timeout_s: float, keep_alive: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        keep_alive: bool = True,
+        idle_s: float = IDLE_CONNECTION_S,
+    ) -> None:
         self.url = f"{base_url.rstrip('/')}/v1/chat/completions"
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.timeout_s = timeout_s
         self.keep_alive = keep_alive
+        self.idle_s = idle_s
         self._session: Any = None
 
     async def stream(self, body: dict) -> AsyncIterator[tuple[float, dict]]:
@@ -66,7 +81,11 @@ class ChatStreamer:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=not self.keep_alive),
+                connector=(
+                    aiohttp.TCPConnector(keepalive_timeout=self.idle_s)
+                    if self.keep_alive
+                    else aiohttp.TCPConnector(force_close=True)
+                ),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             )
         async with self._session.post(self.url, json=body, headers=self.headers) as response:
