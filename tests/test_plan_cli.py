@@ -36,6 +36,25 @@ def test_the_plan_prints_a_recommendation_per_slo_pair_and_writes_json(tmp_path,
     assert plan["slos"][0]["itl_ms"] == pytest.approx(1.25 / 3 * plan["slos"][1]["itl_ms"])
 
 
+def test_a_pick_closer_than_the_resolution_is_called_too_close(tmp_path, capsys):
+    """The same plan read at two resolutions: one above the pick's predicted margin over the
+    next layout says "too close to call" and writes decisive false; one below it (the control)
+    names the pick plainly."""
+    argv = [*BASE, "--request-rate", "5,20", "--slo-pairs", "tight"]
+    out = tmp_path / "plan.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())["recommended"]["tight"]
+    margin = rec["margin"]
+    assert rec["runner_up"] is not None and 0 <= margin < 1
+    assert margin == pytest.approx(1 - rec["runner_up_goodput_req_per_s"] / rec["goodput_req_per_s"])
+    capsys.readouterr()
+    for resolution, decisive in ((min(0.99, margin + 0.01), False), (max(0.0, margin - 0.01), True)):
+        assert main([*argv, "--resolution", str(resolution), "--json", str(out)]) == 0
+        line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended")][0]
+        assert ("too close to call" in line) == (not decisive), line
+        assert json.loads(out.read_text())["recommended"]["tight"]["decisive"] is decisive
+
+
 def test_absolute_slos_are_used_as_given(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(
@@ -75,6 +94,8 @@ BAD = [
     (["--request-rate", "5", "--num-requests", "0"], "--num-requests"),
     (["--request-rate", "5", "--corun-slowdown", "0.5,1"], "--corun-slowdown"),
     (["--request-rate", "5", "--corun-slowdown", "2"], "--corun-slowdown"),
+    (["--request-rate", "5", "--resolution", "1.5"], "--resolution"),
+    (["--request-rate", "5", "--resolution", "-0.1"], "--resolution"),
 ]
 
 

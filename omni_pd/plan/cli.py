@@ -205,6 +205,14 @@ def _output_arguments(out: argparse._ArgumentGroup) -> None:
         help="layouts of bench labels that name none",
     )
     out.add_argument(
+        "--resolution",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="a pick predicted less than this far ahead of the next layout is called too close "
+        "to call (default 0.2: the plan's largest per-layout error against a measured run)",
+    )
+    out.add_argument(
         "--json",
         dest="json_path",
         default=None,

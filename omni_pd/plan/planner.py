@@ -127,6 +127,12 @@ def best_per_layout(predictions: list[Prediction], slo: str) -> dict[str, Config
     return best
 
 
+# How far ahead of the runner-up a pick must be predicted to count as decisive: the plan's largest
+# per-layout error against a measured run on a steady host (19%, docs/benchmarks.md, the sixth
+# sitting). Closer than that, the plan cannot tell the two apart.
+RESOLUTION = 0.2
+
+
 @dataclass(frozen=True)
 class Recommendation:
     slo: str
@@ -135,11 +141,24 @@ class Recommendation:
     rate: float
     runner_up: Config | None
     runner_up_goodput: float
+    resolution: float = RESOLUTION
+
+    @property
+    def margin(self) -> float | None:
+        """How far the pick is predicted ahead of the runner-up, as a fraction of its goodput."""
+        if self.runner_up is None or self.goodput <= 0:
+            return None
+        return (self.goodput - self.runner_up_goodput) / self.goodput
+
+    @property
+    def decisive(self) -> bool:
+        margin = self.margin
+        return margin is None or margin > self.resolution
 
 
-def recommend(predictions: list[Prediction], slo: str) -> Recommendation:
+def recommend(predictions: list[Prediction], slo: str, resolution: float = RESOLUTION) -> Recommendation:
     """The layout with the most goodput at its best rate under `slo` (then the most over all
-    rates, then the fewest workers)."""
+    rates, then the fewest workers); not decisive where the next layout is within `resolution`."""
     best = best_per_layout(predictions, slo)
     scored = []
     for config in best.values():
@@ -155,4 +174,5 @@ def recommend(predictions: list[Prediction], slo: str) -> Recommendation:
         top.rate,
         rest[0][2] if rest else None,
         rest[0][0][0] if rest else 0.0,
+        resolution,
     )

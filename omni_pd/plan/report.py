@@ -82,6 +82,12 @@ def recommendation_line(rec: Recommendation) -> str:
     )
     if rec.runner_up is not None:
         line += f"; next {rec.runner_up.label} ({rec.runner_up_goodput:.3f} req/s)"
+    if not rec.decisive:
+        assert rec.runner_up is not None and rec.margin is not None, "a pick without a runner-up is decisive"
+        return line + (
+            f": {rec.margin:.0%} apart, within the plan's resolution ({rec.resolution:.0%}, "
+            "--resolution): too close to call, measure both"
+        )
     if rec.runner_up is not None and rec.config.layout.disaggregated != rec.runner_up.layout.disaggregated:
         loser = "P/D" if not rec.config.layout.disaggregated else "colocated"
         line += f": {loser} loses here"
@@ -139,6 +145,8 @@ def plan_json(
                 "at_request_rate": r.rate,
                 "runner_up": r.runner_up.label if r.runner_up else None,
                 "runner_up_goodput_req_per_s": r.runner_up_goodput if r.runner_up else None,
+                "margin": r.margin,
+                "decisive": r.decisive,
             }
             for r in recs
         },

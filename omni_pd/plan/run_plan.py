@@ -88,6 +88,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise PlanError(f"--thread-speedup must be > 0, got {args.thread_speedup}")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
         raise PlanError(f"--kv-bytes-per-token must be > 0, got {args.kv_bytes_per_token}")
+    if args.resolution is not None and not 0 <= args.resolution < 1:
+        raise PlanError(f"--resolution must be a fraction in [0, 1), got {args.resolution}")
     if args.max_num_batched_tokens < args.block_size:
         raise PlanError(
             f"--max-num-batched-tokens {args.max_num_batched_tokens} is smaller than a KV block "

@@ -11,7 +11,7 @@ from typing import Callable
 
 from .errors import PlanError
 from .layouts import Layout
-from .planner import PlanInputs, configs_for, predict, recommend
+from .planner import RESOLUTION, PlanInputs, configs_for, predict, recommend
 from .report import ASSUMPTIONS, describe_costs, format_slo_table, plan_json
 from .run_plan import CostTable, contention_of, handoff_of, say
 from .simulate import EngineArgs
@@ -62,7 +62,8 @@ def run_predict(
         f"{args.num_requests} requests per rate, seed {workload.seed}; {cpus} {'GPUs' if costs.gpu else 'cores'}"
     )
     predictions = predict(configs, inputs)
-    recs = [recommend(predictions, slo.name) for slo in slos]
+    resolution = RESOLUTION if args.resolution is None else args.resolution
+    recs = [recommend(predictions, slo.name, resolution) for slo in slos]
     for slo, rec in zip(slos, recs):
         say("")
         say(format_slo_table(predictions, slo, rec))
