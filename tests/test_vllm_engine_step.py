@@ -6,8 +6,14 @@ vLLM 0.32 registers kernel overrides through torch.library when an engine starts
 after other tests in the same pytest process have loaded transformers' kernel hooks, that
 registration fails ("'_lib_fn_wrapper' object has no attribute 'get'"). A stage worker is always
 a fresh process, so the checks run in one too.
+
+torch.compile is off in that interpreter (TORCHDYNAMO_DISABLE): the only compiled function these
+checks reach is vLLM's sampler counting a sampled token's logprob rank (the thinker check asks for
+logprobs; omni-pd's stages never do), and compiling it cold costs ~30 s of CI time for integers
+that eager mode counts the same.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +46,7 @@ def test_vllm_engine_step_checks_in_a_fresh_interpreter(script):
         text=True,
         timeout=600,
         cwd=HERE.parent,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
     )
     print(result.stdout[-4000:], result.stderr[-2000:])
     assert result.returncode == 0, result.stdout[-4000:]

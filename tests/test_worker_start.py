@@ -56,3 +56,91 @@ def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("OMNI_PD_WORKER_START", "fork")
     with pytest.raises(ValueError, match=r"OMNI_PD_WORKER_START='fork': use one of forkserver, spawn"):
         worker_context()
+
+
+_SERVER_PID = (
+    "import os, sys\n"
+    "from multiprocessing import forkserver\n"
+    "from omni_pd.orchestrator.worker_start import start_server_early\n"
+    "start_server_early()\n"
+    "pid = forkserver._forkserver._forkserver_pid\n"
+    "print(pid if pid is None else open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' '))\n"
+    "if pid is not None:\n"
+    "    os.kill(pid, 9)  # not left importing for seconds after the test\n"
+)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_the_server_can_start_before_the_first_worker(method):
+    """`start_server_early` starts the preloading server at once (it imports while the
+    orchestrator goes on); where workers spawn there is none to start."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMNI_PD_WORKER_START": method}
+    out = subprocess.run(
+        [sys.executable, "-c", _SERVER_PID], capture_output=True, text=True, env=env, timeout=60, check=True
+    ).stdout.strip()
+    if method == "forkserver":
+        assert "forkserver" in out and "omni_pd.orchestrator.worker" in out, out
+    else:
+        assert out == "None"
+
+
+def test_the_orchestrator_starts_the_server_before_it_loads_the_models_side(monkeypatch):
+    """Its imports overlap the orchestrator's own (the tokenizer, the input processors): the
+    server is started once the config has loaded, before the pipeline loads."""
+    from omni_pd.orchestrator import async_omni
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def load_pipeline(self, model):
+        calls.append("pipeline")
+        raise Stop
+
+    monkeypatch.setattr(async_omni, "start_server_early", lambda: calls.append("server"))
+    monkeypatch.setattr(async_omni.AsyncOmni, "_load_pipeline", load_pipeline)
+    with pytest.raises(Stop):
+        async_omni.AsyncOmni()
+    assert calls == ["server", "pipeline"]
+
+
+_FAILED_START = (
+    "import os\n"
+    "from omni_pd.orchestrator import async_omni\n"
+    "from omni_pd.registry import ModelNotFound\n"
+    "started = []\n"
+    "start = async_omni.start_server_early\n"
+    "async_omni.start_server_early = lambda: started.append(start()) or started[-1]\n"
+    "if os.environ.get('KEEP_SERVER'):  # the negative control: nothing stops it\n"
+    "    async_omni.stop_early_server = lambda pid: None\n"
+    "try:\n"
+    "    async_omni.AsyncOmni('/nonexistent/model')\n"
+    "except ModelNotFound:\n"
+    "    pass\n"
+    "pid = started[0]\n"
+    "print(pid is not None, os.path.exists(f'/proc/{pid}'))\n"
+    "if pid is not None:\n"
+    "    try:\n"
+    "        os.kill(pid, 9)\n"
+    "    except ProcessLookupError:\n"
+    "        pass\n"
+)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["stopped", "control-kept"])
+def test_a_start_up_that_fails_stops_the_server_it_started(keep):
+    """An unknown model fails after the server started importing: it is stopped, not left
+    running (and holding the caller's stdout) until its imports finish."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KEEP_SERVER": "1" if keep else ""}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILED_START], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True" if keep else "False"], out.stdout

@@ -589,11 +589,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except Exception as exc:
         # Imported here: most commands never load torch. A stage that cannot start (a broken
-        # checkpoint, ...) says why in one line; the orchestrator's stack adds nothing to it.
+        # checkpoint, an unknown model, ...) says why in one line; the orchestrator's stack adds
+        # nothing to it.
         from ..models.checkpoint import CheckpointError
         from ..orchestrator.stage_client import StageError
+        from ..registry import ModelNotFound
 
-        if not isinstance(exc, (StageError, CheckpointError)):
+        if not isinstance(exc, (StageError, CheckpointError, ModelNotFound)):
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 1

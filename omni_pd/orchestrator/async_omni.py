@@ -56,6 +56,7 @@ from .request_state import RequestState
 from .routing import Router, stages_for, streamed_groups
 from .stage_client import StageClient, StageError
 from .stage_runner import StageRunner
+from .worker_start import start_server_early, stop_early_server
 from .startup import Workers, load_config, load_processors, note_unused_engine_keys, plan_handoff
 
 __all__ = [
@@ -98,6 +99,22 @@ class AsyncOmni:
         model = model or registry.default_model()
         self.model = model
         self.stage_configs_path, self.config = load_config(stage_configs_path, deploy_config, device, model)
+        server = None
+        if any(
+            s.runtime.process and s.engine_args.distributed_executor_backend != "ray"
+            for s in self.config.stages
+        ):
+            server = start_server_early()  # its imports run while this process loads the model's side
+        try:
+            self._start(model, keep_stage_outputs, request_timeout_s, startup_timeout_s)
+        except BaseException:
+            if server is not None:
+                stop_early_server(server)
+            raise
+
+    def _start(
+        self, model: str, keep_stage_outputs: bool, request_timeout_s: float, startup_timeout_s: float
+    ) -> None:
         self.keep_stage_outputs = keep_stage_outputs
         self.stages = {s.stage_id: s for s in self.config.stages}
         self.order = topological_order({s.stage_id: tuple(s.engine_input_source) for s in self.config.stages})

@@ -14,6 +14,10 @@ current stdout and stderr (`ParentStdio`, duplicated into the worker as multipro
 pipe) when the worker starts (`worker_main(environ=..., stdio=...)`); and its parent is the
 server, which exits when the orchestrator does, so a worker still sees its orchestrator go.
 
+The server's imports take seconds (about 5 s on 2 cores), so the orchestrator starts it as soon as
+its stage config has loaded (`start_server_early`): the server imports while the orchestrator
+loads its own side of the model, and the first worker forks from a ready server.
+
 `OMNI_PD_WORKER_START=spawn` starts workers the old way (a platform without forkserver, or to
 rule it out when debugging).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 from typing import TYPE_CHECKING
 
@@ -65,6 +70,40 @@ def worker_context() -> WorkerContext:
                 log.debug("stage workers fork from a server that preloads %s", ", ".join(modules))
             _context = context
         return _context
+
+
+def start_server_early() -> int | None:
+    """Start the forkserver now, so that its preloading overlaps the caller's own start-up
+    (without this, it starts at the first worker and that worker waits for the imports). The
+    server's pid where this call started it; None where workers spawn, and where a server was
+    already up."""
+    context = worker_context()
+    if context.get_start_method() != "forkserver":
+        return None
+    from multiprocessing import forkserver
+
+    # multiprocessing keeps one server per process; its pid is not public API, read with care.
+    server = forkserver._forkserver
+    before = getattr(server, "_forkserver_pid", None)
+    forkserver.ensure_running()
+    after = getattr(server, "_forkserver_pid", None)
+    return after if after != before else None
+
+
+def stop_early_server(pid: int) -> None:
+    """Stop the server that `start_server_early` started, for a start-up that failed: it would go
+    on importing for seconds after the failure, holding the caller's stdout and stderr open (a
+    pipe reading them waits for it). multiprocessing starts another when a worker next needs one."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) != pid or not hasattr(server, "_stop"):
+        return  # another server by now, or a Python whose forkserver has no _stop: leave it
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()  # reaps it and forgets it
 
 
 class ParentStdio:
