@@ -58,6 +58,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip_install -r requirements.lock
   pip_install --no-deps -e .
   .venv/bin/python -c "import torch, transformers, omni_pd; assert torch.__version__.startswith('2.13.0')"
+  # librosa (the resampler of audio input) compiles its numba kernels into the venv the first
+  # time it is imported (~14 s on 2 cores): done here, so that a server's first audio request
+  # does not wait on it.
+  .venv/bin/python -c "import librosa.util"
   echo "$want" > "$stamp"
   rm -f .venv/.omni-pd-setup-vllm  # the base pins moved: check the extra again
 fi

@@ -30,7 +30,16 @@ if [ "${OMNI_PD_LINT:-1}" = "1" ]; then
   rm -rf "$site"
 fi
 export MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"  # the slowest, for CI time budgeting
+# The run's output is kept to check that pytest reached its summary: a process that ends pytest
+# early (a test that lets os._exit run in-process) would otherwise pass with tests never run.
+log="$(mktemp)"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@" | tee "$log"  # the slowest, for CI time budgeting
+if ! grep -Eq '^=* ?[0-9]+ (passed|failed|skipped|deselected)' "$log"; then
+  echo "test.sh: pytest ended without its summary line: a test ended the process" >&2
+  rm -f "$log"
+  exit 1
+fi
+rm -f "$log"
 # The P/D equivalence and prefix-cache suites (P/D = colocated, batched = alone, streamed = whole,
 # cached = uncached, each with its negative control) again with every hf stage in bfloat16, where
 # this CPU has bf16 arithmetic.

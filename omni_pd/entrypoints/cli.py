@@ -567,7 +567,8 @@ def _parse_size(text: str) -> int:
 
 
 def run_vllm_command(argv: list[str] | None = None) -> None:
-    """What `vllm ... --omni` runs once the shim is installed; exits with the server's status."""
+    """What `vllm ... --omni` runs once the shim is installed; exits with the server's status
+    (given `argv`, as a caller in a process of its own: SystemExit, not the process's end)."""
     from . import vllm_omni_shim as shim
 
     try:
@@ -576,7 +577,10 @@ def run_vllm_command(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print(f"vllm --omni: handing over to omni-pd ({' '.join(omni_pd_argv)})", file=sys.stderr)
-    exit_process(main(omni_pd_argv))
+    code = main(omni_pd_argv)
+    if argv is not None:
+        sys.exit(code)
+    exit_process(code)
 
 
 def main(argv: list[str] | None = None) -> int:
