@@ -59,9 +59,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip_install --no-deps -e .
   .venv/bin/python -c "import torch, transformers, omni_pd; assert torch.__version__.startswith('2.13.0')"
   # librosa (the resampler of audio input) compiles its numba kernels into the venv the first
-  # time it is imported (~14 s on 2 cores): done here, so that a server's first audio request
-  # does not wait on it.
-  .venv/bin/python -c "import librosa.util"
+  # time it resamples (~14 s on 2 cores; its modules load lazily, so an import alone compiles
+  # nothing): done here, so that a server's first audio request does not wait on it.
+  .venv/bin/python -c "import numpy, librosa; librosa.resample(numpy.zeros(160, numpy.float32), orig_sr=8000, target_sr=16000)"
   echo "$want" > "$stamp"
   rm -f .venv/.omni-pd-setup-vllm  # the base pins moved: check the extra again
 fi
