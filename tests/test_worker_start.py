@@ -59,12 +59,18 @@ def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
 
 
 _SERVER_PID = (
-    "import os, sys\n"
+    "import os, sys, time\n"
     "from multiprocessing import forkserver\n"
     "from omni_pd.orchestrator.worker_start import start_server_early\n"
     "start_server_early()\n"
     "pid = forkserver._forkserver._forkserver_pid\n"
-    "print(pid if pid is None else open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' '))\n"
+    "# the server may still be between fork and exec (its cmdline reads empty, or as this\n"
+    "# script's 'python -'): wait until it has become the server\n"
+    "deadline = time.monotonic() + 20\n"
+    "cmdline = ''\n"
+    "while pid is not None and 'forkserver' not in cmdline and time.monotonic() < deadline:\n"
+    "    cmdline = open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' ')\n"
+    "print(pid if pid is None else cmdline)\n"
     "if pid is not None:\n"
     "    os.kill(pid, 9)  # not left importing for seconds after the test\n"
 )
@@ -79,7 +85,14 @@ def test_the_server_can_start_before_the_first_worker(method):
 
     env = {**os.environ, "OMNI_PD_WORKER_START": method}
     out = subprocess.run(
-        [sys.executable, "-c", _SERVER_PID], capture_output=True, text=True, env=env, timeout=60, check=True
+        # read from stdin, so that this script's text is not in a command line the test reads
+        [sys.executable, "-"],
+        input=_SERVER_PID,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
     ).stdout.strip()
     if method == "forkserver":
         assert "forkserver" in out and "omni_pd.orchestrator.worker" in out, out
