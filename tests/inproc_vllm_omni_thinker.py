@@ -40,7 +40,11 @@ TEXTS = ["Hi", "Please describe how tides are made by the moon.", "x" * 40]
 
 @pytest.fixture(scope="module")
 def stage():
-    return load_pipeline_config(CONFIG).stage(0)
+    """The CI file's thinker with vLLM's prefix cache on: a request that records rows computes
+    its prompt whole regardless (the tests below check both kinds of request)."""
+    stage = load_pipeline_config(CONFIG).stage(0)
+    args = stage.engine_args.model_copy(update={"enable_prefix_caching": True})
+    return stage.model_copy(update={"engine_args": args})
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,13 @@ def test_negative_control_a_neighbouring_layer_does_not_agree(batched, reference
 def test_logits_agree_and_greedy_tokens_match_where_they_are_not_tied(engine, prompts, reference):
     import vllm
 
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=20)
+    params = vllm.SamplingParams(
+        temperature=0.0,
+        max_tokens=GREEDY.max_tokens,
+        ignore_eos=True,
+        logprobs=20,
+        skip_reading_prefix_cache=True,  # each prompt computed whole, as transformers computes it
+    )
     for i, prompt in enumerate(prompts):
         engine.engine.add_request(f"lp{i}", {"prompt_token_ids": list(prompt.prompt_token_ids)}, params)
     done = {}
@@ -218,4 +228,54 @@ def test_too_many_audios_are_refused_by_name(engine):
     )
     with pytest.raises(ValueError, match="5 audio inputs; the vLLM thinker takes at most 4"):
         engine.add_request("many", many, GREEDY)
+    assert engine.request_ids() == []
+
+
+LONG = "Tell me, slowly and in order, how the tides rise and fall along a long sandy coast. " * 3
+
+
+def test_prefix_cache_serves_text_only_requests_and_rows_requests_compute_their_prompt(engine):
+    """With vLLM's prefix cache on: a request that records rows (a talker reads them) computes
+    its prompt whole, with the same rows as on an engine whose cache holds nothing; a text-only
+    request (no rows) is served from the cached blocks."""
+    pipeline = registry.load_pipeline(TINY_MODEL_NAME)
+    prompt = pipeline.build_prompt(pipeline.normalize_prompt(LONG))
+    blocks = len(prompt.prompt_token_ids) // engine.engine.vllm_config.cache_config.block_size
+    assert blocks >= 2, "the prompt must fill whole blocks for the cache to hold them"
+    first = engine.generate("rows-1", prompt, GREEDY)  # nothing cached yet: computed whole
+    assert first.metrics["prefix_cached_tokens"] == 0
+    engine.add_request("text-only", prompt, GREEDY, rows=False)
+    finals, _ = run(engine)
+    text_only = finals["text-only"]
+    assert text_only.metrics["prefix_cached_tokens"] >= 32  # served from the blocks rows-1 left
+    assert text_only.prompt_embeds is None  # it asked for no rows
+    again = engine.generate("rows-2", prompt, GREEDY)
+    assert again.metrics["prefix_cached_tokens"] == 0  # computed whole, though its blocks are cached
+    assert again.token_ids == first.token_ids
+    for name in ("prompt_embeds", "prompt_hidden", "output_embeds", "output_hidden"):
+        assert torch.equal(getattr(again, name), getattr(first, name)), name
+    print(
+        f"prefix cache: text-only request served {text_only.metrics['prefix_cached_tokens']} of "
+        f"{len(prompt.prompt_token_ids)} prompt tokens from the cache; its tokens "
+        f"{'equal' if text_only.token_ids == first.token_ids else 'differ from'} the whole prompt's"
+    )
+
+
+def test_negative_control_a_rows_request_that_reads_the_cache_misses_its_prompt_rows(engine, monkeypatch):
+    """Without the engine asking vLLM to compute the prompt whole, a cached prompt's positions
+    record no rows, and the output names how many it has."""
+    from omni_pd.engines.vllm import engine as vllm_engine
+
+    pipeline = registry.load_pipeline(TINY_MODEL_NAME)
+    prompt = pipeline.build_prompt(pipeline.normalize_prompt(LONG))
+    engine.generate("warm", prompt, GREEDY)  # its blocks are cached (if not already)
+    plain = vllm_engine.to_vllm_sampling_params
+    monkeypatch.setattr(
+        vllm_engine,
+        "to_vllm_sampling_params",
+        lambda params, rows=True, skip_cache=False: plain(params, rows),
+    )
+    with pytest.raises(RuntimeError, match=r"recorded \d+ of the prompt's \d+ rows"):
+        engine.generate("reads-cache", prompt, GREEDY)
+    monkeypatch.undo()
     assert engine.request_ids() == []

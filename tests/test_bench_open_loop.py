@@ -154,6 +154,11 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
         False,
     ]
     assert all(s.engine_args.enable_prefix_caching is None for s in stages if s.model_stage != "thinker")
+    # On a vLLM P/D pair it turns the prefill stage's on and leaves the decode stage's (which
+    # refuses it: its prompt's KV is pulled) alone.
+    _, path = resolve_config("stage_configs/ci/qwen3_omni_tiny_vllm_pd.yaml@prefix_caching=true", tmp_path)
+    thinkers = [s.engine_args for s in load_pipeline_config(path).stages if s.model_stage == "thinker"]
+    assert [a.enable_prefix_caching for a in thinkers] == [True, None]
 
 
 def test_audio_turns_carry_a_distinct_seeded_clip_the_server_decodes():

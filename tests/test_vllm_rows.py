@@ -3,6 +3,7 @@ split by request, how a request's rows are kept by position, and the version gua
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -80,7 +81,38 @@ def test_a_model_needing_other_engine_args_is_refused_by_name():
         _with_model_kwargs(3, {"enable_prefix_caching": True}, Needs())
 
 
+def test_a_row_recording_model_has_the_prefix_cache_off_unless_its_stage_turns_it_on():
+    class Records(VllmModelHooks):
+        records_rows = True
+
+    assert _with_model_kwargs(0, {}, Records())["enable_prefix_caching"] is False
+    assert _with_model_kwargs(0, {"enable_prefix_caching": True}, Records())["enable_prefix_caching"] is True
+    assert "enable_prefix_caching" not in _with_model_kwargs(0, {}, VllmModelHooks())  # vLLM's default
+
+
 def test_another_vllm_is_refused_with_the_reason():
     check_vllm_version("0.32.0+cpu")
     with pytest.raises(RuntimeError, match="written for vLLM 0.32.0, but vLLM 0.33.1 is installed"):
         check_vllm_version("0.33.1")
+
+
+def test_a_row_recording_decode_stage_with_the_prefix_cache_on_is_refused_by_name():
+    """vLLM's connector pulls part of a prompt around a decode engine's local hits, a path the
+    handoff does not check: the YAML key is refused before vLLM starts."""
+    from omni_pd import registry
+    from omni_pd.config import load_pipeline_config
+    from omni_pd.engines.vllm.engine import VllmEngine
+    from omni_pd.paths import STAGE_CONFIGS_DIR
+
+    decode = load_pipeline_config(STAGE_CONFIGS_DIR / "ci" / "qwen3_omni_tiny_vllm_pd.yaml").stage(1)
+    cached = decode.model_copy(
+        update={"engine_args": decode.engine_args.model_copy(update={"enable_prefix_caching": True})}
+    )
+    hooks = registry.vllm_hooks("tiny-qwen3-omni")
+    saved = dict(os.environ)  # the engine sets its vLLM environment first
+    try:
+        with pytest.raises(ValueError, match=r"stage 1: engine_args.enable_prefix_caching is true on"):
+            VllmEngine(cached, "tiny-qwen3-omni", hooks)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -37,8 +37,12 @@ def resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[
             raise SystemExit(f"error: a config override is KEY=VALUE, got {override!r} in {text!r}")
         if key == "prefix_caching":  # every thinker stage's enable_prefix_caching
             for stage in data.get("stage_args", []):
-                if stage.get("engine_args", {}).get("model_stage") == "thinker":
-                    stage["engine_args"]["enable_prefix_caching"] = bool(yaml.safe_load(value))
+                args = stage.get("engine_args", {})
+                role = (args.get("kv_transfer_config") or {}).get("kv_role")
+                if args.get("engine") == "vllm" and role in ("kv_consumer", "kv_both"):
+                    continue  # a vLLM decode stage of an omni thinker refuses it (its KV is pulled)
+                if args.get("model_stage") == "thinker":
+                    args["enable_prefix_caching"] = bool(yaml.safe_load(value))
             continue
         if key in KV_OVERRIDES:  # the P/D pair's KV handoff settings
             kv_stages = [

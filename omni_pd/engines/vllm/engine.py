@@ -107,8 +107,10 @@ def resolve_vllm_model(name: str, seed: int | None) -> str:
     return registry.checkpoint_dir(name, seed if seed is not None else 0)
 
 
-def to_vllm_sampling_params(params: SamplingParams, rows: bool = True):
-    """`rows` False: the model records no rows for the request (rows.py)."""
+def to_vllm_sampling_params(params: SamplingParams, rows: bool = True, skip_cache: bool = False):
+    """`rows` False: the model records no rows for the request (rows.py). `skip_cache`: the
+    request's prompt is computed whole, whatever vLLM's prefix cache holds (its blocks are
+    still cached for later requests)."""
     import vllm
 
     extra: dict[str, Any] = (
@@ -131,6 +133,7 @@ def to_vllm_sampling_params(params: SamplingParams, rows: bool = True):
         # text is decoded once at its end (VllmEngine._text): the orchestrator detokenizes the
         # stream itself, so vLLM's per-step detokenizing would be work done twice.
         detokenize=vllm_detokenizes(params),
+        skip_reading_prefix_cache=True if skip_cache else None,
         extra_args=extra or None,
     )
 
@@ -188,6 +191,18 @@ class VllmEngine(StageEngine):
         kwargs: dict[str, Any] = self._with_kv_transfer(
             args.vllm_engine_kwargs(), float(args.kv_lease_timeout_s)
         )
+        if (
+            self.hooks.records_rows
+            and kwargs.get("enable_prefix_caching")
+            and self.kv_role in ("kv_consumer", "kv_both")
+        ):
+            # Its prompt's KV comes from the prefill leg; local hits would make vLLM's connector
+            # pull only part of it, a path the handoff's checks ("no KV loaded") do not cover.
+            raise ValueError(
+                f"stage {self.stage_id}: engine_args.enable_prefix_caching is true on a vLLM decode "
+                f"stage ({self.kv_role}) of a model that records rows for a later stage; its prompt's KV comes "
+                "from the prefill stage, where the prefix cache may be on: remove it here or set it false"
+            )
         self._check_connector_patches()
 
         from vllm import EngineArgs
@@ -324,7 +339,13 @@ class VllmEngine(StageEngine):
         else:
             params_in = params
         vllm_prompt = cast("TokensPrompt", plain)
-        vllm_id = self.engine.add_request(request_id, vllm_prompt, to_vllm_sampling_params(params_in, rows))
+        # A prompt position served from the prefix cache is never computed, so it records no
+        # row: a request whose rows a later stage reads computes its prompt whole. (Not a decode
+        # leg's: vLLM's connector loads nothing for a request that skips the cache.)
+        skip_cache = self.hooks.records_rows and rows and not loads_remote
+        vllm_id = self.engine.add_request(
+            request_id, vllm_prompt, to_vllm_sampling_params(params_in, rows, skip_cache)
+        )
         first = [resume.first_token] if resume is not None else []
         role = LegRole(computes_prompt=not loads_remote, decodes=not kv_in.get("do_remote_decode"), rows=rows)
         self._requests[request_id] = _RequestState(
@@ -593,6 +614,10 @@ class VllmEngine(StageEngine):
                 f"finish_reason {completion.finish_reason!r}"
             )
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3, **state.stamps}
+        if (
+            not state.loads_remote
+        ):  # the prompt positions vLLM's prefix cache gave, as the hf engine counts them
+            metrics["prefix_cached_tokens"] = int(final.num_cached_tokens or 0)
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
         token_ids = [*state.resumed, *completion.token_ids]
@@ -767,9 +792,15 @@ def _published(kv_in: dict[str, Any]) -> str:
 def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHooks) -> dict[str, Any]:
     """The stage's EngineArgs plus what the model's hooks need; a clash is refused by name."""
     wanted = dict(hooks.engine_kwargs())
+    merged = dict(kwargs)
     if hooks.records_rows:
         wanted["worker_extension_cls"] = ROWS_EXTENSION
-    merged = dict(kwargs)
+        # Off unless the stage turns it on (vLLM's default is on). On, it serves text-only
+        # requests only (add_request: a request that records rows computes its prompt whole),
+        # and nothing makes vLLM's kernels batch-invariant: a prompt computed over cached blocks
+        # is not guaranteed to equal it computed whole (the tiny CPU thinker's agreed to the
+        # bit, tests/inproc_vllm_omni_thinker.py), where the hf engine's cache is exact by design.
+        merged.setdefault("enable_prefix_caching", False)
     for key, value in wanted.items():
         if key == "additional_config":
             merged[key] = {**(merged.get(key) or {}), **value}

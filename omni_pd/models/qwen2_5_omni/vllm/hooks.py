@@ -37,8 +37,6 @@ class Qwen2_5OmniThinkerHooks(VllmModelHooks):
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
-            # A prompt position served from vLLM's prefix cache is never computed: no rows.
-            "enable_prefix_caching": False,
             "limit_mm_per_prompt": {"audio": MAX_AUDIOS_PER_PROMPT, "image": 0, "video": 0},
             "enable_mm_embeds": True,  # audio comes as the prompt builder's features
             "additional_config": {CAPTURE_KEY: True},

@@ -42,9 +42,6 @@ class Qwen3OmniThinkerHooks(VllmModelHooks):
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
-            # A prompt position served from vLLM's prefix cache is never computed, so its rows
-            # would be missing.
-            "enable_prefix_caching": False,
             "limit_mm_per_prompt": {"audio": MAX_AUDIOS_PER_PROMPT, "image": 0, "video": 0},
             # Audio comes as the prompt builder's features (precomputed items), not raw audio.
             "enable_mm_embeds": True,
