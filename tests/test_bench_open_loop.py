@@ -129,7 +129,12 @@ def test_baseline_ratios_pair_rows_of_the_same_level():
 
 
 def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
-    from omni_pd.bench.multi_turn import add_uncached_ratios, conversation_turn, summarize_turns
+    from omni_pd.bench.multi_turn import (
+        add_uncached_ratios,
+        conversation_turn,
+        summarize_turns,
+        uncached_twins,
+    )
     from omni_pd.bench.serve_configs import resolve_config
 
     def record(ttft, cached):
@@ -140,7 +145,10 @@ def test_multi_turn_rows_per_turn_and_against_caching_off(tmp_path):
     on = summarize_turns("tiny", [[(record(0.1, 0), 100)], [(record(0.02, 96), 180)]])
     off = summarize_turns("tiny@prefix_caching=false", [[(record(0.1, 0), 100)], [(record(0.08, 0), 180)]])
     rows = on + off
-    add_uncached_ratios(rows, {"tiny": "tiny@prefix_caching=false"})
+    add_uncached_ratios(rows, uncached_twins({"tiny", "tiny@prefix_caching=false"}))
+    assert uncached_twins({"v@prefix_caching=true", "v@prefix_caching=false", "w"}) == {
+        "v@prefix_caching=true": "v@prefix_caching=false"
+    }
     assert [r["turn"] for r in on] == [1, 2] and on[1]["cached_tokens_mean"] == 96
     assert on[1]["ttft_vs_uncached"] == pytest.approx(0.25) and "ttft_vs_uncached" not in off[0]
     history = conversation_turn([{"role": "system", "content": "s"}], 0)

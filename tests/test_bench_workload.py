@@ -184,13 +184,32 @@ def test_each_request_of_a_level_gets_its_own_max_tokens():
 # --- --text-only: its refusals and its default configs --------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "flags", [("--slo-ttfa-ms", "500"), ("--realtime",), ("--multi-turn", "2")], ids=lambda f: f[0]
-)
+@pytest.mark.parametrize("flags", [("--slo-ttfa-ms", "500"), ("--realtime",)], ids=lambda f: f[0])
 def test_text_only_refuses_what_needs_audio(flags):
     with pytest.raises(SystemExit, match=f"--text-only requests have no audio, so {flags[0]}"):
         _checked_args(_args("--text-only", *flags))
     _checked_args(_args("--text-only", "--slo-ttft-ms", "500"))  # a TTFT SLO is fine
+    _checked_args(_args("--text-only", "--multi-turn", "2"))  # multi-turn reads the TTFT too
+
+
+def test_text_only_multi_turn_asks_for_text_alone(monkeypatch):
+    """--multi-turn --text-only sends every turn with modalities ["text"] (the server answers
+    without speech, and a vLLM thinker with its prefix cache on serves such a turn from it)."""
+    from omni_pd.bench import load
+    from omni_pd.bench.multi_turn import run_conversations
+    from omni_pd.bench.serve_target import _sender
+
+    sent = []
+
+    async def fake(client, model, messages, max_tokens, text_only=False):
+        sent.append(text_only)
+        return RequestRecord(ok=True, text="ok", ttft_s=0.01, e2e_s=0.02)
+
+    monkeypatch.setattr(load, "stream_one", fake)
+    for flags, want in (((), False), (("--text-only",), True)):  # spoken turns: the control
+        sent.clear()
+        asyncio.run(run_conversations(None, "m", 2, 1, 4, send=_sender(_args(*flags))))
+        assert sent == [want, want]
 
 
 def test_text_only_defaults_to_the_thinker_only_configs(tmp_path):

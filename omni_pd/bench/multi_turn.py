@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 import soundfile
@@ -81,10 +81,12 @@ async def run_conversations(
     system_prompt: str = SYSTEM_PROMPT,
     on_done: Callable[[RequestRecord], None] | None = None,
     audio_seconds: float | None = None,
+    send: Callable[..., Awaitable[RequestRecord]] = stream_one,
 ) -> list[list[tuple[RequestRecord, int]]]:
     """`conversations` conversations of `turns` turns, one after another: per turn index, each
     conversation's (record, prompt text characters). A conversation whose turn fails stops
-    there. `audio_seconds`: each user turn carries a clip that long."""
+    there. `audio_seconds`: each user turn carries a clip that long. `send`: how a turn is
+    sent (stream_one, or it asking for text alone)."""
     by_turn: list[list[tuple[RequestRecord, int]]] = [[] for _ in range(turns)]
     for number in range(conversations):
         # A conversation of its own: its first words differ, so nothing but its own history
@@ -93,7 +95,7 @@ async def run_conversations(
         for turn in range(turns):
             clip = spoken_clip(number, turn, audio_seconds) if audio_seconds else None
             messages = conversation_turn(history, turn, clip)
-            record = await stream_one(client, model, messages, max_tokens)
+            record = await send(client, model, messages, max_tokens)
             by_turn[turn].append((record, _text_chars(messages)))
             if on_done:
                 on_done(record)
@@ -120,6 +122,14 @@ def summarize_turns(config: str, by_turn: Sequence[Sequence[tuple[RequestRecord,
         row["cached_tokens_mean"] = sum(cached) / len(cached) if cached else None
         rows.append(row)
     return rows
+
+
+def uncached_twins(labels: set[str]) -> dict[str, str]:
+    """Each config label whose twin with the prefix cache off was measured too: PATH's twin is
+    PATH@prefix_caching=false, and so is PATH@prefix_caching=true's (a file whose thinker has
+    the cache off by default, as a vLLM thinker has)."""
+    twins = {label: f"{label.removesuffix('@prefix_caching=true')}@prefix_caching=false" for label in labels}
+    return {label: twin for label, twin in twins.items() if twin in labels and twin != label}
 
 
 def add_uncached_ratios(rows: list[dict], pairs: dict[str, str]) -> None:

@@ -429,7 +429,6 @@ def _check_text_only(args: argparse.Namespace) -> None:
     for flag, given in (
         ("--slo-ttfa-ms", args.slo_ttfa_ms is not None),
         ("--realtime", args.realtime),
-        ("--multi-turn", args.multi_turn is not None),
     ):
         if given:
             raise SystemExit(
@@ -567,17 +566,9 @@ def _add_comparisons(runs: _Runs, baselines: dict[str, str], args: argparse.Name
     add_baseline_ratios(runs.results, baselines, "concurrency")
     add_baseline_ratios(runs.open_loop, baselines, "offered")
     if runs.multi_turn:
-        from .multi_turn import add_uncached_ratios
+        from .multi_turn import add_uncached_ratios, uncached_twins
 
-        labels = {row["config"] for row in runs.multi_turn}
-        add_uncached_ratios(
-            runs.multi_turn,
-            {
-                label: f"{label}@prefix_caching=false"
-                for label in labels
-                if f"{label}@prefix_caching=false" in labels
-            },
-        )
+        add_uncached_ratios(runs.multi_turn, uncached_twins({row["config"] for row in runs.multi_turn}))
 
 
 def _print_tables(runs: _Runs) -> None:

@@ -187,11 +187,12 @@ async def _bench_multi_turn(
     """--multi-turn: the warm-up requests, then the conversations; one row per turn."""
     from tqdm import tqdm
 
-    from .load import PROMPTS, stream_one
+    from .load import PROMPTS
     from .multi_turn import run_conversations, summarize_turns
 
+    send = _sender(args)  # --text-only: the turns ask for text alone (TTFT, no TTFA)
     for i in range(args.warmup):
-        await stream_one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
+        await send(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
     count = args.conversations or (2 if args.quick else 4)
     with tqdm(
         total=count * args.multi_turn,
@@ -208,6 +209,7 @@ async def _bench_multi_turn(
             max_tokens,
             on_done=lambda _r, bar=bar: bar.update(1),
             audio_seconds=args.audio_turns,
+            send=send,
         )
     failures = [r.error or "error" for entries in by_turn for r, _ in entries if not r.ok]
     if failures:
