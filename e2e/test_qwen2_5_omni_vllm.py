@@ -5,7 +5,9 @@ and decode engine over vLLM's MooncakeConnector (qwen2_5_omni_tiny_vllm_pd.yaml)
   and on these prompts (text, and text with audio) gives the hf pipeline's tokens (its rows are
   close, not equal: other kernels);
 - vLLM P/D equals vLLM colocated, byte for byte: tokens, the talker's merged rows, codec codes,
-  audio; a prefill of another prompt under the same transfer is noticed (the negative control).
+  audio; a prefill of another prompt under the same transfer is noticed (the negative control);
+- both run with vLLM's prefix cache turned on in the thinker (the P/D prefill stage): spoken
+  requests compute their prompts whole, text-only ones are served from the cache.
 
 Needs vLLM (`OMNI_PD_VLLM=1 bash scripts/setup.sh`); see e2e/vllm_required.py for when it skips.
 """
@@ -46,21 +48,26 @@ PROMPTS = [
 ]
 
 
-def _omni(path):
+def _omni(path, tmp_path_factory):
+    """The stage file with vLLM's prefix cache on in its thinker (in P/D, the prefill stage's;
+    the decode stage refuses it), as `bench serve` turns it on."""
+    from omni_pd.bench.serve_configs import resolve_config
+
+    _, cached = resolve_config(f"{path}@prefix_caching=true", tmp_path_factory.mktemp("cached"))
     return Omni(
-        model=TINY_MODEL_NAME, stage_configs_path=path, keep_stage_outputs=True, request_timeout_s=120
+        model=TINY_MODEL_NAME, stage_configs_path=cached, keep_stage_outputs=True, request_timeout_s=120
     )
 
 
 @pytest.fixture(scope="module")
-def vllm_omni():
-    with _omni(VLLM) as omni:
+def vllm_omni(tmp_path_factory):
+    with _omni(VLLM, tmp_path_factory) as omni:
         yield omni
 
 
 @pytest.fixture(scope="module")
-def vllm_pd():
-    with _omni(VLLM_PD) as omni:
+def vllm_pd(tmp_path_factory):
+    with _omni(VLLM_PD, tmp_path_factory) as omni:
         yield omni
 
 
@@ -123,3 +130,20 @@ def test_negative_control_another_prompts_kv_is_noticed(vllm_pd):
     assert torch.equal(same.output_rows, again.output_rows)
     assert moved.num_cached_prompt_tokens == len(prompt.prompt_token_ids)
     assert not torch.equal(same.output_rows, moved.output_rows)
+
+
+def test_text_only_turns_are_served_from_the_prefix_cache_and_spoken_ones_compute_whole(vllm_omni, vllm_pd):
+    """A spoken request's rows feed the talker, so it computes its prompt whole (nothing read
+    from the cache, the same audio as before the prompt was cached); a text-only request of the
+    same prompt is served from the blocks the first one left."""
+    from omni_pd.orchestrator.request_io import Finished
+
+    prompt = "Tell me, slowly and in order, how the tides rise and fall along a sandy coast. " * 3
+    for omni in (vllm_omni, vllm_pd):
+        spoken = omni.generate([prompt], use_tqdm=False)[0]
+        text = [e for e in omni.stream(prompt, modalities=("text",)) if isinstance(e, Finished)][0].output
+        again = omni.generate([prompt], use_tqdm=False)[0]
+        assert len(spoken.prompt_token_ids) >= 96
+        assert spoken.metrics["prefix_cached_tokens"] == again.metrics["prefix_cached_tokens"] == 0
+        assert text.metrics["prefix_cached_tokens"] >= 64 and text.audio is None
+        assert again.token_ids == spoken.token_ids and again.audio_sha256 == spoken.audio_sha256

@@ -614,9 +614,9 @@ class VllmEngine(StageEngine):
                 f"finish_reason {completion.finish_reason!r}"
             )
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3, **state.stamps}
-        if (
-            not state.loads_remote
-        ):  # the prompt positions vLLM's prefix cache gave, as the hf engine counts them
+        # The prompt positions vLLM's prefix cache gave, as the hf engine counts them (a decode
+        # leg's num_cached_tokens is the prefill engine's count).
+        if not state.loads_remote:
             metrics["prefix_cached_tokens"] = int(final.num_cached_tokens or 0)
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
@@ -798,8 +798,8 @@ def _with_model_kwargs(stage_id: int, kwargs: dict[str, Any], hooks: VllmModelHo
         # Off unless the stage turns it on (vLLM's default is on). On, it serves text-only
         # requests only (add_request: a request that records rows computes its prompt whole),
         # and nothing makes vLLM's kernels batch-invariant: a prompt computed over cached blocks
-        # is not guaranteed to equal it computed whole (the tiny CPU thinker's agreed to the
-        # bit, tests/inproc_vllm_omni_thinker.py), where the hf engine's cache is exact by design.
+        # is not guaranteed to equal it computed whole (on the tiny CPU thinker they agreed to
+        # the bit), where the hf engine's cache is exact by design.
         merged.setdefault("enable_prefix_caching", False)
     for key, value in wanted.items():
         if key == "additional_config":
