@@ -242,13 +242,21 @@ def test_prefix_cache_serves_text_only_requests_and_rows_requests_compute_their_
     prompt = pipeline.build_prompt(pipeline.normalize_prompt(LONG))
     blocks = len(prompt.prompt_token_ids) // engine.engine.vllm_config.cache_config.block_size
     assert blocks >= 2, "the prompt must fill whole blocks for the cache to hold them"
+    before = engine.load()
     first = engine.generate("rows-1", prompt, GREEDY)  # nothing cached yet: computed whole
     assert first.metrics["prefix_cached_tokens"] == 0
+    assert engine.load()["prefix_cache_queries"] == before["prefix_cache_queries"]  # it read none
     engine.add_request("text-only", prompt, GREEDY, rows=False)
     finals, _ = run(engine)
     text_only = finals["text-only"]
     assert text_only.metrics["prefix_cached_tokens"] >= 32  # served from the blocks rows-1 left
     assert text_only.prompt_embeds is None  # it asked for no rows
+    # The replica's counters (/metrics' omni_pd_prefix_cache_{queries,hits}_total) count it.
+    after = engine.load()
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(prompt.prompt_token_ids)
+    assert (
+        after["prefix_cache_hits"] - before["prefix_cache_hits"] == text_only.metrics["prefix_cached_tokens"]
+    )
     again = engine.generate("rows-2", prompt, GREEDY)
     assert again.metrics["prefix_cached_tokens"] == 0  # computed whole, though its blocks are cached
     assert again.token_ids == first.token_ids

@@ -167,6 +167,7 @@ class _RequestState:
     rows_streamed: int = 0  # position up to which rows left in chunks
     chunks_sent: int = 0
     multimodal: bool = False  # the prompt has multimodal inputs
+    reads_cache: bool = False  # its prompt may be served from vLLM's prefix cache (counted in load())
     # A decode leg that starts from the prefill's first token (resume.py): that token, put in
     # front of vLLM's output (and of its first delta).
     resumed: list[int] = field(default_factory=list)
@@ -211,6 +212,8 @@ class VllmEngine(StageEngine):
         name = kwargs.pop("model", None) or model
         self.model_dir = resolve_vllm_model(name, args.seed)
         kwargs = _with_model_kwargs(self.stage_id, kwargs, self.hooks)
+        self.prefix_caching = kwargs.get("enable_prefix_caching") is not False  # vLLM's default: on
+        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found, since start
         if self.hooks.records_rows:
             check_vllm_version()
         began = time.perf_counter()
@@ -362,6 +365,7 @@ class VllmEngine(StageEngine):
             role=role,
             chunks=bool(stream and chunks),
             multimodal=prompt.has_multimodal_inputs(),
+            reads_cache=self.prefix_caching and not skip_cache and not loads_remote,
             resumed=first,
             params=params,
             stamps={hops.PREFIX + "added": began},
@@ -616,8 +620,12 @@ class VllmEngine(StageEngine):
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3, **state.stamps}
         # The prompt positions vLLM's prefix cache gave, as the hf engine counts them (a decode
         # leg's num_cached_tokens is the prefill engine's count).
+        cached_here = 0 if state.loads_remote else int(final.num_cached_tokens or 0)
         if not state.loads_remote:
-            metrics["prefix_cached_tokens"] = int(final.num_cached_tokens or 0)
+            metrics["prefix_cached_tokens"] = cached_here
+        if state.reads_cache:
+            self._prefix_queries += len(state.prompt_token_ids)
+            self._prefix_hits += cached_here
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
         token_ids = [*state.resumed, *completion.token_ids]
@@ -742,6 +750,12 @@ class VllmEngine(StageEngine):
                 return False
             time.sleep(0.005)  # polling vLLM's scheduler, which the drain thread steps
         return True
+
+    def load(self) -> dict[str, int]:
+        load = super().load()
+        if self.prefix_caching:  # counters since start, as the hf engine's: Prometheus derives the hit rate
+            load.update(prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits)
+        return load
 
     def debug_state_counts(self) -> dict[str, int]:
         from .patches.offline_drain import _inproc_scheduler, _state
