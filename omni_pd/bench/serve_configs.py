@@ -40,7 +40,9 @@ def resolve_config(text: str, scratch: Path, ignore_eos: bool = False) -> tuple[
                 args = stage.get("engine_args", {})
                 role = (args.get("kv_transfer_config") or {}).get("kv_role")
                 if args.get("engine") == "vllm" and role in ("kv_consumer", "kv_both"):
-                    continue  # a vLLM decode stage of an omni thinker refuses it (its KV is pulled)
+                    # Left alone: an omni thinker's vLLM decode stage refuses it (its KV is
+                    # pulled), and a text model's keeps vLLM's default.
+                    continue
                 if args.get("model_stage") == "thinker":
                     args["enable_prefix_caching"] = bool(yaml.safe_load(value))
             continue

@@ -620,12 +620,12 @@ class VllmEngine(StageEngine):
         metrics = {"e2e_ms": (time.perf_counter() - state.began) * 1e3, **state.stamps}
         # The prompt positions vLLM's prefix cache gave, as the hf engine counts them (a decode
         # leg's num_cached_tokens is the prefill engine's count).
-        cached_here = 0 if state.loads_remote else int(final.num_cached_tokens or 0)
         if not state.loads_remote:
-            metrics["prefix_cached_tokens"] = cached_here
-        if state.reads_cache:
-            self._prefix_queries += len(state.prompt_token_ids)
-            self._prefix_hits += cached_here
+            local_hits = int(final.num_cached_tokens or 0)
+            metrics["prefix_cached_tokens"] = local_hits
+            if state.reads_cache:  # set only where the prompt is computed here
+                self._prefix_queries += len(state.prompt_token_ids)
+                self._prefix_hits += local_hits
         if state.first_token_ms is not None:
             metrics["first_token_ms"] = state.first_token_ms
         token_ids = [*state.resumed, *completion.token_ids]
