@@ -111,11 +111,19 @@ def test_a_decode_step_writes_each_new_position_and_both_kernels_agree():
 def test_select_is_the_same_step_for_some_sequences_and_shapes_are_checked():
     cache = PagedKVCache(LAYOUT, 8)
     tables = [cache.allocate(4) for _ in range(3)]
+    # The pool is uninitialised memory: write each sequence's two earlier positions, or the
+    # step reads whatever bytes were there (NaN now and then, and NaN != NaN).
+    for i, table in enumerate(tables):
+        history = _rows(2, KV_HEADS, 51 + i).permute(1, 0, 2)
+        cache.write(table, 0, history.expand(LAYERS, 2, -1, -1, -1).contiguous())
     q, k, v = _qkv(3, 50)
     step = StepAttention.for_decode(HfCompute("native"), cache, [SequenceSlot(t, 2, 1) for t in tables])
     full = step(0, q, k, v, SCALE)
     part = step.select([0, 2])(0, q[[0, 2]], k[[0, 2]], v[[0, 2]], SCALE)
     assert torch.equal(part, full[[0, 2]])
+    # Negative control: selecting another sequence reads its cache, not the one asked for.
+    other = step.select([0, 1])(0, q[[0, 2]], k[[0, 2]], v[[0, 2]], SCALE)
+    assert torch.equal(other[0], full[0]) and not torch.equal(other[1], full[2])
     with pytest.raises(ValueError, match="for a step of 3 new positions"):
         step(0, q[:2], k[:2], v[:2], SCALE)
     with pytest.raises(ValueError, match="one new position per sequence"):
