@@ -12,6 +12,14 @@ first and last chunks arrive; the server's last chunk carries the rest (`omni_pd
 Each hop's cell is its median over the requests, in ms since the client sent; `step` is the
 median of the time since the hop before it in the same request.
 
+`--concurrency N` keeps N requests in flight (closed loop, as `vllm bench serve
+--max-concurrency N`), the senders starting `--stagger-ms` apart. Around the measured requests
+the script reads the kernel's account of every process on the path
+(`/proc/PID/task/*/schedstat`: time on a CPU and time runnable but waiting for one, summed over
+threads): the API server with its orchestrator, each stage worker (pids from `/health`) and the
+client's sender threads, per request. Time waiting for a CPU is what processes on too few cores
+cost each other.
+
     .venv/bin/python scripts/hop_timeline.py --json out.json \\
         stage_configs/ci/qwen3_omni_tiny_thinker.yaml stage_configs/ci/qwen3_omni_tiny_thinker_pd.yaml
 """
@@ -26,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -118,7 +127,78 @@ def one_request(client: httpx.Client, base: str, prompt: str, max_tokens: int) -
     return {"rows": sorted(rows, key=lambda r: r[2])}
 
 
-def run_config(config: str, args, tokenizer, out: Path) -> list[dict]:
+def _read_schedstat(path: Path) -> tuple[float, float]:
+    fields = path.read_text().split()
+    return int(fields[0]) / 1e6, int(fields[1]) / 1e6
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(ms on a CPU, ms runnable but waiting for one), summed over the process's live threads."""
+    on_cpu = waiting = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpu, wait = _read_schedstat(task / "schedstat")
+        except OSError:  # a thread that ended between the listing and the read
+            continue
+        on_cpu += cpu
+        waiting += wait
+    return on_cpu, waiting
+
+
+def path_processes(base: str, server_pid: int) -> dict[str, int]:
+    """The processes a request passes: the server (API server and orchestrator) and each stage
+    worker."""
+    processes: dict[str, int] = {"api server + orchestrator": server_pid}
+    for stage_id, stage in httpx.get(f"{base}/health", timeout=10.0).json()["stages"].items():
+        for k, replica in enumerate(stage["replicas"]):
+            if replica["pid"] is not None:
+                suffix = f".r{k}" if len(stage["replicas"]) > 1 else ""
+                processes[f"stage {stage_id}{suffix} ({stage['name']})"] = replica["pid"]
+    return processes
+
+
+def run_requests(client: httpx.Client, base: str, prompts: list[str], args) -> tuple[list[dict], list[float]]:
+    """Every prompt once, `args.concurrency` at a time, each sender taking the next prompt when
+    its answer is done (closed loop); results in prompt order, and the client's own (ms on a
+    CPU, ms waiting for one), each sender thread reading its own account before it ends."""
+    results: list[dict | None] = [None] * len(prompts)
+    taken = iter(range(len(prompts)))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    client_account = [0.0, 0.0]
+    own = Path("/proc/thread-self/schedstat")
+
+    def sender(offset_s: float) -> None:
+        time.sleep(offset_s)  # an arrival offset, so the senders do not start in step
+        start = _read_schedstat(own)
+        try:
+            while True:
+                with lock:
+                    index = next(taken, None)
+                if index is None:
+                    return
+                results[index] = one_request(client, base, prompts[index], args.max_tokens)
+        except BaseException as exc:  # reported after the join, not lost in a thread
+            errors.append(exc)
+        finally:
+            end = _read_schedstat(own)
+            with lock:
+                client_account[0] += end[0] - start[0]
+                client_account[1] += end[1] - start[1]
+
+    threads = [
+        threading.Thread(target=sender, args=(k * args.stagger_ms / 1e3,)) for k in range(args.concurrency)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None], client_account
+
+
+def run_config(config: str, args, tokenizer, out: Path) -> tuple[list[dict], dict]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     label, path = resolve_config(config, out, ignore_eos=True)  # every answer max_tokens long
@@ -126,15 +206,26 @@ def run_config(config: str, args, tokenizer, out: Path) -> list[dict]:
     server = start_server(str(path), port, log)
     try:
         wait_ready(server, base, log)
-        with httpx.Client(timeout=120.0) as client:
-            for index in range(args.warmup):
-                one_request(
-                    client, base, sized_prompt(tokenizer, args.prompt_tokens, 10_000 + index), args.max_tokens
-                )
-            return [
-                one_request(client, base, sized_prompt(tokenizer, args.prompt_tokens, index), args.max_tokens)
-                for index in range(args.requests)
-            ]
+        with httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=args.concurrency + 2)) as client:
+            warm = [sized_prompt(tokenizer, args.prompt_tokens, 10_000 + i) for i in range(args.warmup)]
+            run_requests(client, base, warm, args)
+            processes = path_processes(base, server.pid)
+            prompts = [sized_prompt(tokenizer, args.prompt_tokens, i) for i in range(args.requests)]
+            before = {name: schedstat(pid) for name, pid in processes.items()}
+            started = time.perf_counter()
+            runs, client_account = run_requests(client, base, prompts, args)
+            wall_ms = (time.perf_counter() - started) * 1e3
+            after = {name: schedstat(pid) for name, pid in processes.items()}
+        before["client"], after["client"] = (0.0, 0.0), (client_account[0], client_account[1])
+        cpu = {
+            name: {
+                "cpu_ms_per_request": round((after[name][0] - before[name][0]) / len(runs), 3),
+                "wait_ms_per_request": round((after[name][1] - before[name][1]) / len(runs), 3),
+                "busy": round((after[name][0] - before[name][0]) / wall_ms, 3),
+            }
+            for name in after
+        }
+        return runs, {"wall_ms": round(wall_ms, 1), "processes": cpu}
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
@@ -191,17 +282,28 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (closed loop)")
+    parser.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=25.0,
+        help="sender k starts k times this late: senders that start together stay in step (their "
+        "answers end in one engine step and their next prompts arrive together)",
+    )
     parser.add_argument("--json", help="write every request's rows and the medians here")
     args = parser.parse_args()
     tokenizer = load_tokenizer(NAME)
     out = Path(tempfile.mkdtemp(prefix="hop_timeline."))
     result = {"command": " ".join(sys.argv), "configs": {}}
     for config in args.configs:
-        runs = run_config(config, args, tokenizer, out)
+        runs, cpu = run_config(config, args, tokenizer, out)
         table = summarize(runs)
         agreement = ttft_agreement(runs)
-        result["configs"][config] = {"table": table, "ttft": agreement, "runs": runs}
-        print(f"\n{config}: medians of {len(runs)} requests, ms since the client sent\n")
+        result["configs"][config] = {"table": table, "ttft": agreement, "cpu": cpu, "runs": runs}
+        print(
+            f"\n{config}: medians of {len(runs)} requests at concurrency {args.concurrency}, "
+            "ms since the client sent\n"
+        )
         print("| where | hop | at ms | step ms |\n| --- | --- | --- | --- |")
         for row in table:
             print(f"| {row['where']} | {row['hop']} | {row['at_ms']:.2f} | {row['step_ms']:.2f} |")
@@ -209,6 +311,14 @@ def main() -> None:
             f"\nTTFT medians: client {agreement['client_ms']:.2f} ms, server metric "
             f"{agreement['server_ms']:.2f} ms, client - server {agreement['gap_ms']:.2f} ms"
         )
+        print(
+            f"\nper request, over {cpu['wall_ms'] / 1e3:.1f} s: | process | CPU ms | waiting for a CPU ms | busy |"
+        )
+        for name, row in cpu["processes"].items():
+            print(
+                f"| {name} | {row['cpu_ms_per_request']:.2f} | {row['wait_ms_per_request']:.2f} | "
+                f"{row['busy']:.2f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"\nservers' logs: {out}")
