@@ -311,9 +311,8 @@ def main() -> None:
             f"\nTTFT medians: client {agreement['client_ms']:.2f} ms, server metric "
             f"{agreement['server_ms']:.2f} ms, client - server {agreement['gap_ms']:.2f} ms"
         )
-        print(
-            f"\nper request, over {cpu['wall_ms'] / 1e3:.1f} s: | process | CPU ms | waiting for a CPU ms | busy |"
-        )
+        print(f"\neach process's CPU per request, over {cpu['wall_ms'] / 1e3:.1f} s of requests\n")
+        print("| process | CPU ms | waiting for a CPU ms | busy |\n| --- | --- | --- | --- |")
         for name, row in cpu["processes"].items():
             print(
                 f"| {name} | {row['cpu_ms_per_request']:.2f} | {row['wait_ms_per_request']:.2f} | "
