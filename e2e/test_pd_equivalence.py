@@ -278,12 +278,23 @@ def test_six_prompts_all_at_once_equal_each_alone(colocated, pd, which):
 def test_negative_control_batching_without_invariant_kernels_is_noticed(pd):
     """With the tiled linear layers switched off in the decode and talker workers, the same
     all-at-once run no longer equals the solo runs: the comparison above can fail."""
+    if DTYPE != "float32":
+        # In bfloat16, torch's CPU gemm accumulates in float32 and rounds each output once, and the
+        # rounding hides almost every change of order: at the tiny model's widths about one row in
+        # a thousand of a plain 2-7 row `F.linear` differs from the same row alone. Whether a run
+        # of six requests meets such a row depends on which rows share a step (in eight runs of
+        # eight on a quiet host, in none of three in a loaded CI run): no control that must fail.
+        # The float32 pass shows this comparison notices batch variance; this pass's flipped-byte
+        # control shows `differences` notices a one-byte change in bfloat16.
+        pytest.skip(
+            "batch variance of plain bf16 kernels is too rare to show on demand (float32 pass has it)"
+        )
     talker = next(s.stage_id for s in pd.config.stages if s.model_stage == "talker")
     want = [alone(pd, "pd", case) for case in CASES]
     for stage in (pd.pd_pair.decode_stage_id, talker):
         pd.control(stage, "set_batch_invariant", enabled=False)
-    # Which rows share a step depends on timing, and in bfloat16 most last-bit differences round
-    # away: up to three all-at-once runs, any of which may show it (one does in float32).
+    # Which rows share a step depends on timing: up to three all-at-once runs, any of which may
+    # show it (in float32 a plain batched `F.linear` changes the last bits of most rows).
     noticed = False
     try:
         for _ in range(3):
