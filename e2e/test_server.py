@@ -708,16 +708,18 @@ def test_deadline_is_a_504_and_a_dead_stage_comes_back():
         talker_pid = srv.state()["worker_pids"][2]
         os.kill(talker_pid, signal.SIGKILL)
         killed = time.monotonic()
-        # /health names the stage while it is restarting...
-        health = wait_for(
-            lambda: (lambda r: r if r.status_code == 503 else None)(
-                httpx.get(f"{srv.base}/health", timeout=5)
-            ),
-            5,
-            "GET /health to answer 503",
-        )
+
+        # /health names the stage while it is restarting. Before that it may for a moment show
+        # the talker "up" but not responsive ("has just exited"): the reader has not yet polled.
+        def restarting() -> httpx.Response | None:
+            health = httpx.get(f"{srv.base}/health", timeout=5)
+            return health if health.json()["stages"]["2"]["status"] == "restarting" else None
+
+        health = wait_for(restarting, 10, "GET /health to name the talker as restarting", 0.05)
+        assert health.status_code == 503
         talker = health.json()["stages"]["2"]
-        assert talker["status"] == "restarting" and "SIGKILL" in talker["reason"], talker
+        assert not talker["responsive"], talker
+        assert "SIGKILL" in talker["reason"], talker
         # ... text alone does not need the talker: served meanwhile ...
         assert _chat(srv, "text only", max_tokens=2).usage.completion_tokens == 2
         # ... and the talker serves again within 10 s.
