@@ -107,6 +107,15 @@ class ModelSpec:
     # (directory, weights seed) -> the embedded tiny model written there as a checkpoint
     # (`omni-pd make-tiny-model DIR --model NAME`).
     write_tiny_checkpoint: Callable[[str, int], Any] | None = None
+    # (directory, layers, weights seed, max shard bytes) -> a random checkpoint with every
+    # dimension of the published model and each transformer stack cut to `layers`
+    # (`omni-pd make-tiny-model DIR --model NAME --size real --layers N`); ValueError or
+    # MemoryError say why it cannot be written.
+    write_real_checkpoint: Callable[[str, int, int, int], Any] | None = None
+    # (checkpoint directory, torch dtype, torch device, attention kernels) -> (the thinker's
+    # ArRunner on that device, a callable making a request's fresh model state): what
+    # `omni-pd bench roofline` and `omni-pd plan --profile-model` time the thinker's steps with.
+    roofline_thinker: Callable[[str, Any, Any, str], tuple[Any, Callable[[], Any]]] | None = None
     # An embedded model's name -> the config.json it would be written with (read by config
     # checks that need a shape, e.g. the KV head count, without writing a checkpoint).
     config_dict: Callable[[str], dict[str, Any]] | None = None

@@ -19,6 +19,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("entrypoints/openai/metrics.py", "ServerMetrics.__init__"): "table of the server's Prometheus metrics",
     ("models/qwen3_omni/tiny_config.py", "tiny_config_dict"): "config dictionary (the tiny model's)",
     ("models/qwen3_omni/real_config.py", "real_config_dict"): "config dictionary (the real model's shapes)",
+    (
+        "models/qwen2_5_omni/real_config.py",
+        "real_config_dict",
+    ): "config dictionary (Qwen2.5-Omni-7B's shapes)",
 }
 
 

@@ -175,10 +175,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from ..models.qwen3_omni.factory import save_tiny_model
 
-    if args.model != "qwen3_omni":
-        return _make_other_tiny_model(args)
     if args.size == "real":
         return _make_real_model(args)
+    if args.model != "qwen3_omni":
+        return _make_other_tiny_model(args)
     if args.layers is not None:
         print("error: --layers cuts the real-shape model's stacks; use it with --size real", file=sys.stderr)
         return 2
@@ -491,16 +491,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=("tiny", "medium", "real"),
         default="tiny",
-        help="tiny: the embedded model (default); medium: 1.1 GB of float32 with "
+        help="tiny: the embedded model (default); medium (qwen3_omni): 1.1 GB of float32 with "
         "parts sized like the real model's (thinker > talker > code2wav); real: every dimension of "
-        "Qwen3-Omni-30B-A3B-Instruct in bf16, each transformer stack cut to --layers",
+        "the published model (Qwen3-Omni-30B-A3B-Instruct, Qwen2.5-Omni-7B) in bf16, each "
+        "transformer stack cut to --layers",
     )
     tiny.add_argument(
         "--layers",
         type=int,
         default=None,
         metavar="N",
-        help="with --size real: layers per transformer stack (1 to 48; a stack with fewer keeps them all)",
+        help="with --size real: layers per transformer stack (1 to the model's deepest: 48 for "
+        "qwen3_omni, 32 for qwen2_5_omni; a stack with fewer keeps them all)",
     )
     tiny.add_argument(
         "--max-shard-size",
@@ -527,8 +529,9 @@ def _make_other_tiny_model(args: argparse.Namespace) -> int:
         return 2
     if args.size != "tiny" or args.layers is not None or args.max_shard_size is not None:
         print(
-            "error: --size, --layers and --max-shard-size write Qwen3-Omni's larger models; "
-            f"--model {args.model} writes its tiny model only (drop them)",
+            "error: --size medium, --layers and --max-shard-size write Qwen3-Omni's medium model "
+            f"or a real-shape one (--size real); --model {args.model} writes its tiny model here "
+            "(drop them, or ask for --size real --layers N)",
             file=sys.stderr,
         )
         return 2
@@ -538,8 +541,18 @@ def _make_other_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _make_real_model(args: argparse.Namespace) -> int:
-    from ..models.qwen3_omni.real_checkpoint import save_real_model
+    """A random checkpoint at a registered model's published shapes, its stacks cut to --layers
+    (the model's package writes it)."""
+    from .. import registry
 
+    spec = registry.specs().get(args.model)
+    writers = sorted(name for name, s in registry.specs().items() if s.write_real_checkpoint)
+    if spec is None or spec.write_real_checkpoint is None:
+        print(
+            f"error: --model {args.model!r} has no real-shape checkpoint to write; choose one of {writers}",
+            file=sys.stderr,
+        )
+        return 2
     if args.layers is None:
         print(
             "error: --size real needs --layers N (each transformer stack is cut to N layers)", file=sys.stderr
@@ -547,7 +560,7 @@ def _make_real_model(args: argparse.Namespace) -> int:
         return 2
     try:
         shard = _parse_size(args.max_shard_size) if args.max_shard_size else 4 * 2**30
-        save_real_model(args.directory, args.layers, seed=args.seed, max_shard_size=shard)
+        spec.write_real_checkpoint(args.directory, args.layers, args.seed, shard)
     except (ValueError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

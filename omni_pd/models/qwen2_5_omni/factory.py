@@ -84,14 +84,17 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(source.directory))
 
 
-def seeded_speakers(seed: int) -> dict[str, dict[str, Any]]:
-    """The tiny model's voices, as spk_dict.pt holds them: random conditioning from `seed`."""
+def seeded_speakers(
+    seed: int, embedding: int = SPEAKER_EMBEDDING, ref_frames: int = REF_MEL_FRAMES
+) -> dict[str, dict[str, Any]]:
+    """The tiny model's voices, as spk_dict.pt holds them: random conditioning from `seed`
+    (a real-shape checkpoint's are as wide and as long as the published ones)."""
     generator = torch.Generator().manual_seed(seed * 7919 + 17)
     return {
         voice: {
             "bos_token": bos,
-            "cond": torch.randn(1, SPEAKER_EMBEDDING, generator=generator),
-            "ref_mel": torch.randn(1, REF_MEL_FRAMES, 80, generator=generator),
+            "cond": torch.randn(1, embedding, generator=generator),
+            "ref_mel": torch.randn(1, ref_frames, 80, generator=generator),
         }
         for voice, bos in VOICES.items()
     }
@@ -123,11 +126,11 @@ VOCODER_GAIN = 0.7  # per layer: the tiny vocoder's speech peaks near 0.4 (measu
 
 
 @torch.no_grad()
-def _audible_vocoder(model: Qwen2_5OmniForConditionalGeneration, seed: int) -> None:
+def audible_vocoder(token2wav: torch.nn.Module, seed: int) -> None:
     """transformers' init (std 0.02) leaves the vocoder's stack of narrowing convolutions with an
     output near 1e-8: silence. Each convolution is drawn again, seeded by its name, with a std of
-    gain / sqrt(fan-in), so the tiny model's speech is audible noise a demo can play."""
-    for name, module in model.token2wav.code2wav_bigvgan_model.named_modules():
+    gain / sqrt(fan-in), so a random model's speech is audible noise a demo can play."""
+    for name, module in token2wav.code2wav_bigvgan_model.named_modules():
         if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
             weight = module.weight
             if isinstance(module, torch.nn.Conv1d):
@@ -149,7 +152,7 @@ def build_dummy_model(
         torch.manual_seed(seed)
         model = Qwen2_5OmniForConditionalGeneration(config)
     if model.has_talker:
-        _audible_vocoder(model, seed)
+        audible_vocoder(model.token2wav, seed)
     model.speaker_map = seeded_speakers(seed)
     model = model.to(dtype).eval()
     if model.has_talker:

@@ -35,6 +35,23 @@ def _write_tiny_checkpoint(directory: str, seed: int) -> Any:
     return save_tiny_model(directory, seed)
 
 
+def _roofline_thinker(checkpoint: str, dtype: Any, device: Any, kernels: str) -> Any:
+    from .factory import load_stage, load_tokenizer, resolve_model
+    from .hf.thinker_runner import ThinkerRunner, ThinkerState
+    from .pipeline import thinker_eos_ids
+
+    parts, _ = load_stage(checkpoint, "thinker", dtype=dtype)
+    thinker = parts.require("thinker").to(device)
+    tokenizer = load_tokenizer(resolve_model(checkpoint))
+    return ThinkerRunner(thinker, tokenizer, thinker_eos_ids(tokenizer), kernels), ThinkerState
+
+
+def _write_real_checkpoint(directory: str, layers: int, seed: int, max_shard_size: int) -> Any:
+    from .real_checkpoint import save_real_model
+
+    return save_real_model(directory, layers, seed=seed, max_shard_size=max_shard_size)
+
+
 def _vllm_hooks(model: str) -> Any:
     from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen2_5OmniThinkerHooks
@@ -79,6 +96,8 @@ SPEC = ModelSpec(
     },
     materialize=_materialize,
     write_tiny_checkpoint=_write_tiny_checkpoint,
+    write_real_checkpoint=_write_real_checkpoint,
+    roofline_thinker=_roofline_thinker,
     config_dict=_config_dict,
     text_config_keys=("thinker_config", "text_config"),
     vllm_hooks=_vllm_hooks,

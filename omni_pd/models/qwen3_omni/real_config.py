@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ..real_shapes import cut_stacks
 from .tiny_config import tiny_config_dict
 
 # The published stack depths (what `--layers` may cut, never exceed).
@@ -45,23 +46,13 @@ SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 NUM_CODE_GROUPS = 16
 
 
-def max_layers() -> int:
-    """The most layers `--layers` may ask for: the deepest stack's (the thinker's 48)."""
-    return max(REAL_LAYERS.values())
-
-
 def stack_layers(layers: int) -> dict[str, int]:
-    """Each stack's layers when cut to `layers`."""
-    return {stack: min(layers, published) for stack, published in REAL_LAYERS.items()}
+    """Each stack's layers when cut to `layers` (1 up to the thinker's 48); ValueError otherwise."""
+    return cut_stacks(REAL_LAYERS, layers)
 
 
 def real_config_dict(layers: int) -> dict[str, Any]:
     """The real model's config with every transformer stack cut to `layers` layers."""
-    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= max_layers():
-        raise ValueError(
-            f"--layers must be a whole number from 1 to {max_layers()} (the published thinker's "
-            f"layers; each stack is cut to it), not {layers!r}"
-        )
     cut = stack_layers(layers)
     config = copy.deepcopy(tiny_config_dict())
     thinker = config["thinker_config"]

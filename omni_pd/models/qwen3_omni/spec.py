@@ -35,6 +35,25 @@ def _config_dict(model: str) -> dict[str, Any]:
     return tiny_config_dict()
 
 
+def _roofline_thinker(checkpoint: str, dtype: Any, device: Any, kernels: str) -> Any:
+    from .factory import load_stage, load_tokenizer, resolve_model
+    from .hf.build import thinker_model
+    from .hf.thinker_runner import ThinkerRunner, ThinkerState
+
+    parts, _ = load_stage(checkpoint, "thinker", dtype=dtype)
+    if device.type != "cpu":
+        parts = parts.to(device)
+    return ThinkerRunner(
+        thinker_model(parts, load_tokenizer(resolve_model(checkpoint))), kernels
+    ), ThinkerState
+
+
+def _write_real_checkpoint(directory: str, layers: int, seed: int, max_shard_size: int) -> Any:
+    from .real_checkpoint import save_real_model
+
+    return save_real_model(directory, layers, seed=seed, max_shard_size=max_shard_size)
+
+
 def _vllm_hooks(model: str) -> Any:
     from .factory import load_config, resolve_model
     from .vllm.hooks import Qwen3OmniThinkerHooks
@@ -89,6 +108,8 @@ SPEC = ModelSpec(
         f"{_VLLM_OMNI}.talker2code2wav_full_payload": f"{_OURS}.talker2code2wav",
     },
     materialize=_materialize,
+    write_real_checkpoint=_write_real_checkpoint,
+    roofline_thinker=_roofline_thinker,
     config_dict=_config_dict,
     text_config_keys=("thinker_config", "text_config"),
     vllm_hooks=_vllm_hooks,
