@@ -2,8 +2,9 @@
 hardware's limit, measured in the same run.
 
 For a checkpoint at Qwen3-Omni-30B-A3B's shapes (`omni-pd make-tiny-model DIR --size real
---layers N`), on the device asked for, in the dtype asked for, it times the steps the engines
-run, through the same runners the engines call:
+--layers N`), or Qwen2.5-Omni-7B's (`--model qwen2_5_omni`; its speech rows: roofline_qwen2_5.py), on the
+device asked for, in the dtype asked for, it times the steps the engines run, through the same
+runners the engines call:
   thinker_prefill  one batched prefill of `batch` prompts of `tokens` tokens
   thinker_decode   one decode step of `batch` requests with `context` tokens cached each
   talker_step      one talker step of `batch` requests: the code predictor's 15 codebooks, then
@@ -38,9 +39,12 @@ from ..engines.hf import batch_invariant as bi
 from ..engines.core.ar_engine import decode_attention, prefill_attention
 from ..engines.core.paged_cache import PagedKVCache
 from ..sampling import SamplingParams
+from . import roofline_qwen2_5
 from .report import run_metadata, write_json
 
 STAGES = ("thinker_prefill", "thinker_decode", "talker_step", "code2wav_chunk")
+SPEECH_STAGES = ("talker_step", "code2wav_chunk")
+SPEECH_MODELS = ("qwen3_omni", "qwen2_5_omni")  # the models whose talker and code2wav rows it measures
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BLOCK = 16
 FRAME_S = 0.08  # one codec frame: 80 ms of speech at 12.5 Hz
@@ -213,6 +217,15 @@ class Bench:
         self.peak = gemm_peak(self.device, dtype)
         self.rows: list[Row] = []
 
+    def _thinker_runner(self) -> tuple[Any, Callable[[], Any]]:
+        """The checkpoint's model's thinker runner (registry: `roofline_thinker`), on the device."""
+        from .. import registry
+
+        spec = registry.spec_for(self.checkpoint)
+        if spec.roofline_thinker is None:
+            raise SystemExit(f"error: bench roofline has no thinker rows for {spec.name} checkpoints")
+        return spec.roofline_thinker(self.checkpoint, self.dtype, self.device, self.kernels)
+
     def _load(self, stage: str):
         from ..models.qwen3_omni.factory import load_stage
 
@@ -243,20 +256,13 @@ class Bench:
         return PagedKVCache(layout, batch * -(-positions // BLOCK) + 1, device=str(self.device))
 
     def thinker(self, prefill: list[tuple[int, int]], decode: list[tuple[int, int]]) -> None:
-        from ..models.qwen3_omni.factory import load_tokenizer, resolve_model
-        from ..models.qwen3_omni.hf.build import thinker_model
-        from ..models.qwen3_omni.hf.thinker_runner import ThinkerState, ThinkerRunner, thinker_layout
-
-        parts = self._load("thinker")
-        runner = ThinkerRunner(
-            thinker_model(parts, load_tokenizer(resolve_model(self.checkpoint))), self.kernels
-        )
+        runner, new_state = self._thinker_runner()
         text = runner.thinker.model
         layers = len(text.layers)
-        fixed, per_expert = _moe_split(text)
+        fixed, per_expert = _moe_split(text)  # a dense thinker: all of it fixed, no experts
         head = _param_bytes(runner.thinker.lm_head)
         embed = _param_bytes(text.embed_tokens)
-        layout = thinker_layout(runner.thinker, BLOCK)
+        layout = runner.kv_layout(BLOCK)
         vocab = runner.thinker.config.text_config.vocab_size
 
         def requests(batch: int, length: int, cache: PagedKVCache) -> list[EngineRequest]:
@@ -264,7 +270,7 @@ class Bench:
             for b in range(batch):
                 ids = [(b * 7919 + i * 31) % 256 for i in range(length)]
                 r = EngineRequest(
-                    f"r{b}", None, SamplingParams(temperature=0), length, ids, model=ThinkerState()
+                    f"r{b}", None, SamplingParams(temperature=0), length, ids, model=new_state()
                 )
                 r.blocks = cache.allocate(length + 1)
                 out.append(r)
@@ -365,8 +371,13 @@ class Bench:
         parts = self._load("code2wav")
         module = parts.require("code2wav")
         quantizers = parts.config.code2wav_config.num_quantizers
+        codebook = parts.config.code2wav_config.codebook_size  # the real model's 2048
         codes = torch.randint(
-            0, 2048, (quantizers, 4 * CHUNK_FRAMES), generator=torch.Generator().manual_seed(0), device="cpu"
+            0,
+            codebook,
+            (quantizers, 4 * CHUNK_FRAMES),
+            generator=torch.Generator().manual_seed(0),
+            device="cpu",
         ).to(self.device)
         torch_runner = Code2WavRunner(module, quantizers, "torch")
         with self._default_device():
@@ -413,14 +424,15 @@ class _Prompt:
     prompt_token_ids: list[int]
 
 
-def real_time(rows: list[Row]) -> dict[str, Any]:
-    """The speech path per stream: talker step + code2wav's share of a chunk per 80 ms frame."""
+def real_time(rows: list[Row], frame_s: float = FRAME_S) -> dict[str, Any]:
+    """The speech path per stream: talker step + code2wav's share of a chunk (of `tokens`
+    frames) per frame of `frame_s` seconds of speech (Qwen3-Omni's: 80 ms)."""
     chunks = [r for r in rows if r.stage.startswith("code2wav_chunk")]
     chunk = min(chunks, key=lambda r: r.step_ms) if chunks else None  # the faster kernels
     talker = [r for r in rows if r.stage == "talker_step"]
     if chunk is None or not talker:
         return {}
-    per_frame_c2w = chunk.step_ms / CHUNK_FRAMES
+    per_frame_c2w = chunk.step_ms / chunk.tokens
     out: dict[str, Any] = {"code2wav_ms_per_frame": per_frame_c2w, "by_batch": []}
     for r in talker:
         # One talker step makes a frame for each of `batch` streams; code2wav decodes each.
@@ -429,8 +441,8 @@ def real_time(rows: list[Row]) -> dict[str, Any]:
             {
                 "batch": r.batch,
                 "ms_per_frame": frame_ms,
-                "rtf": frame_ms / (FRAME_S * 1e3),
-                "real_time": frame_ms <= FRAME_S * 1e3,
+                "rtf": frame_ms / (frame_s * 1e3),
+                "real_time": frame_ms <= frame_s * 1e3,
             }
         )
     keeping = [b["batch"] for b in out["by_batch"] if b["real_time"]]
@@ -451,6 +463,20 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown stage(s) {unknown}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    from .. import registry
+
+    model = registry.spec_for(args.checkpoint).name
+    speech = [s for s in stages if s in SPEECH_STAGES]
+    if speech and model not in SPEECH_MODELS:
+        # The talker's and code2wav's rows are written around each model's runners.
+        print(
+            f"{', '.join(speech)}: measured on {', '.join(SPEECH_MODELS)} checkpoints only; this is a "
+            f"{model} checkpoint, so its rows are the thinker's",
+            file=sys.stderr,
+        )
+        stages = [s for s in stages if s not in SPEECH_STAGES]
+        if not stages:
+            return 2
     batches = [1, 16] if args.quick else _ints(args.batches)
     tokens = [512] if args.quick else _ints(args.prefill_tokens)
     prefill_batches = [1] if args.quick else _ints(args.prefill_batches)
@@ -468,11 +494,17 @@ def run(args: argparse.Namespace) -> int:
                 [(b, t) for t in tokens for b in prefill_batches] if "thinker_prefill" in stages else [],
                 [(b, c) for c in contexts for b in batches] if "thinker_decode" in stages else [],
             )
-        if "talker_step" in stages:
-            bench.talker(batches, 256)
-        if "code2wav_chunk" in stages:
-            bench.code2wav()
-    rt = real_time(bench.rows)
+        if model == "qwen2_5_omni":
+            if "talker_step" in stages:
+                roofline_qwen2_5.talker(bench, batches, 256)
+            if "code2wav_chunk" in stages:
+                roofline_qwen2_5.token2wav(bench)
+        else:
+            if "talker_step" in stages:
+                bench.talker(batches, 256)
+            if "code2wav_chunk" in stages:
+                bench.code2wav()
+    rt = real_time(bench.rows, roofline_qwen2_5.CODE_S if model == "qwen2_5_omni" else FRAME_S)
     if rt:
         print(
             f"speech: code2wav {rt['code2wav_ms_per_frame']:.2f} ms per frame; streams in real time: "
