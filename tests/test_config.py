@@ -130,6 +130,21 @@ def test_real_model_config_loads() -> None:
     assert cfg.stage(1).default_sampling_params.stop_token_ids == (2150,)
 
 
+@pytest.mark.parametrize("name", ["qwen2_5_omni.yaml", "qwen2_5_omni_pd_separation.yaml"])
+def test_qwen2_5_omni_real_model_configs_load(name: str) -> None:
+    """The shipped Qwen2.5-Omni-7B files: bf16 hf stages, the talker stopping at the published
+    codec end id (the real-shape config's), the thinker split where the name says so."""
+    from omni_pd.models.qwen2_5_omni.real_config import CODEC_IDS
+
+    cfg = load_pipeline_config(REPO / "stage_configs" / name, check_imports=False)
+    stages = [s.model_stage for s in cfg.stages]
+    assert stages == (["thinker"] * ("pd" in name) + ["thinker", "talker", "code2wav"])
+    assert {s.engine_args.dtype for s in cfg.stages} == {"bfloat16"}
+    talker = next(s for s in cfg.stages if s.model_stage == "talker")
+    assert talker.default_sampling_params.stop_token_ids == (CODEC_IDS["tts_codec_end_token_id"],)
+    assert cfg.stage(0).is_prefill_only == ("pd" in name)
+
+
 def test_vllm_omni_style_pd_file_loads_with_its_processor_names_resolved() -> None:
     # Uses every key vllm-omni's Qwen3-Omni stage files use (P/D, connectors, async chunk).
     path = FIXTURES / "vllm_omni_style_pd.yaml"
