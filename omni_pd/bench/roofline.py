@@ -496,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if model == "qwen2_5_omni":
             if "talker_step" in stages:
-                roofline_qwen2_5.talker(bench, batches, 256)
+                roofline_qwen2_5.talker(bench, batches, 256, BLOCK)
             if "code2wav_chunk" in stages:
                 roofline_qwen2_5.token2wav(bench)
         else:

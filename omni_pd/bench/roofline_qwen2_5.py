@@ -37,7 +37,8 @@ def _load(bench: Any, stage: str):
     return parts, load_speakers(resolve_model(bench.checkpoint))
 
 
-def talker(bench: Any, batches: list[int], context: int) -> None:
+def talker(bench: Any, batches: list[int], context: int, block: int) -> None:
+    """One row per batch; `block`: the KV block size of the bench's caches."""
     from ..models.qwen2_5_omni.hf.talker_runner import TalkerRunner, TalkerState, Voices
 
     parts, speakers = _load(bench, "talker")
@@ -45,7 +46,7 @@ def talker(bench: Any, batches: list[int], context: int) -> None:
     runner = TalkerRunner(
         module, parts.require("thinker_embedding").to(bench.device), Voices(speakers), bench.kernels
     )
-    layout = runner.kv_layout(16)
+    layout = runner.kv_layout(block)
     width = runner.config.embedding_size
     codebook = runner.config.tts_codec_pad_token_id  # the codes below the control ids
     embedding = module.model.embed_tokens

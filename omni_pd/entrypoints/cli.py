@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from ..models.qwen3_omni.tiny_config import TINY_MODEL_NAME
 from .openai.protocol import DEFAULT_MAX_REQUEST_BYTES
@@ -515,17 +515,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _make_other_tiny_model(args: argparse.Namespace) -> int:
-    """Another registered model's embedded tiny checkpoint (its package writes it)."""
+def _registered_writer(model: str, attribute: str, what: str, also: str = "") -> Callable[..., Any] | None:
+    """The registered model's checkpoint writer (its spec's `attribute`), or None after saying
+    which models have one."""
     from .. import registry
 
-    spec = registry.specs().get(args.model)
-    writers = sorted(name for name, s in registry.specs().items() if s.write_tiny_checkpoint)
-    if spec is None or spec.write_tiny_checkpoint is None:
+    specs = registry.specs()
+    writer = getattr(specs[model], attribute) if model in specs else None
+    if writer is None:
+        writers = sorted(name for name, spec in specs.items() if getattr(spec, attribute))
         print(
-            f"error: --model {args.model!r} has no tiny checkpoint to write; choose qwen3_omni or one of {writers}",
+            f"error: --model {model!r} has no {what} checkpoint to write; choose {also}one of {writers}",
             file=sys.stderr,
         )
+    return writer
+
+
+def _make_other_tiny_model(args: argparse.Namespace) -> int:
+    """Another registered model's embedded tiny checkpoint (its package writes it)."""
+    write = _registered_writer(args.model, "write_tiny_checkpoint", "tiny", also="qwen3_omni or ")
+    if write is None:
         return 2
     if args.size != "tiny" or args.layers is not None or args.max_shard_size is not None:
         print(
@@ -535,7 +544,7 @@ def _make_other_tiny_model(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    out = spec.write_tiny_checkpoint(args.directory, args.seed)
+    out = write(args.directory, args.seed)
     print(f"wrote the tiny {args.model} checkpoint (config, tokenizer, safetensors and voices) to {out}")
     return 0
 
@@ -543,15 +552,8 @@ def _make_other_tiny_model(args: argparse.Namespace) -> int:
 def _make_real_model(args: argparse.Namespace) -> int:
     """A random checkpoint at a registered model's published shapes, its stacks cut to --layers
     (the model's package writes it)."""
-    from .. import registry
-
-    spec = registry.specs().get(args.model)
-    writers = sorted(name for name, s in registry.specs().items() if s.write_real_checkpoint)
-    if spec is None or spec.write_real_checkpoint is None:
-        print(
-            f"error: --model {args.model!r} has no real-shape checkpoint to write; choose one of {writers}",
-            file=sys.stderr,
-        )
+    write = _registered_writer(args.model, "write_real_checkpoint", "real-shape")
+    if write is None:
         return 2
     if args.layers is None:
         print(
@@ -560,7 +562,7 @@ def _make_real_model(args: argparse.Namespace) -> int:
         return 2
     try:
         shard = _parse_size(args.max_shard_size) if args.max_shard_size else 4 * 2**30
-        spec.write_real_checkpoint(args.directory, args.layers, args.seed, shard)
+        write(args.directory, args.layers, args.seed, shard)
     except (ValueError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

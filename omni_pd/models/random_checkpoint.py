@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import save_file
 from transformers.initialization import no_init_weights
 
+from .checkpoint import INDEX_FILE
+
 GiB = 2**30
-INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class WritePlan:
     layers: dict[str, int]
     parts: list[PartPlan]
     # stage -> (the part it loads, parameters it loads besides: e.g. the thinker's embedding)
-    stages: dict[str, tuple[str, int]] = field(default_factory=dict)
+    stages: dict[str, tuple[str, int]]
 
     @property
     def disk_bytes(self) -> int:
@@ -85,7 +86,7 @@ class WritePlan:
         return "\n".join(lines)
 
 
-def count_parameters(config: Any, parts: Iterable[Part]) -> dict[str, torch.nn.Module]:
+def meta_parts(config: Any, parts: Iterable[Part]) -> dict[str, torch.nn.Module]:
     """Each part built on the meta device (no memory): what `plan` counts."""
     out = {}
     for part in parts:
@@ -112,7 +113,7 @@ def plan(
     """What a checkpoint of `parts` holds and needs (no memory used). Each stage loads its part
     (`stage_parts`); with `embedding_from` (stage, part) that stage also loads the part's token
     embedding (an omni talker reads the thinker's)."""
-    modules = count_parameters(config, parts)
+    modules = meta_parts(config, parts)
     stages = {stage: (part, 0) for stage, part in stage_parts.items()}
     if embedding_from is not None:
         stage, part = embedding_from
@@ -236,7 +237,7 @@ def write_shards(
         final = f"model-{index:05d}-of-{total:05d}.safetensors"
         (out / name).rename(out / final)
         weight_map.update({key: final for key in keys})
-    (out / INDEX).write_text(
+    (out / INDEX_FILE).write_text(
         json.dumps(
             {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
             indent=2,

@@ -36,14 +36,13 @@ def _write_tiny_checkpoint(directory: str, seed: int) -> Any:
 
 
 def _roofline_thinker(checkpoint: str, dtype: Any, device: Any, kernels: str) -> Any:
-    from .factory import load_stage, load_tokenizer, resolve_model
-    from .hf.thinker_runner import ThinkerRunner, ThinkerState
-    from .pipeline import thinker_eos_ids
+    from .factory import load_stage, resolve_model
+    from .hf.build import thinker_runner
+    from .hf.thinker_runner import ThinkerState
 
     parts, _ = load_stage(checkpoint, "thinker", dtype=dtype)
     thinker = parts.require("thinker").to(device)
-    tokenizer = load_tokenizer(resolve_model(checkpoint))
-    return ThinkerRunner(thinker, tokenizer, thinker_eos_ids(tokenizer), kernels), ThinkerState
+    return thinker_runner(thinker, resolve_model(checkpoint), kernels), ThinkerState
 
 
 def _write_real_checkpoint(directory: str, layers: int, seed: int, max_shard_size: int) -> Any:

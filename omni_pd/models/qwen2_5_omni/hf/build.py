@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from omni_pd.engines.base import StageEngine
 from omni_pd.engines.core.runner import ArRunner, ChunkRunner
 from omni_pd.engines.hf.builder import HfStage, build_hf_engine as build_engine
 
 from ...lean_load import log_reports
-from ..factory import load_speakers, load_stage, load_tokenizer, resolve_model
+from ..factory import ModelSource, load_speakers, load_stage, load_tokenizer, resolve_model
 from ..pipeline import thinker_eos_ids
 from ..tiny_config import DEFAULT_VOICE
 from .talker_runner import TalkerRunner, Voices
@@ -50,9 +52,7 @@ def make_runner(stage: HfStage) -> ArRunner | ChunkRunner:
     log_reports(stage.config.stage_id, reports)
     source = resolve_model(stage.model)
     if args.model_stage == "thinker":
-        tokenizer = load_tokenizer(source)
-        thinker = stage.place(parts.require("thinker"))
-        return ThinkerRunner(thinker, tokenizer, thinker_eos_ids(tokenizer), stage.attention_kernels)
+        return thinker_runner(stage.place(parts.require("thinker")), source, stage.attention_kernels)
     speakers = load_speakers(source, seed)
     if args.model_stage == "talker":
         talker = stage.place(parts.require("talker"))
@@ -60,3 +60,10 @@ def make_runner(stage: HfStage) -> ArRunner | ChunkRunner:
         return TalkerRunner(talker, embedding, Voices(speakers), stage.attention_kernels)
     token2wav = Token2Wav(parts.require("token2wav").float(), seed=seed, num_steps=args.token2wav_num_steps)
     return Token2WavRunner(token2wav, speakers, DEFAULT_VOICE)
+
+
+def thinker_runner(thinker: torch.nn.Module, source: ModelSource, kernels: str) -> ThinkerRunner:
+    """The thinker's runner, with the checkpoint's tokenizer and its EOS ids (also what
+    `bench roofline` times)."""
+    tokenizer = load_tokenizer(source)
+    return ThinkerRunner(thinker, tokenizer, thinker_eos_ids(tokenizer), kernels)
